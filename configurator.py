@@ -1,0 +1,176 @@
+"""
+The one config mechanism of podgpt's scripts.
+
+Each script (train.py, prepare.py, sample.py, sanity.py) declares its defaults as
+plain module-level assignments between two marker lines:
+
+    # --- config
+    out_dir = "out"        # where everything is written
+    max_steps = 1000       # optimizer steps
+    # --- end config
+
+and calls `config = configurator.configure(__file__, sys.argv[1:])`. Arguments are
+then applied left to right:
+
+    python train.py config/a100_50m.py --max_steps=500 --compile=False
+
+- a config file is Python executed against the current values; it may set keys of
+  any podgpt script (one file describes a whole run: data, model, training), keys
+  that belong to another script are ignored here, a key no script knows is an error;
+- `--key=val` must be a key of this script; val is parsed with ast.literal_eval
+  (falling back to the raw string) and checked against the default's type: an int
+  is accepted for a float, true/false for a bool, anything for a None default;
+  `--flag` alone means `--flag=True` for a boolean key;
+- `--help` lists every key with its default and comment.
+
+Any mistake gives one line naming the problem and the fix, and exit status 2.
+"""
+
+import ast
+import difflib
+import io
+import os
+import sys
+import tokenize
+
+BEGIN, END = "# --- config", "# --- end config"
+SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py")
+
+
+class ConfigError(Exception):
+    pass
+
+
+def read_defaults(path):
+    """{key: (default, comment)} for the assignments inside the config block of `path`."""
+    with open(path, encoding="utf-8") as f:
+        source = f.read()
+    lines = source.splitlines()
+    try:
+        begin = next(i for i, l in enumerate(lines) if l.startswith(BEGIN)) + 1
+        end = next(i for i, l in enumerate(lines) if l.startswith(END)) + 1
+    except StopIteration:
+        raise ConfigError(f"{path} has no '{BEGIN}' ... '{END}' block")
+    comments = {t.start[0]: t.string.lstrip("# ").rstrip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                if t.type == tokenize.COMMENT}
+    defaults = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and begin < node.lineno < end:
+            for target in node.targets:
+                defaults[target.id] = (ast.literal_eval(node.value), comments.get(node.lineno, ""))
+    return defaults
+
+
+def coerce(key, value, default):
+    """`value` converted to the type of `default`, or ConfigError."""
+    if default is None or value is None:
+        return value
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():  # 2e4 for max_steps
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif isinstance(value, kind):
+        return value
+    raise ConfigError(f"{key} expects {kind.__name__} (default {default!r}), got {value!r}")
+
+
+def suggest(key, known):
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def foreign_keys(script_path):
+    """Keys of the other podgpt scripts beside this one: a config file may set them."""
+    here = os.path.dirname(os.path.abspath(script_path))
+    keys = set()
+    for name in SCRIPTS:
+        path = os.path.join(here, name)
+        if os.path.exists(path) and os.path.abspath(path) != os.path.abspath(script_path):
+            keys |= set(read_defaults(path))
+    return keys
+
+
+def apply_file(path, config, defaults, foreign):
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file '{path}' not found (give a path such as config/tiny.py)")
+    scope = dict(config)
+    try:
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), {}, scope)
+    except Exception as e:
+        raise ConfigError(f"{path} failed to run: {type(e).__name__}: {e}")
+    for key, value in scope.items():
+        if key.startswith("_") or type(value).__name__ in ("module", "function", "type"):
+            continue
+        if key in defaults:
+            config[key] = coerce(key, value, defaults[key][0])
+        elif key not in foreign:
+            raise ConfigError(f"{path} sets unknown key '{key}'{suggest(key, list(defaults) + sorted(foreign))}")
+
+
+def apply_arg(arg, config, defaults):
+    key, eq, text = arg[2:].partition("=")
+    if key not in defaults:
+        raise ConfigError(f"unknown key '{key}'{suggest(key, list(defaults))}; see --help")
+    default = defaults[key][0]
+    if not eq:
+        if isinstance(default, bool):
+            config[key] = True
+            return
+        raise ConfigError(f"{arg} has no value: write --{key}=VALUE")
+    if isinstance(default, str):
+        config[key] = text  # strings are taken verbatim: --prompt=1+1 stays "1+1"
+        return
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        if default is not None and not isinstance(default, bool):
+            raise ConfigError(f"malformed value for {key}: {text!r} (expected {type(default).__name__})")
+        value = text
+    config[key] = coerce(key, value, default)
+
+
+def help_text(prog, defaults):
+    width = max(len(k) for k in defaults)
+    rows = [f"usage: {prog} [config/x.py ...] [--key=value ...]", "", "keys (default  # comment):"]
+    rows += [f"  --{k:<{width}} = {d!r:<16} # {c}" for k, (d, c) in defaults.items()]
+    return "\n".join(rows)
+
+
+def parse(script_path, argv):
+    """The resolved config dict; ConfigError on any mistake, SystemExit(0) after --help."""
+    defaults = read_defaults(script_path)
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(os.path.basename(script_path), defaults))
+        raise SystemExit(0)
+    config = {k: d for k, (d, _) in defaults.items()}
+    foreign = None
+    for arg in argv:
+        if arg.startswith("--"):
+            apply_arg(arg, config, defaults)
+        elif arg.startswith("-"):
+            raise ConfigError(f"cannot read argument {arg!r}: use --key=value or a config file path")
+        else:
+            foreign = foreign_keys(script_path) if foreign is None else foreign
+            apply_file(arg, config, defaults, foreign)
+    return config
+
+
+def configure(script_path, argv):
+    """parse(), but a mistake prints one line and exits with status 2."""
+    try:
+        return parse(script_path, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2)
