@@ -1,0 +1,768 @@
+"""
+Prepare training data: text sources -> tokenizer -> token shards + manifest.json.
+
+    python prepare.py                                   # the local Python stdlib, byte tokenizer
+    python prepare.py --source=tinyshakespeare --tokenizer=char --data_dir=data/shakespeare
+    python prepare.py --source=fineweb-edu-10bt --max_shards=2 --tokenizer=gpt2 --data_dir=data/fwe
+    python prepare.py --source=corpus/,more.jsonl --tokenizer=bpe:8192 --data_dir=data/mine
+
+Sources (comma-separated ones are concatenated in order):
+- stdlib: the .py files of this Python's standard library, one document per file;
+- a file or folder (walked recursively, sorted by relative path): .txt/.md/.py one
+  document per file (or per paragraph with split_paragraphs: one big text file), .jsonl
+  one per line (field `text_field`), .parquet one per row (column `text_field`);
+- an http(s) URL: downloaded into download_dir (resumable, retried), then read as a file;
+- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix (HF_ENDPOINT picks a mirror).
+
+Tokenizers: byte (256 bytes), char (the corpus' characters), gpt2 (tiktoken; offline, set
+PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken ranks file), bpe:N (trained here on the training
+documents with rustbpe, run with tiktoken). BOS is always
+the last id (bos_id = vocab_size - 1) and every document is stored as [BOS] + tokens.
+
+Output in data_dir, built in data_dir.tmp and swapped into place when complete:
+- tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): load_tokenizer()
+- {train,val}_{i:06d}.bin: header of 128 little-endian int64
+  [MAGIC, VERSION, token itemsize (2 or 4), n_tokens, vocab_size, n_docs, bos_id, 0...]
+  (1024 bytes), then n_tokens little-endian uint16 (vocab_size <= 65536) or uint32;
+  documents are never split across shards. open_shard() memory-maps one.
+- {train,val}_{i:06d}.docs.npy: int64 start offset of each document in its shard.
+- train_counts.npy: int64[vocab_size] unigram counts of the train split, BOS included.
+- manifest.json: tokenizer, counts per split, shards with sha256, source, the arguments
+  that determine the output, and a fingerprint of it all. load_manifest() reads it.
+Validation is whole documents picked by a hash of their text, so the output is the same
+for any number of workers, and duplicate documents always land in the same split.
+"""
+
+import base64
+import collections
+import difflib
+import hashlib
+import json
+import multiprocessing
+import os
+import platform
+import re
+import shutil
+import sys
+import sysconfig
+import time
+import urllib.parse
+
+import numpy as np
+
+import configurator
+
+# --- config
+source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
+data_dir = "data"  # output folder: shards, manifest, tokenizer files
+tokenizer = "byte"  # gpt2 | byte | char | bpe:N
+text_field = "text"  # field of .jsonl lines / column of .parquet files
+val_fraction = 0.005  # fraction of documents held out for validation (whole documents)
+max_docs = 0  # stop after this many documents (0: all)
+max_shards = 0  # for presets: download only the first N files (0: all)
+min_chars = 0  # drop documents shorter than this many characters
+split_paragraphs = False  # .txt/.md/.py: one document per blank-line separated paragraph, not per file
+shard_tokens = 100_000_000  # target tokens per shard file
+workers = 0  # tokenizer processes (0: all cores)
+download_dir = "data/downloads"  # cache for downloaded files
+sha256 = ""  # expected sha256 of a single-URL source (checked after download)
+bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
+force = False  # rebuild even if data_dir already holds this exact result
+# --- end config
+
+# the config keys that determine the output (data_dir, download_dir, workers, force do not)
+OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "max_docs", "max_shards", "min_chars",
+               "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
+
+MAGIC = 20240520  # first int64 of every shard
+VERSION = 1  # shard and manifest format version
+HEADER_INTS = 128
+HEADER_BYTES = HEADER_INTS * 8
+
+TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
+SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
+BATCH_CHARS = 1 << 20  # characters of text sent to a tokenizer process at once
+
+RETRIES = 5  # download attempts per file
+BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
+TIMEOUT = (10, 60)  # download connect and read timeouts, seconds
+
+TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+# Hugging Face dataset presets: (repo, files). The file lists follow the datasets' layouts:
+# fineweb-edu's sample/10BT is 14 parquet files 000_00000 ... 013_00000 (the repo tree; also
+# pinned in several public download scripts); climbmix-400b-shuffle is shard_00000 ...
+# shard_06542.parquet (MAX_SHARD = 6542 in karpathy/autoresearch's prepare.py).
+HF_PRESETS = {
+    "fineweb-edu-10bt": ("HuggingFaceFW/fineweb-edu", [f"sample/10BT/{i:03d}_00000.parquet" for i in range(14)]),
+    "climbmix": ("karpathy/climbmix-400b-shuffle", [f"shard_{i:05d}.parquet" for i in range(6543)]),
+}
+PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
+
+GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
+
+
+class PrepareError(Exception):
+    """A problem with the input or the arguments: printed as one 'error: ...' line."""
+
+
+# -----------------------------------------------------------------------------
+# Shard files: the format train.py reads
+
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def docs_file(shard_file):
+    """The document index beside a shard: train_000000.bin -> train_000000.docs.npy."""
+    return shard_file[: -len(".bin")] + ".docs.npy"
+
+
+def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
+    """Write a shard (and its .docs.npy index beside it), each atomically; returns the .bin's sha256."""
+    if not path.endswith(".bin"):
+        raise ValueError(f"{path}: shard files end in .bin")
+    tokens, doc_starts = np.asarray(tokens), np.asarray(doc_starts, dtype=np.int64)
+    whole_docs = (len(tokens) > 0 and len(doc_starts) > 0 and doc_starts[0] == 0 and doc_starts[-1] < len(tokens)
+                  and np.all(np.diff(doc_starts) > 0) and np.all(tokens[doc_starts] == bos_id))
+    if not whole_docs:
+        raise ValueError(f"{path}: a shard holds whole documents, each starting with bos_id={bos_id}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
+    tokens = tokens.astype(token_dtype(vocab_size), copy=False)
+    header = np.zeros(HEADER_INTS, dtype="<i8")
+    header[:7] = [MAGIC, VERSION, tokens.itemsize, len(tokens), vocab_size, len(doc_starts), bos_id]
+    digest = hashlib.sha256()
+    with open(path + ".tmp", "wb") as f:
+        for block in (header, np.ascontiguousarray(tokens)):
+            f.write(block)
+            digest.update(block)
+    os.replace(path + ".tmp", path)
+    with open(path + ".docs.tmp", "wb") as f:
+        np.save(f, doc_starts)
+    os.replace(path + ".docs.tmp", docs_file(path))
+    return digest.hexdigest()
+
+
+def read_header(path):
+    """The validated header of a shard as a dict; ValueError saying what is wrong otherwise."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated shard ({size} bytes, shorter than its {HEADER_BYTES}-byte header)")
+    header = np.fromfile(path, dtype="<i8", count=HEADER_INTS)
+    magic, version, itemsize, n_tokens, vocab_size, n_docs, bos_id = (int(x) for x in header[:7])
+    if magic != MAGIC:
+        raise ValueError(f"{path}: not a podgpt shard (bad magic {magic}, expected {MAGIC})")
+    if version != VERSION:
+        raise ValueError(f"{path}: unsupported shard version {version} (this code reads {VERSION}): "
+                         "rebuild it with this prepare.py --force")
+    if itemsize != token_dtype(vocab_size).itemsize:
+        raise ValueError(f"{path}: token itemsize {itemsize} does not fit vocab_size {vocab_size}")
+    if size != HEADER_BYTES + n_tokens * itemsize:
+        raise ValueError(f"{path}: {size} bytes, but its header promises {HEADER_BYTES + n_tokens * itemsize} "
+                         "(truncated or corrupt): rebuild with prepare.py --force")
+    return {"version": version, "dtype": token_dtype(vocab_size), "n_tokens": n_tokens,
+            "vocab_size": vocab_size, "n_docs": n_docs, "bos_id": bos_id}
+
+
+def open_shard(path):
+    """The tokens of a shard, memory-mapped read-only, after checking its header."""
+    header = read_header(path)
+    return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+
+
+def load_manifest(data_dir):
+    """manifest.json of a prepared data_dir; ValueError with the fix when missing or unreadable."""
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no manifest.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}): rerun python prepare.py --data_dir={data_dir} --force")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != VERSION:
+        raise ValueError(f"{path} has format_version {version}, this code reads {VERSION}: "
+                         f"rerun python prepare.py --data_dir={data_dir} --force")
+    return manifest
+
+
+# -----------------------------------------------------------------------------
+# Tokenizers
+
+
+class Tokenizer:
+    """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index
+    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id = vocab_size - 1."""
+
+    def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None):
+        self.spec, self.kind, self.vocab_size, self.bos_id = spec, kind, vocab_size, bos_id
+        self.chars, self.enc = chars, enc
+        self.char_ids = {c: i for i, c in enumerate(chars or ())}
+
+    def encode(self, text):
+        """Token ids of text, without BOS; text like "<|endoftext|>" is plain text, not a special token."""
+        if self.kind == "byte":
+            return list(text.encode("utf-8"))
+        if self.kind == "char":
+            try:
+                return [self.char_ids[c] for c in text]
+            except KeyError as e:
+                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char tokenizer") from None
+        return self.enc.encode_ordinary(text)
+
+    def decode_bytes(self, ids):
+        """The bytes of ids; BOS decodes to nothing."""
+        ids = np.asarray(ids, dtype=np.int64)
+        ids = ids[ids != self.bos_id].tolist()
+        if self.kind == "byte":
+            return bytes(ids)
+        if self.kind == "char":
+            return "".join(self.chars[i] for i in ids).encode("utf-8")
+        return self.enc.decode_bytes(ids)
+
+    def decode(self, ids):
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def parse_spec(spec):
+    """("byte" | "char" | "gpt2" | "bpe", N) for a tokenizer spec, or PrepareError."""
+    if spec in ("byte", "char", "gpt2"):
+        return spec, None
+    name, _, n = spec.partition(":")
+    if name == "bpe" and n.isdigit() and int(n) > 256:
+        return "bpe", int(n)
+    raise PrepareError(f"unknown tokenizer '{spec}': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)")
+
+
+def read_ranks(path):
+    """{token bytes: rank} from a tiktoken ranks file (lines "base64 rank"). Not tiktoken's
+    load_tiktoken_bpe: it caches files by path, so a rebuilt file at the same path would load stale."""
+    ranks = {}
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+    return ranks
+
+
+def write_ranks(path, ranks):
+    with open(path, "wb") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(base64.b64encode(token) + b" %d\n" % rank)
+
+
+def gpt2_ranks():
+    """GPT-2's BPE ranks, from the file $PODGPT_GPT2_TIKTOKEN names (offline) or through tiktoken."""
+    path = os.environ.get("PODGPT_GPT2_TIKTOKEN")
+    if path:
+        if not os.path.isfile(path):
+            raise PrepareError(f"PODGPT_GPT2_TIKTOKEN={path}: no such file")
+        ranks = read_ranks(path)
+    else:
+        import tiktoken
+        try:
+            enc = tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
+        except Exception as e:  # network errors come in many types
+            raise PrepareError(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
+                               "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
+        ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_RANKS)}
+    if sorted(ranks.values()) != list(range(GPT2_RANKS)):
+        raise PrepareError(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
+    return ranks
+
+
+def bpe_training_texts(docs, val_fraction, max_chars):
+    """The training documents (never validation ones), cut off after max_chars characters."""
+    n = 0
+    for text in docs:
+        if n >= max_chars:
+            return
+        if not is_val(text.encode("utf-8"), val_fraction):
+            text = text[: max_chars - n]
+            n += len(text)
+            yield text
+
+
+def train_tokenizer(spec, docs, val_fraction, bpe_train_chars):
+    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. docs() streams the documents."""
+    kind, n = parse_spec(spec)
+    if kind == "byte":
+        return {"kind": "byte", "vocab_size": 257}, None
+    if kind == "char":
+        chars = set()
+        for text in docs():  # every document, validation too, so that all of them encode
+            chars.update(text)
+        return {"kind": "char", "vocab_size": len(chars) + 1, "chars": sorted(chars)}, None
+    if kind == "gpt2":
+        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as tiktoken has it
+        ranks, pattern, bos = gpt2_ranks(), r50k_pat_str, "<|endoftext|>"
+    else:
+        import rustbpe
+        bpe = rustbpe.Tokenizer()
+        # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
+        # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
+        bpe.train_from_iterator(bpe_training_texts(docs(), val_fraction, bpe_train_chars), n - 1)
+        ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
+        pattern, bos = bpe.get_pattern(), "<|bos|>"
+    meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
+    return meta, ranks
+
+
+def save_tokenizer(out_dir, spec, meta, ranks):
+    """Write tokenizer.json (+ tokenizer.tiktoken); returns the file names."""
+    meta = {"spec": spec, "bos_id": meta["vocab_size"] - 1, **meta}
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+        f.write("\n")
+    if ranks is None:
+        return ["tokenizer.json"]
+    write_ranks(os.path.join(out_dir, "tokenizer.tiktoken"), ranks)
+    return ["tokenizer.json", "tokenizer.tiktoken"]
+
+
+def load_tokenizer(data_dir):
+    """The Tokenizer saved in data_dir (tokenizer.json + tokenizer.tiktoken); never needs the network."""
+    path = os.path.join(data_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no tokenizer.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    enc = None
+    if meta["kind"] == "tiktoken":
+        import tiktoken
+        enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
+                                mergeable_ranks=read_ranks(os.path.join(data_dir, "tokenizer.tiktoken")))
+    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc)
+
+
+# -----------------------------------------------------------------------------
+# Sources -> documents
+
+
+def is_url(location):
+    return location.startswith(("http://", "https://"))
+
+
+def preset_urls(name):
+    if name == "tinyshakespeare":
+        return [TINYSHAKESPEARE_URL]
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    repo, files = HF_PRESETS[name]
+    return [f"{endpoint}/datasets/{repo}/resolve/main/{file}" for file in files]
+
+
+def walk(root, exts, skip_dirs=()):
+    """Files under root ending in exts, sorted by relative path."""
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in skip_dirs]
+        paths += [os.path.join(folder, f) for f in files if f.lower().endswith(exts)]
+    return sorted(paths, key=lambda p: os.path.relpath(p, root))
+
+
+def resolve_sources(spec, max_shards, sha256, split_paragraphs):
+    """[(path or URL, split_paragraphs)] for a source spec, and a description of it."""
+    inputs, parts = [], []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "stdlib":
+            files = walk(sysconfig.get_paths()["stdlib"], (".py",), ("site-packages", "dist-packages"))
+            parts.append(f"stdlib (Python {platform.python_version()}, {len(files)} files)")
+            inputs += [(f, split_paragraphs) for f in files]
+        elif part in PRESETS:
+            urls = preset_urls(part)
+            chosen = urls[:max_shards] if max_shards > 0 else urls
+            parts.append(f"{part} ({len(chosen)} of {len(urls)} files from {os.path.dirname(urls[0])})")
+            # tinyshakespeare is one file: its blank-line separated speeches are the documents
+            inputs += [(url, split_paragraphs or part == "tinyshakespeare") for url in chosen]
+        elif is_url(part):
+            parts.append(part)
+            inputs.append((part, split_paragraphs))
+        elif os.path.isfile(part) or os.path.isdir(part):
+            files = walk(part, SOURCE_EXTS) if os.path.isdir(part) else [part]
+            if not files:
+                raise PrepareError(f"no {'/'.join(SOURCE_EXTS)} files under {part}")
+            parts.append(f"{part} ({len(files)} files)")
+            inputs += [(f, split_paragraphs) for f in files]
+        else:
+            close = difflib.get_close_matches(part, PRESETS, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (presets: {', '.join(PRESETS)})"
+            raise PrepareError(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder{hint}")
+    for location, _ in inputs:  # know before any download or tokenizing that every input can be read
+        if not (urllib.parse.urlsplit(location).path if is_url(location) else location).lower().endswith(SOURCE_EXTS):
+            raise PrepareError(f"{location}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
+    if sha256 and not (len(inputs) == 1 and is_url(inputs[0][0])):
+        raise PrepareError("--sha256 checks a single-URL source; this source has "
+                           f"{len(inputs)} inputs: drop --sha256 or give one URL")
+    return inputs, " + ".join(parts)
+
+
+def read_documents(path, text_field, split_paragraphs):
+    """The documents of one local file, by extension (split_paragraphs: for text files)."""
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".jsonl":
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line_no, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        text = json.loads(line)[text_field]
+                    except (ValueError, KeyError, TypeError):
+                        raise PrepareError(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
+                                           "(set --text_field)") from None
+                    if not isinstance(text, str):
+                        raise PrepareError(f"{path}:{line_no}: field '{text_field}' is not a string (set --text_field)")
+                    # \ud800-style escapes can make lone surrogates, which are not valid UTF-8
+                    yield text.encode("utf-8", errors="replace").decode("utf-8")
+        elif ext == ".parquet":
+            yield from read_parquet(path, text_field)
+        else:  # TEXT_EXTS, as resolve_sources checked
+            with open(path, encoding="utf-8", errors="replace", newline="") as f:  # newline="": keep \r\n
+                text = f.read()
+            if split_paragraphs:  # at lines holding only whitespace; \r\n line ends too
+                yield from (p for p in re.split(r"\r?\n(?:[ \t]*\r?\n)+", text) if p.strip())
+            else:
+                yield text
+    except OSError as e:
+        raise PrepareError(f"cannot read {path}: {e.strerror or e}")
+
+
+def read_parquet(path, text_field):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PrepareError("pyarrow is needed for .parquet sources: pip install pyarrow") from None
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow reports a corrupt file as ArrowInvalid, OSError or others
+        raise PrepareError(f"cannot read {path} as parquet: {e}") from None
+    if text_field not in pf.schema_arrow.names:
+        raise PrepareError(f"{path} has no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}; "
+                           "set --text_field)")
+    for i in range(pf.num_row_groups):  # a row group at a time: shards can be bigger than memory
+        for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
+            if text is None:
+                continue
+            if not isinstance(text, str):
+                raise PrepareError(f"{path}: column '{text_field}' holds {type(text).__name__}, not text")
+            yield text
+
+
+def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256):
+    """All documents of the inputs in order, downloading URLs when reached."""
+    n = 0
+    for location, split_paragraphs in inputs:
+        path = download(location, download_dir, sha256) if is_url(location) else location
+        for text in read_documents(path, text_field, split_paragraphs):
+            if len(text) < min_chars:
+                continue
+            yield text
+            n += 1
+            if n == max_docs:
+                return
+
+
+def is_val(data, val_fraction):
+    """Whether a document (its UTF-8 bytes) is held out: decided by its content alone."""
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return h / 2**64 < val_fraction
+
+
+# -----------------------------------------------------------------------------
+# Downloads
+
+
+def cache_path(url, download_dir):
+    """download_dir/host/path of url: distinct URLs never share a file (HF shards share base names)."""
+    parts = urllib.parse.urlsplit(url)
+    names = [parts.netloc] + parts.path.split("/")
+    return os.path.join(download_dir, *(re.sub(r"[^\w.-]", "_", n) for n in names if n not in ("", ".", "..")))
+
+
+def fetch(url, part):
+    """Download url into the file `part`, continuing a partial one with a Range request."""
+    import requests
+    from tqdm import tqdm
+
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
+        if r.status_code == 416:  # the partial file is not a prefix of this file: start over
+            os.remove(part)
+        r.raise_for_status()
+        if r.status_code != 206:  # the server sent the whole file, not the rest
+            have = 0
+        total = int(r.headers.get("Content-Length", 0)) + have or None
+        with open(part, "ab" if have else "wb") as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
+                                                             desc=os.path.basename(part)[: -len(".part")]) as bar:
+            for chunk in r.iter_content(chunk_size=1 << 20):
+                f.write(chunk)
+                bar.update(len(chunk))
+
+
+def download(url, download_dir, sha256=""):
+    """The local copy of url in download_dir: reused if complete, else fetched with retries."""
+    import requests
+
+    path = cache_path(url, download_dir)
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for attempt in range(1, RETRIES + 1):
+            try:
+                fetch(url, path + ".part")
+                break
+            except requests.RequestException as e:
+                status = e.response.status_code if e.response is not None else None
+                reason = f"HTTP {status}" if status else type(e).__name__
+                if status is not None and status < 500 and status not in (408, 416, 429):
+                    raise PrepareError(f"cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks "
+                                       "the Hugging Face mirror)") from None
+                if attempt == RETRIES:
+                    raise PrepareError(f"cannot download {url} after {RETRIES} attempts ({reason}): check the "
+                                       "network and rerun, it resumes") from None
+                wait = BACKOFF * 2 ** (attempt - 1)
+                print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s",
+                      file=sys.stderr)
+                time.sleep(wait)
+        os.replace(path + ".part", path)
+    if sha256:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+                digest.update(block)
+        actual = digest.hexdigest()
+        if actual != sha256.lower():
+            os.remove(path)
+            raise PrepareError(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): "
+                               "check --sha256 or the URL")
+    return path
+
+
+# -----------------------------------------------------------------------------
+# Tokenizing in worker processes, writing shards
+
+worker_tok = worker_val_fraction = None  # set in each worker process by init_worker
+
+
+def init_worker(tok_dir, val_fraction):
+    global worker_tok, worker_val_fraction
+    worker_tok, worker_val_fraction = load_tokenizer(tok_dir), val_fraction  # from the files: nothing pickled
+
+
+def encode_batch(texts):
+    """(is_val, n_bytes, [BOS] + tokens) for each document of a batch."""
+    dtype = token_dtype(worker_tok.vocab_size)
+    out = []
+    for text in texts:
+        data = text.encode("utf-8")
+        tokens = np.array([worker_tok.bos_id] + worker_tok.encode(text), dtype=dtype)
+        out.append((is_val(data, worker_val_fraction), len(data), tokens))
+    return out
+
+
+def batched(docs):
+    batch, chars = [], 0
+    for text in docs:
+        batch.append(text)
+        chars += len(text)
+        if chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def encode_all(docs, n_workers, tok_dir, val_fraction):
+    """encode_batch's results for every document, in order, from a pool of processes."""
+    from tqdm import tqdm
+
+    with multiprocessing.Pool(n_workers, init_worker, (tok_dir, val_fraction)) as pool, \
+            tqdm(unit="B", unit_scale=True, desc="tokenizing") as bar:
+        # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
+        # which for a big corpus means all of it in memory
+        pending = collections.deque()
+        for batch in batched(docs):
+            pending.append(pool.apply_async(encode_batch, (batch,)))
+            while len(pending) > 2 * n_workers or (pending and pending[0].ready()):
+                for result in pending.popleft().get():
+                    bar.update(result[1])
+                    yield result
+        for job in pending:
+            for result in job.get():
+                bar.update(result[1])
+                yield result
+
+
+def write_shards(out_dir, encoded, tok, shard_tokens):
+    """Pack encoded documents into shards per split; returns the manifest's splits and train unigram counts."""
+    splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "shards": []} for name in ("train", "val")}
+    filling = {name: [] for name in splits}  # documents of the shard being filled
+    filled = dict.fromkeys(splits, 0)  # and their tokens
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+
+    def close_shard(name):
+        docs = filling[name]
+        tokens = np.concatenate(docs)
+        starts = np.cumsum([0] + [len(d) for d in docs[:-1]], dtype=np.int64)
+        file = f"{name}_{len(splits[name]['shards']):06d}.bin"
+        sha = write_shard(os.path.join(out_dir, file), tokens, tok.vocab_size, tok.bos_id, starts)
+        splits[name]["shards"].append({"file": file, "docs_file": docs_file(file), "tokens": len(tokens),
+                                       "docs": len(docs), "sha256": sha})
+        if name == "train":
+            counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
+        filling[name], filled[name] = [], 0
+
+    for val, n_bytes, tokens in encoded:
+        name = "val" if val else "train"
+        split = splits[name]
+        split["docs"] += 1
+        split["bytes"] += n_bytes
+        split["tokens"] += len(tokens)
+        filling[name].append(tokens)
+        filled[name] += len(tokens)
+        if filled[name] >= shard_tokens:  # a shard closes after the document that fills it
+            close_shard(name)
+    for name in splits:
+        if filling[name]:
+            close_shard(name)
+    return splits, counts
+
+
+# -----------------------------------------------------------------------------
+# The data_dir as a whole
+
+
+def is_complete(data_dir, args):
+    """Whether data_dir holds a finished build of exactly these arguments, every file of the right size."""
+    try:
+        manifest = load_manifest(data_dir)
+    except ValueError:
+        return False
+    if manifest.get("prepare_args") != args:
+        return False
+    itemsize = np.dtype(manifest["token_dtype"]).itemsize
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            path = os.path.join(data_dir, shard["file"])
+            if not os.path.isfile(path) or os.path.getsize(path) != HEADER_BYTES + shard["tokens"] * itemsize:
+                return False
+            if not os.path.isfile(os.path.join(data_dir, shard["docs_file"])):
+                return False
+    files = manifest["tokenizer_files"] + [manifest["token_counts"]]
+    return all(os.path.isfile(os.path.join(data_dir, f)) for f in files)
+
+
+def check_replaceable(data_dir, download_dir):
+    """Refuse to replace a folder that prepare.py did not write (a download cache inside it is kept)."""
+    if not os.path.exists(data_dir) or os.path.isfile(os.path.join(data_dir, "manifest.json")):
+        return
+    cache = os.path.relpath(download_dir, data_dir).split(os.sep)[0]
+    if cache == ".":
+        raise PrepareError("download_dir must differ from data_dir, which is replaced as a whole")
+    if not os.path.isdir(data_dir) or set(os.listdir(data_dir)) - {cache}:
+        raise PrepareError(f"{data_dir} exists and holds no manifest.json: not replacing it; "
+                           "choose another --data_dir or remove it")
+
+
+def swap_into_place(tmp, data_dir, download_dir):
+    """tmp becomes data_dir; the old data_dir is removed only once the new one is in place."""
+    old = data_dir + ".old"
+    shutil.rmtree(old, ignore_errors=True)
+    if os.path.isdir(data_dir):
+        cache = os.path.relpath(download_dir, data_dir)
+        if not cache.startswith(os.pardir) and os.path.isdir(download_dir):  # the cache lives inside: keep it
+            os.makedirs(os.path.dirname(os.path.join(tmp, cache)), exist_ok=True)
+            os.rename(download_dir, os.path.join(tmp, cache))
+        os.replace(data_dir, old)
+    os.replace(tmp, data_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fingerprint(out_dir, tokenizer_files, splits):
+    digest = hashlib.sha256()
+    for name in tokenizer_files:
+        with open(os.path.join(out_dir, name), "rb") as f:
+            digest.update(f.read())
+    for split in splits.values():
+        for shard in split["shards"]:
+            digest.update(shard["sha256"].encode())
+    return digest.hexdigest()
+
+
+def build():
+    """Prepare data_dir from the config globals (set by main)."""
+    t0 = time.time()
+    out_dir = os.path.normpath(data_dir)
+    args = {key: globals()[key] for key in OUTPUT_KEYS}
+    parse_spec(tokenizer)  # fail on a bad spec before reading anything
+    if not 0 <= val_fraction < 1:
+        raise PrepareError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if not force and is_complete(out_dir, args):
+        print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
+        return
+    check_replaceable(out_dir, download_dir)
+    inputs, description = resolve_sources(source, max_shards, sha256, split_paragraphs)
+
+    def docs():
+        return documents(inputs, text_field, min_chars, max_docs, download_dir, sha256)
+
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        meta, ranks = train_tokenizer(tokenizer, docs, val_fraction, bpe_train_chars)
+        tokenizer_files = save_tokenizer(tmp, tokenizer, meta, ranks)
+        tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
+        n_workers = workers or os.cpu_count()
+        splits, counts = write_shards(tmp, encode_all(docs(), n_workers, tmp, val_fraction), tok, shard_tokens)
+        n_docs = splits["train"]["docs"] + splits["val"]["docs"]
+        if n_docs == 0:
+            raise PrepareError(f"no documents in {source} (check --source, --text_field, --min_chars)")
+        if splits["train"]["docs"] == 0:
+            raise PrepareError(f"all {n_docs} documents went to validation: lower --val_fraction")
+        if val_fraction > 0 and splits["val"]["docs"] == 0:
+            raise PrepareError(f"no document went to validation ({n_docs} documents, val_fraction={val_fraction}): "
+                               "raise --val_fraction or add documents (--val_fraction=0 trains without validation)")
+        with open(os.path.join(tmp, "train_counts.npy"), "wb") as f:
+            np.save(f, counts)
+        manifest = {
+            "format_version": VERSION,
+            "tokenizer": tokenizer,
+            "vocab_size": tok.vocab_size,
+            "bos_id": tok.bos_id,
+            "token_dtype": token_dtype(tok.vocab_size).name,
+            "tokenizer_files": tokenizer_files,
+            "splits": splits,
+            "token_counts": "train_counts.npy",
+            "source": description,
+            "prepare_args": args,
+            "fingerprint": fingerprint(tmp, tokenizer_files, splits),
+        }
+        with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+        swap_into_place(tmp, out_dir, download_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-built folder behind
+        raise
+    for name, split in splits.items():
+        print(f"{name:5s}: {split['docs']:,} docs, {split['tokens']:,} tokens, shards: {len(split['shards'])}")
+    print(f"wrote {out_dir}: {tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
+          f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
+
+
+def main(argv=None):
+    config = configurator.configure(__file__, sys.argv[1:] if argv is None else argv)
+    globals().update(config)
+    try:
+        build()
+    except (PrepareError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
