@@ -1,0 +1,49 @@
+# Seed 001: the "d64" character-level model on 8x H100 PCIe, 31 hours, $1000 budget.
+#   python prepare.py config/h100_d64.py --source=/workspace/combined_output.txt
+#   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py
+#
+# Where the runbook's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
+# - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
+#   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922, which holds the same
+#   8*d^2 parameters per layer as a 4x two-matrix MLP: 12.885B in total.
+# - Mixed-precision AdamW under plain DDP needs ~16 bytes/parameter per GPU (~206 GB),
+#   far over 80 GB, so the runbook's "~75GB per GPU at batch 4" cannot be. This model
+#   trains only sharded (FSDP, ~2 bytes/param/GPU on 8 GPUs for weights, more for
+#   gradients and optimizer state) with activation checkpointing: both come with a
+#   later podgpt release; until then this config is a plan, not a launchable run.
+# - One token costs 83.8 GFLOP: at an optimistic 40% MFU of the H100 PCIe's 756
+#   TFLOP/s, 8 GPUs process ~29k tokens/s, ~3.2B tokens in 31 hours (not "~12B"),
+#   about 9 passes over the runbook's 350M-token corpus.
+# - $4/GPU-hour x 8 x 31 h = $992, as the runbook says.
+
+# data: the runbook's own text file, character-level (its vocabulary is 32 symbols)
+source = "data/combined_output.txt"
+tokenizer = "char"
+split_paragraphs = True    # one big text file: documents at blank lines, so whole ones can be held out
+data_dir = "data/d64_char"
+val_fraction = 0.005
+
+# model: depth 64, width 64*64, 32 heads of 128, full multi-head attention
+block_size = 2048
+n_layer = 64
+n_head = 32
+n_kv_head = 32
+n_embd = 4096
+ffn_hidden = None          # floor(8 * 4096 / 3) = 10922
+tie_embeddings = True
+
+# training: 524,288 tokens per step = 8 GPUs x 4 sequences x 2048 tokens (no accumulation)
+out_dir = "out/h100_d64"
+micro_batch_size = 4
+total_batch_tokens = 524288
+max_steps = 22630          # the runbook's 31 checkpoints x 730 steps
+learning_rate = 1.5e-4     # not in the runbook: a conservative AdamW rate for ~13B
+min_lr = 1.5e-5
+warmup_steps = 500
+weight_decay = 0.1
+grad_clip = 1.0
+eval_every = 730
+ckpt_every = 730           # the runbook's "every hour"
+log_every = 10
+dtype = "bfloat16"
+compile = True
