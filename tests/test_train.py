@@ -90,7 +90,6 @@ def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data):
 @pytest.mark.parametrize("args, message", [
     (["--micro_batch_size=3", "--total_batch_tokens=500"], "total_batch_tokens=500 is not a multiple of"),
     (["--vocab_size=50257"], "vocab_size=50257 but"),
-    (["--block_size=100000", "--micro_batch_size=1", "--total_batch_tokens=100000"], "fewer than block_size+1"),
     (["--resume=/nonexistent"], "resume=/nonexistent: no checkpoint there"),
 ])
 def test_bad_input_one_line_nonzero_exit(tmp_path, stdlib_data, args, message):
@@ -100,6 +99,15 @@ def test_bad_input_one_line_nonzero_exit(tmp_path, stdlib_data, args, message):
     assert len(errors) == 1 and message in errors[0], r.stderr
     assert "Traceback" not in r.stderr
     assert not os.path.exists(tmp_path / "ckpt" / "latest")
+
+
+def test_block_size_longer_than_a_split(tmp_path, stdlib_data):
+    val_tokens = json.load(open(os.path.join(stdlib_data, "manifest.json")))["splits"]["val"]["tokens"]
+    r = train(tmp_path, stdlib_data, "--max_steps=1", f"--block_size={val_tokens}", "--micro_batch_size=1",
+              f"--total_batch_tokens={val_tokens}", check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip() == (f"error: the val split of {stdlib_data} has fewer than block_size+1 = "
+                                f"{val_tokens + 1} tokens: lower block_size or prepare more data")
 
 
 def test_missing_data_dir(tmp_path):
