@@ -73,7 +73,7 @@ eval_every = 250                # steps between validation evaluations (and one 
 eval_steps = 20                 # validation micro-batches per rank per evaluation
 log_every = 10                  # steps between metrics.jsonl lines and console lines
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
-keep_last = 3                   # checkpoints kept; older ones are deleted
+keep_last = 3                   # checkpoints kept (at least 1); older ones are deleted
 # system
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (cuda if available) | cpu | cuda
@@ -152,7 +152,7 @@ def save_file(obj, path):
         os.fsync(f.fileno())
 
 
-def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, config, tokenizer_dir):
+def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, config, tokenizer_dir, keep_last):
     name = f"step_{step:07d}"
     tmp = os.path.join(ckpt_root, f".tmp-{name}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -169,7 +169,7 @@ def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, config, to
     os.replace(tmp, final)
     save_file(name.encode(), os.path.join(ckpt_root, "latest.tmp"))
     os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
-    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
+    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-max(1, keep_last)]:
         shutil.rmtree(os.path.join(ckpt_root, old))
     return final
 
@@ -406,7 +406,7 @@ def main(argv):
             trainer = dict(format=CKPT_FORMAT, step=step, samples=samples, tokens=step * total_batch_tokens,
                            elapsed=elapsed, best_val_loss=best_val, val_loss=val_loss, rng=states,
                            world_size=world)
-            path = save_checkpoint(ckpt_root, step, raw_model, optimizer, trainer, saved, data_dir)
+            path = save_checkpoint(ckpt_root, step, raw_model, optimizer, trainer, saved, data_dir, keep_last)
             log(f"checkpoint {path}")
 
     bpb_scale = manifest["splits"]["val"]["tokens"] / manifest["splits"]["val"]["bytes"] / math.log(2)

@@ -68,7 +68,7 @@ def test_help_lists_every_key_with_default_and_comment():
     r = subprocess.run([sys.executable, TRAIN, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0
     keys = configurator.read_defaults(TRAIN)
-    for key, (default, comment) in keys.items():
+    for key, (_, comment) in keys.items():
         assert f"--{key}" in r.stdout and comment and comment in r.stdout
     for required in ("out_dir data_dir max_steps micro_batch_size total_batch_tokens block_size n_layer n_head "
                      "n_kv_head n_embd ffn_hidden vocab_size tie_embeddings learning_rate min_lr warmup_steps "

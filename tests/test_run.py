@@ -1,11 +1,10 @@
 """run.sh end to end on the embedded default (shortened), and sample.py on its checkpoint."""
 import json
-import os
 import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, run
+from conftest import read_metrics, run
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, train_losses
+from conftest import TINY_MODEL, read_metrics, run, train_losses
 
 
 def train(out, data, *args, nproc=1, check=True):
