@@ -8,14 +8,28 @@ data-parallel (DDP) under torchrun: gloo on CPU, nccl on CUDA.
 
 Config: the globals between the config markers below, overridden by config files and
 --key=val (configurator.py; --help lists them). Everything a run writes goes to out_dir:
-metrics.jsonl (a JSON object per logged step), ckpt/ (checkpoints, ckpt/latest names
-the newest complete one), summary.json at the end.
+metrics.jsonl (a JSON object per logged step, and one per event: spike, non-finite step,
+rollback, budget warning), ckpt/ (checkpoints; ckpt/latest and ckpt/best name the
+newest and the best complete one), summary.json when the run ends or stops.
 
 The batch of optimizer step s is always the same set of sequences, whatever the
 number of GPUs or the micro-batch: the loader walks one global, seeded order of
 windows (see Loader), and each step takes the next total_batch_tokens worth of it,
 split across ranks and micro-steps. So a run resumes exactly where it stopped, and
-1 GPU with gradient accumulation k computes the same step as k GPUs.
+1 GPU with gradient accumulation k computes the same step as k GPUs. That also holds
+across world sizes: a run checkpointed on 8 GPUs resumes on 4 (grad accumulation
+doubles) with the same batches; only the per-rank RNG states, which training does not
+use, are re-seeded.
+
+A run survives what a rented pod does to it:
+- the same command again resumes from the newest checkpoint that is complete and reads
+  back (resume=auto); a kill at any moment, even mid-save, loses at most the steps
+  since the last checkpoint, and the resumed run is bit-identical to one never stopped;
+- SIGTERM, SIGINT and SIGUSR1 (preemption notices) make every rank stop at the same
+  step boundary, save, and exit 0; so do max_hours and the budget guards, before their
+  limit is crossed;
+- a non-finite loss or gradient skips the step on every rank; max_bad_steps spikes or
+  non-finite steps in a row roll back to the last checkpoint at half the learning rate.
 """
 
 import json
@@ -24,11 +38,14 @@ import os
 import random
 import resource
 import shutil
+import signal
 import sys
 import time
+import zlib
 from contextlib import nullcontext
 from dataclasses import asdict
 from datetime import timedelta
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -43,7 +60,8 @@ from prepare import load_manifest, open_shard
 # I/O
 out_dir = "out"                 # metrics.jsonl, ckpt/, summary.json are written here
 data_dir = "data"               # shards and manifest.json written by prepare.py
-resume = "auto"                 # auto: newest complete checkpoint in out_dir, if any | never | a checkpoint folder
+resume = "auto"                 # auto: newest good checkpoint in out_dir, if any | never | a checkpoint folder
+allow_resume_mismatch = False   # resume even from a checkpoint trained on other data or another tokenizer
 # model
 block_size = 1024               # context length in tokens
 n_layer = 12                    # transformer blocks
@@ -73,7 +91,22 @@ eval_every = 250                # steps between validation evaluations (and one 
 eval_steps = 20                 # validation micro-batches per rank per evaluation
 log_every = 10                  # steps between metrics.jsonl lines and console lines
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
-keep_last = 3                   # checkpoints kept (at least 1); older ones are deleted
+keep_last = 3                   # newest checkpoints kept (at least 1), besides the best one
+save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
+early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
+ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
+# guards: each stops the run before its limit is crossed (checkpoint, summary.json, exit 0)
+max_hours = 0.0                 # wall-clock limit, resumed time included; 0: none
+budget_usd = 0.0                # spending cap in dollars; 0: none
+usd_per_gpu_hour = 0.0          # price of one GPU-hour; spend = wall clock x GPUs x this
+budget_file = ""                # JSON kept current from outside, {"spent_usd": .., "projected_total_usd": ..}, checked against budget_usd
+budget_check_minutes = 30.0     # how often budget_file is read
+# loss spikes and non-finite steps
+spike_factor = 2.5              # a step whose loss exceeds this x the EMA of recent losses is a spike (logged, counted)
+max_bad_steps = 10              # spikes or non-finite steps in a row before rolling back to the last checkpoint at lr x 0.5
+max_rollbacks = 3               # rollbacks allowed before the run stops as diverged
+inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train on batches of the rarest tokens; -1: off
+inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
 # system
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (cuda if available) | cpu | cuda
@@ -81,13 +114,53 @@ dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bflo
 compile = False                 # torch.compile the model
 # --- end config
 
-CKPT_FORMAT = 1
+CKPT_FORMAT = 2
+MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
+INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
+LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
+BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
+STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
 
 
 def fail(message):
     """Stop with one line that names the problem and the fix."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
+
+
+def first_line(e):
+    """An exception as one line, for messages that must stay one line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def check_config():
+    """Refuse settings that cannot work, before anything is read or written."""
+    positive = dict(block_size=block_size, n_layer=n_layer, micro_batch_size=micro_batch_size,
+                    total_batch_tokens=total_batch_tokens, max_steps=max_steps, learning_rate=learning_rate,
+                    eval_every=eval_every, eval_steps=eval_steps, log_every=log_every, ckpt_every=ckpt_every,
+                    keep_last=keep_last, max_bad_steps=max_bad_steps, budget_check_minutes=budget_check_minutes)
+    for key, value in positive.items():
+        if value <= 0:
+            fail(f"{key}={value} must be positive")
+    non_negative = dict(min_lr=min_lr, warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip,
+                        max_rollbacks=max_rollbacks, early_stop_patience=early_stop_patience, max_hours=max_hours,
+                        budget_usd=budget_usd, usd_per_gpu_hour=usd_per_gpu_hour, ckpt_min_free_gb=ckpt_min_free_gb)
+    for key, value in non_negative.items():
+        if value < 0:
+            fail(f"{key}={value} must be >= 0")
+    if min_lr > learning_rate:
+        fail(f"min_lr={min_lr} is above learning_rate={learning_rate}: the schedule decays from learning_rate to min_lr")
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        fail(f"beta1={beta1}, beta2={beta2}: both must be in [0, 1)")
+    if spike_factor <= 1:
+        fail(f"spike_factor={spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
+    if budget_usd and not (usd_per_gpu_hour or budget_file):
+        fail(f"budget_usd={budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
+    if budget_file and not budget_usd:
+        fail(f"budget_file={budget_file} needs budget_usd, the cap its spend is checked against")
+    if budget_file and not os.path.isfile(budget_file):
+        fail(f"budget_file {budget_file} does not exist: start what writes it first, or leave budget_file empty")
 
 
 # -----------------------------------------------------------------------------
@@ -105,7 +178,12 @@ class Loader:
 
     def __init__(self, data_dir, split, manifest, block_size, seed):
         self.block_size, self.seed = block_size, seed
-        self.shards = [open_shard(os.path.join(data_dir, s["file"])) for s in manifest["splits"][split]["shards"]]
+        self.shards = []
+        for s in manifest["splits"][split]["shards"]:
+            try:
+                self.shards.append(open_shard(os.path.join(data_dir, s["file"])))
+            except (OSError, ValueError) as e:
+                fail(f"cannot read shard {s['file']} of {data_dir} ({first_line(e)}): rebuild the data with prepare.py --force")
         counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self.starts = np.cumsum([0] + counts)
         self.n = int(self.starts[-1])
@@ -126,10 +204,7 @@ class Loader:
         return self.shards[s][start:start + self.block_size + 1]
 
     def batch(self, windows, device):
-        rows = torch.from_numpy(np.stack([self.window(int(i)) for i in windows]).astype(np.int64))
-        if device.type == "cuda":
-            rows = rows.pin_memory().to(device, non_blocking=True)
-        return rows[:, :-1], rows[:, 1:]
+        return to_device(np.stack([self.window(int(i)) for i in windows]), device)
 
     def train_batch(self, first_sample, size, device):
         samples = np.arange(first_sample, first_sample + size)
@@ -137,56 +212,187 @@ class Loader:
         return self.batch(windows, device)
 
 
+def to_device(rows, device):
+    """(inputs, targets) from rows of block_size+1 tokens."""
+    rows = torch.from_numpy(rows.astype(np.int64))
+    if device.type == "cuda":
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def rare_token_batch(rare, size, block_size, seed, device):
+    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill)."""
+    return to_device(np.random.default_rng(seed).choice(rare, size=(size, block_size + 1)), device)
+
+
+def rarest_tokens(counts):
+    """The rarest 1% of the token kinds that occur in training (at least 16 kinds)."""
+    seen = np.flatnonzero(counts)
+    return seen[np.argsort(counts[seen], kind="stable")][:max(16, len(seen) // 100)]
+
+
 # -----------------------------------------------------------------------------
-# checkpoints: ckpt/step_NNNNNNN/ written under a temporary name, renamed into place
-# when complete, then ckpt/latest is pointed at it: a crash mid-save leaves the
-# previous checkpoint as latest.
+# checkpoints: ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, every file
+# fsync'd, complete.json (sizes and CRC32 of every file) last, then renamed into place;
+# only then are ckpt/latest (and ckpt/best) pointed at it. A kill at any moment leaves
+# the previous checkpoint intact, and a damaged one is recognized when read back.
+
+class _CRC32Writer:
+    """A file wrapper that checksums what is written through it, so saving reads nothing back."""
+
+    def __init__(self, f):
+        self.f, self.crc = f, 0
+
+    def write(self, b):
+        self.crc = zlib.crc32(b, self.crc)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
 
 def save_file(obj, path):
+    """Write bytes or a torch object to path, fsync'd; its CRC32."""
     with open(path, "wb") as f:
+        w = _CRC32Writer(f)
         if isinstance(obj, bytes):
-            f.write(obj)
+            w.write(obj)
         else:
-            torch.save(obj, f)
+            torch.save(obj, w)
         f.flush()
         os.fsync(f.fileno())
+    return w.crc
 
 
-def save_checkpoint(ckpt_root, step, model, optimizer, trainer_state, config, tokenizer_dir, keep_last):
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pointer(ckpt_root, which, name):
+    save_file(name.encode(), os.path.join(ckpt_root, f"{which}.tmp"))
+    os.replace(os.path.join(ckpt_root, f"{which}.tmp"), os.path.join(ckpt_root, which))
+
+
+def read_pointer(ckpt_root, which):
+    try:
+        with open(os.path.join(ckpt_root, which)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def tensor_bytes(obj):
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return len(obj) if isinstance(obj, bytes) else 0
+
+
+def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb):
+    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
+    None when the disk could not hold it and keep min_free_gb free (nothing is written then)."""
     name = f"step_{step:07d}"
+    for leftover in os.listdir(ckpt_root):  # of a save that was killed
+        if leftover.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(ckpt_root, leftover), ignore_errors=True)
+    need, free = tensor_bytes(list(files.values())), shutil.disk_usage(ckpt_root).free
+    if free - need < min_free_gb * 1e9:
+        print(f"warning: skipping the step {step} checkpoint: it needs {need / 1e9:.2f} GB and {ckpt_root} has "
+              f"{free / 1e9:.2f} GB free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
+              file=sys.stderr, flush=True)
+        return None
     tmp = os.path.join(ckpt_root, f".tmp-{name}")
-    shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    save_file(model.state_dict(), os.path.join(tmp, "model.pt"))
-    save_file(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    save_file(trainer_state, os.path.join(tmp, "trainer.pt"))
-    save_file(json.dumps(config, indent=1).encode(), os.path.join(tmp, "config.json"))
-    for f in ("tokenizer.json", "tokenizer.tiktoken"):  # the folder is enough to sample from
-        if os.path.exists(os.path.join(tokenizer_dir, f)):
-            shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(tmp, f))
+    marker = {}
+    for fname, obj in files.items():
+        crc = save_file(obj, os.path.join(tmp, fname))
+        marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
+    save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
+    fsync_dir(tmp)
     final = os.path.join(ckpt_root, name)
-    shutil.rmtree(final, ignore_errors=True)
+    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
     os.replace(tmp, final)
-    save_file(name.encode(), os.path.join(ckpt_root, "latest.tmp"))
-    os.replace(os.path.join(ckpt_root, "latest.tmp"), os.path.join(ckpt_root, "latest"))
-    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-max(1, keep_last)]:
-        shutil.rmtree(os.path.join(ckpt_root, old))
+    fsync_dir(ckpt_root)
+    write_pointer(ckpt_root, "latest", name)
+    if best:
+        write_pointer(ckpt_root, "best", name)
+    keep = {read_pointer(ckpt_root, "best")}
+    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
+        if old not in keep:
+            shutil.rmtree(os.path.join(ckpt_root, old))
     return final
 
 
-def find_checkpoint(path):
-    """The checkpoint folder that `path` names: itself, or the latest one of an out_dir; None if none."""
-    if os.path.exists(os.path.join(path, "model.pt")):
+def verify_checkpoint(path):
+    """Raise ValueError saying what is wrong if the folder is not a complete, intact checkpoint."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"incomplete, no readable {MARKER} ({first_line(e)})") from None
+    for fname, want in files.items():
+        file = os.path.join(path, fname)
+        if not os.path.exists(file) or os.path.getsize(file) != want["bytes"]:
+            size = os.path.getsize(file) if os.path.exists(file) else "no"
+            raise ValueError(f"{fname} has {size} bytes, {want['bytes']} were written")
+        crc = 0
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 24):
+                crc = zlib.crc32(chunk, crc)
+        if crc != want["crc32"]:
+            raise ValueError(f"{fname} is corrupt (CRC32 {crc:08x}, {want['crc32']:08x} was written)")
+
+
+def load_checkpoint(path, device):
+    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong."""
+    verify_checkpoint(path)
+    try:
+        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device, weights_only=True)
+                for name in ("model", "optimizer", "trainer")}
+        with open(os.path.join(path, "config.json")) as f:
+            ckpt["config"] = json.load(f)
+    except Exception as e:  # a damaged pickle can raise many kinds of error; all mean "unreadable"
+        raise ValueError(f"unreadable ({first_line(e)})") from None
+    if ckpt["trainer"].get("format") != CKPT_FORMAT:
+        raise ValueError(f"checkpoint format {ckpt['trainer'].get('format')}, this train.py reads {CKPT_FORMAT}")
+    return ckpt
+
+
+def newest_good_checkpoint(ckpt_root, device, warn):
+    """(path, loaded checkpoint) of the newest checkpoint that reads back intact, or (None, None);
+    damaged or incomplete ones are skipped with a warning."""
+    names = sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True) \
+        if os.path.isdir(ckpt_root) else []
+    for name in names:
+        path = os.path.join(ckpt_root, name)
+        try:
+            return path, load_checkpoint(path, device)
+        except ValueError as e:
+            warn(f"skipping checkpoint {path}: {e}")
+    return None, None
+
+
+def find_checkpoint(path, which="latest"):
+    """The checkpoint folder that `path` names: itself, or the latest (or best) one of an out_dir; None if none.
+    An out_dir without a best checkpoint (no evaluation yet) gives its latest."""
+    if os.path.exists(os.path.join(path, MARKER)):
         return path
-    pointer = os.path.join(path, "ckpt", "latest")
-    if os.path.exists(pointer):
-        with open(pointer) as f:
-            return os.path.join(path, "ckpt", f.read().strip())
-    return None
+    ckpt_root = os.path.join(path, "ckpt")
+    name = read_pointer(ckpt_root, which) or read_pointer(ckpt_root, "latest")
+    return os.path.join(ckpt_root, name) if name else None
 
 
 def load_model(ckpt, device="cpu"):
-    """(model, config dict) from a checkpoint folder, weights loaded, in eval mode."""
+    """(model, config dict) from a checkpoint folder, verified, weights loaded, in eval mode;
+    ValueError saying what is wrong."""
+    verify_checkpoint(ckpt)
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
     model = GPT(GPTConfig(**config["model"]))
@@ -205,9 +411,18 @@ def set_rng_state(state):
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())
     if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+
+def tokenizer_fingerprint(data_dir, manifest):
+    """CRC32s of the tokenizer files: two bpe:N tokenizers of different corpora differ here."""
+    crcs = []
+    for name in manifest["tokenizer_files"]:
+        with open(os.path.join(data_dir, name), "rb") as f:
+            crcs.append(f"{zlib.crc32(f.read()):08x}")
+    return f"{manifest['tokenizer']}:{'.'.join(crcs)}"
 
 
 # -----------------------------------------------------------------------------
@@ -275,11 +490,40 @@ def rewrite_metrics(path, last_step):
     os.replace(path + ".tmp", path)
 
 
+def read_budget_file(path):
+    """(spent_usd, projected_total_usd) from the budget file, or the reason it cannot be read."""
+    try:
+        with open(path) as f:
+            b = json.load(f)
+        return float(b["spent_usd"]), float(b.get("projected_total_usd", b["spent_usd"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return first_line(e)
+
+
+def write_json(path, obj):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
 # -----------------------------------------------------------------------------
 
 def main(argv):
+    t_start = time.time()
     config = configurator.configure(__file__, argv)
     globals().update(config)
+    check_config()
+
+    # preemption notices: note them here, act on them at the next step boundary, on every rank together
+    stop_signal = []
+
+    def on_signal(signum, frame):
+        if stop_signal and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        stop_signal.append(signal.Signals(signum).name)
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, on_signal)
 
     # distributed setup: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE
     ddp = "RANK" in os.environ
@@ -293,10 +537,15 @@ def main(argv):
     if use_cuda:
         torch.cuda.set_device(dev)
     if ddp:
+        # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
         timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
+
+    def warn(message):
+        if master:
+            print(f"warning: {message}", file=sys.stderr, flush=True)
 
     dt_name = dtype if dtype != "auto" else ("bfloat16" if use_cuda and torch.cuda.is_bf16_supported() else "float32")
     if dt_name not in ("float32", "bfloat16", "float16"):
@@ -322,15 +571,21 @@ def main(argv):
              f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
     train_data = Loader(data_dir, "train", manifest, block_size, seed)
     val_data = Loader(data_dir, "val", manifest, block_size, seed)
+    rare = None
+    if inject_spike_at_step >= 0:
+        rare = rarest_tokens(np.load(os.path.join(data_dir, manifest["token_counts"])))
 
     # model
     torch.manual_seed(seed)
     random.seed(seed + rank)
     np.random.seed(seed + rank)
-    model_config = GPTConfig(vocab_size=manifest["vocab_size"], block_size=block_size, n_layer=n_layer,
-                             n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden,
-                             rope_theta=rope_theta, tie_embeddings=tie_embeddings,
-                             vocab_multiple=vocab_multiple, init_std=init_std)
+    try:
+        model_config = GPTConfig(vocab_size=manifest["vocab_size"], block_size=block_size, n_layer=n_layer,
+                                 n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden,
+                                 rope_theta=rope_theta, tie_embeddings=tie_embeddings,
+                                 vocab_multiple=vocab_multiple, init_std=init_std)
+    except ValueError as e:
+        fail(f"{e}: change the model shape")
     raw_model = GPT(model_config).to(dev)
     optimizer = make_optimizer(raw_model, fused=use_cuda)
     scaler = torch.amp.GradScaler(enabled=ptdtype == torch.float16)
@@ -338,30 +593,65 @@ def main(argv):
     flops_tok = flops_per_token(model_config)
     peak = peak_flops(torch.cuda.get_device_name(dev)) if use_cuda else None
     saved = dict(config, model={k: v for k, v in asdict(model_config).items() if k != "padded_vocab"},
-                 world_size=world, grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"])
+                 world_size=world, grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
+                 tokenizer_fingerprint=tokenizer_fingerprint(data_dir, manifest))
+
+    # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
+    state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
+                            evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
+                            rollbacks=0, lr_scale=1.0, injected=[])
+
+    def restore(ckpt):
+        raw_model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        trainer = ckpt["trainer"]
+        for key in vars(state):
+            setattr(state, key, trainer[key])
+        if len(trainer["rng"]) == world:
+            set_rng_state(trainer["rng"][rank])
+        else:  # training uses no randomness; only the per-rank RNGs restart
+            warn(f"world size {len(trainer['rng'])} -> {world}: same batches, per-rank RNG states re-seeded")
 
     # resume
-    step, samples, elapsed, best_val = 0, 0, 0.0, float("inf")
     ckpt_root = os.path.join(out_dir, "ckpt")
-    ckpt = None if resume == "never" else find_checkpoint(out_dir if resume == "auto" else resume)
-    if resume not in ("auto", "never") and ckpt is None:
-        fail(f"resume={resume}: no checkpoint there (give a checkpoint folder or an out_dir with ckpt/latest)")
+    ckpt_path, ckpt = None, None
+    if resume == "auto":
+        ckpt_path, ckpt = newest_good_checkpoint(ckpt_root, dev, warn)
+        if ckpt is None and os.path.isdir(ckpt_root) and any(d.startswith("step_") for d in os.listdir(ckpt_root)):
+            fail(f"no checkpoint in {ckpt_root} reads back intact (see the warnings): move them away to start over, "
+                 f"or give resume= a checkpoint folder")
+    elif resume != "never":
+        ckpt_path = find_checkpoint(resume)
+        if ckpt_path is None:
+            fail(f"resume={resume}: no checkpoint there (give a checkpoint folder or an out_dir with ckpt/latest)")
+        try:
+            ckpt = load_checkpoint(ckpt_path, dev)
+        except ValueError as e:
+            fail(f"checkpoint {ckpt_path} is damaged: {e}: give another checkpoint folder or --resume=auto")
     if ckpt is not None:
-        with open(os.path.join(ckpt, "config.json")) as f:
-            old = json.load(f)
+        old = ckpt["config"]
         if old["model"] != saved["model"]:
             diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in saved["model"].items() if old["model"].get(k) != v)
-            fail(f"checkpoint {ckpt} has another model shape ({diff}): use a new out_dir or --resume=never")
-        if old["data_fingerprint"] != manifest["fingerprint"]:
-            fail(f"checkpoint {ckpt} was trained on other data than {data_dir} (manifest fingerprint differs): "
-                 f"point data_dir at its data or use a new out_dir")
-        raw_model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=dev, weights_only=True))
-        optimizer.load_state_dict(torch.load(os.path.join(ckpt, "optimizer.pt"), map_location=dev, weights_only=True))
-        state = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)
-        step, samples, elapsed, best_val = state["step"], state["samples"], state["elapsed"], state["best_val_loss"]
-        if len(state["rng"]) == world:
-            set_rng_state(state["rng"][rank])
-        log(f"resumed from {ckpt} at step {step}")
+            fail(f"checkpoint {ckpt_path} has another model shape ({diff}): use a new out_dir, or the checkpoint's shape")
+        if old["tokenizer_fingerprint"] != saved["tokenizer_fingerprint"] and not allow_resume_mismatch:
+            fail(f"checkpoint {ckpt_path} was trained with another tokenizer ({old['tokenizer_fingerprint']}) than "
+                 f"{data_dir} ({saved['tokenizer_fingerprint']}): point data_dir at its data, or --allow_resume_mismatch=True")
+        if old["data_fingerprint"] != saved["data_fingerprint"] and not allow_resume_mismatch:
+            fail(f"checkpoint {ckpt_path} was trained on other data than {data_dir} (manifest fingerprint differs): "
+                 f"point data_dir at its data, or --allow_resume_mismatch=True to continue on this data")
+        restore(ckpt)
+        del ckpt
+
+    # out_dir must take writes before any step is spent
+    try:
+        os.makedirs(ckpt_root, exist_ok=True)
+        with open(os.path.join(out_dir, ".write-test"), "w") as f:
+            f.write("ok")
+        os.remove(os.path.join(out_dir, ".write-test"))
+    except OSError as e:
+        fail(f"out_dir {out_dir} is not writable ({first_line(e)}): choose another out_dir")
+    if ddp:
+        dist.barrier()
 
     model = torch.compile(raw_model) if compile else raw_model
     if ddp:
@@ -372,17 +662,24 @@ def main(argv):
         f"{flops_tok / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n} train windows | "
         f"world {world} x micro {micro_batch_size} x accum {grad_accum} = {total_batch_tokens} tokens/step | "
         f"{dev} {dt_name}")
+    if ckpt_path:
+        log(f"resumed from {ckpt_path} at step {state.step} ({format_seconds(state.elapsed)} and "
+            f"${state.cost_usd:.2f} so far)")
 
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if master:
-        os.makedirs(ckpt_root, exist_ok=True)
-        rewrite_metrics(metrics_path, step)
+        rewrite_metrics(metrics_path, state.step)
     metrics = open(metrics_path, "a") if master else None
 
     def write_metrics(row):
-        if master:
+        if master:  # strict JSON: a non-finite value is written as null (its event line says what it was)
+            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
+
+    def event(name, message, **fields):
+        write_metrics(dict(step=state.step, event=name, **fields))
+        warn(f"step {state.step}: {message}")
 
     def evaluate():
         model.eval()
@@ -396,88 +693,258 @@ def main(argv):
         model.train()
         return mean_over_ranks(total / eval_steps, ddp, dev)
 
-    def checkpoint(val_loss):
+    def checkpoint(val_loss, best):
+        """Save the current step on rank 0 with every rank's RNG state; the seconds it took."""
+        t0 = time.time()
         states = [None] * world
         if ddp:
             dist.all_gather_object(states, rng_state())
         else:
             states = [rng_state()]
         if master:
-            trainer = dict(format=CKPT_FORMAT, step=step, samples=samples, tokens=step * total_batch_tokens,
-                           elapsed=elapsed, best_val_loss=best_val, val_loss=val_loss, rng=states,
-                           world_size=world)
-            path = save_checkpoint(ckpt_root, step, raw_model, optimizer, trainer, saved, data_dir, keep_last)
-            log(f"checkpoint {path}")
+            trainer = dict(vars(state), format=CKPT_FORMAT, tokens=state.step * total_batch_tokens,
+                           val_loss=val_loss, rng=states, world_size=world)
+            files = {"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict(),
+                     "trainer.pt": trainer, "config.json": json.dumps(saved, indent=1).encode()}
+            for f in manifest["tokenizer_files"]:  # the folder is enough to sample from
+                with open(os.path.join(data_dir, f), "rb") as fh:
+                    files[f] = fh.read()
+            path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb)
+            if path:
+                log(f"checkpoint {path} ({time.time() - t0:.1f}s)", flush=True)
+        if ddp:
+            dist.barrier()  # every rank leaves with the checkpoint on disk (a rollback may read it next)
+        return time.time() - t0
+
+    # timing for the guards: wall clock and spend accrue step by step, startup included
+    t_last = t_start
+    step_seconds = 0.0
+    save_seconds = 3 * tensor_bytes(raw_model.state_dict()) / 200e6  # weights + AdamW's 2 moments at 200 MB/s, until measured
+    eval_seconds = 0.0
+    next_budget_check = 0.0
+    gpu_rate = world * usd_per_gpu_hour / 3600  # dollars per wall-clock second
+
+    def tick():
+        nonlocal t_last
+        now = time.time()
+        state.elapsed += now - t_last
+        state.cost_usd += (now - t_last) * gpu_rate
+        t_last = now
+
+    def guard():
+        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The
+        reserve is what one more step and the final save take, so no limit is crossed."""
+        nonlocal next_budget_check
+        reserve = step_seconds + eval_seconds + save_seconds
+        if max_hours and state.elapsed + reserve > max_hours * 3600:
+            return "max_hours"
+        if budget_usd and usd_per_gpu_hour and state.cost_usd + reserve * gpu_rate > budget_usd:
+            return "budget_usd"
+        if budget_file and time.time() >= next_budget_check:
+            next_budget_check = time.time() + budget_check_minutes * 60
+            read = read_budget_file(budget_file)
+            if isinstance(read, str):
+                warn(f"budget_file {budget_file} unreadable ({read}); retrying in {budget_check_minutes} min")
+                return None
+            spent, projected = read
+            if spent > budget_usd:
+                return "budget_file_spent"
+            if projected > budget_usd:
+                return "budget_file_projected"
+            if spent > BUDGET_WARN * budget_usd:
+                event("budget_warning", f"spent ${spent:.2f} of budget_usd=${budget_usd:.2f} "
+                      f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
+        return None
+
+    def agree(loss_sum, finite, guard_reason):
+        """One all-reduce per step: the summed loss, and whether any rank saw a non-finite step,
+        a signal, or (rank 0) a guard. Every rank then takes the same decisions."""
+        flags = [0.0 if finite else 1.0, 1.0 if stop_signal else 0.0,
+                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0]
+        v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=dev)])
+        if ddp:
+            dist.all_reduce(v)
+        v = v.tolist()
+        reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
+        return v[0] / grad_accum / world, v[1] == 0, reason
+
+    def rollback():
+        """Back to the newest good checkpoint at half the learning rate; False when no rollback is left."""
+        if state.rollbacks >= max_rollbacks:
+            return False
+        path, ckpt = newest_good_checkpoint(ckpt_root, dev, warn)
+        if ckpt is None:
+            fail(f"{state.bad_in_a_row} bad steps in a row at step {state.step} and no checkpoint to roll back to: "
+                 f"lower learning_rate, raise warmup_steps, or check the data")
+        keep = dict(elapsed=state.elapsed, cost_usd=state.cost_usd, spikes=state.spikes,
+                    nonfinite_steps=state.nonfinite_steps, injected=state.injected,
+                    rollbacks=state.rollbacks + 1, lr_scale=state.lr_scale * 0.5)
+        bad_at = state.step
+        restore(ckpt)
+        vars(state).update(keep, bad_in_a_row=0)
+        event("rollback", f"{max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
+              f"learning rate x {state.lr_scale:g} (rollback {state.rollbacks} of {max_rollbacks})",
+              from_step=bad_at, lr_scale=state.lr_scale, rollbacks=state.rollbacks)
+        return True
+
+    def injecting(kind, at):
+        """Whether this step is one of the drill's; each drill step fires once, even if a rollback replays it."""
+        tag = f"{kind}@{state.step + 1}"  # steps are numbered as logged: the first one is step 1
+        if at < 0 or not at <= state.step + 1 < at + INJECT_STEPS or tag in state.injected:
+            return False
+        state.injected.append(tag)
+        return True
 
     bpb_scale = manifest["splits"]["val"]["tokens"] / manifest["splits"]["val"]["bytes"] / math.log(2)
-    t_log, t_run, step_at_log, val_loss, loss = time.time(), time.time() - elapsed, step, None, None
-    saved_step = step if ckpt is not None else -1
-    while step < max_steps:
-        lr = lr_at(step)
+    t_log, step_at_log = time.time(), state.step
+    val_loss, loss = None, None
+    saved_step = state.step if ckpt_path else -1
+    ckpt_pending = False
+    tick()
+    reason = guard() if master else None  # a resumed run may already be past a limit
+    if ddp:
+        reason = agree(torch.zeros(1, device=dev), True, reason)[2]
+    if reason:
+        log(f"not training: {reason} already reached at step {state.step}")
+
+    while state.step < max_steps and not reason:
+        t_step = time.time()
+        lr = lr_at(state.step) * state.lr_scale
         for g in optimizer.param_groups:
             g["lr"] = lr
-        loss_sum = 0.0
+        spike_drill, nan_drill = injecting("spike", inject_spike_at_step), injecting("nan", inject_nan_at_step)
+        loss_sum = torch.zeros((), device=dev)
         for micro in range(grad_accum):
             # this rank's slice of the step's global batch: disjoint across ranks and micro-steps
-            first = samples + (micro * world + rank) * micro_batch_size
-            x, y = train_data.train_batch(first, micro_batch_size, dev)
+            first = state.samples + (micro * world + rank) * micro_batch_size
+            if spike_drill:
+                x, y = rare_token_batch(rare, micro_batch_size, block_size, [seed, state.step, first], dev)
+            else:
+                x, y = train_data.train_batch(first, micro_batch_size, dev)
             sync = nullcontext() if not ddp or micro == grad_accum - 1 else model.no_sync()
             with sync:
                 with autocast:
                     _, micro_loss = model(x, y)
+                if nan_drill and rank == world - 1:
+                    micro_loss = micro_loss * float("nan")
                 scaler.scale(micro_loss / grad_accum).backward()
             loss_sum += micro_loss.detach()
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-        scaler.step(optimizer)
+        # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
+        finite = bool(torch.isfinite(loss_sum)) and (scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
+        tick()
+        loss, finite, reason = agree(loss_sum, finite, guard() if master else None)
+        if finite:
+            scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
-        samples += global_batch
-        elapsed = time.time() - t_run
+        state.step += 1
+        state.samples += global_batch
+        if spike_drill or nan_drill:
+            event("drill", f"fire drill: {'a batch of the rarest tokens' if spike_drill else 'a NaN loss on the last rank'}",
+                  drill="spike" if spike_drill else "nan")
 
-        if step % log_every == 0 or step == max_steps:
-            loss = mean_over_ranks(loss_sum.item() / grad_accum, ddp, dev)
+        spike = finite and state.loss_ema is not None and loss > spike_factor * state.loss_ema
+        if not finite:
+            state.nonfinite_steps += 1
+            event("nonfinite", f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm.item()}): step skipped "
+                  f"on every rank", loss=str(loss), grad_norm=str(grad_norm.item()))
+        elif spike:
+            state.spikes += 1
+            event("spike", f"loss {loss:.4f} is {loss / state.loss_ema:.1f}x its recent average {state.loss_ema:.4f}",
+                  loss=loss, loss_ema=state.loss_ema)
+        else:
+            state.loss_ema = loss if state.loss_ema is None else LOSS_EMA_DECAY * state.loss_ema + (1 - LOSS_EMA_DECAY) * loss
+        state.bad_in_a_row = 0 if finite and not spike else state.bad_in_a_row + 1
+        step_seconds = time.time() - t_step if step_seconds == 0 else 0.9 * step_seconds + 0.1 * (time.time() - t_step)
+
+        if state.step % log_every == 0 or state.step == max_steps:
             now = time.time()
-            tok_s = (step - step_at_log) * total_batch_tokens / (now - t_log)
+            tok_s = (state.step - step_at_log) * total_batch_tokens / (now - t_log)
             mfu = flops_tok * tok_s / (peak * world) if peak else None
-            eta = (max_steps - step) * (now - t_log) / (step - step_at_log)
-            t_log, step_at_log = now, step
-            row = dict(step=step, loss=loss, lr=lr, grad_norm=grad_norm.item(), tokens=step * total_batch_tokens,
-                       tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(dev), elapsed=elapsed)
+            eta = (max_steps - state.step) * (now - t_log) / (state.step - step_at_log)
+            t_log, step_at_log = now, state.step
+            row = dict(step=state.step, loss=loss, lr=lr, grad_norm=grad_norm.item(),
+                       tokens=state.step * total_batch_tokens, tokens_per_sec=tok_s, mfu=mfu,
+                       mem_gb=peak_memory_gb(dev), elapsed=state.elapsed, cost_usd=state.cost_usd)
             write_metrics(row)
-            log(f"step {step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {row['grad_norm']:.2f} | "
+            log(f"step {state.step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {row['grad_norm']:.2f} | "
                 f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}", flush=True)
-        if step % eval_every == 0 or step == max_steps:
-            val_loss = evaluate()
-            best_val = min(best_val, val_loss)
-            write_metrics(dict(step=step, val_loss=val_loss, val_bpb=val_loss * bpb_scale, tokens=step * total_batch_tokens))
-            log(f"step {step} | val loss {val_loss:.4f} | val bpb {val_loss * bpb_scale:.4f}", flush=True)
-        if step % ckpt_every == 0 or step == max_steps:
-            checkpoint(val_loss)
-            saved_step = step
 
-    if val_loss is None:  # resumed at or past max_steps: still report a validation loss
-        val_loss = evaluate()
-        best_val = min(best_val, val_loss)
-    if saved_step != step:
-        checkpoint(val_loss)
+        new_best, val_loss = False, None
+        if reason is None and (state.step % eval_every == 0 or state.step == max_steps):
+            t0 = time.time()
+            val_loss = evaluate()
+            eval_seconds = time.time() - t0
+            new_best = val_loss < state.best_val_loss
+            if new_best:
+                state.best_val_loss, state.best_step, state.evals_since_best = val_loss, state.step, 0
+            else:
+                state.evals_since_best += 1
+            write_metrics(dict(step=state.step, val_loss=val_loss, val_bpb=val_loss * bpb_scale,
+                               tokens=state.step * total_batch_tokens))
+            log(f"step {state.step} | val loss {val_loss:.4f} | val bpb {val_loss * bpb_scale:.4f}"
+                f"{' (best)' if new_best else ''}", flush=True)
+            if early_stop_patience and state.evals_since_best >= early_stop_patience:
+                reason = "early_stop"
+
+        # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
+        ckpt_pending |= state.step % ckpt_every == 0 or state.step == max_steps
+        if reason == "budget_file_spent":
+            break  # already over the cap: not one more byte or second
+        if (ckpt_pending and state.bad_in_a_row == 0) or (new_best and save_best) or reason:
+            tick()
+            save_seconds = checkpoint(val_loss, new_best)
+            saved_step, ckpt_pending = state.step, False
+        if reason:
+            break
+        if state.bad_in_a_row >= max_bad_steps:
+            if not rollback():
+                reason = "diverged"
+                break
+            saved_step, ckpt_pending = state.step, False
+            t_log, step_at_log = time.time(), state.step
+
+    # the end: a final evaluation and checkpoint when the run completed, then summary.json
+    reason = reason or "max_steps"
+    if reason == "max_steps":
+        if val_loss is None:  # resumed at max_steps
+            val_loss = evaluate()
+            if val_loss < state.best_val_loss:
+                state.best_val_loss, state.best_step = val_loss, state.step
+        if saved_step != state.step:
+            checkpoint(val_loss, val_loss <= state.best_val_loss and save_best)
+    tick()
     if master:
+        status = {"max_steps": "completed", "early_stop": "completed", "diverged": "failed"}.get(reason, "stopped")
         unigram = unigram_baseline(data_dir, manifest, val_data)
-        summary = dict(status="completed", stop_reason="max_steps", steps=step, tokens=step * total_batch_tokens,
-                       final_train_loss=loss, final_val_loss=val_loss, best_val_loss=best_val,
-                       final_val_bpb=val_loss * bpb_scale, unigram_val_loss=unigram, elapsed_s=elapsed,
+        summary = dict(status=status, stop_reason=reason, signal=stop_signal[0] if stop_signal else None,
+                       steps=state.step, tokens=state.step * total_batch_tokens, final_train_loss=loss,
+                       final_val_loss=val_loss, best_val_loss=state.best_val_loss if state.best_step >= 0 else None,
+                       best_step=state.best_step if state.best_step >= 0 else None,
+                       final_val_bpb=None if val_loss is None else val_loss * bpb_scale, unigram_val_loss=unigram,
+                       elapsed_s=state.elapsed, cost_usd=state.cost_usd, spikes=state.spikes,
+                       nonfinite_steps=state.nonfinite_steps, rollbacks=state.rollbacks, lr_scale=state.lr_scale,
                        params=counts, flops_per_token=flops_tok, world_size=world,
-                       checkpoint=find_checkpoint(out_dir))
-        with open(os.path.join(out_dir, "summary.json.tmp"), "w") as f:
-            json.dump(summary, f, indent=1)
-        os.replace(os.path.join(out_dir, "summary.json.tmp"), os.path.join(out_dir, "summary.json"))
-        log(f"done: {step} steps in {format_seconds(elapsed)} | final val loss {val_loss:.4f} "
-            f"(unigram baseline {unigram:.4f}) | summary in {out_dir}/summary.json")
+                       checkpoint=find_checkpoint(out_dir), best_checkpoint=find_checkpoint(out_dir, "best"))
+        write_json(os.path.join(out_dir, "summary.json"), summary)
         metrics.close()
+        if status == "completed":
+            log(f"done ({reason}): {state.step} steps in {format_seconds(state.elapsed)} | "
+                f"final val loss {val_loss:.4f} (best {state.best_val_loss:.4f} at step {state.best_step}, "
+                f"unigram baseline {unigram:.4f}) | summary in {out_dir}/summary.json")
+        elif status == "stopped":
+            log(f"stopped at step {state.step} ({reason}{' ' + stop_signal[0] if reason == 'signal' else ''}) after "
+                f"{format_seconds(state.elapsed)}, ${state.cost_usd:.2f} | "
+                + ("no checkpoint written: already over budget_usd" if reason == "budget_file_spent"
+                   else f"checkpoint {summary['checkpoint']}: the same command resumes"))
     if ddp:
         dist.destroy_process_group()
+    if reason == "diverged":
+        fail(f"{max_bad_steps} bad steps in a row after {state.rollbacks} rollbacks (max_rollbacks={max_rollbacks}): "
+             f"the run diverges; lower learning_rate or check the data (summary in {out_dir}/summary.json)")
 
 
 if __name__ == "__main__":

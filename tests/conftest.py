@@ -27,7 +27,7 @@ def read_metrics(out_dir):
 
 
 def train_losses(out_dir):
-    return {m["step"]: m["loss"] for m in read_metrics(out_dir) if "loss" in m}
+    return {m["step"]: m["loss"] for m in read_metrics(out_dir) if "loss" in m and "event" not in m}
 
 
 @pytest.fixture(scope="session")

@@ -77,14 +77,21 @@ def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data):
     train(tmp_path, stdlib_data, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=3",
           "--ckpt_every=2", "--keep_last=1")
     ckpts = sorted(os.listdir(tmp_path / "ckpt"))
-    assert ckpts == ["latest", "step_0000003"]  # keep_last=1 rotated step 2 away; no temporary folder left
+    # keep_last=1 rotated step 2 away; the final evaluation is the best so far; no temporary folder left
+    assert ckpts == ["best", "latest", "step_0000003"]
     folder = tmp_path / "ckpt/step_0000003"
-    assert {"model.pt", "optimizer.pt", "trainer.pt", "config.json", "tokenizer.json"} <= set(os.listdir(folder))
+    files = {"model.pt", "optimizer.pt", "trainer.pt", "config.json", "tokenizer.json"}
+    assert files | {"complete.json"} <= set(os.listdir(folder))
+    marker = json.load(open(folder / "complete.json"))  # written last: every file's size and CRC32
+    assert marker["step"] == 3 and files <= set(marker["files"])
+    assert all(os.path.getsize(folder / f) == m["bytes"] for f, m in marker["files"].items())
     state = torch.load(folder / "trainer.pt", weights_only=True)
-    assert state["step"] == 3 and state["samples"] == 3 * 2 and state["format"] == 1
+    assert state["step"] == 3 and state["samples"] == 3 * 2 and state["format"] == 2
     assert {"python", "numpy", "torch", "cuda"} <= set(state["rng"][0])
+    assert state["loss_ema"] > 0 and state["elapsed"] > 0 and state["best_step"] == 3 and state["spikes"] == 0
     config = json.load(open(folder / "config.json"))
     assert config["max_steps"] == 3 and config["model"]["n_layer"] == 2 and config["data_fingerprint"]
+    assert config["tokenizer_fingerprint"].startswith("byte:")
 
 
 @pytest.mark.parametrize("args, message", [
