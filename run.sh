@@ -16,8 +16,15 @@
 #   DRYRUN_STEPS  optimizer steps of the dry run (default 20)
 #   PYTHON        the interpreter (default python)
 # Arguments after run.sh are --key=val overrides for train.py (dry run included).
+#
+# SIGTERM, SIGINT or SIGUSR1 to run.sh (a preemption notice) reaches the running stage:
+# train.py saves a checkpoint at the next step and exits, and run.sh stops there with
+# exit 0; the same command later resumes. So does a run that a guard (max_hours,
+# budget_usd, budget_file) stopped.
 set -euo pipefail
 export PYTHONUNBUFFERED=1  # stage output in order, also when piped to a log
+# torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT by default; SLURM's notice is SIGUSR1
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 cd "$(dirname "$0")"
 
 CONFIG=${CONFIG:-config/tiny.py}
@@ -37,11 +44,45 @@ else
     LAUNCH=($PYTHON)
 fi
 
+# the stage runs in the background so that a signal reaches this script's trap at once
+CHILD=
+trap '[[ -n $CHILD ]] && kill -TERM "$CHILD" 2>/dev/null' TERM
+trap '[[ -n $CHILD ]] && kill -INT "$CHILD" 2>/dev/null' INT
+trap '[[ -n $CHILD ]] && kill -USR1 "$CHILD" 2>/dev/null' USR1
+
+# "stopped <reason>" when train.py wrote summary.json into $1 after time $2 and stopped early
+stopped() {
+    $PYTHON - "$1/summary.json" "$2" <<'PY' 2>/dev/null
+import json, os, sys
+path, since = sys.argv[1], float(sys.argv[2])
+if os.path.exists(path) and os.path.getmtime(path) >= since:
+    s = json.load(open(path))
+    if s["status"] == "stopped":
+        print(f"stopped at step {s['steps']} ({s['stop_reason']})")
+PY
+}
+
 stage() {
-    local name=$1
+    local name=$1 rc=0 since
     shift
     echo "=== $name: $*"
-    if ! "$@"; then
+    since=$(date +%s)
+    "$@" &
+    CHILD=$!
+    while kill -0 "$CHILD" 2>/dev/null; do wait "$CHILD" || true; done  # a trapped signal ends wait early
+    wait "$CHILD" || rc=$?
+    CHILD=
+    if [[ $name == train || $name == dryrun ]]; then
+        local out=$OUT
+        [[ $name == dryrun ]] && out=$OUT/dryrun
+        local why
+        why=$(stopped "$out" "$since")
+        if [[ -n $why ]]; then  # torchrun itself exits non-zero after forwarding a signal
+            echo "run.sh: $name $why; run the same command to resume"
+            exit 0
+        fi
+    fi
+    if [[ $rc -ne 0 ]]; then
         echo "run.sh: stage '$name' failed (command: $*)" >&2
         exit 1
     fi

@@ -1,7 +1,8 @@
 """
 Generate text from a trained checkpoint, streaming it as it comes.
 
-    python sample.py --ckpt=out                      # the latest checkpoint of a run
+    python sample.py --ckpt=out                      # the best checkpoint of a run (lowest validation loss)
+    python sample.py --ckpt=out --which=latest       # its newest checkpoint instead
     python sample.py --ckpt=out/ckpt/step_0000600 --prompt="def main(" --temperature=0.8
     python sample.py config/tiny.py                  # the run a config file describes (its out_dir)
 
@@ -20,7 +21,8 @@ from prepare import load_tokenizer
 from train import find_checkpoint, load_model
 
 # --- config
-ckpt = ""                       # a checkpoint folder, or an out_dir (its latest checkpoint); "": out_dir
+ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
+which = "best"                  # for an out_dir: best (lowest validation loss; latest if none evaluated) | latest
 out_dir = "out"                 # used when ckpt is empty (so a run's config file finds its checkpoint)
 prompt = ""                     # text the samples continue
 prompt_file = ""                # read the prompt from this file instead
@@ -36,7 +38,10 @@ device = "auto"                 # auto (cuda if available) | cpu | cuda
 
 def main(argv):
     config = configurator.configure(__file__, argv)
-    path = find_checkpoint(config["ckpt"] or config["out_dir"])
+    if config["which"] not in ("best", "latest"):
+        print(f"error: which={config['which']!r} is not one of best, latest", file=sys.stderr)
+        raise SystemExit(2)
+    path = find_checkpoint(config["ckpt"] or config["out_dir"], config["which"])
     if path is None:
         print(f"error: no checkpoint in {config['ckpt'] or config['out_dir']!r}: "
               f"train first or pass --ckpt=OUT_DIR or a checkpoint folder", file=sys.stderr)
@@ -50,7 +55,12 @@ def main(argv):
             text = f.read()
 
     dev = config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, _ = load_model(path, dev)
+    try:
+        model, _ = load_model(path, dev)
+    except ValueError as e:
+        print(f"error: checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)",
+              file=sys.stderr)
+        raise SystemExit(1)
     tok = load_tokenizer(path)
     ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config["seed"])

@@ -1,10 +1,15 @@
 """run.sh end to end on the embedded default (shortened), and sample.py on its checkpoint."""
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from conftest import read_metrics, run
+from conftest import ROOT, TINY_MODEL, read_metrics, run
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +67,28 @@ def test_run_sh_names_the_failing_stage(tmp_path):
     assert r.returncode != 0 and "stage 'prepare' failed" in r.stderr
     r = run(["bash", "run.sh"], env=dict(STAGES="bogus", PYTHON=sys.executable), check=False)
     assert r.returncode == 2 and "unknown stage 'bogus'" in r.stderr
+
+
+def test_run_sh_forwards_a_preemption_signal_and_stops_cleanly(tmp_path, stdlib_data):
+    """SIGUSR1 (SLURM's notice) to run.sh reaches both torchrun workers; they save the same step and
+    run.sh exits 0 instead of reporting torchrun's non-zero exit as a failed stage."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", STAGES="train sample", NPROC="2", OUT_DIR=str(out),
+               DATA_DIR=stdlib_data, PYTHON=sys.executable)
+    args = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=256", "--max_steps=100000",
+            "--log_every=1", "--eval_every=100000", "--ckpt_every=100000"]
+    p = subprocess.Popen(["bash", "run.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while not (out / "metrics.jsonl").exists() or len(read_metrics(out)) < 5:
+        assert time.time() < deadline and p.poll() is None, p.communicate()[0]
+        time.sleep(0.2)
+    p.send_signal(signal.SIGUSR1)
+    log = p.communicate(timeout=30)[0]
+    assert p.returncode == 0, log
+    summary = json.load(open(out / "summary.json"))
+    assert summary["status"] == "stopped" and summary["signal"] == "SIGUSR1"
+    assert f"run.sh: train stopped at step {summary['steps']} (signal)" in log
+    assert "=== sample" not in log  # a stopped run ends run.sh
+    state = torch.load(out / "ckpt" / f"step_{summary['steps']:07d}" / "trainer.pt", weights_only=True)
+    assert state["step"] == summary["steps"] and len(state["rng"]) == 2
