@@ -119,6 +119,7 @@ MARKER = "complete.json"        # written last into a checkpoint folder: file si
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
+PREEMPT_SAVE_SECONDS = 25       # a save slower than this would not fit between SIGTERM and SIGKILL
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
 
 
@@ -309,13 +310,19 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb):
               file=sys.stderr, flush=True)
         return None
     tmp = os.path.join(ckpt_root, f".tmp-{name}")
-    os.makedirs(tmp)
-    marker = {}
-    for fname, obj in files.items():
-        crc = save_file(obj, os.path.join(tmp, fname))
-        marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
-    save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
-    fsync_dir(tmp)
+    try:
+        os.makedirs(tmp)
+        marker = {}
+        for fname, obj in files.items():
+            crc = save_file(obj, os.path.join(tmp, fname))
+            marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
+        save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
+        fsync_dir(tmp)
+    except OSError as e:  # the disk filled up after all, or went away: drop the partial folder, keep training
+        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"warning: the step {step} checkpoint failed ({first_line(e)}); training goes on: check {ckpt_root}",
+              file=sys.stderr, flush=True)
+        return None
     final = os.path.join(ckpt_root, name)
     shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
     os.replace(tmp, final)
@@ -354,8 +361,8 @@ def load_checkpoint(path, device):
     """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong."""
     verify_checkpoint(path)
     try:
-        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device, weights_only=True)
-                for name in ("model", "optimizer", "trainer")}
+        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device if name != "trainer" else "cpu",
+                                 weights_only=True) for name in ("model", "optimizer", "trainer")}
         with open(os.path.join(path, "config.json")) as f:
             ckpt["config"] = json.load(f)
     except Exception as e:  # a damaged pickle can raise many kinds of error; all mean "unreadable"
@@ -404,16 +411,16 @@ def rng_state():
     return dict(python=random.getstate(), numpy=[x.tolist() if isinstance(x, np.ndarray) else x
                                                    for x in np.random.get_state()],
                 torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)  # this rank's GPU
 
 
 def set_rng_state(state):
     random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"].cpu())
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def tokenizer_fingerprint(data_dir, manifest):
@@ -712,6 +719,10 @@ def main(argv):
             path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb)
             if path:
                 log(f"checkpoint {path} ({time.time() - t0:.1f}s)", flush=True)
+            if time.time() - t0 > PREEMPT_SAVE_SECONDS:
+                warn(f"that save took {time.time() - t0:.0f}s: more than the ~30 s torchrun and most clouds leave "
+                     f"between SIGTERM and SIGKILL, so a preemption would lose the steps since the last checkpoint; "
+                     f"write checkpoints to a faster local disk")
         if ddp:
             dist.barrier()  # every rank leaves with the checkpoint on disk (a rollback may read it next)
         return time.time() - t0
