@@ -18,7 +18,7 @@ import torch
 
 import configurator
 from prepare import load_tokenizer
-from train import find_checkpoint, load_model
+from train import find_checkpoint, first_line, load_model
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -45,14 +45,19 @@ def main(argv):
     if path is None:
         print(f"error: no checkpoint in {config['ckpt'] or config['out_dir']!r}: "
               f"train first or pass --ckpt=OUT_DIR or a checkpoint folder", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     if config["max_new_tokens"] < 0 or config["num_samples"] < 1 or config["temperature"] < 0:
         print("error: need max_new_tokens >= 0, num_samples >= 1 and temperature >= 0", file=sys.stderr)
         raise SystemExit(2)
     text = config["prompt"]
     if config["prompt_file"]:
-        with open(config["prompt_file"], encoding="utf-8") as f:
-            text = f.read()
+        try:
+            with open(config["prompt_file"], encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"error: cannot read prompt_file {config['prompt_file']} ({first_line(e)}): "
+                  f"give a UTF-8 text file or --prompt=TEXT", file=sys.stderr)
+            raise SystemExit(1) from None
 
     dev = config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -60,7 +65,7 @@ def main(argv):
     except ValueError as e:
         print(f"error: checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)",
               file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     tok = load_tokenizer(path)
     ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config["seed"])

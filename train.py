@@ -54,7 +54,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 from model import GPT, GPTConfig, flops_per_token, param_counts, peak_flops
-from prepare import load_manifest, open_shard
+from prepare import load_manifest, open_shard, read_header
 
 # --- config
 # I/O
@@ -181,10 +181,16 @@ class Loader:
         self.block_size, self.seed = block_size, seed
         self.shards = []
         for s in manifest["splits"][split]["shards"]:
+            path = os.path.join(data_dir, s["file"])
             try:
-                self.shards.append(open_shard(os.path.join(data_dir, s["file"])))
-            except (OSError, ValueError) as e:
-                fail(f"cannot read shard {s['file']} of {data_dir} ({first_line(e)}): rebuild the data with prepare.py --force")
+                if read_header(path)["vocab_size"] != manifest["vocab_size"]:
+                    raise ValueError(f"{path}: vocab_size {read_header(path)['vocab_size']} in its header, "
+                                     f"{manifest['vocab_size']} in manifest.json")
+                self.shards.append(open_shard(path))
+            except ValueError as e:  # read_header's message names the shard; most also name the fix
+                fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
+            except OSError as e:
+                fail(f"cannot read shard {path} ({first_line(e)}): rebuild the data with prepare.py --force")
         counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self.starts = np.cumsum([0] + counts)
         self.n = int(self.starts[-1])
@@ -576,6 +582,9 @@ def main(argv):
     if vocab_size is not None and vocab_size != manifest["vocab_size"]:
         fail(f"vocab_size={vocab_size} but {data_dir} was tokenized with {manifest['tokenizer']} "
              f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
+    for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with prepare.py --force")
     train_data = Loader(data_dir, "train", manifest, block_size, seed)
     val_data = Loader(data_dir, "val", manifest, block_size, seed)
     rare = None

@@ -1,0 +1,280 @@
+"""Bad input: every row of README's "What podgpt refuses" table.
+
+Each row builds a bad situation under tmp_path (a damaged copy of the test dataset, a
+copy of a finished run with a damaged or mismatched checkpoint, a config file that
+raises, ...), runs the script, and checks the contract: exit status 2 for config
+mistakes (configurator.py) and 1 for the rest, one "error: ..." line on stderr naming
+the problem and the fix (after "warning: ..." lines where a row expects them), no
+traceback, and not one file or folder under tmp_path added, removed or modified.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from conftest import TINY_MODEL, run
+
+TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128"]
+CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, stdlib_data):
+    """An out_dir with a completed 1-step run of the tiny model on stdlib_data; rows copy it."""
+    out = tmp_path_factory.mktemp("bad_input") / "run"
+    run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN, "--max_steps=1"])
+    assert os.path.isfile(out / CKPT / "complete.json")
+    return out
+
+
+# -----------------------------------------------------------------------------
+# setups: each gets ctx (tmp, and the fixtures' paths), builds the situation under ctx.tmp,
+# and returns the script's arguments; ctx's fields fill the {placeholders} of the row's message
+
+def data(ctx):
+    """A private copy of the dataset (rows may damage it; the shared fixture stays intact)."""
+    if not os.path.isdir(ctx.tmp / "data"):
+        shutil.copytree(ctx.stdlib_data, ctx.tmp / "data")
+    return ctx.tmp / "data"
+
+
+def finished(ctx):
+    """A private copy of the finished run, next to a copy of its data."""
+    data(ctx)
+    shutil.copytree(ctx.finished_run, ctx.tmp / "out")
+    return ctx.tmp / "out"
+
+
+def train_args(ctx, *args, data_dir="data", out_dir="out"):
+    """train.py on the tiny model for one step, on ctx.tmp/data_dir into ctx.tmp/out_dir, then args."""
+    return ["train.py", f"--data_dir={ctx.tmp / data_dir}", f"--out_dir={ctx.tmp / out_dir}", *TINY_RUN,
+            "--max_steps=1", *args]
+
+
+def plain(*args):
+    """Good data, a fresh out_dir, and these arguments."""
+    def setup(ctx):
+        data(ctx)
+        return train_args(ctx, *args)
+    return setup
+
+
+def config_file(text):
+    """A config file with this text, given before the arguments."""
+    def setup(ctx):
+        data(ctx)
+        (ctx.tmp / "conf.py").write_text(text)
+        return ["train.py", ctx.tmp / "conf.py", *train_args(ctx)[1:]]
+    return setup
+
+
+def set_header(shard, index, value):
+    """Overwrite int64 number `index` of a shard's 128-int64 little-endian header."""
+    def setup(ctx):
+        path = data(ctx) / shard
+        header = np.fromfile(path, dtype="<i8", count=128)
+        header[index] = value
+        with open(path, "r+b") as f:
+            f.write(header.tobytes())
+        return train_args(ctx)
+    return setup
+
+
+def cut_shard(shard, size):
+    """Truncate a shard to `size` bytes (negative: that many bytes fewer)."""
+    def setup(ctx):
+        path = data(ctx) / shard
+        ctx.full = os.path.getsize(path)
+        ctx.size = size if size >= 0 else ctx.full + size
+        os.truncate(path, ctx.size)
+        return train_args(ctx)
+    return setup
+
+
+def remove(name):
+    """Delete a file of the dataset that its manifest.json lists."""
+    def setup(ctx):
+        os.remove(data(ctx) / name)
+        return train_args(ctx)
+    return setup
+
+
+def no_data_dir(ctx):
+    return train_args(ctx, data_dir="nodata")
+
+
+def garbage_manifest(ctx):
+    (data(ctx) / "manifest.json").write_text("{garbage")
+    return train_args(ctx)
+
+
+def block_longer_than_val(ctx):
+    ctx.val = json.load(open(data(ctx) / "manifest.json"))["splits"]["val"]["tokens"]
+    ctx.val1 = ctx.val + 1
+    return train_args(ctx, f"--block_size={ctx.val}", "--micro_batch_size=1", f"--total_batch_tokens={ctx.val}")
+
+
+def flip_byte(path):
+    b = bytearray(path.read_bytes())
+    b[len(b) // 2] ^= 0xFF
+    path.write_bytes(bytes(b))
+
+
+def damaged_checkpoint(*args):
+    """The finished run with one byte of its checkpoint's model.pt flipped."""
+    def setup(ctx):
+        flip_byte(finished(ctx) / CKPT / "model.pt")
+        return train_args(ctx, "--max_steps=2", *[a.format(**vars(ctx)) for a in args])
+    return setup
+
+
+def other_shape(ctx):
+    finished(ctx)
+    return train_args(ctx, "--max_steps=2", "--n_layer=3")
+
+
+def out_dir_under_a_file(ctx):
+    """Tests run as root, where no permission stops a write: a path under a regular file does."""
+    data(ctx)
+    (ctx.tmp / "afile").write_text("a file, not a folder")
+    return train_args(ctx, out_dir="afile/out")
+
+
+def sample_damaged(ctx):
+    flip_byte(finished(ctx) / CKPT / "model.pt")
+    return ["sample.py", f"--ckpt={ctx.tmp / 'out'}", "--device=cpu", "--max_new_tokens=4"]
+
+
+def sample_no_prompt_file(ctx):
+    finished(ctx)
+    return ["sample.py", f"--ckpt={ctx.tmp / 'out'}", "--device=cpu", "--max_new_tokens=4",
+            f"--prompt_file={ctx.tmp / 'prompt.txt'}"]
+
+
+def prepare_bad_tokenizer(ctx):
+    return ["prepare.py", "--tokenizer=wordpiece", f"--data_dir={data(ctx)}"]  # over existing data: kept as is
+
+
+def prepare_foreign_dir(ctx):
+    (ctx.tmp / "mine").mkdir()
+    (ctx.tmp / "mine" / "notes.txt").write_text("not podgpt's")
+    return ["prepare.py", "--max_docs=10", f"--data_dir={ctx.tmp / 'mine'}"]
+
+
+# id, setup, exit status, the error line after "error: " (… stands for any text; {placeholders} are ctx's
+# fields), and the warning lines that come before it
+ROWS = [
+    # configurator.py: exit 2
+    ("unknown-key", plain("--max_step=5"), 2, "unknown key 'max_step' (did you mean 'max_steps'?); see --help"),
+    ("wrong-type", plain("--max_steps=1.5"), 2, "max_steps expects int (default 1000), got 1.5"),
+    ("config-file-raises", config_file("n_layer = int('twelve')\n"), 2,
+     "{tmp}/conf.py failed to run: ValueError: invalid literal for int() with base 10: 'twelve'"),
+    # train.py: exit 1
+    ("missing-data-dir", no_data_dir, 1,
+     "no manifest.json in {tmp}/nodata: run python prepare.py --data_dir={tmp}/nodata"),
+    ("unreadable-manifest", garbage_manifest, 1,
+     "{tmp}/data/manifest.json is unreadable (…): rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("missing-counts-file", remove("train_counts.npy"), 1,
+     "{tmp}/data has no train_counts.npy, which its manifest.json lists: rebuild the data with prepare.py --force"),
+    ("empty-shard", cut_shard("val_000000.bin", 0), 1,
+     "{tmp}/data/val_000000.bin: truncated shard (0 bytes, shorter than its 1024-byte header): "
+     "rebuild the data with prepare.py --force"),
+    ("truncated-shard", cut_shard("train_000000.bin", -100), 1,
+     "{tmp}/data/train_000000.bin: {size} bytes, but its header promises {full} (truncated or corrupt): "
+     "rebuild with prepare.py --force"),
+    ("bad-magic", set_header("train_000000.bin", 0, 12345), 1,
+     "{tmp}/data/train_000000.bin: not a podgpt shard (bad magic 12345, expected 20240520): "
+     "rebuild the data with prepare.py --force"),
+    ("bad-version", set_header("val_000000.bin", 1, 2), 1,
+     "{tmp}/data/val_000000.bin: unsupported shard version 2 (this code reads 1): "
+     "rebuild it with this prepare.py --force"),
+    ("shard-of-another-vocabulary", set_header("train_000000.bin", 4, 50257), 1,
+     "{tmp}/data/train_000000.bin: vocab_size 50257 in its header, 257 in manifest.json: "
+     "rebuild the data with prepare.py --force"),
+    ("vocab-mismatch", plain("--vocab_size=50257"), 1,
+     "vocab_size=50257 but {tmp}/data was tokenized with byte (257 tokens): set vocab_size=None or prepare "
+     "matching data"),
+    ("block-longer-than-val", block_longer_than_val, 1,
+     "the val split of {tmp}/data has fewer than block_size+1 = {val1} tokens: lower block_size or prepare more data"),
+    ("no-checkpoint-to-resume", plain("--resume=/nonexistent"), 1,
+     "resume=/nonexistent: no checkpoint there (give a checkpoint folder or an out_dir with ckpt/latest)"),
+    ("corrupt-checkpoint", damaged_checkpoint("--resume={tmp}/out/" + CKPT), 1,
+     "checkpoint {tmp}/out/" + CKPT + " is damaged: model.pt is corrupt (CRC32 …): give another checkpoint "
+     "folder or --resume=auto"),
+    ("all-checkpoints-damaged", damaged_checkpoint(), 1,
+     "no checkpoint in {tmp}/out/ckpt reads back intact (see the warnings): move them away to start over, or give "
+     "resume= a checkpoint folder",
+     ["skipping checkpoint {tmp}/out/" + CKPT + ": model.pt is corrupt (CRC32 …)"]),
+    ("checkpoint-of-another-shape", other_shape, 1,
+     "checkpoint {tmp}/out/" + CKPT + " has another model shape (n_layer 2 -> 3): use a new out_dir, or the "
+     "checkpoint's shape"),
+    ("out-dir-under-a-file", out_dir_under_a_file, 1,
+     "out_dir {tmp}/afile/out is not writable (NotADirectoryError: …): choose another out_dir"),
+    ("batch-not-divisible", plain("--micro_batch_size=3", "--total_batch_tokens=500"), 1,
+     "total_batch_tokens=500 is not a multiple of micro_batch_size*block_size*world_size = 3*64*1 = 192: "
+     "use a multiple of 192"),
+    ("zero-steps", plain("--max_steps=0"), 1, "max_steps=0 must be positive"),
+    ("zero-learning-rate", plain("--learning_rate=0"), 1, "learning_rate=0.0 must be positive"),
+    ("negative-learning-rate", plain("--learning_rate=-1e-3"), 1, "learning_rate=-0.001 must be positive"),
+    ("zero-micro-batch", plain("--micro_batch_size=0"), 1, "micro_batch_size=0 must be positive"),
+    ("min-lr-above-lr", plain("--min_lr=1e-2"), 1,
+     "min_lr=0.01 is above learning_rate=0.001: the schedule decays from learning_rate to min_lr"),
+    # sample.py: exit 1
+    ("sample-corrupt-checkpoint", sample_damaged, 1,
+     "checkpoint {tmp}/out/" + CKPT + " cannot be used: model.pt is corrupt (CRC32 …): pick another "
+     "(--ckpt=<folder>, --which=latest)"),
+    ("sample-missing-prompt-file", sample_no_prompt_file, 1,
+     "cannot read prompt_file {tmp}/prompt.txt (FileNotFoundError: …): give a UTF-8 text file or --prompt=TEXT"),
+    # prepare.py: exit 1
+    ("prepare-unknown-tokenizer", prepare_bad_tokenizer, 1,
+     "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
+    ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
+     "{tmp}/mine exists and holds no manifest.json: not replacing it; choose another --data_dir or remove it"),
+]
+
+
+def says(line, prefix, message, ctx):
+    """Whether line is prefix + message, where … in message stands for any text."""
+    pattern = ".*".join(re.escape(part) for part in (prefix + message.format(**vars(ctx))).split("…"))
+    return re.fullmatch(pattern, line) is not None
+
+
+def snapshot(root):
+    """{relative path: ("dir",) or (size, mtime_ns, sha256)} of everything under root."""
+    snap = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            snap[os.path.relpath(os.path.join(dirpath, name), root)] = ("dir",)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            with open(path, "rb") as f:
+                snap[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
+    return snap
+
+
+@pytest.mark.parametrize("setup, status, message, warnings", [(*r[1:4], r[4] if len(r) > 4 else []) for r in ROWS],
+                         ids=[r[0] for r in ROWS])
+def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, status, message, warnings):
+    ctx = SimpleNamespace(tmp=tmp_path, stdlib_data=stdlib_data, finished_run=finished_run)
+    args = setup(ctx)
+    before = snapshot(tmp_path)
+    r = run([sys.executable, *map(str, args)], check=False)
+    shown = f"exit {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr, shown
+    assert r.returncode == status, shown
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == len(warnings) + 1, shown
+    for line, warning in zip(lines, warnings):
+        assert says(line, "warning: ", warning, ctx), shown
+    assert says(lines[-1], "error: ", message, ctx), shown
+    after = snapshot(tmp_path)
+    changed = sorted(p for p in before if p in after and before[p] != after[p])
+    assert (sorted(set(after) - set(before)), sorted(set(before) - set(after)), changed) == ([], [], []), \
+        "(added, removed, changed) under tmp_path"
