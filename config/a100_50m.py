@@ -51,3 +51,11 @@ log_every = 10
 seed = 42
 dtype = "bfloat16"
 compile = True
+# the $35 hard cap (seed 002): the rate guard stops the run, checkpointed, before the
+# spend (wall clock x 1 GPU x $1.10/h) would pass $35. With the runbook's sidecar
+# writing /workspace/budget.json, add --budget_file=/workspace/budget.json: it is read
+# every 30 minutes, warns above 85% ($29.75), checkpoints and exits when the projected
+# total passes $35, and exits without writing when $35 is already spent.
+budget_usd = 35.0
+usd_per_gpu_hour = 1.10
+budget_check_minutes = 30.0

@@ -47,3 +47,11 @@ ckpt_every = 730           # the runbook's "every hour"
 log_every = 10
 dtype = "bfloat16"
 compile = True
+# the runbook's limits: 31 hours, $1000 at $4/GPU-hour on 8 GPUs; whichever comes first
+# stops the run with a checkpoint. It also warns of overfitting (9 passes over a small
+# corpus) and says to use the best checkpoint, not the last: stop after 3 evaluations
+# (~3 hours) without a new best validation loss; sample.py takes ckpt/best by default.
+max_hours = 31.0
+budget_usd = 1000.0
+usd_per_gpu_hour = 4.0
+early_stop_patience = 3
