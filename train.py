@@ -347,8 +347,8 @@ def verify_checkpoint(path):
     """Raise ValueError saying what is wrong if the folder is not a complete, intact checkpoint."""
     try:
         with open(os.path.join(path, MARKER)) as f:
-            files = json.load(f)["files"]
-    except (OSError, ValueError, KeyError) as e:
+            files = {n: dict(bytes=int(m["bytes"]), crc32=int(m["crc32"])) for n, m in json.load(f)["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"incomplete, no readable {MARKER} ({first_line(e)})") from None
     for fname, want in files.items():
         file = os.path.join(path, fname)
@@ -657,6 +657,16 @@ def main(argv):
                  f"point data_dir at its data, or --allow_resume_mismatch=True to continue on this data")
         restore(ckpt)
         del ckpt
+    # the guards also count what a killed run spent after its last checkpoint (clock.json, see tick)
+    clock_path = os.path.join(out_dir, "clock.json")
+    if resume != "never" and os.path.exists(clock_path):
+        try:
+            with open(clock_path) as f:
+                clock = json.load(f)
+            state.elapsed = max(state.elapsed, float(clock["elapsed"]))
+            state.cost_usd = max(state.cost_usd, float(clock["cost_usd"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            warn(f"ignoring {clock_path} ({first_line(e)}): time and cost count from the checkpoint")
 
     # out_dir must take writes before any step is spent
     try:
@@ -739,7 +749,8 @@ def main(argv):
     # timing for the guards: wall clock and spend accrue step by step, startup included
     t_last = t_start
     step_seconds = 0.0
-    save_seconds = 3 * tensor_bytes(raw_model.state_dict()) / 200e6  # weights + AdamW's 2 moments at 200 MB/s, until measured
+    # until a save is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s
+    save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
     eval_seconds = 0.0
     next_budget_check = 0.0
     gpu_rate = world * usd_per_gpu_hour / 3600  # dollars per wall-clock second
@@ -789,13 +800,14 @@ def main(argv):
         return v[0] / grad_accum / world, v[1] == 0, reason
 
     def rollback():
-        """Back to the newest good checkpoint at half the learning rate; False when no rollback is left."""
+        """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
         if state.rollbacks >= max_rollbacks:
-            return False
+            return (f"{max_bad_steps} bad steps in a row after {state.rollbacks} rollbacks (max_rollbacks="
+                    f"{max_rollbacks}): the run diverges; lower learning_rate or check the data")
         path, ckpt = newest_good_checkpoint(ckpt_root, dev, warn)
         if ckpt is None:
-            fail(f"{state.bad_in_a_row} bad steps in a row at step {state.step} and no checkpoint to roll back to: "
-                 f"lower learning_rate, raise warmup_steps, or check the data")
+            return (f"{state.bad_in_a_row} bad steps in a row at step {state.step} and no checkpoint to roll back to: "
+                    f"lower learning_rate, raise warmup_steps, or check the data")
         keep = dict(elapsed=state.elapsed, cost_usd=state.cost_usd, spikes=state.spikes,
                     nonfinite_steps=state.nonfinite_steps, injected=state.injected,
                     rollbacks=state.rollbacks + 1, lr_scale=state.lr_scale * 0.5)
@@ -805,7 +817,7 @@ def main(argv):
         event("rollback", f"{max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
               f"learning rate x {state.lr_scale:g} (rollback {state.rollbacks} of {max_rollbacks})",
               from_step=bad_at, lr_scale=state.lr_scale, rollbacks=state.rollbacks)
-        return True
+        return None
 
     def injecting(kind, at):
         """Whether this step is one of the drill's; each drill step fires once, even if a rollback replays it."""
@@ -819,7 +831,7 @@ def main(argv):
     t_log, step_at_log = time.time(), state.step
     val_loss, loss = None, None
     saved_step = state.step if ckpt_path else -1
-    ckpt_pending = False
+    ckpt_pending, diverged = False, None
     tick()
     reason = guard() if master else None  # a resumed run may already be past a limit
     if ddp:
@@ -889,6 +901,8 @@ def main(argv):
                        tokens=state.step * total_batch_tokens, tokens_per_sec=tok_s, mfu=mfu,
                        mem_gb=peak_memory_gb(dev), elapsed=state.elapsed, cost_usd=state.cost_usd)
             write_metrics(row)
+            if master:
+                write_json(clock_path, dict(elapsed=state.elapsed, cost_usd=state.cost_usd))
             log(f"step {state.step}/{max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {row['grad_norm']:.2f} | "
                 f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}", flush=True)
@@ -916,12 +930,13 @@ def main(argv):
             break  # already over the cap: not one more byte or second
         if (ckpt_pending and state.bad_in_a_row == 0) or (new_best and save_best) or reason:
             tick()
-            save_seconds = checkpoint(val_loss, new_best)
+            save_seconds = max(save_seconds, checkpoint(val_loss, new_best))  # the slowest save so far
             saved_step, ckpt_pending = state.step, False
         if reason:
             break
         if state.bad_in_a_row >= max_bad_steps:
-            if not rollback():
+            diverged = rollback()
+            if diverged:
                 reason = "diverged"
                 break
             saved_step, ckpt_pending = state.step, False
@@ -950,6 +965,7 @@ def main(argv):
                        params=counts, flops_per_token=flops_tok, world_size=world,
                        checkpoint=find_checkpoint(out_dir), best_checkpoint=find_checkpoint(out_dir, "best"))
         write_json(os.path.join(out_dir, "summary.json"), summary)
+        write_json(clock_path, dict(elapsed=state.elapsed, cost_usd=state.cost_usd))
         metrics.close()
         if status == "completed":
             log(f"done ({reason}): {state.step} steps in {format_seconds(state.elapsed)} | "
@@ -963,8 +979,7 @@ def main(argv):
     if ddp:
         dist.destroy_process_group()
     if reason == "diverged":
-        fail(f"{max_bad_steps} bad steps in a row after {state.rollbacks} rollbacks (max_rollbacks={max_rollbacks}): "
-             f"the run diverges; lower learning_rate or check the data (summary in {out_dir}/summary.json)")
+        fail(f"{diverged} (summary in {out_dir}/summary.json)")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,489 @@
+"""train.py survives what a rented pod does to it: kills, kills mid-save, damaged checkpoints,
+preemption signals, a different number of GPUs on resume, and a rank that dies.
+
+Every "bit-identical" claim here is checked exactly: the same float for every step's loss
+(and lr, grad norm) in metrics.jsonl, and torch.equal on every tensor of the final checkpoint's
+model.pt and optimizer.pt (and the loop state and RNG states in trainer.pt), fp32 on CPU.
+
+To stop a run at a chosen moment the tests run train.main from a small wrapper script (written
+into tmp_path) that patches one function of train.py: Loader.train_batch to SIGKILL the process
+(or raise) when the step it is about to run is the chosen one, or save_file to SIGKILL it while
+a checkpoint's optimizer.pt is half written. The resume is always the plain `train.py` with the
+same arguments: "the same command again".
+"""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_MODEL, read_metrics, run, train_losses
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
+# 8 sequences of 64 tokens per step: accumulation 2 on one process, 1 on each of two ranks;
+# an evaluation only at the end, and every checkpoint kept (the tests below pick older ones)
+ARGS = ["--micro_batch_size=4", "--total_batch_tokens=512", f"--max_steps={MAX_STEPS}", f"--ckpt_every={CKPT_EVERY}",
+        "--log_every=1", "--eval_every=1000", "--keep_last=10"]
+# a constant learning rate (warmup of one step at the peak, cosine from the peak to the peak):
+# no step depends on max_steps, so a run stopped under one max_steps compares with a run of another
+CONSTANT_LR = ["--warmup_steps=1", "--learning_rate=1e-3", "--min_lr=1e-3"]
+
+
+def kill_points(rng, n):
+    """n 0-based steps at which to kill a run (the step about to run; that many steps are done):
+    right after a checkpoint, just before the next one, then anywhere after the first checkpoint."""
+    after = rng.choice(range(CKPT_EVERY, MAX_STEPS, CKPT_EVERY))                 # 5, 10 or 15: nothing lost
+    before = rng.choice(range(CKPT_EVERY, MAX_STEPS - CKPT_EVERY, CKPT_EVERY)) + CKPT_EVERY - 1  # 9 or 14
+    rest = [k for k in range(CKPT_EVERY, MAX_STEPS) if k not in (after, before)]
+    return ([after, before] + rng.sample(rest, max(0, n - 2)))[:n]
+
+
+SINGLE_KILLS = kill_points(random.Random(4), 3)  # [5, 14, 7]
+DDP_KILLS = kill_points(random.Random(6), 2)  # [15, 9]
+
+WRAPPER = """\
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import train
+
+RANK = int(os.environ.get("RANK", 0))
+
+
+def step_of(first_sample):
+    # the 0-based optimizer step a train_batch call belongs to (train.py's globals hold the config by now)
+    return first_sample // (train.total_batch_tokens // train.block_size)
+
+
+{body}
+
+train.main(sys.argv[1:])
+"""
+
+KILL_AT_STEP = """\
+_train_batch = train.Loader.train_batch
+
+
+def train_batch(self, first_sample, size, device):
+    if RANK == {rank} and step_of(first_sample) == {step}:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _train_batch(self, first_sample, size, device)
+
+
+train.Loader.train_batch = train_batch
+"""
+
+RAISE_AT_STEP = """\
+_train_batch = train.Loader.train_batch
+
+
+def train_batch(self, first_sample, size, device):
+    if RANK == {rank} and step_of(first_sample) == {step}:
+        raise RuntimeError("injected failure on rank {rank} at step {step}")
+    return _train_batch(self, first_sample, size, device)
+
+
+train.Loader.train_batch = train_batch
+"""
+
+KILL_IN_SECOND_SAVE = """\
+import io
+import torch
+
+_save_file = train.save_file
+optimizer_saves = []
+
+
+def save_file(obj, path):
+    if os.path.basename(path) == "optimizer.pt":
+        optimizer_saves.append(path)
+        if len(optimizer_saves) == 2:  # the second checkpoint: half of optimizer.pt on disk, then die
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            with open(path, "wb") as f:
+                f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+                f.flush()
+                os.fsync(f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+    return _save_file(obj, path)
+
+
+train.save_file = save_file
+"""
+
+
+def wrapper(tmp_path, body, **fmt):
+    """A script that patches train.py as `body` says, then runs train.main with its arguments."""
+    path = tmp_path / "wrapped_train.py"
+    path.write_text(WRAPPER.format(root=ROOT, body=body.format(**fmt)))
+    return str(path)
+
+
+def train(out, data, *args, script="train.py", nproc=1, check=True, env=None, timeout=300):
+    """Run train.py (or a wrapper of it) on the tiny model: one process, or `nproc` ranks under torchrun."""
+    launch = [sys.executable] if nproc == 1 else TORCHRUN
+    return run([*launch, script, f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
+               env=env, check=check, timeout=timeout)
+
+
+def popen_train(out, data, *args, nproc=1, log_dir=None):
+    """Start train.py in the background (stdout/stderr to files in out's parent); for the signal tests.
+    Under torchrun, log_dir makes each worker's output go to its own files, apart from torchrun's."""
+    launch = [sys.executable] if nproc == 1 else TORCHRUN + [f"--log-dir={log_dir}", "--redirects=3"]
+    base = str(out) + ".console"
+    with open(base + ".out", "w") as stdout, open(base + ".err", "w") as stderr:
+        return subprocess.Popen([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
+                                cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=stdout, stderr=stderr)
+
+
+def logged_steps(out):
+    """Steps in metrics.jsonl so far, counting only whole lines (the run may be writing one)."""
+    try:
+        with open(out / "metrics.jsonl") as f:
+            return sum(1 for line in f if line.endswith("\n") and '"loss"' in line and '"event"' not in line)
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_steps(p, out, n, timeout=120):
+    """Wait until a running train.py has logged n steps."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert p.poll() is None, f"the run exited ({p.returncode}) before logging {n} steps"
+        if logged_steps(out) >= n:
+            return
+        time.sleep(0.05)
+    p.kill()
+    raise AssertionError(f"no {n} logged steps within {timeout}s")
+
+
+def children(pid):
+    """Pids of the live child processes of pid (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                kids.append(int(entry))
+    return kids
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def read_text(path):
+    with open(path) as f:
+        return f.read()
+
+
+def load(folder, name):
+    return torch.load(os.path.join(folder, name), weights_only=True)
+
+
+def assert_identical(a, b, where):
+    """a == b exactly, recursively: tensors by torch.equal (same dtype and shape), floats by ==."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: max difference {(a.double() - b.double()).abs().max().item()}"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {sorted(a)} vs {sorted(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def step_rows(out):
+    """metrics.jsonl's per-step rows, in file order."""
+    return [m for m in read_metrics(out) if "loss" in m and "event" not in m]
+
+
+def assert_same_run(out, ref, steps=MAX_STEPS):
+    """out is bit-identical to the uninterrupted run ref: every step logged once, in order, with the
+    same loss, lr and grad norm; the final checkpoint's weights, AdamW state and loop state equal."""
+    rows, ref_rows = step_rows(out), step_rows(ref)
+    assert [m["step"] for m in rows] == list(range(1, steps + 1))  # lines past the resumed checkpoint were dropped
+    assert train_losses(out) == train_losses(ref)
+    for m, r in zip(rows, ref_rows):
+        assert (m["lr"], m["grad_norm"]) == (r["lr"], r["grad_norm"]), m["step"]
+    final = f"ckpt/step_{steps:07d}"
+    assert_identical(load(out / final, "model.pt"), load(ref / final, "model.pt"), "model.pt")
+    assert_identical(load(out / final, "optimizer.pt"), load(ref / final, "optimizer.pt"), "optimizer.pt")
+    t, t_ref = load(out / final, "trainer.pt"), load(ref / final, "trainer.pt")
+    for state in (t, t_ref):
+        del state["elapsed"]  # wall clock: the only thing allowed to differ
+    assert_identical(t, t_ref, "trainer.pt")  # step, samples, loss EMA, best val loss, every rank's RNG states
+
+
+def ckpt_steps(out):
+    return sorted(int(d[5:]) for d in os.listdir(out / "ckpt") if d.startswith("step_"))
+
+
+@pytest.fixture(scope="module")
+def ref_single(tmp_path_factory, stdlib_data):
+    """The uninterrupted one-process run that the interrupted ones must reproduce."""
+    out = tmp_path_factory.mktemp("resume") / "ref_single"
+    train(out, stdlib_data, *ARGS)
+    assert ckpt_steps(out) == [5, 10, 15, 16]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref_ddp(tmp_path_factory, stdlib_data):
+    """The uninterrupted 2-rank run (gloo)."""
+    out = tmp_path_factory.mktemp("resume") / "ref_ddp"
+    r = train(out, stdlib_data, *ARGS, nproc=2)
+    assert "world 2 x micro 4 x accum 1" in r.stdout
+    assert ckpt_steps(out) == [5, 10, 15, 16]
+    return out
+
+
+# -----------------------------------------------------------------------------
+# 1. SIGKILL at any step after the first checkpoint, then the same command: bit-identical
+
+def test_kill_points_cover_both_ends_of_a_checkpoint_interval():
+    # the seeded choice includes the step right after a checkpoint and the one just before the next
+    for kills in (SINGLE_KILLS, DDP_KILLS):
+        assert {0, CKPT_EVERY - 1} <= {k % CKPT_EVERY for k in kills}, kills
+    assert all(CKPT_EVERY <= k < MAX_STEPS for k in SINGLE_KILLS + DDP_KILLS) and len(set(SINGLE_KILLS)) == 3
+
+
+@pytest.mark.parametrize("kill_step", SINGLE_KILLS)
+def test_sigkill_then_resume_is_bit_identical(tmp_path, stdlib_data, ref_single, kill_step):
+    """One process SIGKILLed as it starts step kill_step (0-based; kill_step steps done), then
+    `train.py` with the same arguments: the same losses, weights and AdamW state as never stopped."""
+    out = tmp_path / "out"
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=0, step=kill_step), check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert max(train_losses(out)) == kill_step  # it died before logging step kill_step + 1
+    last = kill_step // CKPT_EVERY * CKPT_EVERY
+    assert ckpt_steps(out)[-1] == last
+    r = train(out, stdlib_data, *ARGS)
+    assert f"resumed from {out}/ckpt/step_{last:07d} at step {last}" in r.stdout
+    assert_same_run(out, ref_single)
+
+
+@pytest.mark.parametrize("kill_step", DDP_KILLS)
+def test_ddp_sigkill_of_one_rank_then_resume_is_bit_identical(tmp_path, stdlib_data, ref_ddp, kill_step):
+    """2 ranks under torchrun (gloo); rank 1 SIGKILLs itself as it starts step kill_step, torchrun
+    takes rank 0 down and fails; the same torchrun command with train.py resumes bit-identically."""
+    out = tmp_path / "out"
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill_step), nproc=2,
+              check=False)
+    assert r.returncode != 0
+    assert max(train_losses(out)) == kill_step
+    last = kill_step // CKPT_EVERY * CKPT_EVERY
+    assert ckpt_steps(out)[-1] == last
+    r = train(out, stdlib_data, *ARGS, nproc=2)
+    assert f"resumed from {out}/ckpt/step_{last:07d} at step {last}" in r.stdout
+    assert_same_run(out, ref_ddp)
+    assert len(load(out / f"ckpt/step_{MAX_STEPS:07d}", "trainer.pt")["rng"]) == 2
+
+
+# -----------------------------------------------------------------------------
+# 2. a kill in the middle of writing a checkpoint
+
+def test_kill_while_saving_leaves_the_previous_checkpoint(tmp_path, stdlib_data, ref_single):
+    """SIGKILL while optimizer.pt of the second checkpoint (step 10) is half written: only a
+    .tmp-step_0000010 folder is left, resume=auto takes step 5, cleans the leftover, and the
+    run ends bit-identical to one never stopped."""
+    out = tmp_path / "out"
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_IN_SECOND_SAVE), check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    second = 2 * CKPT_EVERY
+    assert ".tmp-step_0000010" in os.listdir(out / "ckpt") and ckpt_steps(out) == [CKPT_EVERY]
+    leftover = set(os.listdir(out / "ckpt/.tmp-step_0000010"))
+    assert {"model.pt", "optimizer.pt"} <= leftover and "complete.json" not in leftover
+    assert (out / "ckpt/latest").read_text() == f"step_{CKPT_EVERY:07d}"
+    assert max(train_losses(out)) == second
+    r = train(out, stdlib_data, *ARGS)
+    assert f"resumed from {out}/ckpt/step_{CKPT_EVERY:07d} at step {CKPT_EVERY}" in r.stdout
+    assert not [d for d in os.listdir(out / "ckpt") if d.startswith(".tmp-")]
+    assert ckpt_steps(out) == [5, 10, 15, 16]
+    assert_same_run(out, ref_single)
+
+
+# -----------------------------------------------------------------------------
+# 3. resume=auto skips a damaged newest checkpoint
+
+def truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+    return f"model.pt has {size // 2} bytes, {size} were written"
+
+
+def flip_bytes(path):
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    mid = len(data) // 2
+    for i in range(mid, mid + 4):
+        data[i] ^= 0xFF
+    with open(path, "wb") as f:  # the same size: only the CRC32 in complete.json can tell
+        f.write(bytes(data))
+    # what a bad disk does: the file still loads as tensors (wrong ones); only the CRC32 tells
+    torch.load(path, weights_only=True)
+    return "model.pt is corrupt (CRC32"
+
+
+def remove_marker(path):
+    os.remove(os.path.join(os.path.dirname(path), "complete.json"))
+    return "incomplete, no readable complete.json"
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_bytes, remove_marker], ids=["truncated", "flipped", "no_marker"])
+def test_auto_resume_skips_a_damaged_checkpoint(tmp_path, stdlib_data, ref_single, damage):
+    """The newest checkpoint (step 16) damaged: the warning names the folder and what is wrong,
+    the run resumes from step 15, saves a good step 16 over the damaged one, and matches the
+    uninterrupted run exactly."""
+    out = tmp_path / "out"
+    shutil.copytree(ref_single, out)
+    bad = out / f"ckpt/step_{MAX_STEPS:07d}"
+    reason = damage(str(bad / "model.pt"))
+    r = train(out, stdlib_data, *ARGS)
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("warning: skipping checkpoint")]
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: skipping checkpoint {bad}: {reason}"), r.stderr
+    assert f"resumed from {out}/ckpt/step_0000015 at step 15" in r.stdout
+    assert read_json(out / "summary.json")["status"] == "completed"
+    assert_same_run(out, ref_single)  # includes: the new step_0000016 reads back and equals the reference
+
+
+# -----------------------------------------------------------------------------
+# 4. preemption signals: stop at a step boundary on every rank, save, summary, resume exactly
+
+def test_sigterm_to_torchrun_stops_saves_and_resumes_exactly(tmp_path, stdlib_data):
+    """SIGTERM to torchrun mid-run: torchrun forwards it to both workers, which stop at the same
+    step, save one checkpoint with both ranks' RNG states, write summary.json and exit without a
+    traceback; the same command (max_steps now stop + 3) continues from that step with the losses
+    and weights of a run never stopped (constant lr, so max_steps changes no step)."""
+    out, logs = tmp_path / "out", tmp_path / "worker_logs"
+    never = ["--micro_batch_size=4", "--total_batch_tokens=512", "--log_every=1", "--eval_every=100000",
+             "--ckpt_every=100000", *CONSTANT_LR]
+    p = popen_train(out, stdlib_data, *never, "--max_steps=100000", nproc=2, log_dir=logs)
+    try:
+        wait_for_steps(p, out, 3)
+        workers = children(p.pid)
+        assert len(workers) == 2, workers
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)  # torchrun itself exits non-zero with its SignalException: its behaviour
+        assert time.time() - t0 < 30
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not [pid for pid in workers if alive(pid)], "a worker outlived torchrun"
+
+    summary = read_json(out / "summary.json")
+    stopped = summary["steps"]
+    assert (summary["status"], summary["stop_reason"], summary["signal"]) == ("stopped", "signal", "SIGTERM")
+    assert summary["world_size"] == 2 and stopped >= 3
+    assert ckpt_steps(out) == [stopped]  # the one checkpoint: at the stopping step
+    trainer = load(out / f"ckpt/step_{stopped:07d}", "trainer.pt")
+    assert trainer["step"] == stopped and len(trainer["rng"]) == 2 and trainer["world_size"] == 2
+    assert max(train_losses(out)) == stopped
+    # the workers' own output (torchrun --redirects): a clean stop, no traceback on any rank
+    worker_files = sorted(logs.rglob("*.log"))
+    assert len(worker_files) == 4, worker_files  # stdout and stderr of ranks 0 and 1
+    worker_text = {str(f.relative_to(logs)): f.read_text() for f in worker_files}
+    assert not [f for f, text in worker_text.items() if "Traceback" in text], worker_text
+    rank0 = next(text for f, text in worker_text.items() if f.endswith("/0/stdout.log"))
+    assert f"stopped at step {stopped} (signal SIGTERM)" in rank0
+
+    total = stopped + 3
+    r = train(out, stdlib_data, *never, f"--max_steps={total}", nproc=2)
+    assert f"resumed from {out}/ckpt/step_{stopped:07d} at step {stopped}" in r.stdout
+    ref = tmp_path / "ref"
+    train(ref, stdlib_data, *never, f"--max_steps={total}", nproc=2)
+    assert_same_run(out, ref, steps=total)
+    assert read_json(out / "summary.json")["status"] == "completed"
+
+
+# SIGUSR1 (a preemption notice) goes through the same handler; add it here for ~3 s more
+@pytest.mark.parametrize("sig", [signal.SIGINT], ids=["SIGINT"])
+def test_signal_to_one_process_stops_saves_and_exits_0(tmp_path, stdlib_data, sig):
+    """Ctrl-C (SIGINT) to a single process: it finishes the step, saves a checkpoint there,
+    writes summary.json (stopped, signal) and exits 0."""
+    out = tmp_path / "out"
+    p = popen_train(out, stdlib_data, "--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=100000",
+                    "--log_every=1", "--eval_every=100000", "--ckpt_every=100000")
+    try:
+        wait_for_steps(p, out, 3)
+        p.send_signal(sig)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    summary = read_json(out / "summary.json")
+    stopped = summary["steps"]
+    assert (summary["status"], summary["stop_reason"], summary["signal"]) == ("stopped", "signal", sig.name)
+    assert ckpt_steps(out) == [stopped] and max(train_losses(out)) == stopped
+    trainer = load(out / f"ckpt/step_{stopped:07d}", "trainer.pt")
+    assert trainer["step"] == stopped and len(trainer["rng"]) == 1
+    console = read_text(str(out) + ".console.out")
+    assert f"stopped at step {stopped} (signal {sig.name})" in console
+    assert "Traceback" not in read_text(str(out) + ".console.err")
+
+
+# -----------------------------------------------------------------------------
+# 5. resuming on another number of ranks
+
+def test_resume_on_fewer_ranks_continues_deterministically(tmp_path, stdlib_data, ref_ddp):
+    """A 2-rank run's step-10 checkpoint resumed by one process (accumulation 1 -> 2, the same
+    global batches): the losses follow the 2-rank run to 1e-5 (the reduction order differs)."""
+    out = tmp_path / "out"
+    shutil.copytree(ref_ddp, out)
+    k = 2 * CKPT_EVERY
+    for step in ckpt_steps(out):  # as if the 2-rank run had stopped right after its step-10 checkpoint
+        if step > k:
+            shutil.rmtree(out / f"ckpt/step_{step:07d}")
+    (out / "ckpt/latest").write_text(f"step_{k:07d}")
+    (out / "ckpt/best").unlink()
+    r = train(out, stdlib_data, *ARGS)
+    assert "warning: world size 2 -> 1: same batches, per-rank RNG states re-seeded" in r.stderr
+    assert f"resumed from {out}/ckpt/step_{k:07d} at step {k}" in r.stdout
+    assert "world 1 x micro 4 x accum 2" in r.stdout
+    ddp, resumed = train_losses(ref_ddp), train_losses(out)
+    assert sorted(resumed) == list(range(1, MAX_STEPS + 1))
+    for step in range(k + 1, MAX_STEPS + 1):
+        assert resumed[step] == pytest.approx(ddp[step], rel=1e-5, abs=0), step
+    assert len(load(out / f"ckpt/step_{MAX_STEPS:07d}", "trainer.pt")["rng"]) == 1
+
+
+# -----------------------------------------------------------------------------
+# 6. a rank that dies takes the whole job down, instead of leaving the others hanging
+
+def test_ddp_rank_failure_ends_the_job(tmp_path, stdlib_data):
+    """Rank 1 raises at step 3; with PODGPT_DDP_TIMEOUT_MINUTES=0.5 nothing can wait long:
+    torchrun exits non-zero within 60 s and names the failure."""
+    t0 = time.time()
+    r = train(tmp_path / "out", stdlib_data, *ARGS, script=wrapper(tmp_path, RAISE_AT_STEP, rank=1, step=3), nproc=2,
+              check=False, env={"PODGPT_DDP_TIMEOUT_MINUTES": "0.5"}, timeout=90)
+    elapsed = time.time() - t0
+    assert r.returncode != 0
+    assert elapsed < 60, f"took {elapsed:.0f}s"
+    assert "injected failure on rank 1 at step 3" in r.stdout + r.stderr
+    assert max(train_losses(tmp_path / "out")) == 3  # steps 1-3 ran (0-based step 3 is the fourth)
