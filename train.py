@@ -668,12 +668,13 @@ def main(argv):
         except (OSError, ValueError, KeyError, TypeError) as e:
             warn(f"ignoring {clock_path} ({first_line(e)}): time and cost count from the checkpoint")
 
-    # out_dir must take writes before any step is spent
+    # out_dir must take writes before any step is spent (each rank its own probe: they run at once)
+    probe = os.path.join(out_dir, f".write-test-{rank}")
     try:
         os.makedirs(ckpt_root, exist_ok=True)
-        with open(os.path.join(out_dir, ".write-test"), "w") as f:
+        with open(probe, "w") as f:
             f.write("ok")
-        os.remove(os.path.join(out_dir, ".write-test"))
+        os.remove(probe)
     except OSError as e:
         fail(f"out_dir {out_dir} is not writable ({first_line(e)}): choose another out_dir")
     if ddp:
@@ -977,6 +978,7 @@ def main(argv):
                 + ("no checkpoint written: already over budget_usd" if reason == "budget_file_spent"
                    else f"checkpoint {summary['checkpoint']}: the same command resumes"))
     if ddp:
+        dist.barrier()  # tear gloo/nccl down together: a rank leaving while rank 0 still writes can abort
         dist.destroy_process_group()
     if reason == "diverged":
         fail(f"{diverged} (summary in {out_dir}/summary.json)")
