@@ -139,6 +139,23 @@ def other_shape(ctx):
     return train_args(ctx, "--max_steps=2", "--n_layer=3")
 
 
+def other_data(ctx):
+    """The finished run resumed on data whose manifest has another fingerprint (what other data has)."""
+    finished(ctx)
+    manifest = json.loads((ctx.tmp / "data/manifest.json").read_text())
+    manifest["fingerprint"] = "0" * 64
+    (ctx.tmp / "data/manifest.json").write_text(json.dumps(manifest))
+    return train_args(ctx, "--max_steps=2")
+
+
+def other_tokenizer(ctx):
+    """The finished run resumed on data whose tokenizer file differs from the one it was trained with."""
+    finished(ctx)
+    with open(ctx.tmp / "data/tokenizer.json", "a") as f:
+        f.write("\n")
+    return train_args(ctx, "--max_steps=2")
+
+
 def out_dir_under_a_file(ctx):
     """Tests run as root, where no permission stops a write: a path under a regular file does."""
     data(ctx)
@@ -214,6 +231,12 @@ ROWS = [
     ("checkpoint-of-another-shape", other_shape, 1,
      "checkpoint {tmp}/out/" + CKPT + " has another model shape (n_layer 2 -> 3): use a new out_dir, or the "
      "checkpoint's shape"),
+    ("checkpoint-of-other-data", other_data, 1,
+     "checkpoint {tmp}/out/" + CKPT + " was trained on other data than {tmp}/data (manifest fingerprint differs): "
+     "point data_dir at its data, or --allow_resume_mismatch=True to continue on this data"),
+    ("checkpoint-of-another-tokenizer", other_tokenizer, 1,
+     "checkpoint {tmp}/out/" + CKPT + " was trained with another tokenizer (byte:…) than {tmp}/data (byte:…): "
+     "point data_dir at its data, or --allow_resume_mismatch=True"),
     ("out-dir-under-a-file", out_dir_under_a_file, 1,
      "out_dir {tmp}/afile/out is not writable (NotADirectoryError: …): choose another out_dir"),
     ("batch-not-divisible", plain("--micro_batch_size=3", "--total_batch_tokens=500"), 1,

@@ -92,3 +92,18 @@ def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data):
     config = json.load(open(folder / "config.json"))
     assert config["max_steps"] == 3 and config["model"]["n_layer"] == 2 and config["data_fingerprint"]
     assert config["tokenizer_fingerprint"].startswith("byte:")
+
+
+def test_resume_on_other_data_only_with_the_override(tmp_path, stdlib_data):
+    """Continuing a run on new data (a second corpus, a fine-tune) is refused unless asked for;
+    with allow_resume_mismatch=True it resumes from the checkpoint and trains on the new data."""
+    common = ["--micro_batch_size=2", "--total_batch_tokens=128", "--ckpt_every=2", "--log_every=1"]
+    train(tmp_path / "out", stdlib_data, *common, "--max_steps=2")
+    other = tmp_path / "other"
+    run([sys.executable, "prepare.py", "--source=stdlib", "--tokenizer=byte", f"--data_dir={other}", "--max_docs=50",
+         "--val_fraction=0.2"])
+    r = train(tmp_path / "out", other, *common, "--max_steps=4", check=False)
+    assert r.returncode == 1 and "was trained on other data" in r.stderr
+    r = train(tmp_path / "out", other, *common, "--max_steps=4", "--allow_resume_mismatch=True")
+    assert "resumed from" in r.stdout and "at step 2" in r.stdout
+    assert json.load(open(tmp_path / "out/ckpt/step_0000004/config.json"))["data_dir"] == str(other)
