@@ -92,7 +92,8 @@ for s in $STAGES; do
     case $s in
         sanity)  stage sanity $PYTHON sanity.py "$CONFIG" "--out_dir=$OUT" ;;
         prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${PREPARE_ARGS:-} ;;
-        dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
+        dryrun)  rm -rf "$OUT/dryrun"  # scratch: each dry run starts from nothing
+                 stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
                      --resume=never "--max_steps=$DRYRUN_STEPS" "--eval_every=$DRYRUN_STEPS" "--ckpt_every=$DRYRUN_STEPS" ;;
         train)   stage train "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT" ;;
         sample)  stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-} ;;

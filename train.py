@@ -631,9 +631,12 @@ def main(argv):
     # resume
     ckpt_root = os.path.join(out_dir, "ckpt")
     ckpt_path, ckpt = None, None
+    earlier = os.path.isdir(ckpt_root) and any(d.startswith("step_") for d in os.listdir(ckpt_root))
+    if resume == "never" and earlier:  # its checkpoints and ckpt/best would mix with this run's
+        fail(f"resume=never but {ckpt_root} holds checkpoints of an earlier run: use a new out_dir, or move them away")
     if resume == "auto":
         ckpt_path, ckpt = newest_good_checkpoint(ckpt_root, dev, warn)
-        if ckpt is None and os.path.isdir(ckpt_root) and any(d.startswith("step_") for d in os.listdir(ckpt_root)):
+        if ckpt is None and earlier:
             fail(f"no checkpoint in {ckpt_root} reads back intact (see the warnings): move them away to start over, "
                  f"or give resume= a checkpoint folder")
     elif resume != "never":

@@ -139,6 +139,11 @@ def other_shape(ctx):
     return train_args(ctx, "--max_steps=2", "--n_layer=3")
 
 
+def resume_never_over_a_run(ctx):
+    finished(ctx)
+    return train_args(ctx, "--resume=never")
+
+
 def other_data(ctx):
     """The finished run resumed on data whose manifest has another fingerprint (what other data has)."""
     finished(ctx)
@@ -231,6 +236,8 @@ ROWS = [
     ("checkpoint-of-another-shape", other_shape, 1,
      "checkpoint {tmp}/out/" + CKPT + " has another model shape (n_layer 2 -> 3): use a new out_dir, or the "
      "checkpoint's shape"),
+    ("resume-never-over-a-finished-run", resume_never_over_a_run, 1,
+     "resume=never but {tmp}/out/ckpt holds checkpoints of an earlier run: use a new out_dir, or move them away"),
     ("checkpoint-of-other-data", other_data, 1,
      "checkpoint {tmp}/out/" + CKPT + " was trained on other data than {tmp}/data (manifest fingerprint differs): "
      "point data_dir at its data, or --allow_resume_mismatch=True to continue on this data"),
