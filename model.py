@@ -267,6 +267,44 @@ def flops_per_token(config, seq_len=None):
     return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
+def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=False,
+                    compute_bytes=2):
+    """Bytes per GPU of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32.
+
+    - weights, gradients: fp32, 4 bytes/param each; optimizer: AdamW's two fp32 moments, 8 bytes/param.
+      sharded (FSDP): all three divided over world_size, plus two layers gathered at a time.
+    - weight_casts: autocast's compute-dtype copy of every matrix, kept for the backward.
+    - activations: what the backward keeps, counted from the saved tensors of model.py on CPU
+      (tests/test_model.py measures it): per layer and token, 12*d bytes of fp32 norm state and
+      residual, compute-dtype copies of 5 d-wide tensors (norm outputs, q, attention output and
+      its reshaped copy), k and v, and SwiGLU's 4 hidden-wide tensors; a fused attention kernel
+      keeps no T x T matrix. With activation checkpointing each layer keeps only its fp32 input,
+      and one layer is rebuilt at a time.
+    - logits: the logits, their fp32 copy for the loss, and the log-softmax the loss keeps.
+    """
+    n = param_counts(config)["total"]
+    tokens = micro_batch_size * config.block_size
+    d, dkv, f, c = config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
+    layer_params = (n - param_counts(config)["embedding"] - param_counts(config)["head"]) // config.n_layer
+    per_layer = tokens * (12 * d + c * (5 * d + 2 * dkv + 4 * f))
+    final = tokens * (8 * d + c * d)
+    if activation_checkpointing:
+        activations = config.n_layer * tokens * 4 * d + per_layer + final
+    else:
+        activations = config.n_layer * per_layer + final
+    shard = world_size if sharded else 1
+    est = dict(params=n,
+               weights=4 * n // shard + (2 * layer_params * c if sharded else 0),
+               gradients=4 * n // shard + (2 * layer_params * 4 if sharded else 0),
+               optimizer=8 * n // shard,
+               ddp_buckets=4 * n if world_size > 1 and not sharded else 0,  # DDP's all-reduce copy of the gradients
+               weight_casts=0 if c == 4 else c * n // shard + (2 * layer_params * c if sharded else 0),
+               activations=activations,
+               logits=tokens * config.padded_vocab * (c + (4 if c < 4 else 0) + 4))
+    est["total"] = sum(v for k, v in est.items() if k != "params")
+    return est
+
+
 # dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
 PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
                    ("A100", 312e12))

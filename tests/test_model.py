@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import configurator
-from model import GPT, GPTConfig, flops_per_token, param_counts, peak_flops, sample_next
+from model import GPT, GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, sample_next
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -102,3 +102,37 @@ def test_bad_shapes_are_refused():
         GPTConfig(n_embd=30, n_head=4)
     with pytest.raises(ValueError, match="n_kv_head"):
         GPTConfig(n_embd=32, n_head=4, n_kv_head=3)
+
+
+def test_memory_estimate_matches_what_a_cpu_step_allocates():
+    """The planner's bytes for weights, gradients and AdamW state equal a real step's, and its
+    activation count is within 2% of the tensors autograd actually keeps (fp32, where the
+    compute dtype is the storage dtype, so every saved tensor is counted)."""
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64)
+    torch.manual_seed(0)
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randint(0, 256, (2, 4, 128))
+    saved = {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logits, loss = model(x, y)
+    loss.backward()
+    optimizer.step()
+    est = memory_estimate(config, micro_batch_size=4, compute_bytes=4)
+    params = list(model.parameters())
+    assert est["weights"] == sum(p.nbytes for p in params)
+    assert est["gradients"] == sum(p.grad.nbytes for p in params)
+    assert est["optimizer"] == sum(t.nbytes for st in optimizer.state.values() for k, t in st.items() if k != "step")
+    weights = {p.untyped_storage().data_ptr() for p in params} | {model.rope_cos.untyped_storage().data_ptr(),
+                                                                   model.rope_sin.untyped_storage().data_ptr()}
+    kept = sum(n for ptr, n in saved.items() if ptr not in weights)
+    log_softmax = 4 * 128 * config.padded_vocab * 4  # the loss's saved fp32 log-probabilities
+    assert est["activations"] == pytest.approx(kept - log_softmax, rel=0.02)
+    # sharding divides the per-parameter state; checkpointing keeps one layer's activations, not all
+    sharded = memory_estimate(config, micro_batch_size=4, world_size=8, sharded=True, activation_checkpointing=True)
+    assert sharded["optimizer"] == est["optimizer"] // 8 and sharded["activations"] < est["activations"]
