@@ -32,6 +32,7 @@ A run survives what a rented pod does to it:
   non-finite steps in a row roll back to the last checkpoint at half the learning rate.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -53,8 +54,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from model import GPT, GPTConfig, flops_per_token, param_counts, peak_flops
-from prepare import load_manifest, open_shard, read_header
+from model import GPT, GPTConfig, attention, flops_per_token, memory_estimate, param_counts, peak_flops
+from prepare import docs_file, load_manifest, open_shard, read_header
 
 # --- config
 # I/O
@@ -107,6 +108,16 @@ max_bad_steps = 10              # spikes or non-finite steps in a row before rol
 max_rollbacks = 3               # rollbacks allowed before the run stops as diverged
 inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train on batches of the rarest tokens; -1: off
 inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
+# preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
+preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
+gate_profile = "research"       # research | release: release also blocks too short or too long token horizons
+allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
+expect_world_size = 0           # ranks this config is written for; 0: any
+gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (no memory gate on CPU)
+plan_gpu = ""                   # GPU to plan time with when not on it, e.g. "H100 PCIe"; "": the one in use
+planned_mfu = 0.0               # plan time and cost at this fraction of plan_gpu's bf16 peak
+planned_tokens_per_sec = 0.0    # or at this throughput; both 0: measured by a few timed steps here
+plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 # system
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (cuda if available) | cpu | cuda
@@ -520,6 +531,193 @@ def write_json(path, obj):
 
 
 # -----------------------------------------------------------------------------
+# preflight: every number from model.py's arithmetic, the data, or a measurement here
+
+HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
+EPOCHS_BLOCK = {"research": 16, "release": 4}  # repeated data adds little past ~16 epochs (Muennighoff et al. 2023)
+LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
+MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
+
+
+def gate(name, verdict, value, threshold, detail):
+    return dict(name=name, verdict=verdict, value=value, threshold=threshold, detail=detail)
+
+
+def document_hashes(data_dir, split):
+    """A 64-bit hash of every document of a split (the docs index beside each shard gives the boundaries)."""
+    for s in split["shards"]:
+        tokens = open_shard(os.path.join(data_dir, s["file"]))
+        starts = np.load(docs_file(os.path.join(data_dir, s["file"])))
+        for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
+            yield hashlib.blake2b(tokens[a:b].tobytes(), digest_size=8).digest()
+
+
+def memory_gate(config, world, mem_gb, dtype_bytes):
+    """memory_fit: the plain-DDP estimate per GPU against the usable memory, and the remedy that fits."""
+    ddp = memory_estimate(config, micro_batch_size, world, compute_bytes=dtype_bytes)
+    usable = mem_gb * 1e9 * MEMORY_USABLE
+    detail = f"DDP {ddp['total'] / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable ({mem_gb:g} GB x {MEMORY_USABLE})"
+    if ddp["total"] <= usable:
+        return gate("memory_fit", "warn" if ddp["total"] > 0.85 * usable else "pass", ddp["total"], usable, detail)
+    remedies = []
+    for mb in (micro_batch_size // 2 ** k for k in range(1, 12)):
+        if mb >= 1 and memory_estimate(config, mb, world, compute_bytes=dtype_bytes)["total"] <= usable:
+            remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps total_batch_tokens)")
+            break
+    if memory_estimate(config, micro_batch_size, world, activation_checkpointing=True,
+                       compute_bytes=dtype_bytes)["total"] <= usable:
+        remedies.append("activation checkpointing")
+    sharded = memory_estimate(config, micro_batch_size, world, sharded=True, activation_checkpointing=True,
+                              compute_bytes=dtype_bytes)
+    if sharded["total"] <= usable:
+        remedies.append(f"sharding (FSDP) across {world} GPUs + activation checkpointing: "
+                        f"{sharded['total'] / 1e9:.1f} GB per GPU")
+    fix = "; or ".join(remedies) or f"more GPUs or a smaller model (sharded + checkpointed it still needs " \
+                                     f"{sharded['total'] / 1e9:.1f} GB per GPU)"
+    return gate("memory_fit", "block", ddp["total"], usable, f"{detail}: does not fit; use {fix}")
+
+
+def preflight_gates(model_config, manifest, world, launched, dev_mem_gb, dtype_bytes, free_disk):
+    """Every gate that needs no model on the device, for `world` ranks (`launched` here): (gates, plan).
+    free_disk None: planning for another machine."""
+    counts = param_counts(model_config)
+    tokens = max_steps * total_batch_tokens
+    per_param = tokens / counts["non_embedding"]
+    gates = []
+    low, band, high = HORIZON[gate_profile]
+    ratio = per_param / 20
+    verdict = "pass"
+    if band and not band[0] <= ratio <= band[1]:
+        verdict = "warn"
+    if (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS):
+        verdict = "block"
+    gates.append(gate("compute_optimal_horizon", verdict, ratio, band or "-",
+                      f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
+                      f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
+                      f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20"))
+    if manifest is None:
+        for name in ("corpus_model_fit", "contamination", "tokenizer_vocab"):
+            gates.append(gate(name, "skip", None, None, f"no data prepared in {data_dir} yet"))
+    else:
+        unique = manifest["splits"]["train"]["tokens"]
+        epochs = tokens / unique
+        limit = EPOCHS_BLOCK[gate_profile]
+        gates.append(gate("corpus_model_fit", "block" if epochs > limit else "warn" if epochs > 1 else "pass",
+                          epochs, limit, f"{tokens / 1e9:.3g}B planned tokens over {unique / 1e9:.3g}B unique "
+                          f"training tokens = {epochs:.2f} epochs (warn above 1, block above {limit})"))
+        val = set(document_hashes(data_dir, manifest["splits"]["val"]))
+        shared = sum(h in val for h in document_hashes(data_dir, manifest["splits"]["train"]))
+        gates.append(gate("contamination", "block" if shared else "pass", shared, 0,
+                          f"{shared} training documents are also validation documents" if shared else
+                          f"no training document among the {len(val)} validation documents"))
+        ok = vocab_size is None or vocab_size == manifest["vocab_size"]
+        gates.append(gate("tokenizer_vocab", "pass" if ok else "block", vocab_size or manifest["vocab_size"],
+                          manifest["vocab_size"], f"{data_dir}: {manifest['tokenizer']}, {manifest['vocab_size']} "
+                          f"tokens" + ("" if ok else f"; the model is set to vocab_size={vocab_size}: set "
+                                                       f"vocab_size=None or prepare matching data")))
+    if dev_mem_gb:
+        gates.append(memory_gate(model_config, world, dev_mem_gb, dtype_bytes))
+    else:
+        gates.append(gate("memory_fit", "skip", None, None, "no GPU here: give gpu_mem_gb to plan for one"))
+    ckpt_bytes = 12 * counts["total"]  # fp32 weights (4) and AdamW's two moments (8)
+    need = ckpt_bytes * (keep_last + (1 if save_best else 0))
+    detail = f"{keep_last} + best checkpoints of {ckpt_bytes / 1e9:.2f} GB = {need / 1e9:.1f} GB"
+    if free_disk is None:
+        gates.append(gate("checkpoint_disk", "skip", need, None, f"{detail}: planning for another machine"))
+    else:
+        gates.append(gate("checkpoint_disk", "block" if need > free_disk else "warn" if need > 0.8 * free_disk
+                          else "pass", need, free_disk, f"{detail} against {free_disk / 1e9:.1f} GB free"))
+    if launched != world:
+        gates.append(gate("world_size", "skip", launched, world, f"planning for {world} ranks from {launched}"))
+    else:
+        wrong = expect_world_size and expect_world_size != world
+        gates.append(gate("world_size", "block" if wrong else "pass", world, expect_world_size or "any",
+                          f"launched {world} ranks" + (f", the config expects {expect_world_size}: launch "
+                                                       f"--nproc_per_node={expect_world_size}" if wrong else "")))
+    try:
+        probe = torch.randn(1, model_config.n_head, 8, model_config.head_dim, requires_grad=True)
+        attention(model_config.attn_backend, probe, probe, probe, True).sum().backward()
+        gates.append(gate("attention_backend_runtime", "pass", model_config.attn_backend, None, "forward and backward run"))
+    except (RuntimeError, ValueError) as e:
+        gates.append(gate("attention_backend_runtime", "block", model_config.attn_backend, None, first_line(e)))
+    plan = dict(params=counts, flops_per_token=flops_per_token(model_config), planned_tokens=tokens,
+                tokens_per_param=per_param,
+                memory_ddp=memory_estimate(model_config, micro_batch_size, world, compute_bytes=dtype_bytes),
+                memory_sharded=memory_estimate(model_config, micro_batch_size, world, sharded=True,
+                                               activation_checkpointing=True, compute_bytes=dtype_bytes))
+    return gates, plan
+
+
+def time_gate(tokens_per_sec, source, world):
+    """time_and_cost: hours and dollars of the planned tokens, and where a guard would stop the run."""
+    tokens = max_steps * total_batch_tokens
+    hours = tokens / tokens_per_sec / 3600
+    usd = hours * world * usd_per_gpu_hour
+    limits = []
+    if max_hours and hours > max_hours:
+        limits.append(("max_hours", max_hours / hours))
+    if budget_usd and usd_per_gpu_hour and usd > budget_usd:
+        limits.append(("budget_usd", budget_usd / usd))
+    detail = f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h" + (f", ${usd:,.0f}" if usd_per_gpu_hour else "")
+    if not limits:
+        return gate("time_and_cost", "pass", hours, max_hours or None, detail)
+    name, fraction = min(limits, key=lambda x: x[1])
+    steps = int(max_steps * fraction)
+    return gate("time_and_cost", "block" if gate_profile == "release" else "warn", hours, max_hours or budget_usd,
+                f"{detail}: {name} stops it near step {steps} of {max_steps}, before the schedule ends: "
+                f"lower max_steps to ~{steps} so the learning rate decays in time")
+
+
+def write_preflight(path, report):
+    write_json(os.path.join(path, "preflight.json"), report)
+    lines = [f"# preflight: {report['verdict']} ({report['profile']} profile)", "",
+             "| gate | verdict | value | threshold | detail |", "|---|---|---|---|---|"]
+    for g in report["gates"]:
+        value = f"{g['value']:.4g}" if isinstance(g["value"], float) else g["value"]
+        lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | {g['detail']} |")
+    with open(os.path.join(path, "preflight.md.tmp"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(os.path.join(path, "preflight.md.tmp"), os.path.join(path, "preflight.md"))
+
+
+def verdict_of(gates):
+    verdicts = {g["verdict"] for g in gates}
+    return "block" if "block" in verdicts else "warn" if "warn" in verdicts else "pass"
+
+
+def finish_preflight(report, master):
+    """--preflight_only: write and print the report; exit 1 when a gate blocks."""
+    report["verdict"] = verdict_of(report["gates"])
+    if master:
+        os.makedirs(out_dir, exist_ok=True)
+        write_preflight(out_dir, report)
+        for g in report["gates"]:
+            print(f"{g['verdict']:>5}  {g['name']}: {g['detail']}")
+        print(f"preflight: {report['verdict']} ({gate_profile} profile), report in {out_dir}/preflight.md")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if report["verdict"] == "block":
+        raise SystemExit(1)
+
+
+def measure_tokens_per_sec(model, loader, dev, autocast):
+    """This rank's forward+backward tokens/s: 2 warm-up and 3 timed micro-steps; the gradients are dropped."""
+    x, y = loader.batch(range(micro_batch_size), dev)
+    for i in range(5):
+        if i == 2:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+        with autocast:
+            loss = model(x, y)[1]
+        loss.backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return 3 * micro_batch_size * block_size / (time.time() - t0)
+
+
+# -----------------------------------------------------------------------------
 
 def main(argv):
     t_start = time.time()
@@ -574,40 +772,93 @@ def main(argv):
     grad_accum = total_batch_tokens // tokens_per_micro
     global_batch = total_batch_tokens // block_size  # sequences per optimizer step
 
-    # data
+    # data (a preflight can plan without it)
+    manifest = None
     try:
         manifest = load_manifest(data_dir)
     except ValueError as e:
-        fail(str(e))
-    if vocab_size is not None and vocab_size != manifest["vocab_size"]:
-        fail(f"vocab_size={vocab_size} but {data_dir} was tokenized with {manifest['tokenizer']} "
-             f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
-    for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
-        if not os.path.isfile(os.path.join(data_dir, name)):
-            fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with prepare.py --force")
-    train_data = Loader(data_dir, "train", manifest, block_size, seed)
-    val_data = Loader(data_dir, "val", manifest, block_size, seed)
+        if not (preflight_only and not os.path.exists(data_dir)):
+            fail(str(e))
+    if manifest is not None:
+        for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
+            if not os.path.isfile(os.path.join(data_dir, name)):
+                fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with prepare.py --force")
+        if vocab_size is not None and vocab_size < manifest["vocab_size"]:
+            fail(f"vocab_size={vocab_size} but {data_dir} was tokenized with {manifest['tokenizer']} "
+                 f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
+        train_data = Loader(data_dir, "train", manifest, block_size, seed)
+        val_data = Loader(data_dir, "val", manifest, block_size, seed)
+    vocab = vocab_size or (manifest["vocab_size"] if manifest else plan_vocab_size)
+    if not vocab:
+        fail(f"no data in {data_dir} to take the vocabulary from: prepare it, or set plan_vocab_size to plan without it")
     rare = None
     if inject_spike_at_step >= 0:
         rare = rarest_tokens(np.load(os.path.join(data_dir, manifest["token_counts"])))
-
-    # model
-    torch.manual_seed(seed)
-    random.seed(seed + rank)
-    np.random.seed(seed + rank)
     try:
-        model_config = GPTConfig(vocab_size=manifest["vocab_size"], block_size=block_size, n_layer=n_layer,
+        model_config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer,
                                  n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden,
                                  rope_theta=rope_theta, tie_embeddings=tie_embeddings,
                                  vocab_multiple=vocab_multiple, init_std=init_std)
     except ValueError as e:
         fail(f"{e}: change the model shape")
+
+    # preflight: the gates that need no model on the device, on rank 0, before anything is allocated
+    dev_mem_gb = gpu_mem_gb or (torch.cuda.get_device_properties(dev).total_memory / 1e9 if use_cuda else 0)
+    disk = os.path.abspath(out_dir)
+    while not os.path.exists(disk):
+        disk = os.path.dirname(disk)
+    # planning from a CPU for a GPU pod: the config's world size, no local disk or speed
+    planning = preflight_only and bool(gpu_mem_gb) and not use_cuda
+    plan_world = expect_world_size if planning and not ddp and expect_world_size else world
+    report = [None]
+    if master:
+        gates, plan = preflight_gates(model_config, manifest, plan_world, world, dev_mem_gb,
+                                      4 if dt_name == "float32" else 2, None if planning else shutil.disk_usage(disk).free)
+        report = [dict(profile=gate_profile, gates=gates, plan=plan)]
+    if ddp:
+        dist.broadcast_object_list(report)
+    report = report[0]
+    blocks = [g for g in report["gates"] if g["verdict"] == "block"]
+    if blocks and not allow_unsafe and not preflight_only:
+        fail("preflight blocks: " + "; ".join(f"{g['name']}: {g['detail']}" for g in blocks)
+             + " (or allow_unsafe=True to train anyway)")
+    for g in blocks if allow_unsafe else []:
+        warn(f"preflight gate {g['name']} blocks, allow_unsafe=True goes on: {g['detail']}")
+
+    # model
+    torch.manual_seed(seed)
+    random.seed(seed + rank)
+    np.random.seed(seed + rank)
+    flops_tok = flops_per_token(model_config)
+    peak = peak_flops(torch.cuda.get_device_name(dev)) if use_cuda else None
+    # time and cost: at a planned throughput, or measured here on the real model (not for a plan of another machine)
+    tokens_per_sec, source = planned_tokens_per_sec, "planned_tokens_per_sec"
+    if not tokens_per_sec and planned_mfu:
+        plan_peak = peak_flops(plan_gpu) if plan_gpu else peak
+        if plan_peak is None:
+            fail("planned_mfu needs a known GPU's peak: set plan_gpu to one of H200, H100 SXM, H100 PCIe, A100")
+        tokens_per_sec = planned_mfu * plan_peak * plan_world / flops_tok
+        source = f"planned_mfu={planned_mfu:g} of {plan_gpu or torch.cuda.get_device_name(dev)}"
+    measure = not tokens_per_sec and manifest is not None and not planning \
+        and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
+    if preflight_only and not measure:
+        if tokens_per_sec:
+            report["gates"].append(time_gate(tokens_per_sec, source, plan_world))
+        else:
+            report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "
+                                        "planned_tokens_per_sec to plan another machine's time"))
+        return finish_preflight(report, master)
     raw_model = GPT(model_config).to(dev)
+    if measure:
+        tokens_per_sec = mean_over_ranks(measure_tokens_per_sec(raw_model, train_data, dev, autocast), ddp, dev) * world
+        source = f"measured here, {world} x {dev.type}"
+    if tokens_per_sec:
+        report["gates"].append(time_gate(tokens_per_sec, source, world))
+    if preflight_only:
+        return finish_preflight(report, master)
     optimizer = make_optimizer(raw_model, fused=use_cuda)
     scaler = torch.amp.GradScaler(enabled=ptdtype == torch.float16)
     counts = param_counts(model_config)
-    flops_tok = flops_per_token(model_config)
-    peak = peak_flops(torch.cuda.get_device_name(dev)) if use_cuda else None
     saved = dict(config, model={k: v for k, v in asdict(model_config).items() if k != "padded_vocab"},
                  world_size=world, grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
                  tokenizer_fingerprint=tokenizer_fingerprint(data_dir, manifest))
@@ -680,6 +931,9 @@ def main(argv):
         os.remove(probe)
     except OSError as e:
         fail(f"out_dir {out_dir} is not writable ({first_line(e)}): choose another out_dir")
+    if master:
+        report["verdict"] = verdict_of(report["gates"])
+        write_preflight(out_dir, report)
     if ddp:
         dist.barrier()
 

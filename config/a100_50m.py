@@ -59,3 +59,6 @@ compile = True
 budget_usd = 35.0
 usd_per_gpu_hour = 1.10
 budget_check_minutes = 30.0
+# preflight: one GPU; GPT-2's vocabulary, for planning before the data is downloaded
+expect_world_size = 1
+plan_vocab_size = 50257

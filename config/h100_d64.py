@@ -55,3 +55,6 @@ max_hours = 31.0
 budget_usd = 1000.0
 usd_per_gpu_hour = 4.0
 early_stop_patience = 3
+# preflight: 8 ranks; the runbook's 32 characters plus BOS, for planning before the data exists
+expect_world_size = 8
+plan_vocab_size = 33

@@ -41,3 +41,7 @@ log_every = 10
 ckpt_every = 1000
 dtype = "bfloat16"
 compile = True
+# preflight (train.py --preflight_only=True): the runbook's 8 ranks, and its vocabulary
+# for planning before the data is prepared
+expect_world_size = 8
+plan_vocab_size = 32768

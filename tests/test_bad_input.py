@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, run
+from test_preflight import contaminate
 
 TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128"]
 CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
@@ -139,6 +140,12 @@ def other_shape(ctx):
     return train_args(ctx, "--max_steps=2", "--n_layer=3")
 
 
+def contaminated(ctx):
+    """A dataset whose first training shard also holds a validation document."""
+    contaminate(ctx.stdlib_data, ctx.tmp / "data")
+    return train_args(ctx)
+
+
 def resume_never_over_a_run(ctx):
     finished(ctx)
     return train_args(ctx, "--resume=never")
@@ -219,9 +226,15 @@ ROWS = [
     ("shard-of-another-vocabulary", set_header("train_000000.bin", 4, 50257), 1,
      "{tmp}/data/train_000000.bin: vocab_size 50257 in its header, 257 in manifest.json: "
      "rebuild the data with prepare.py --force"),
-    ("vocab-mismatch", plain("--vocab_size=50257"), 1,
-     "vocab_size=50257 but {tmp}/data was tokenized with byte (257 tokens): set vocab_size=None or prepare "
+    ("vocab-smaller-than-the-data's", plain("--vocab_size=100"), 1,
+     "vocab_size=100 but {tmp}/data was tokenized with byte (257 tokens): set vocab_size=None or prepare "
      "matching data"),
+    ("vocab-larger-than-the-data's", plain("--vocab_size=50257"), 1,
+     "preflight blocks: tokenizer_vocab: {tmp}/data: byte, 257 tokens; the model is set to vocab_size=50257: "
+     "set vocab_size=None or prepare matching data (or allow_unsafe=True to train anyway)"),
+    ("contaminated-data", contaminated, 1,
+     "preflight blocks: contamination: 1 training documents are also validation documents "
+     "(or allow_unsafe=True to train anyway)"),
     ("block-longer-than-val", block_longer_than_val, 1,
      "the val split of {tmp}/data has fewer than block_size+1 = {val1} tokens: lower block_size or prepare more data"),
     ("no-checkpoint-to-resume", plain("--resume=/nonexistent"), 1,

@@ -1,0 +1,106 @@
+"""Preflight: the gates a run passes before any GPU-hour is spent, on the seed configs (planned
+from this CPU, no data) and on real data that is contaminated or mismatched."""
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import TINY_MODEL, run
+from prepare import docs_file, load_manifest, open_shard, write_shard
+
+
+def preflight(out, *args, check=False):
+    r = run([sys.executable, "train.py", *args, "--preflight_only=True", f"--out_dir={out}"], check=check)
+    report = json.load(open(os.path.join(out, "preflight.json")))
+    assert os.path.exists(os.path.join(out, "preflight.md"))
+    return r, report, {g["name"]: g for g in report["gates"]}
+
+
+def test_d64_blocks_plain_ddp_and_names_sharding(tmp_path):
+    """Seed 001's d64 on 8x H100 80GB: ~12.9B parameters (not the runbook's 4.3B), far over 80 GB per GPU
+    under DDP; the gate names the fix that fits: FSDP sharding with activation checkpointing."""
+    r, report, gates = preflight(tmp_path, "config/h100_d64.py", "--gpu_mem_gb=80", f"--data_dir={tmp_path}/none")
+    assert r.returncode == 1 and report["verdict"] == "block"
+    assert report["plan"]["params"]["total"] == pytest.approx(12.885e9, rel=1e-3)
+    mem = gates["memory_fit"]
+    assert mem["verdict"] == "block" and mem["value"] > 80e9
+    assert "sharding (FSDP) across 8 GPUs + activation checkpointing" in mem["detail"]
+    assert report["plan"]["memory_sharded"]["total"] < 0.92 * 80e9 < report["plan"]["memory_ddp"]["total"]
+    assert gates["corpus_model_fit"]["verdict"] == "skip"  # no data prepared: said, not guessed
+
+
+def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path):
+    r, report, gates = preflight(tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", f"--data_dir={tmp_path}/none",
+                                 "--planned_mfu=0.4", "--plan_gpu=H200")
+    assert r.returncode == 0, r.stdout + r.stderr
+    plan = report["plan"]
+    assert plan["params"]["total"] == pytest.approx(1.124e9, rel=1e-3)
+    assert plan["planned_tokens"] / plan["params"]["total"] == pytest.approx(20, rel=0.01)
+    assert gates["memory_fit"]["verdict"] == "pass" and gates["world_size"]["verdict"] == "skip"
+    # 8 GPUs at 40% of 989 TFLOP/s, 7.95 GFLOP/token: the hours follow from model.py's arithmetic
+    assert gates["time_and_cost"]["value"] == pytest.approx(plan["planned_tokens"] / (0.4 * 989e12 * 8 /
+                                                            plan["flops_per_token"]) / 3600, rel=1e-6)
+
+
+def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path):
+    """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so
+    the gate says where budget_usd will stop it."""
+    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", f"--data_dir={tmp_path}/none",
+                                 "--planned_mfu=0.48", "--plan_gpu=A100")
+    assert report["plan"]["params"]["non_embedding"] == pytest.approx(50.3e6, rel=1e-2)
+    assert gates["time_and_cost"]["verdict"] == "warn" and "budget_usd stops it near step" in gates["time_and_cost"]["detail"]
+    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", f"--data_dir={tmp_path}/none",
+                                 "--planned_mfu=0.48", "--plan_gpu=A100", "--gate_profile=release")
+    assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
+
+
+TINY = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=2", "--eval_every=2"]
+
+
+def contaminate(src, dst):
+    """A copy of the dataset whose first training shard also holds the first validation document."""
+    shutil.copytree(src, dst)
+    manifest = load_manifest(dst)
+    val = os.path.join(dst, manifest["splits"]["val"]["shards"][0]["file"])
+    val_tokens, val_starts = open_shard(val), np.load(docs_file(val))
+    doc = np.asarray(val_tokens[val_starts[0]:val_starts[1]])
+    shard = manifest["splits"]["train"]["shards"][0]
+    path = os.path.join(dst, shard["file"])
+    tokens, starts = np.asarray(open_shard(path)), np.load(docs_file(path))
+    write_shard(path, np.concatenate([tokens, doc]), manifest["vocab_size"], manifest["bos_id"],
+                np.append(starts, len(tokens)))
+    shard["tokens"] += len(doc)
+    manifest["splits"]["train"]["tokens"] += len(doc)
+    with open(os.path.join(dst, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+
+
+def test_contamination_blocks_and_allow_unsafe_proceeds(tmp_path, stdlib_data):
+    data = tmp_path / "data"
+    contaminate(stdlib_data, data)
+    r, report, gates = preflight(tmp_path / "pf", f"--data_dir={data}", *TINY)
+    assert r.returncode == 1 and gates["contamination"]["verdict"] == "block" and gates["contamination"]["value"] == 1
+    r = run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY], check=False)
+    assert r.returncode == 1 and "preflight blocks: contamination" in r.stderr
+    assert not os.path.exists(tmp_path / "run" / "ckpt")  # nothing trained, nothing written
+    r = run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY, "--allow_unsafe=True"])
+    assert "warning: preflight gate contamination blocks, allow_unsafe=True goes on" in r.stderr
+    assert json.load(open(tmp_path / "run" / "summary.json"))["status"] == "completed"
+    assert json.load(open(tmp_path / "run" / "preflight.json"))["verdict"] == "block"
+
+
+def test_vocabulary_mismatch_blocks(tmp_path, stdlib_data):
+    r, report, gates = preflight(tmp_path, f"--data_dir={stdlib_data}", *TINY, "--vocab_size=300")
+    assert r.returncode == 1 and gates["tokenizer_vocab"]["verdict"] == "block"
+    assert "vocab_size=300" in gates["tokenizer_vocab"]["detail"]
+
+
+def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data):
+    r, report, gates = preflight(tmp_path, f"--data_dir={stdlib_data}", *TINY, check=True)
+    assert report["verdict"] in ("pass", "warn")
+    assert gates["contamination"]["verdict"] == "pass" and gates["tokenizer_vocab"]["verdict"] == "pass"
+    assert "measured here" in gates["time_and_cost"]["detail"] and gates["time_and_cost"]["value"] > 0
+    assert not os.path.exists(tmp_path / "ckpt" / "latest")  # a preflight trains nothing
