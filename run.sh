@@ -74,7 +74,7 @@ stage() {
     CHILD=
     if [[ $name == train || $name == dryrun ]]; then
         local out=$OUT
-        [[ $name == dryrun ]] && out=$OUT/dryrun
+        [[ $name == dryrun ]] && out=$OUT/dryrun/first
         local why
         why=$(stopped "$out" "$since")
         if [[ -n $why ]]; then  # torchrun itself exits non-zero after forwarding a signal
@@ -92,9 +92,8 @@ for s in $STAGES; do
     case $s in
         sanity)  stage sanity $PYTHON sanity.py "$CONFIG" "--out_dir=$OUT" ;;
         prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${PREPARE_ARGS:-} ;;
-        dryrun)  rm -rf "$OUT/dryrun"  # scratch: each dry run starts from nothing
-                 stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
-                     --resume=never "--max_steps=$DRYRUN_STEPS" "--eval_every=$DRYRUN_STEPS" "--ckpt_every=$DRYRUN_STEPS" ;;
+        dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
+                     "--dryrun_steps=$DRYRUN_STEPS" ;;
         train)   stage train "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT" ;;
         sample)  stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-} ;;
         *) echo "run.sh: unknown stage '$s' in STAGES (choose from: sanity prepare dryrun train sample)" >&2; exit 2 ;;

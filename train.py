@@ -110,6 +110,8 @@ inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train o
 inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
+dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
+                                # checkpoint into out_dir/resumed; dryrun.json; exit 1 if anything is off
 gate_profile = "research"       # research | release: release also blocks too short or too long token horizons
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
 expect_world_size = 0           # ranks this config is written for; 0: any
@@ -718,12 +720,97 @@ def measure_tokens_per_sec(model, loader, dev, autocast):
 
 
 # -----------------------------------------------------------------------------
+# dry run: the real config for a few steps, a checkpoint halfway, and a resume from it in the
+# same invocation that must reproduce the second half; everything a long run needs, in minutes
 
-def main(argv):
+def dryrun(argv, n):
+    ddp, master = "RANK" in os.environ, int(os.environ.get("RANK", 0)) == 0
+    if n < 2:
+        fail(f"dryrun_steps={n}: need at least 2 (a checkpoint at half, then the resume)")
+    half, root = n // 2, out_dir
+    if master:  # the dry run's folders are scratch: each dry run starts from nothing
+        for sub in ("first", "resumed"):
+            shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
+    common = ["--dryrun_steps=0", f"--max_steps={n}", "--log_every=1", f"--eval_every={n}", "--save_best=False",
+              "--early_stop_patience=0", f"--keep_last={n}"]
+    first, activity = main([*argv, *common, f"--out_dir={root}/first", "--resume=never", f"--ckpt_every={half}"],
+                           keep_group=True)
+    resumed, _ = main([*argv, *common, f"--out_dir={root}/resumed", f"--ckpt_every={n}",
+                       f"--resume={root}/first/ckpt/step_{half:07d}"], keep_group=True)
+    activities = [activity]
+    if ddp:
+        activities = [None] * dist.get_world_size()
+        dist.all_gather_object(activities, activity)
+    report = dryrun_report(root, n, first, resumed, activities) if master else None
+    if ddp:  # every rank leaves together: one exiting while another still works can abort gloo
+        verdict = [report]
+        dist.broadcast_object_list(verdict)
+        report = verdict[0]
+        dist.barrier()
+        dist.destroy_process_group()
+    if report["problems"]:
+        if master:
+            fail(f"dry run failed: {'; '.join(report['problems'])} (report in {root}/dryrun.json)")
+        raise SystemExit(1)
+    if master:
+        print(f"dry run ok: {n} steps on {len(activities)} rank(s), loss {report['loss_first']:.4f} -> "
+              f"{report['loss_last']:.4f}, resume from step {n // 2} reproduces steps {n // 2 + 1}..{n} (largest "
+              f"difference {report['resume_check']['max_rel_diff']:.2g}), {report['tokens_per_sec']:,.0f} tokens/s, "
+              f"peak {report['peak_mem_gb']:.2f} GB | {root}/dryrun.json")
+    return report, activity
+
+
+def dryrun_report(root, n, first, resumed, activities):
+    """Rank 0's verdict on the two passes, written to root/dryrun.json; `problems` lists what is off."""
+    half, problems = n // 2, []
+    a = {m["step"]: m for m in read_jsonl(os.path.join(root, "first", "metrics.jsonl")) if "loss" in m and "event" not in m}
+    b = {m["step"]: m for m in read_jsonl(os.path.join(root, "resumed", "metrics.jsonl")) if "loss" in m and "event" not in m}
+    tolerance = 1e-5 if dtype_name() == "float32" else 1e-2  # bf16 kernels may reduce in another order
+    diffs = {k: abs(b[k]["loss"] - a[k]["loss"]) / abs(a[k]["loss"]) for k in range(half + 1, n + 1) if k in a and k in b}
+    worst = max(diffs.values(), default=float("inf"))
+    if len(diffs) != n - half or not worst <= tolerance:
+        problems.append(f"the resumed run does not reproduce steps {half + 1}..{n}: largest relative loss "
+                        f"difference {worst:.3g} (tolerance {tolerance:g})")
+    idle = [x["rank"] for x in activities if x["steps"] != n]
+    if idle:
+        problems.append(f"ranks {idle} did not run all {n} steps")
+    if first["nonfinite_steps"] or not all(math.isfinite(m["loss"]) for m in a.values()):
+        problems.append(f"{first['nonfinite_steps']} non-finite steps")
+    losses = [a[k]["loss"] for k in sorted(a)]
+    k = max(1, len(losses) // 4)
+    trend = (sum(losses[:k]) / k, sum(losses[-k:]) / k)
+    if trend[1] > trend[0]:
+        problems.append(f"the loss rose: {trend[0]:.4f} over the first {k} steps, {trend[1]:.4f} over the last {k}")
+    report = dict(ok=not problems, problems=problems, steps=n, world_size=len(activities), ranks=activities,
+                  tokens_per_sec=a[max(a)]["tokens_per_sec"], peak_mem_gb=max(x["peak_mem_gb"] for x in activities),
+                  loss_first=trend[0], loss_last=trend[1], spikes=first["spikes"],
+                  resume_check=dict(from_step=half, steps=sorted(diffs), max_rel_diff=worst, tolerance=tolerance),
+                  first=first, resumed=resumed)
+    write_json(os.path.join(root, "dryrun.json"), report)
+    return report
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def dtype_name():
+    return dtype if dtype != "auto" else ("bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+                                          else "float32")
+
+
+# -----------------------------------------------------------------------------
+
+def main(argv, keep_group=False):
+    """One run; returns rank 0's summary (None elsewhere) and this rank's activity. keep_group: leave
+    the process group up for a second run in this process (the dry run)."""
     t_start = time.time()
     config = configurator.configure(__file__, argv)
     globals().update(config)
     check_config()
+    if dryrun_steps:
+        return dryrun(argv, dryrun_steps)
 
     # preemption notices: note them here, act on them at the next step boundary, on every rank together
     stop_signal = []
@@ -747,7 +834,7 @@ def main(argv):
     dev = torch.device(f"cuda:{local_rank}" if use_cuda and ddp else ("cuda" if use_cuda else "cpu"))
     if use_cuda:
         torch.cuda.set_device(dev)
-    if ddp:
+    if ddp and not dist.is_initialized():
         # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
         timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
         dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
@@ -1236,10 +1323,20 @@ def main(argv):
                    else f"checkpoint {summary['checkpoint']}: the same command resumes"))
     if ddp:
         dist.barrier()  # tear gloo/nccl down together: a rank leaving while rank 0 still writes can abort
-        dist.destroy_process_group()
+        if not keep_group:
+            dist.destroy_process_group()
     if reason == "diverged":
         fail(f"{diverged} (summary in {out_dir}/summary.json)")
+    activity = dict(rank=rank, device=str(dev), steps=state.step, samples=state.samples,
+                    peak_mem_gb=peak_memory_gb(dev), elapsed_s=state.elapsed)
+    return (summary if master else None), activity
 
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    if "RANK" in os.environ:
+        # a finished rank skips the interpreter's teardown: destroying the process group's leftover C++
+        # threads there aborts the process now and then ("terminate called without an active exception")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

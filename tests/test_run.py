@@ -28,7 +28,8 @@ def test_every_stage_runs_and_leaves_its_outputs(pipeline):
         assert f"=== {stage}:" in r.stdout
     assert (out / "sanity.json").exists() and json.load(open(out / "sanity.json"))["passed"]
     assert (tmp / "data" / "manifest.json").exists()
-    assert (out / "dryrun" / "summary.json").exists() and json.load(open(out / "dryrun/summary.json"))["steps"] == 4
+    dryrun = json.load(open(out / "dryrun" / "dryrun.json"))
+    assert dryrun["ok"] and dryrun["steps"] == 4 and dryrun["resume_check"]["steps"] == [3, 4]
     assert (out / "ckpt" / "latest").read_text() == "step_0000120"
     summary = json.load(open(out / "summary.json"))
     assert summary["steps"] == 120
