@@ -90,7 +90,7 @@ stage() {
 
 for s in $STAGES; do
     case $s in
-        sanity)  stage sanity $PYTHON sanity.py "$CONFIG" "--out_dir=$OUT" ;;
+        sanity)  stage sanity "${LAUNCH[@]}" sanity.py "$CONFIG" "--out_dir=$OUT" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ;;
         prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${PREPARE_ARGS:-} ;;
         dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
                      "--dryrun_steps=$DRYRUN_STEPS" ;;

@@ -1,110 +1,666 @@
 """
-Sanity checks before paying for a run: is this machine able to run the configured
-model at all? Each check has a status (pass / fail / skip), the seconds it took and a
-detail line; the report goes to out_dir/sanity.json and out_dir/sanity.md and the exit
-status is 1 when any check failed.
+Sanity checks before paying for a run: does this machine compute what the configured
+run needs, correctly, and does the model fit? Each check has a status (pass / fail /
+skip), the seconds it took and a detail line; the report goes to out_dir/sanity.json
+and out_dir/sanity.md, and the exit status is 1 when any check failed (on any rank).
 
     python sanity.py config/tiny.py
-    python sanity.py config/a100_50m.py --device=cuda
+    python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141    # plan a pod's memory from here
+    torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
 
-Checks: the environment (python, torch, CUDA and GPUs, free disk), one bf16/fp32
-training step of a tiny copy of the configured architecture giving finite loss and
-gradients, and KV-cache generation equal to full recomputation.
+The checks, in order:
+- environment: python, torch, CUDA and driver, the GPUs (name, capability, memory), NCCL;
+  disk: free space where out_dir is;
+- attention:*: every attention path this machine has (model.py's backends, each SDPA
+  kernel, the FlashAttention packages when installed), forward and backward against a
+  float64 reference, at the configured head layout, in the run's dtype;
+- train_step, kv_cache, checkpoint: a 2-layer model of the configured head layout takes a
+  step in the run's dtype with finite loss and gradients, gives the same logits with the
+  KV cache as without, and reads back bit for bit through train.py's checkpoint code;
+- dataset: data_dir's manifest and shards agree with the config (once prepare.py ran);
+- compile: torch.compile's forward and backward match eager (compile=True only);
+- allreduce: under torchrun, the sum on every rank and the bus bandwidth;
+- capacity (--capacity): parameters, FLOPs/token and model.memory_estimate's bytes per GPU
+  for DDP and for a sharded layout, with and without activation checkpointing; on a GPU
+  also one real training step's peak memory and the largest micro-batch that fits.
+Under torchrun every rank runs every check on its own GPU and rank 0 writes the report.
 """
 
+import gc
+import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import tempfile
 import time
+import warnings
+from collections import Counter
+from dataclasses import asdict
+from datetime import timedelta
+from functools import partial
 
 import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import configurator
-from model import GPT, GPTConfig
+from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, flops_per_token, memory_estimate,
+                   param_counts, sdpa_attention)
+from prepare import load_manifest, read_header
+from train import CKPT_FORMAT, MEMORY_USABLE, first_line, load_checkpoint, make_optimizer, save_checkpoint
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
+data_dir = "data"               # prepared data to check against the model (skipped until prepare.py wrote it)
+# the run's model and batch (train.py's keys): --capacity plans this model; the other checks use a
+# 2-layer model with its head layout (and, on a GPU, its width)
+block_size = 1024               # context length in tokens
+n_layer = 12                    # transformer blocks
+n_head = 12                     # query heads
+n_kv_head = 12                  # key/value heads; fewer than n_head is grouped-query attention
+n_embd = 768                    # model width
+ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3)
+vocab_size = None               # None: the data's vocabulary (manifest.json); a number must match it
+tie_embeddings = True           # share the input embedding with the output head
+vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
+micro_batch_size = 8            # sequences per GPU per forward/backward
+plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
+expect_world_size = 0           # ranks this config is written for; 0: any
 device = "auto"                 # auto (cuda if available) | cpu | cuda
-n_head = 12                     # the configured model's heads: the probe model keeps the head layout
-n_kv_head = 12                  # the configured model's key/value heads
+dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
+compile = False                 # torch.compile the model: check compiled forward/backward against eager
+# sanity's own
 min_free_disk_gb = 1.0          # fail when out_dir's disk has less free space than this
+allreduce_mb = 64               # size of the timed all_reduce under torchrun, in MiB
+capacity = False                # plan the configured model's memory per GPU (on a GPU: measure it too)
+world_size = 0                  # GPUs to plan for; 0: WORLD_SIZE under torchrun, else expect_world_size, else 1
+gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (on CPU: no verdict)
 # --- end config
 
+# largest error over largest value, per compute dtype. Measured on CPU: SDPA kernels against float64
+# 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32; compiled against eager 8e-3 in bf16. A wrong kernel
+# (scale, mask, GQA mapping) is off by ~1.
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+SDPA_KERNELS = (("math", SDPBackend.MATH), ("flash", SDPBackend.FLASH_ATTENTION),
+                ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
+FLASH_PACKAGES = (("flash_attn", "flash_attn", "FlashAttention 2: pip install flash-attn"),
+                  ("flash_attn3", "flash_attn_interface", "FlashAttention 3 for Hopper: build flash-attention/hopper"))
+# (json key, label, sharded, activation checkpointing)
+LAYOUTS = (("ddp", "DDP", False, False), ("ddp_act_ckpt", "DDP + act. ckpt", False, True),
+           ("sharded", "sharded", True, False), ("sharded_act_ckpt", "sharded + act. ckpt", True, True))
+MAX_MICRO_BATCH = 1024          # the micro-batch search stops here
+ALLREDUCE_ITERS = 5             # timed all_reduces, after 2 warm-up ones (NCCL builds its rings on the first)
 
-def check_environment(dev):
-    lines = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    if dev.type == "cuda":
-        lines.append(f"CUDA {torch.version.cuda}, {torch.cuda.device_count()} GPU(s)")
+
+# -----------------------------------------------------------------------------
+# helpers
+
+def resolve_device(name, local_rank):
+    """train.py's choice: CUDA when asked for or (auto) available, under torchrun this rank's GPU.
+    CUDA asked for but absent: the CPU, so that the other checks still run (the environment check fails)."""
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank is not None:
+        return torch.device(f"cuda:{local_rank}")
+    return torch.device("cuda" if name == "auto" else name)
+
+
+def compute_dtype(name, dev):
+    """train.py's compute dtype: dtype=auto is bfloat16 on a GPU that has it, else float32."""
+    if name == "auto":
+        name = "bfloat16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    return getattr(torch, name)
+
+
+def autocast(dev, dt):
+    return torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32)
+
+
+def rel_error(a, b):
+    """Largest absolute difference over the largest absolute value of b; inf when anything is not finite."""
+    a, b = a.detach().double(), b.detach().double()
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+    return float("inf") if math.isnan(err) else err
+
+
+def probe_model(cfg, dev, full_width):
+    """A 2-layer model with the configured head layout: at the configured width (on a GPU, where
+    the kernels' shapes matter and it costs nothing), or 16 per head (seconds on a CPU)."""
+    head_dim = cfg["n_embd"] // cfg["n_head"] if full_width else 16
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, block_size=min(cfg["block_size"], 256 if full_width else 64), n_layer=2,
+                         n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
+                         ffn_hidden=cfg["ffn_hidden"] if full_width else None,
+                         tie_embeddings=cfg["tie_embeddings"])).to(dev)
+
+
+def loss_and_grads(model, x, dev, dt):
+    """The loss and every parameter's gradient of one forward/backward on rows x of block_size+1 tokens."""
+    model.zero_grad(set_to_none=True)
+    with autocast(dev, dt):
+        _, loss = model(x[:, :-1], x[:, 1:])
+    loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters()]
+
+
+def same(a, b):
+    """Equal nested state: tensors bit for bit, everything else by ==."""
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+def driver_version():
+    """The NVIDIA driver's version, which torch does not report, from nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60).stdout
+        return out.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown (no nvidia-smi)"
+
+
+def dtype_name(dt):
+    return str(dt).removeprefix("torch.")
+
+
+def gb(n):
+    return round(n / 1e9, 3)
+
+
+# -----------------------------------------------------------------------------
+# checks: each returns (status, detail)
+
+def check_environment(cfg, dev, dt):
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
+        return "fail", "; ".join(parts + [f"device={cfg['device']} but CUDA is not available here "
+                                          f"(torch.version.cuda={torch.version.cuda}): use --device=cpu"])
+    if torch.cuda.is_available():
+        parts.append(f"CUDA {torch.version.cuda}, driver {driver_version()}")
+        gpus = Counter()
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            lines.append(f"{i}: {p.name} {p.total_memory / 2**30:.0f} GiB sm_{p.major}{p.minor}")
-        if torch.distributed.is_nccl_available():
-            lines.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
+            gpus[f"{p.name} sm_{p.major}{p.minor} {p.total_memory / 1e9:.1f} GB"] += 1
+        parts.append(", ".join(f"{n} x {name}" for name, n in gpus.items()))
+        if dist.is_nccl_available():
+            v = torch.cuda.nccl.version()
+            parts.append("NCCL " + (".".join(map(str, v)) if isinstance(v, tuple) else str(v)))
     else:
-        lines.append(f"no GPU in use, {os.cpu_count()} CPU cores")
-    return True, "; ".join(lines)
+        parts.append(f"no CUDA, {os.cpu_count()} CPU cores")
+    parts.append(f"checking {dev} in {dtype_name(dt)}")
+    return "pass", "; ".join(parts)
 
 
 def check_disk(path, min_gb):
     free = shutil.disk_usage(path).free / 1e9
-    return free >= min_gb, f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb})"
+    return ("pass" if free >= min_gb else "fail"), f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb:g})"
 
 
-def probe_model(dev, heads, kv_heads):
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=heads, n_kv_head=kv_heads,
-                       n_embd=16 * heads)
-    return GPT(config).to(dev)
+def reference_attention(q, k, v):
+    """Causal attention in float64, written out: the yardstick for every kernel. Query head h
+    reads key/value head h // (n_head / n_kv_head), as SDPA's enable_gqa does."""
+    rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    T = q.size(2)
+    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
 
 
-def check_train_step(dev, heads, kv_heads):
-    model = probe_model(dev, heads, kv_heads)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    x = torch.randint(0, 256, (2, 64), device=dev)
-    with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-        _, loss = model(x, x)
-    loss.backward()
-    finite = torch.isfinite(loss).item() and all(torch.isfinite(p.grad).all().item() for p in model.parameters())
-    return finite, f"{dtype} loss {loss.item():.3f}, gradients {'finite' if finite else 'NOT finite'}"
+def compare_attention(fn, cfg, dev, dt):
+    """fn(q, k, v) -> (B, heads, T, head_dim), causal, against the float64 reference: the output and
+    the gradients of q, k and v. The inputs are rounded to dt first, so only the kernel's error counts."""
+    T, hd = min(cfg["block_size"], 256), cfg["n_embd"] // cfg["n_head"]
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, cfg["n_head"], T, hd), (2, cfg["n_kv_head"], T, hd), (2, cfg["n_kv_head"], T, hd),
+              (2, cfg["n_head"], T, hd)]
+    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(dev, dt) for s in shapes)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = reference_attention(*ref_in)
+    ref.backward(grad.double())
+    test_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fn(*test_in)
+    out.backward(grad)
+    errors = {"output": rel_error(out, ref)}
+    errors.update({f"d{n}": rel_error(t.grad, r.grad) for n, t, r in zip("qkv", test_in, ref_in, strict=True)})
+    worst = max(errors, key=errors.get)
+    tol = TOLERANCE[dt]
+    ok = errors[worst] <= tol
+    return ("pass" if ok else "fail"), (f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/"
+                                        f"{cfg['n_kv_head']} of {hd}: largest error {errors[worst]:.1e} ({worst}) "
+                                        f"{'within' if ok else 'OVER'} {tol:g} of the largest value")
 
 
-def check_kv_cache(dev, heads, kv_heads):
-    model = probe_model(dev, heads, kv_heads).eval()
-    prompt = torch.randint(0, 256, (2, 8), device=dev)
-    cached = torch.stack(list(model.generate(prompt, 40, temperature=0)), 1)
-    full = torch.stack(list(model.generate(prompt, 40, temperature=0, use_cache=False)), 1)
-    same = torch.equal(cached, full)
-    return same, "greedy tokens with the KV cache " + ("equal" if same else "DIFFER from") + " full recomputation"
+def check_attention_backend(name, cfg, dev, dt):
+    """A backend of model.py, through model.attention() as the blocks call it."""
+    return compare_attention(lambda q, k, v: attention(name, q, k, v, True), cfg, dev, dt)
+
+
+def check_sdpa_kernel(label, kernel, cfg, dev, dt):
+    """model.py's SDPA path held to one kernel; a kernel that refuses these inputs is skipped, with its reasons."""
+    if dev.type != "cuda" and kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        return "skip", f"the {label} kernel is CUDA only; this run is on {dev}"
+
+    def fn(q, k, v):
+        with sdpa_kernel([kernel]):
+            return sdpa_attention(q, k, v, True)
+
+    with warnings.catch_warnings(record=True) as caught:  # SDPA says why it refuses a kernel in warnings
+        warnings.simplefilter("always")
+        try:
+            return compare_attention(fn, cfg, dev, dt)
+        except RuntimeError as e:
+            if "No available kernel" not in str(e) and "No viable backend" not in str(e):
+                raise
+    reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split()) for w in caught)
+    return "skip", f"the {label} kernel cannot run these inputs here: {'; '.join(reasons)[:400] or 'no reason given'}"
+
+
+def check_flash_package(module_name, hint, cfg, dev, dt):
+    """A FlashAttention package, when installed: flash_attn_func on (B, T, heads, head_dim), GQA native."""
+    if importlib.util.find_spec(module_name) is None:
+        return "skip", f"{module_name} is not installed ({hint})"
+    if dev.type != "cuda":
+        return "skip", f"{module_name} needs CUDA; this run is on {dev}"
+    if dt == torch.float32:
+        return "skip", f"{module_name} computes in bfloat16/float16 only; this run is float32"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:  # podgpt does not use the package: a broken install is reported, not fatal
+        return "skip", f"{module_name} is installed but does not import ({first_line(e)}): reinstall it for this torch"
+
+    def fn(q, k, v):
+        out = module.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # some releases return (out, lse)
+
+    return compare_attention(fn, cfg, dev, dt)
+
+
+def check_train_step(cfg, dev, dt):
+    model = probe_model(cfg, dev, full_width=dev.type == "cuda")
+    x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
+    loss, *grads = loss_and_grads(model, x, dev, dt)
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+    ok = torch.isfinite(loss).item() and 0 < norm < float("inf")
+    return ("pass" if ok else "fail"), (f"{dtype_name(dt)} forward/backward of a 2-layer "
+                                        f"{model.config.n_embd}-wide model: loss {loss.item():.3f}, gradient norm "
+                                        f"{norm:.3g}" + ("" if ok else ": NOT finite and non-zero"))
+
+
+def check_kv_cache(cfg, dev):
+    """Logits through the KV cache equal one full forward pass over n tokens (32 at most): a prompt
+    of n/4, then a chunk of n/4 (the bottom-right mask path), then single tokens (the unmasked path), in float32."""
+    model = probe_model(cfg, dev, full_width=dev.type == "cuda").eval()
+    n = min(32, model.config.block_size)
+    x = torch.randint(0, 256, (2, n), device=dev)
+    with torch.no_grad():
+        full, _ = model(x)
+        cache = KVCache(model.config, 2, n, dev, torch.float32)
+        pieces = [(0, n // 4), (n // 4, n // 2)] + [(t, t + 1) for t in range(n // 2, n)]
+        cached = torch.cat([model(x[:, a:b], cache=cache)[0] for a, b in pieces], 1)
+    err, tol = rel_error(cached, full), TOLERANCE[torch.float32]
+    return ("pass" if err <= tol else "fail"), (f"{n} tokens fed as {n // 4} + {n // 4} + {n - n // 2} x 1: logits "
+                                                f"differ from a full forward pass by {err:.1e} of the largest "
+                                                f"(tolerance {tol:g})")
+
+
+def check_checkpoint(cfg, dev):
+    """train.py's save_checkpoint / load_checkpoint on a model and its AdamW state after one step,
+    in a scratch folder under out_dir that is removed afterwards. Small at any width: this checks the files."""
+    model = probe_model(cfg, dev, full_width=False)
+    optimizer = make_optimizer(model, fused=dev.type == "cuda")
+    loss_and_grads(model, torch.randint(0, 256, (2, 16), device=dev), dev, torch.float32)
+    optimizer.step()
+    files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
+             "trainer.pt": dict(format=CKPT_FORMAT, step=1),
+             "config.json": json.dumps(dict(model=asdict(model.config))).encode()}
+    scratch = tempfile.mkdtemp(prefix=".sanity-ckpt-", dir=cfg["out_dir"])
+    try:
+        path = save_checkpoint(scratch, 1, files, keep_last=1, best=False, min_free_gb=0)
+        if path is None:
+            return "fail", f"save_checkpoint could not write to {scratch} (see the warning above)"
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+        ckpt = load_checkpoint(path, dev)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ok = same(ckpt["model"], files["model.pt"]) and same(ckpt["optimizer"], files["optimizer.pt"])
+    return ("pass" if ok else "fail"), (f"saved and verified {size / 1e6:.1f} MB under {cfg['out_dir']}, read back: "
+                                        + ("every tensor equal" if ok else "tensors DIFFER from what was saved"))
+
+
+def check_dataset(cfg):
+    data = cfg["data_dir"]
+    if not os.path.isfile(os.path.join(data, "manifest.json")):
+        return "skip", f"no manifest.json in {data}: not prepared yet (python prepare.py --data_dir={data})"
+    manifest = load_manifest(data)
+    vocab = manifest["vocab_size"]
+    if cfg["vocab_size"] is not None and cfg["vocab_size"] != vocab:
+        return "fail", (f"vocab_size={cfg['vocab_size']} but {data} was tokenized with {manifest['tokenizer']} "
+                        f"({vocab} tokens): set vocab_size=None or prepare matching data")
+    for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
+        if not os.path.isfile(os.path.join(data, name)):
+            return "fail", f"{data} has no {name}, which its manifest.json lists: rebuild it with prepare.py --force"
+    tokens = {}
+    for split in ("train", "val"):
+        longest = 0
+        for shard in manifest["splits"][split]["shards"]:
+            header = read_header(os.path.join(data, shard["file"]))  # a ValueError names the shard
+            if header["vocab_size"] != vocab:
+                return "fail", (f"{data}/{shard['file']}: vocab_size {header['vocab_size']} in its header, {vocab} in "
+                                f"manifest.json: rebuild the data with prepare.py --force")
+            longest = max(longest, header["n_tokens"])
+        if longest < cfg["block_size"] + 1:  # train.py's windows never cross a shard
+            return "fail", (f"the {split} split of {data} has no shard of block_size+1 = {cfg['block_size'] + 1} "
+                            f"tokens: lower block_size or prepare more data")
+        tokens[split] = manifest["splits"][split]["tokens"]
+    return "pass", (f"{data}: {manifest['tokenizer']}, {vocab} tokens, {tokens['train'] / 1e6:.1f}M train and "
+                    f"{tokens['val'] / 1e6:.2f}M val tokens; every shard's header agrees; block_size "
+                    f"{cfg['block_size']} fits both splits")
+
+
+def check_compile(cfg, dev, dt):
+    if not cfg["compile"]:
+        return "skip", "compile=False: the run is eager (--compile=True checks torch.compile)"
+    model = probe_model(cfg, dev, full_width=dev.type == "cuda")
+    x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
+    eager = [t.clone() for t in loss_and_grads(model, x, dev, dt)]
+    compiled = loss_and_grads(torch.compile(model), x, dev, dt)
+    err, tol = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True)), TOLERANCE[dt]
+    ok = err <= tol
+    return ("pass" if ok else "fail"), (f"{dtype_name(dt)} loss and gradients: compiled differs "
+                                        f"from eager by {err:.1e} of the largest value (tolerance {tol:g})")
+
+
+def check_allreduce(dev, megabytes):
+    if not dist.is_initialized():
+        return "skip", "not under torchrun (torchrun --nproc_per_node=N sanity.py ... checks the collectives)"
+    n = dist.get_world_size()
+    # rank r sends (r + 1) * ramp: every rank must get n(n+1)/2 * ramp, exact in float32 (small integers)
+    ramp = (torch.arange(1 << 20, device=dev) % 1024).float()
+    total = ramp * (dist.get_rank() + 1)
+    dist.all_reduce(total)
+    right = torch.tensor(float(torch.equal(total, ramp * (n * (n + 1) // 2))), device=dev)
+    dist.all_reduce(right)
+    buf = torch.zeros(megabytes * 2 ** 20 // 4, device=dev)
+    for _ in range(2):  # also lines the ranks up for the timing
+        dist.all_reduce(buf)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(ALLREDUCE_ITERS):
+        dist.all_reduce(buf)
+    sync()
+    seconds = (time.perf_counter() - t0) / ALLREDUCE_ITERS
+    size = buf.numel() * 4
+    busbw = 2 * (n - 1) / n * size / seconds  # what each link carries in a ring all-reduce (nccl-tests' busbw)
+    ok = int(right.item()) == n
+    return ("pass" if ok else "fail"), (f"{dist.get_backend()}, {n} ranks: the sum is right on {int(right.item())}/{n} "
+                                        f"ranks; all_reduce of {megabytes} MiB in {seconds * 1e3:.1f} ms, algbw "
+                                        f"{size / seconds / 1e9:.2f} GB/s, busbw {busbw / 1e9:.2f} GB/s")
+
+
+# capacity: the plan from model.py's arithmetic, and on a GPU the measurement
+
+def plan_vocab(cfg):
+    """(vocabulary, where it came from): vocab_size, else the prepared data's, else plan_vocab_size."""
+    if cfg["vocab_size"]:
+        return cfg["vocab_size"], "vocab_size"
+    if os.path.isfile(os.path.join(cfg["data_dir"], "manifest.json")):
+        return load_manifest(cfg["data_dir"])["vocab_size"], f"{cfg['data_dir']}/manifest.json"
+    if cfg["plan_vocab_size"]:
+        return cfg["plan_vocab_size"], "plan_vocab_size"
+    raise ValueError(f"no vocabulary to plan with: {cfg['data_dir']} is not prepared; set plan_vocab_size")
+
+
+def largest_fitting(fits, known, limit):
+    """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
+    known): double until it does not, then bisect. Memory grows with the micro-batch, so one boundary."""
+    lo, hi, limit = known, max(2 * known, 1), max(limit, known)
+    while hi <= limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def step_peak(model, optimizer, mb, dev, dt):
+    """Peak bytes allocated by one forward/backward/AdamW step of mb sequences, or None when out of memory."""
+    gc.collect()
+    torch.cuda.empty_cache()  # what a failed try left cached would count against the next one
+    torch.cuda.reset_peak_memory_stats(dev)
+    try:
+        x = torch.randint(0, model.config.vocab_size, (mb, model.config.block_size), device=dev)
+        with autocast(dev, dt):
+            _, loss = model(x, x)
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize(dev)
+        return torch.cuda.max_memory_allocated(dev)
+    except torch.cuda.OutOfMemoryError:
+        return None  # returning drops the traceback, and with it the tensors the failed step held
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def measure_capacity(mconfig, mb, dev, dt, ddp_buckets):
+    """Peak memory of a real training step at micro-batch mb (the second: the first allocates AdamW's
+    moments) and the largest micro-batch that fits, eager, on this GPU."""
+    with torch.device(dev):  # built in place: a 1B model initialised on the CPU first would take a minute
+        model = GPT(mconfig)
+    optimizer = make_optimizer(model, fused=True)
+    # one process stands in for a DDP rank: hold aside DDP's fp32 copy of the gradients (its buckets)
+    reserve = torch.empty(ddp_buckets, dtype=torch.uint8, device=dev)
+    first = step_peak(model, optimizer, mb, dev, dt)  # allocates AdamW's moments: the second step is the steady state
+    peak = step_peak(model, optimizer, mb, dev, dt) if first else None
+    largest = largest_fitting(lambda m: step_peak(model, optimizer, m, dev, dt) is not None,
+                              mb if peak else 0, MAX_MICRO_BATCH)
+    del reserve  # held until the search is done
+    return peak, largest
+
+
+def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
+    """model.memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
+    largest micro-batch that would."""
+    estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded, activation_checkpointing=ckpt,
+                       compute_bytes=cbytes)
+    parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # params is a count, not bytes
+    return dict(sharded=sharded, activation_checkpointing=ckpt, bytes=parts, gb={k: gb(v) for k, v in parts.items()},
+                fits=parts["total"] <= budget if budget else None,
+                largest_micro_batch=largest_fitting(lambda m: estimate(m)["total"] <= budget, 0, MAX_MICRO_BATCH)
+                if budget else None)
+
+
+def check_capacity(cfg, dev, dt, world, out):
+    """Fills `out` with the plan (and measurement) that goes to sanity.json under "capacity"."""
+    if not cfg["capacity"]:
+        return "skip", "capacity=False (--capacity plans, and on a GPU measures, the memory per GPU)"
+    vocab, vocab_from = plan_vocab(cfg)
+    mconfig = GPTConfig(vocab_size=vocab, block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
+                        n_kv_head=cfg["n_kv_head"], n_embd=cfg["n_embd"], ffn_hidden=cfg["ffn_hidden"],
+                        tie_embeddings=cfg["tie_embeddings"], vocab_multiple=cfg["vocab_multiple"])
+    mb = cfg["micro_batch_size"]
+    # dtype=auto planned from a CPU is the GPU's bfloat16
+    plan_dt = torch.bfloat16 if cfg["dtype"] == "auto" and dev.type != "cuda" else dt
+    cbytes = 4 if plan_dt == torch.float32 else 2
+    # the same usable share as train.py's memory_fit gate: the rest is CUDA context, NCCL and fragmentation
+    memory = cfg["gpu_mem_gb"] * 1e9 or (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0)
+    budget = MEMORY_USABLE * memory or None
+    with torch.device("meta"):  # the real module's shapes at no cost: its parameter count must match the arithmetic
+        built = sum(p.numel() for p in GPT(mconfig).parameters())
+    counts = param_counts(mconfig)
+    out.update(model={k: v for k, v in asdict(mconfig).items() if k not in ("init_std", "attn_backend")},
+               vocab_from=vocab_from, params=counts, meta_params=built, flops_per_token=flops_per_token(mconfig),
+               world_size=world, micro_batch_size=mb, compute_dtype=dtype_name(plan_dt),
+               gpu_mem_bytes=memory or None, gpu_mem_gb=gb(memory) if memory else None,
+               usable_bytes=budget, usable_share=MEMORY_USABLE, layouts={}, measured=None)
+    for key, label, sharded, ckpt in LAYOUTS:
+        out["layouts"][key] = dict(label=label, **plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget))
+    ddp = out["layouts"]["ddp"]
+    summary = (f"{counts['total'] / 1e9:.3f}B parameters, {out['flops_per_token'] / 1e9:.2f} GFLOP/token; per GPU at "
+               f"micro-batch {mb}, world {world}: DDP {ddp['gb']['total']:.1f} GB, "
+               + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f}" for lay in list(out["layouts"].values())[1:]))
+    if built != counts["total"]:
+        return "fail", f"the model builds with {built:,} parameters, model.param_counts says {counts['total']:,}"
+    if dev.type != "cuda":
+        verdict = (f"; DDP {'fits' if ddp['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}" if budget
+                   else "; give gpu_mem_gb for a verdict")
+        return ("fail" if budget and not ddp["fits"] else "pass"), (
+            f"{summary}{verdict}; no GPU here: estimate only (built on the meta device: {built:,} parameters)")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    state = sum(ddp["bytes"][k] for k in ("weights", "gradients", "optimizer", "ddp_buckets"))
+    if state > total:  # building it would only end in an out-of-memory error
+        return "fail", (f"{summary}; DDP's weights, gradients and AdamW state alone need {state / 1e9:.1f} GB, "
+                        f"over this GPU's {total / 1e9:.1f}: not measured")
+    peak, largest = measure_capacity(mconfig, mb, dev, dt, ddp["bytes"]["ddp_buckets"])
+    name = torch.cuda.get_device_name(dev)
+    headroom = total - peak if peak else None
+    out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total), micro_batch_size=mb,
+                           peak_bytes=peak, peak_gb=gb(peak) if peak else None,
+                           predicted_bytes=ddp["bytes"]["total"], predicted_gb=ddp["gb"]["total"],
+                           headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
+                           largest_micro_batch=largest)
+    if peak is None:
+        return "fail", (f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); "
+                        f"the largest that fits is {largest}")
+    return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
+                    f"{ddp['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; "
+                    f"largest micro-batch that fits: {largest}")
+
+
+def capacity_lines(cap):
+    """The capacity plan as Markdown: one column per layout, predicted against measured below."""
+    lays = list(cap["layouts"].values())
+    lines = [f"## capacity: {cap['params']['total'] / 1e9:.3f}B parameters "
+             f"({cap['params']['non_embedding'] / 1e9:.3f}B non-embedding), "
+             f"{cap['flops_per_token'] / 1e9:.2f} GFLOP/token", "",
+             f"GB per GPU (1 GB = 1e9 bytes): {cap['compute_dtype']}, micro-batch {cap['micro_batch_size']} x "
+             f"{cap['model']['block_size']} tokens, world size {cap['world_size']} (sharded: over all "
+             f"{cap['world_size']}), vocabulary {cap['model']['vocab_size']} from {cap['vocab_from']}", "",
+             "| GB per GPU | " + " | ".join(lay["label"] for lay in lays) + " |",
+             "|---|" + "---|" * len(lays)]
+    lines += [f"| {part} | " + " | ".join(f"{lay['gb'][part]:.2f}" for lay in lays) + " |" for part in lays[0]["gb"]]
+    if cap["gpu_mem_gb"]:
+        lines.append(f"| fits {cap['usable_share']:g} x {cap['gpu_mem_gb']:g} GB | " + " | ".join("yes" if lay["fits"] else "NO" for lay in lays)
+                     + " |")
+        lines.append("| largest micro-batch | " + " | ".join(str(lay["largest_micro_batch"]) for lay in lays) + " |")
+    m = cap["measured"]
+    lines.append("")
+    if m is None:
+        lines.append("No GPU here: the estimate only (the model was built on the meta device to confirm "
+                     f"its {cap['meta_params']:,} parameters).")
+    elif m["peak_bytes"] is None:
+        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch {m['micro_batch_size']} "
+                     f"runs out of memory (predicted {m['predicted_gb']:.2f} GB); the largest that fits is "
+                     f"{m['largest_micro_batch']}.")
+    else:
+        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager, one process holding DDP's buckets "
+                     f"aside: peak {m['peak_gb']:.2f} GB allocated against {m['predicted_gb']:.2f} GB predicted "
+                     f"(DDP), headroom {m['headroom_gb']:.2f} GB; the largest micro-batch that fits is "
+                     f"{m['largest_micro_batch']} (predicted {lays[0]['largest_micro_batch']}).")
+    return lines
+
+
+# -----------------------------------------------------------------------------
+
+def run_check(name, fn):
+    t0 = time.perf_counter()
+    try:
+        status, detail = fn()
+    except Exception as e:  # a check that crashes is a failed check, reported in one line like the others
+        status, detail = "fail", first_line(e)
+    return dict(name=name, status=status, seconds=round(time.perf_counter() - t0, 3), detail=detail)
+
+
+def write_reports(path, report):
+    with open(os.path.join(path, "sanity.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    lines = [f"# sanity: {'PASS' if report['passed'] else 'FAIL'}", "",
+             f"{report['device']}, {report['dtype']}, {report['world_size']} rank(s)", "",
+             "| check | status | seconds | detail |", "|---|---|---|---|"]
+    lines += [f"| {c['name']} | {c['status']} | {c['seconds']} | {c['detail'].replace('|', '/')} |"
+              for c in report["checks"]]
+    if "ranks" in report:
+        lines += ["", "| rank | status | failed checks |", "|---|---|---|"]
+        lines += [f"| {r['rank']} | {'pass' if r['passed'] else 'FAIL'} | "
+                  + ", ".join(c["name"] for c in r["checks"] if c["status"] == "fail") + " |" for r in report["ranks"]]
+    if report["capacity"]:
+        lines += [""] + capacity_lines(report["capacity"])
+    with open(os.path.join(path, "sanity.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def main(argv):
-    config = configurator.configure(__file__, argv)
-    dev = torch.device(config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    os.makedirs(config["out_dir"], exist_ok=True)
-    checks = [("environment", lambda: check_environment(dev)),
-              ("disk", lambda: check_disk(config["out_dir"], config["min_free_disk_gb"])),
-              ("train_step", lambda: check_train_step(dev, config["n_head"], config["n_kv_head"])),
-              ("kv_cache", lambda: check_kv_cache(dev, config["n_head"], config["n_kv_head"]))]
+    cfg = configurator.configure(__file__, argv)
+    if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):
+        print(f"error: dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16, float16", file=sys.stderr)
+        raise SystemExit(1)
+    ddp = "RANK" in os.environ  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE
+    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(cfg["device"], local_rank if ddp else None)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if ddp:
+        # a rank that dies makes the others' collectives fail after this long instead of hanging
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
+                                timeout=timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30))))
+    dt = compute_dtype(cfg["dtype"], dev)
+    world = cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"] or 1
+    try:
+        os.makedirs(cfg["out_dir"], exist_ok=True)
+    except OSError as e:  # nowhere to write the report
+        print(f"error: out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir",
+              file=sys.stderr)
+        raise SystemExit(1) from None
+    capacity_report = {}
+    checks = [("environment", partial(check_environment, cfg, dev, dt)),
+              ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
+    checks += [(f"attention:{name}", partial(check_attention_backend, name, cfg, dev, dt))
+               for name in ATTENTION_BACKENDS]
+    checks += [(f"attention:sdpa-{label}", partial(check_sdpa_kernel, label, kernel, cfg, dev, dt))
+               for label, kernel in SDPA_KERNELS]
+    checks += [(f"attention:{label}", partial(check_flash_package, module, hint, cfg, dev, dt))
+               for label, module, hint in FLASH_PACKAGES]
+    checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
+               ("kv_cache", partial(check_kv_cache, cfg, dev)),
+               ("checkpoint", partial(check_checkpoint, cfg, dev)),
+               ("dataset", partial(check_dataset, cfg)),
+               ("compile", partial(check_compile, cfg, dev, dt)),
+               ("allreduce", partial(check_allreduce, dev, cfg["allreduce_mb"])),
+               ("capacity", partial(check_capacity, cfg, dev, dt, world, capacity_report))]
     results = []
     for name, fn in checks:
-        t0 = time.time()
-        try:
-            ok, detail = fn()
-            status = "pass" if ok else "fail"
-        except Exception as e:  # a check that crashes is a failed check, reported like the others
-            status, detail = "fail", f"{type(e).__name__}: {e}"
-        results.append(dict(name=name, status=status, seconds=round(time.time() - t0, 3), detail=detail))
-        print(f"{status:4s} {name:12s} {detail}", flush=True)
-    passed = all(r["status"] != "fail" for r in results)
-    report = dict(passed=passed, device=str(dev), checks=results)
-    with open(os.path.join(config["out_dir"], "sanity.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    with open(os.path.join(config["out_dir"], "sanity.md"), "w") as f:
-        f.write(f"# sanity: {'PASS' if passed else 'FAIL'}\n\n| check | status | seconds | detail |\n|---|---|---|---|\n")
-        f.writelines(f"| {r['name']} | {r['status']} | {r['seconds']} | {r['detail']} |\n" for r in results)
-    print(f"sanity {'passed' if passed else 'FAILED'}: {config['out_dir']}/sanity.md")
+        results.append(run_check(name, fn))
+        r = results[-1]
+        if rank == 0 or r["status"] == "fail":
+            print(f"{'' if rank == 0 else f'[rank {rank}] '}{r['status']:4s}  {name:24s} {r['seconds']:7.2f}s  "
+                  f"{r['detail']}", flush=True)
+    per_rank = [results]
+    if ddp:
+        per_rank = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, results)
+        dist.destroy_process_group()
+    passed = all(r["status"] != "fail" for rank_results in per_rank for r in rank_results)
+    if rank == 0:
+        report = dict(passed=passed, device=str(dev), dtype=dtype_name(dt),
+                      world_size=len(per_rank), checks=results, capacity=capacity_report or None)
+        if ddp:
+            report["ranks"] = [dict(rank=i, passed=all(c["status"] != "fail" for c in rr), checks=rr)
+                               for i, rr in enumerate(per_rank)]
+        write_reports(cfg["out_dir"], report)
+        if capacity_report:
+            print("\n".join(capacity_lines(capacity_report)))
+        print(f"sanity {'passed' if passed else 'FAILED'}: {os.path.join(cfg['out_dir'], 'sanity.md')}", flush=True)
     raise SystemExit(0 if passed else 1)
 
 
