@@ -54,6 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
+from report import write_report
 from model import GPT, GPTConfig, attention, flops_per_token, memory_estimate, param_counts, peak_flops
 from prepare import docs_file, load_manifest, open_shard, read_header
 
@@ -1314,6 +1315,7 @@ def main(argv, keep_group=False):
         write_json(os.path.join(out_dir, "summary.json"), summary)
         write_json(clock_path, dict(elapsed=state.elapsed, cost_usd=state.cost_usd))
         metrics.close()
+        write_report(out_dir)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if status == "completed":
             log(f"done ({reason}): {state.step} steps in {format_seconds(state.elapsed)} | "
                 f"final val loss {val_loss:.4f} (best {state.best_val_loss:.4f} at step {state.best_step}, "

@@ -28,6 +28,7 @@ def test_every_stage_runs_and_leaves_its_outputs(pipeline):
         assert f"=== {stage}:" in r.stdout
     assert (out / "sanity.json").exists() and json.load(open(out / "sanity.json"))["passed"]
     assert (tmp / "data" / "manifest.json").exists()
+    assert all((out / f).exists() for f in ("summary.md", "metrics.csv", "manifest.json", "plots/loss_steps.png"))
     dryrun = json.load(open(out / "dryrun" / "dryrun.json"))
     assert dryrun["ok"] and dryrun["steps"] == 4 and dryrun["resume_check"]["steps"] == [3, 4]
     assert (out / "ckpt" / "latest").read_text() == "step_0000120"

@@ -1,0 +1,333 @@
+"""
+The run report: a human-readable page and portable files, written from what a run left in its out_dir.
+
+    python report.py --out_dir=out
+
+writes into out_dir:
+- summary.md    the outcome, stop reason, final/best losses, tokens, hours, dollars, MFU, the preflight
+                verdict, and the plots (when matplotlib is installed; without it, a line saying so)
+- metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
+- manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
+- plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
+
+train.py calls write_report(out_dir) at the end of a run. It only reads the small files of the out_dir
+(never a model or optimizer state), and every piece is optional: a missing or damaged file leaves its part of
+the report empty rather than raising, because a report must never turn a finished run into a failed one.
+"""
+
+import csv
+import hashlib
+import importlib
+import io
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+
+# --- config
+out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
+# --- end config
+
+PLOTS = "plots"  # subfolder of out_dir for the PNGs
+
+
+# ----------------------------------------------------------------------------
+# reading: each reader gives None (or []) for a missing or unreadable file
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def read_metrics(path):
+    """The metric rows of metrics.jsonl: event rows dropped (they are not metrics), a torn last line skipped."""
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a run killed mid-write leaves half a line
+                    continue
+                if isinstance(row, dict) and "event" not in row and isinstance(row.get("step"), int):
+                    rows.append(row)
+    except OSError:
+        pass
+    return rows
+
+
+def is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def run_config(out_dir):
+    """The resolved config of the run: config.json of the checkpoint ckpt/latest names; None without one."""
+    ckpt_root = os.path.join(out_dir, "ckpt")
+    try:
+        with open(os.path.join(ckpt_root, "latest")) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
+
+
+# ----------------------------------------------------------------------------
+# metrics.csv
+
+def long_rows(rows):
+    """(step, name, value) for every numeric field; an eval row repeats its step's `tokens`, kept once."""
+    seen, out = set(), []
+    for row in rows:
+        for name, value in row.items():
+            if name == "step" or not is_number(value):
+                continue
+            key = (row["step"], name, value)
+            if key not in seen:
+                seen.add(key)
+                out.append(key)
+    return out
+
+
+def write_atomic(path, text):
+    """Whole file or none: a reader (or a crash) never sees half a report."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_csv(path, rows):
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(["step", "name", "value"])
+    w.writerows((s, n, repr(v) if isinstance(v, float) else v) for s, n, v in long_rows(rows))  # repr: exact round-trip
+    write_atomic(path, buf.getvalue())
+
+
+# ----------------------------------------------------------------------------
+# manifest.json
+
+def version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except Exception:  # not installed, or broken: the manifest says null rather than guessing
+        return None
+
+
+def git_commit():
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                           capture_output=True, text=True, timeout=5)
+        return (r.stdout.strip() or None) if r.returncode == 0 else None
+    except Exception:
+        return None
+
+
+def config_hash(config):
+    """sha256 of the config in canonical JSON, so the same run config hashes the same however it was formatted."""
+    if config is None:
+        return None
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or None
+
+
+def hardware():
+    gpus = []
+    try:
+        import torch
+        if torch.cuda.is_available():
+            gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:
+        pass
+    return dict(cpu=cpu_name(), cpu_count=os.cpu_count(), gpus=gpus, gpu_count=len(gpus), host=platform.node())
+
+
+def spent(summary, clock):
+    for source in (summary, clock):
+        if source and is_number(source.get("cost_usd")):
+            return source["cost_usd"]
+    return None
+
+
+def manifest(out_dir, config, summary, clock):
+    config = config or {}
+    return dict(seed=config.get("seed"),
+                versions=dict(python=platform.python_version(), torch=version("torch"), numpy=version("numpy"),
+                              tiktoken=version("tiktoken"), podgpt=git_commit()),
+                config_hash=config_hash(config or None),
+                hardware=hardware(),
+                world_size=(summary or {}).get("world_size", config.get("world_size")),
+                cost_usd=spent(summary, clock))
+
+
+# ----------------------------------------------------------------------------
+# plots
+
+def series(rows, x, y):
+    pts = [(r[x], r[y]) for r in rows if is_number(r.get(x)) and is_number(r.get(y))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+# (file, title, x field, [(y field, label)], y label)
+FIGURES = [
+    ("loss_steps.png", "loss", "step", [("loss", "train"), ("val_loss", "validation")], "loss"),
+    ("loss_tokens.png", "loss against tokens", "tokens", [("loss", "train"), ("val_loss", "validation")], "loss"),
+    ("grad_norm.png", "gradient norm (before clipping)", "step", [("grad_norm", "grad norm")], "norm"),
+    ("tokens_per_sec.png", "throughput", "step", [("tokens_per_sec", "tokens/s")], "tokens/s"),
+    ("lr.png", "learning rate", "step", [("lr", "lr")], "lr"),
+    ("memory.png", "peak device memory", "step", [("mem_gb", "memory")], "GB"),
+]
+
+
+def write_plots(out_dir, rows):
+    """[(title, relative path)] of the PNGs written, or a string saying why there are none."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display on a training node
+        import matplotlib.pyplot as plt
+    except Exception as e:  # ImportError, or a None put in sys.modules
+        return f"plots skipped: matplotlib is not installed ({type(e).__name__}); pip install matplotlib for them"
+    folder = os.path.join(out_dir, PLOTS)
+    written = []
+    for name, title, x, ys, ylabel in FIGURES:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        try:
+            drawn = 0
+            for y, label in ys:
+                xs, vs = series(rows, x, y)
+                if xs:
+                    ax.plot(xs, vs, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+                    drawn += 1
+            if not drawn:
+                continue
+            ax.set(title=title, xlabel=x, ylabel=ylabel)
+            ax.grid(alpha=0.3)
+            if len(ys) > 1:
+                ax.legend()
+            fig.tight_layout()
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, name)
+            fig.savefig(path + ".tmp", format="png")  # format: the .tmp suffix would hide it
+            os.replace(path + ".tmp", path)
+            written.append((title, f"{PLOTS}/{name}"))
+        finally:
+            plt.close(fig)
+    return written
+
+
+# ----------------------------------------------------------------------------
+# summary.md
+
+def fmt(v, spec=".4f"):
+    return "-" if v is None else format(v, spec) if is_number(v) else str(v)
+
+
+def last(rows, name):
+    vals = [r[name] for r in rows if is_number(r.get(name))]
+    return vals[-1] if vals else None
+
+
+def summary_md(out_dir, summary, clock, preflight, rows, plots):
+    s = summary or {}
+    elapsed = s.get("elapsed_s", (clock or {}).get("elapsed"))
+    mfus = [r["mfu"] for r in rows if is_number(r.get("mfu"))]
+    lines = [f"# run report: {os.path.abspath(out_dir)}", ""]
+    if summary is None:
+        lines += ["No summary.json: the run is still going, or was killed before it ended. "
+                  "What follows is from metrics.jsonl and clock.json.", ""]
+    lines += [
+        "| | |", "|---|---|",
+        f"| outcome | {s.get('status', 'unknown')} |",
+        f"| stop reason | {s.get('stop_reason', 'unknown')}" + (f" ({s['signal']})" if s.get("signal") else "") + " |",
+        f"| steps | {fmt(s.get('steps', last(rows, 'step')), 'd')} |",
+        f"| tokens | {fmt(s.get('tokens', last(rows, 'tokens')), ',')} |",
+        f"| final train loss | {fmt(s.get('final_train_loss', last(rows, 'loss')))} |",
+        f"| final val loss | {fmt(s.get('final_val_loss', last(rows, 'val_loss')))} |",
+        f"| best val loss | {fmt(s.get('best_val_loss'))} (step {fmt(s.get('best_step'), 'd')}) |",
+        f"| final val bits per byte | {fmt(s.get('final_val_bpb', last(rows, 'val_bpb')))} |",
+        f"| unigram baseline val loss | {fmt(s.get('unigram_val_loss'))} |",
+        f"| hours | {fmt(elapsed / 3600 if is_number(elapsed) else None, '.3f')} |",
+        f"| dollars | {fmt(spent(summary, clock), '.2f')} |",
+        # MFU is empty on devices without a known peak (README): say so rather than print 0
+        "| MFU | " + (f"{mfus[-1]:.1%} last, {sum(mfus) / len(mfus):.1%} mean" if mfus else "- (no known peak for this device)") + " |",
+        f"| spikes / non-finite steps / rollbacks | {s.get('spikes', '-')} / {s.get('nonfinite_steps', '-')} / {s.get('rollbacks', '-')} |",
+        f"| checkpoint (latest, best) | {s.get('checkpoint', '-')}, {s.get('best_checkpoint', '-')} |",
+        "",
+    ]
+    lines += ["## preflight", ""]
+    if preflight is None:
+        lines += ["no preflight.json", ""]
+    else:
+        lines += [f"verdict: **{preflight.get('verdict', 'unknown')}** ({preflight.get('profile', '?')} profile)", ""]
+        for g in preflight.get("gates") or []:
+            if isinstance(g, dict) and g.get("verdict") not in ("pass", "skip"):
+                lines.append(f"- {g.get('name')}: {g.get('verdict')}: {g.get('detail')}")
+        lines.append("")
+    lines += ["## plots", ""]
+    if isinstance(plots, str):
+        lines += [plots, ""]
+    elif not plots:
+        lines += ["no metric rows to plot", ""]
+    else:
+        for title, path in plots:
+            lines += [f"![{title}]({path})", ""]
+    lines += ["Also here: metrics.csv (every metric as step, name, value), manifest.json (versions, config hash, "
+              "hardware, spend).", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+
+def write_report(out_dir):
+    """Write summary.md, metrics.csv, manifest.json and plots/ into out_dir. Never raises: a part that fails
+    is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem or None}."""
+    problems = {}
+
+    def attempt(name, fn):
+        try:
+            return fn()
+        except Exception as e:
+            problems[name] = f"{type(e).__name__}: {e}"
+            print(f"report: {name} not written: {problems[name]}", file=sys.stderr)
+            return None
+
+    if not os.path.isdir(out_dir):
+        print(f"report: {out_dir} is not a folder", file=sys.stderr)
+        return {"out_dir": "missing"}
+    rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+    summary = read_json(os.path.join(out_dir, "summary.json"))
+    clock = read_json(os.path.join(out_dir, "clock.json"))
+    preflight = read_json(os.path.join(out_dir, "preflight.json"))
+    config = attempt("config", lambda: run_config(out_dir))
+    attempt("metrics.csv", lambda: write_csv(os.path.join(out_dir, "metrics.csv"), rows))
+    attempt("manifest.json", lambda: write_atomic(os.path.join(out_dir, "manifest.json"),
+                                                  json.dumps(manifest(out_dir, config, summary, clock), indent=1) + "\n"))
+    plots = attempt("plots", lambda: write_plots(out_dir, rows))
+    if plots is None:
+        plots = f"plots skipped: {problems.get('plots')}"
+    attempt("summary.md", lambda: write_atomic(os.path.join(out_dir, "summary.md"),
+                                               summary_md(out_dir, summary, clock, preflight, rows, plots)))
+    return problems
+
+
+if __name__ == "__main__":
+    import configurator
+    cfg = configurator.configure(__file__, sys.argv[1:])
+    problems = write_report(cfg["out_dir"])
+    print(f"report in {cfg['out_dir']}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
+    sys.exit(1 if problems else 0)

@@ -1,0 +1,110 @@
+"""report.py on a real (tiny) training run: the files, the plots, metrics.csv against metrics.jsonl, the manifest,
+and a machine without matplotlib."""
+import csv
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT, TINY_MODEL, read_metrics, run
+
+PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, stdlib_data):
+    out = tmp_path_factory.mktemp("report") / "out"
+    run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
+         "--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"])
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reported(trained):
+    r = run([sys.executable, "report.py", f"--out_dir={trained}"])
+    assert "Traceback" not in r.stderr
+    return trained
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_files_and_plots(reported):
+    for name in ["summary.md", "metrics.csv", "manifest.json"]:
+        assert os.path.getsize(os.path.join(reported, name)) > 0
+    assert not [f for f in os.listdir(reported) if f.endswith(".tmp")]
+    import matplotlib.image
+    md = read(os.path.join(reported, "summary.md"))
+    for name in PNGS:
+        path = os.path.join(reported, "plots", name)
+        assert os.path.getsize(path) > 5000, name  # a real figure, not an empty canvas
+        img = matplotlib.image.imread(path)
+        assert img.shape[0] > 100 and img.shape[1] > 100 and img.std() > 0, name
+        assert f"plots/{name}" in md
+
+
+def test_metrics_csv_round_trips_metrics_jsonl(reported):
+    rows = read_metrics(reported)
+    expected = {(r["step"], k, float(v)) for r in rows if "event" not in r for k, v in r.items()
+                if k != "step" and v is not None and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    with open(os.path.join(reported, "metrics.csv")) as f:
+        reader = csv.reader(f)
+        assert next(reader) == ["step", "name", "value"]
+        got = [(int(s), n, float(v)) for s, n, v in reader]
+    assert len(got) == len(set(got))
+    assert set(got) == expected
+    assert {n for _, n, _ in got} >= {"loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mem_gb"}
+
+
+def test_manifest(reported):
+    import torch
+    m = json.loads(read(os.path.join(reported, "manifest.json")))
+    summary = json.loads(read(os.path.join(reported, "summary.json")))
+    assert m["seed"] == 1337
+    assert m["versions"]["torch"] == torch.__version__
+    for lib in ["numpy", "tiktoken", "podgpt"]:
+        assert lib in m["versions"]
+    if os.path.isdir(os.path.join(ROOT, ".git")):
+        assert len(m["versions"]["podgpt"]) == 40
+    assert len(m["config_hash"]) == 64
+    assert m["world_size"] == 1
+    assert m["cost_usd"] == summary["cost_usd"]
+    assert {"cpu", "gpus", "gpu_count"} <= set(m["hardware"])
+
+
+def test_summary_md(reported):
+    md = read(os.path.join(reported, "summary.md"))
+    summary = json.loads(read(os.path.join(reported, "summary.json")))
+    assert summary["stop_reason"] in md and summary["status"] in md
+    assert f"{summary['final_val_loss']:.4f}" in md
+    assert "preflight" in md and json.loads(read(os.path.join(reported, "preflight.json")))["verdict"] in md
+
+
+def test_without_matplotlib(trained, tmp_path):
+    out = tmp_path / "copy"
+    out.mkdir()
+    for name in ["metrics.jsonl", "summary.json", "preflight.json", "clock.json"]:
+        (out / name).write_text(read(os.path.join(trained, name)))
+    wrapper = tmp_path / "no_mpl.py"
+    wrapper.write_text("import sys\nsys.modules['matplotlib'] = None\nsys.path.insert(0, %r)\n"
+                       "import report\nsys.exit(1 if report.write_report(sys.argv[1]) else 0)\n" % ROOT)
+    r = run([sys.executable, str(wrapper), str(out)])
+    assert "Traceback" not in r.stderr
+    for name in ["summary.md", "metrics.csv", "manifest.json"]:
+        assert os.path.getsize(out / name) > 0
+    assert not (out / "plots").exists()
+    md = (out / "summary.md").read_text()
+    assert "plots skipped" in md and "matplotlib" in md
+    assert json.loads((out / "manifest.json").read_text())["config_hash"] is None  # no checkpoint copied
+
+
+def test_never_raises_on_an_empty_or_missing_folder(tmp_path):
+    sys.path.insert(0, ROOT)
+    import report
+    assert report.write_report(str(tmp_path)) == {}
+    md = (tmp_path / "summary.md").read_text()
+    assert "No summary.json" in md
+    assert report.write_report(str(tmp_path / "missing"))  # a problem returned, nothing raised
