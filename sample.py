@@ -18,6 +18,7 @@ import torch
 
 import configurator
 from prepare import load_tokenizer
+from export import is_export, load_export, tokenizer_dir
 from train import find_checkpoint, first_line, load_model
 
 # --- config
@@ -41,7 +42,8 @@ def main(argv):
     if config["which"] not in ("best", "latest"):
         print(f"error: which={config['which']!r} is not one of best, latest", file=sys.stderr)
         raise SystemExit(2)
-    path = find_checkpoint(config["ckpt"] or config["out_dir"], config["which"])
+    src = config["ckpt"] or config["out_dir"]
+    path = src if is_export(src) else find_checkpoint(src, config["which"])
     if path is None:
         print(f"error: no checkpoint in {config['ckpt'] or config['out_dir']!r}: "
               f"train first or pass --ckpt=OUT_DIR or a checkpoint folder", file=sys.stderr)
@@ -61,12 +63,12 @@ def main(argv):
 
     dev = config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model, _ = load_model(path, dev)
+        model, _ = load_export(path, dev) if is_export(path) else load_model(path, dev)
     except ValueError as e:
         print(f"error: checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)",
               file=sys.stderr)
         raise SystemExit(1) from None
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(tokenizer_dir(path))
     ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config["seed"])
     print(f"# {path}", file=sys.stderr)

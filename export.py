@@ -1,0 +1,360 @@
+"""
+Export a podgpt checkpoint as a Hugging Face Llama folder (transformers, vLLM).
+
+    python export.py --ckpt=out/tiny --out=export/tiny              # the run's best checkpoint
+    python export.py --ckpt=out/tiny --which=latest --out=export/tiny --dtype=bfloat16
+    python export.py config/tiny.py --out=export/tiny               # the run a config file describes
+
+The folder holds:
+- config.json: LlamaForCausalLM, written field by field from the checkpoint's model config;
+- model.safetensors ({"format": "pt"} metadata), or model-0000i-of-0000n.safetensors shards and
+  model.safetensors.index.json when the weights pass max_shard_gb; a tied head is stored once
+  (as model.embed_tokens.weight: safetensors has no shared tensors, transformers re-ties it);
+- generation_config.json: bos = eos = podgpt's BOS id (every document starts with it, so it also
+  ends the previous one), padding ids suppressed;
+- podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
+  prepare.load_tokenizer reads (kept in a subfolder: transformers reads a top-level tokenizer.json
+  as its own format, which podgpt's is not);
+- podgpt.json: podgpt's model config and where the export came from (load_export reads it);
+- README.md: a model card (recipe, data, tokens, losses, preflight verdict, limitations).
+
+Vocabulary: podgpt pads the embedding and head to a multiple of vocab_multiple. The export keeps the
+padded matrices and sets vocab_size = padded_vocab: the weights stay bit for bit the checkpoint's (a
+tied matrix stays one matrix), the round size keeps the matmuls fast, and the tokenizer never emits
+the padding ids. Their logits are never trained upwards (never targets); generation_config.json lists
+them in suppress_tokens, which transformers' generate applies (vLLM does not: see the card).
+
+RoPE: model.py rotates halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with
+inv_freq = theta^(-2i/head_dim), exactly transformers' rotate_half, so q/k rows map unpermuted
+(tests/test_export.py checks logits against LlamaForCausalLM, and that a permuted layout fails).
+"""
+
+import json
+import os
+import shutil
+import sys
+
+import torch
+
+import configurator
+from model import GPT, GPTConfig, param_counts
+
+# --- config
+ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
+which = "best"                  # for an out_dir: best (lowest validation loss; latest if none evaluated) | latest
+out_dir = "out"                 # used when ckpt is empty (so a run's config file finds its checkpoint)
+out = ""                        # the folder to write (required); an earlier export there is replaced
+dtype = "float32"               # dtype of the saved weights: float32 | bfloat16
+max_shard_gb = 5.0              # weights larger than this are split into shards with an index
+# --- end config
+
+TOKENIZER_DIR = "podgpt_tokenizer"
+PODGPT_FILE = "podgpt.json"
+# fields of model.py's GPTConfig that Llama expresses; anything else is an architecture it may not
+LLAMA_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
+                "norm_eps", "tie_embeddings", "vocab_multiple", "init_std", "attn_backend"}
+MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+class ExportError(Exception):
+    pass
+
+
+def require(module):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ExportError(f"{module} is not installed: pip install -r requirements-dev.txt") from None
+
+
+def check_llama(model_cfg, state_dict):
+    """Raise ExportError unless the model is one LlamaForCausalLM expresses exactly."""
+    extra = sorted(set(model_cfg) - LLAMA_FIELDS)
+    if extra:
+        raise ExportError(f"the model config has {', '.join(extra)}, which Llama cannot express: "
+                          f"this export.py only maps podgpt's Llama architecture")
+    cfg = GPTConfig(**model_cfg)
+    want = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
+    for i in range(cfg.n_layer):
+        want |= {f"layers.{i}.{m}.weight" for m in MATRICES}
+        want |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    if set(state_dict) != want:
+        odd = sorted(set(state_dict) ^ want)[:3]
+        raise ExportError(f"the weights do not match Llama's layout (e.g. {', '.join(odd)}): cannot export")
+    tied = state_dict["lm_head.weight"].data_ptr() == state_dict["embed_tokens.weight"].data_ptr() or \
+        torch.equal(state_dict["lm_head.weight"], state_dict["embed_tokens.weight"])
+    if cfg.tie_embeddings and not tied:
+        raise ExportError("tie_embeddings=True but lm_head differs from embed_tokens: the checkpoint is inconsistent")
+    return cfg
+
+
+def hf_config(cfg, torch_dtype):
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.padded_vocab,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.ffn_hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.block_size,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": cfg.init_std,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": cfg.vocab_size - 1,
+        "eos_token_id": cfg.vocab_size - 1,
+        "use_cache": True,
+        "dtype": torch_dtype,
+        "torch_dtype": torch_dtype,
+    }
+
+
+def hf_tensors(cfg, state_dict, dt):
+    """{HF name: contiguous tensor}; a tied head only once (as the embedding)."""
+    tensors = {}
+    for name, t in state_dict.items():
+        if name == "lm_head.weight":
+            if cfg.tie_embeddings:
+                continue
+            key = name
+        else:
+            key = "model." + name
+        tensors[key] = t.detach().to("cpu", dt).contiguous().clone()
+    return tensors
+
+
+def write_weights(folder, tensors, max_shard_bytes):
+    from safetensors.torch import save_file
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, fname), metadata={"format": "pt"})
+        names.append(fname)
+        weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return names + ["model.safetensors.index.json"]
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype):
+    summary = read_json(os.path.join(out_dir, "summary.json")) or {}
+    if summary.get("checkpoint") and os.path.basename(str(summary["checkpoint"])) != os.path.basename(path):
+        summary = {}  # the run went on (or ended) at another checkpoint: its numbers are not this one's
+    preflight = read_json(os.path.join(out_dir, "preflight.json"))
+    tok = read_json(os.path.join(path, "tokenizer.json")) or {}
+    train_loss = summary.get("final_train_loss")
+    if train_loss is None:
+        try:
+            with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+            losses = [r["loss"] for r in rows if "loss" in r and r.get("step", -1) <= trainer.get("step", -1)]
+            train_loss = losses[-1] if losses else None
+        except (OSError, ValueError):
+            pass
+    recipe_keys = ("max_steps", "total_batch_tokens", "micro_batch_size", "learning_rate", "min_lr", "warmup_steps",
+                   "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype", "world_size", "grad_accum")
+    p = param_counts(cfg)
+    fmt = lambda x: "n/a" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))  # noqa: E731
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, podgpt]", "---", "",
+        f"# {os.path.basename(os.path.normpath(out_dir)) or 'podgpt'} (podgpt export)", "",
+        f"A Llama-architecture decoder pretrained from scratch with podgpt, exported from `{path}` "
+        f"(step {trainer.get('step', 'n/a')}). Weights: {weight_dtype}.", "",
+        "## Model", "",
+        f"- {p['total']:,} parameters ({p['non_embedding']:,} non-embedding); {cfg.n_layer} layers, d_model "
+        f"{cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} KV heads (head_dim {cfg.head_dim}), SwiGLU "
+        f"{cfg.ffn_hidden}, RoPE theta {cfg.rope_theta}, RMSNorm eps {cfg.norm_eps}, "
+        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, context {cfg.block_size}",
+        f"- vocabulary: {cfg.vocab_size} tokens (BOS = EOS = id {cfg.vocab_size - 1}), padded to "
+        f"{cfg.padded_vocab} rows", "",
+        "## Training", "",
+        f"- data: `{run_cfg.get('data_dir', 'n/a')}` (fingerprint `{run_cfg.get('data_fingerprint', 'n/a')}`), "
+        f"tokenizer `{tok.get('spec', 'n/a')}`",
+        f"- tokens seen: {trainer.get('tokens', 'n/a'):,}" if isinstance(trainer.get("tokens"), int)
+        else "- tokens seen: n/a",
+        "- recipe: " + ", ".join(f"{k}={run_cfg[k]}" for k in recipe_keys if k in run_cfg),
+        "- AdamW, linear warmup then cosine decay to min_lr",
+        f"- final train loss: {fmt(train_loss)}; validation loss at this checkpoint: "
+        f"{fmt(trainer.get('val_loss'))} (best {fmt(trainer.get('best_val_loss'))}) nats/token",
+    ]
+    if summary.get("unigram_val_loss") is not None:
+        lines.append(f"- unigram baseline validation loss: {fmt(summary['unigram_val_loss'])}")
+    if preflight:
+        blocked = [g["name"] for g in preflight.get("gates", []) if g.get("verdict") == "block"]
+        lines.append(f"- preflight verdict: {preflight.get('verdict', 'n/a')}"
+                     + (f" (blocked: {', '.join(blocked)})" if blocked else ""))
+    else:
+        lines.append("- preflight verdict: none recorded (no preflight.json in the out_dir)")
+    lines += [
+        "", "## Use", "",
+        "```python", "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
+        f"# start every prompt with the BOS id {cfg.vocab_size - 1}", "```", "",
+        "`python sample.py --ckpt=<this folder>` streams text with podgpt's own tokenizer "
+        f"(`{TOKENIZER_DIR}/`).", "",
+        "## Known limitations", "",
+        "- Small model pretrained from scratch: no instruction tuning, no safety tuning; it continues text.",
+        "- No transformers tokenizer is included: podgpt's tokenizer files are in "
+        f"`{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids to transformers, "
+        "and serve with vLLM using `--skip-tokenizer-init` (or add a tokenizer).",
+        f"- vocab_size is the padded {cfg.padded_vocab}: ids {cfg.vocab_size}..{cfg.padded_vocab - 1} are padding, "
+        "never trained as targets; transformers' generate suppresses them (generation_config.json), "
+        "vLLM does not (their logits are low after training, but mask them if you sample at high temperature).",
+        f"- Context is {cfg.block_size} tokens; RoPE was not trained beyond it.",
+        "- Documents were separated by BOS only; the model emits BOS (= EOS) where a document ends.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
+    """Write the export of checkpoint folder `path` to `out` (atomically); ExportError on a problem."""
+    require("safetensors")
+    if weight_dtype not in ("float32", "bfloat16"):
+        raise ExportError(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
+    if max_shard_gb <= 0:
+        raise ExportError(f"max_shard_gb={max_shard_gb} must be positive")
+    from train import load_model, verify_checkpoint
+    try:
+        verify_checkpoint(path)
+        with open(os.path.join(path, "config.json")) as f:
+            run_cfg = json.load(f)
+        state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
+    except (ValueError, OSError) as e:
+        raise ExportError(f"checkpoint {path} cannot be used: {e}") from None
+    cfg = check_llama(run_cfg["model"], state)
+    try:
+        load_model(path, "cpu")  # the checkpoint loads into model.py as it is
+        trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ExportError(f"checkpoint {path} cannot be used: {e}") from None
+    if os.path.exists(out) and not os.path.exists(os.path.join(out, PODGPT_FILE)) and os.listdir(out):
+        raise ExportError(f"{out} exists and is not a podgpt export: choose another --out or remove it")
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[weight_dtype]
+        write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config(cfg, weight_dtype), f, indent=1)
+        bos = cfg.vocab_size - 1
+        gen = {"bos_token_id": bos, "eos_token_id": bos, "max_length": cfg.block_size,
+               "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=1)
+        os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
+        for name in ("tokenizer.json", "tokenizer.tiktoken"):
+            if os.path.exists(os.path.join(path, name)):
+                shutil.copy(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
+        with open(os.path.join(tmp, PODGPT_FILE), "w") as f:
+            json.dump({"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
+                       "weights_dtype": weight_dtype}, f, indent=1)
+        out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
+            f.write(model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype))
+        if os.path.exists(out):
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+# -----------------------------------------------------------------------------
+# reading an export back into podgpt (sample.py uses these)
+
+def is_export(path):
+    return bool(path) and os.path.isfile(os.path.join(path, PODGPT_FILE))
+
+
+def tokenizer_dir(path):
+    """Where prepare.load_tokenizer finds the tokenizer: an export's subfolder, else the folder itself."""
+    sub = os.path.join(path, TOKENIZER_DIR)
+    return sub if os.path.isdir(sub) else path
+
+
+def load_export_state(path):
+    """podgpt's state dict (model.py names) from an export's safetensors, as stored."""
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ValueError("safetensors is not installed: pip install -r requirements-dev.txt") from None
+    index = os.path.join(path, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
+        else ["model.safetensors"]
+    tensors = {}
+    for fname in files:
+        tensors.update(load_file(os.path.join(path, fname)))
+    return {k[len("model."):] if k.startswith("model.") else k: v for k, v in tensors.items()}
+
+
+def load_export(path, device="cpu"):
+    """(model, podgpt.json dict) from an export folder, in eval mode (float32); ValueError if unreadable."""
+    try:
+        with open(os.path.join(path, PODGPT_FILE)) as f:
+            meta = json.load(f)
+        model = GPT(GPTConfig(**meta["model"]))
+        state = load_export_state(path)
+        if model.config.tie_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state)
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"not a readable podgpt export ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
+            from None
+    return model.to(device).eval(), meta
+
+
+def main(argv):
+    config = configurator.configure(__file__, argv)
+    from train import find_checkpoint
+    try:
+        if config["which"] not in ("best", "latest"):
+            raise ExportError(f"which={config['which']!r} is not one of best, latest")
+        if not config["out"]:
+            raise ExportError("no --out: give the folder to write, e.g. --out=export/tiny")
+        src = config["ckpt"] or config["out_dir"]
+        path = find_checkpoint(src, config["which"]) if os.path.isdir(src) else None
+        if path is None:
+            raise ExportError(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
+        export(path, config["out"], config["dtype"], config["max_shard_gb"])
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    print(f"exported {path} to {config['out']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

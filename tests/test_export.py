@@ -1,0 +1,169 @@
+"""export.py: the exported folder is a LlamaForCausalLM that computes podgpt's logits, bit-exact weights,
+the same greedy text as sample.py, shards, refusals."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import TINY_MODEL, run
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import export  # noqa: E402
+from prepare import load_tokenizer  # noqa: E402
+from train import find_checkpoint, load_model  # noqa: E402
+
+VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
+            "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, stdlib_data):
+    """Two tiny runs of 3 steps, GQA + tied and MHA + untied; {variant: out_dir}."""
+    root = tmp_path_factory.mktemp("export_runs")
+    outs = {}
+    for name, args in VARIANTS.items():
+        out = root / name
+        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, *args,
+             "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--log_every=1",
+             "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7"])
+        outs[name] = str(out)
+    return outs
+
+
+def do_export(out_dir, dest, *args, check=True):
+    return run([sys.executable, "export.py", f"--ckpt={out_dir}", f"--out={dest}", *args], check=check)
+
+
+def hf_model(folder):
+    return transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def random_ids(cfg, batch=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_match_transformers_and_weights_round_trip(runs, variant, tmp_path):
+    dest = tmp_path / "hf"
+    do_export(runs[variant], dest)
+    ckpt = find_checkpoint(runs[variant], "best")
+    ours, _ = load_model(ckpt)
+    cfg = ours.config
+    hf_cfg = json.load(open(dest / "config.json"))
+    assert hf_cfg["architectures"] == ["LlamaForCausalLM"]
+    assert (hf_cfg["num_key_value_heads"], hf_cfg["tie_word_embeddings"]) == (cfg.n_kv_head, cfg.tie_embeddings)
+    assert hf_cfg["vocab_size"] == cfg.padded_vocab and hf_cfg["bos_token_id"] == hf_cfg["eos_token_id"] == 256
+    assert not (tmp_path / "hf.tmp").exists()
+
+    # AutoModel picks the Llama class from config.json alone
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(dest), dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    ids = random_ids(cfg)
+    with torch.no_grad():
+        theirs = model(ids).logits
+        mine, _ = ours(ids)
+    assert theirs.shape == mine.shape
+    assert (theirs - mine).abs().max().item() < 1e-4
+
+    # the exported tensors read back into podgpt are the checkpoint's, bit for bit
+    state = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
+    back, _ = export.load_export(dest)
+    for name, t in state.items():
+        assert back.state_dict()[name].dtype == t.dtype and torch.equal(back.state_dict()[name], t), name
+    stored = export.load_export_state(dest)
+    assert ("lm_head.weight" in stored) == (not cfg.tie_embeddings)  # a tied head is stored once
+    for name, t in stored.items():
+        assert torch.equal(t, state[name]), name
+
+
+def test_wrong_rope_layout_is_caught(runs, tmp_path):
+    """Negative control: q/k rows permuted as if the checkpoint were interleaved (GPT-J style) break parity."""
+    dest = tmp_path / "hf"
+    do_export(runs["gqa_tied"], dest)
+    ours, _ = load_model(find_checkpoint(runs["gqa_tied"], "best"))
+    model = hf_model(dest)
+    hd = ours.config.head_dim
+    perm = torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                w = proj.weight.view(-1, hd, proj.weight.size(1))
+                proj.weight.copy_(w[:, perm].reshape_as(proj.weight))
+        ids = random_ids(ours.config)
+        diff = (model(ids).logits - ours(ids)[0]).abs().max().item()
+    assert diff > 1e-3, diff
+
+
+def test_greedy_generation_matches_sample_py(runs, tmp_path):
+    dest = tmp_path / "hf"
+    do_export(runs["mha_untied"], dest)
+    prompt, n = "def main(", 24
+    tok = load_tokenizer(export.tokenizer_dir(str(dest)))
+    ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
+    model = hf_model(dest)
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    hf_tokens = out[0, ids.size(1):].tolist()
+    ours, _ = export.load_export(dest)
+    mine = [t.item() for t in ours.generate(ids, n, temperature=0)]
+    assert hf_tokens == mine
+    assert all(t < tok.vocab_size for t in hf_tokens)  # padding ids suppressed by generation_config.json
+    r = run([sys.executable, "sample.py", f"--ckpt={dest}", f"--prompt={prompt}", "--temperature=0",
+             f"--max_new_tokens={n}", "--device=cpu"])
+    assert r.stdout == prompt + tok.decode(hf_tokens) + "\n"
+    # the checkpoint itself gives the same text
+    r2 = run([sys.executable, "sample.py", f"--ckpt={runs['mha_untied']}", f"--prompt={prompt}", "--temperature=0",
+              f"--max_new_tokens={n}", "--device=cpu"])
+    assert r2.stdout == r.stdout
+
+
+def test_sharded_export_writes_index_and_loads(runs, tmp_path):
+    dest = tmp_path / "hf"
+    do_export(runs["gqa_tied"], dest, "--max_shard_gb=0.00002", "--dtype=bfloat16")
+    index = json.load(open(dest / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and not (dest / "model.safetensors").exists()
+    assert all((dest / s).exists() for s in shards)
+    assert "lm_head.weight" not in index["weight_map"]
+    from safetensors import safe_open
+    with safe_open(str(dest / shards[0]), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    assert json.load(open(dest / "config.json"))["dtype"] == "bfloat16"
+    model = hf_model(dest)
+    ours, _ = load_model(find_checkpoint(runs["gqa_tied"], "best"))
+    state = export.load_export_state(dest)
+    for name, t in state.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, ours.state_dict()[name].to(torch.bfloat16))
+    ids = random_ids(ours.config)
+    with torch.no_grad():
+        a, b = model(ids).logits, export.load_export(dest)[0](ids)[0]
+    assert (a - b).abs().max().item() < 1e-4  # both run the same bf16-rounded weights in fp32
+    card = (dest / "README.md").read_text()
+    assert "LlamaForCausalLM" in card or "Llama" in card
+    assert "tokens seen: 768" in card and "preflight verdict" in card
+
+
+def test_refusals_leave_nothing(runs, tmp_path):
+    r = do_export(runs["gqa_tied"], tmp_path / "x", "--dtype=float16", check=False)
+    assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+    r = do_export(tmp_path / "nothing", tmp_path / "y", check=False)
+    assert r.returncode == 1 and "no checkpoint" in r.stderr
+    r = run([sys.executable, "export.py", f"--ckpt={runs['gqa_tied']}"], check=False)
+    assert r.returncode == 1 and "--out" in r.stderr
+    # an architecture Llama cannot express
+    ours, cfg = load_model(find_checkpoint(runs["gqa_tied"], "best"))
+    with pytest.raises(export.ExportError, match="qk_norm.*Llama cannot express"):
+        export.check_llama(dict(cfg["model"], qk_norm=True), ours.state_dict())
+    state = dict(ours.state_dict(), **{"layers.0.self_attn.q_proj.bias": torch.zeros(32)})
+    with pytest.raises(export.ExportError, match="Llama's layout"):
+        export.check_llama(cfg["model"], state)
+    # a folder that is not an export is never overwritten
+    (tmp_path / "keep").mkdir()
+    (tmp_path / "keep" / "notes.txt").write_text("mine")
+    r = do_export(runs["gqa_tied"], tmp_path / "keep", check=False)
+    assert r.returncode == 1 and (tmp_path / "keep" / "notes.txt").read_text() == "mine"
