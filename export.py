@@ -38,6 +38,7 @@ import torch
 
 import configurator
 from model import GPT, GPTConfig, param_counts
+from report import read_json
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -158,14 +159,6 @@ def write_weights(folder, tensors, max_shard_bytes):
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return names + ["model.safetensors.index.json"]
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype):
