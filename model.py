@@ -282,10 +282,11 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activ
       and one layer is rebuilt at a time.
     - logits: the logits, their fp32 copy for the loss, and the log-softmax the loss keeps.
     """
-    n = param_counts(config)["total"]
+    counts = param_counts(config)
+    n = counts["total"]
     tokens = micro_batch_size * config.block_size
     d, dkv, f, c = config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
-    layer_params = (n - param_counts(config)["embedding"] - param_counts(config)["head"]) // config.n_layer
+    layer_params = counts["non_embedding"] // config.n_layer
     per_layer = tokens * (12 * d + c * (5 * d + 2 * dkv + 4 * f))
     final = tokens * (8 * d + c * d)
     if activation_checkpointing:

@@ -43,7 +43,8 @@ def main(argv):
         print(f"error: which={config['which']!r} is not one of best, latest", file=sys.stderr)
         raise SystemExit(2)
     src = config["ckpt"] or config["out_dir"]
-    path = src if is_export(src) else find_checkpoint(src, config["which"])
+    exported = is_export(src)
+    path = src if exported else find_checkpoint(src, config["which"])
     if path is None:
         print(f"error: no checkpoint in {config['ckpt'] or config['out_dir']!r}: "
               f"train first or pass --ckpt=OUT_DIR or a checkpoint folder", file=sys.stderr)
@@ -63,7 +64,7 @@ def main(argv):
 
     dev = config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        model, _ = load_export(path, dev) if is_export(path) else load_model(path, dev)
+        model, _ = load_export(path, dev) if exported else load_model(path, dev)
     except ValueError as e:
         print(f"error: checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)",
               file=sys.stderr)

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from report import write_report
+from report import read_metrics, write_atomic, write_report
 from model import GPT, GPTConfig, attention, flops_per_token, memory_estimate, param_counts, peak_flops
 from prepare import docs_file, load_manifest, open_shard, read_header
 
@@ -512,9 +512,7 @@ def rewrite_metrics(path, last_step):
                     kept.append(line)
             except (ValueError, KeyError):
                 pass
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, "".join(kept))
 
 
 def read_budget_file(path):
@@ -528,9 +526,7 @@ def read_budget_file(path):
 
 
 def write_json(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 # -----------------------------------------------------------------------------
@@ -680,9 +676,7 @@ def write_preflight(path, report):
     for g in report["gates"]:
         value = f"{g['value']:.4g}" if isinstance(g["value"], float) else g["value"]
         lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | {g['detail']} |")
-    with open(os.path.join(path, "preflight.md.tmp"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.replace(os.path.join(path, "preflight.md.tmp"), os.path.join(path, "preflight.md"))
+    write_atomic(os.path.join(path, "preflight.md"), "\n".join(lines) + "\n")
 
 
 def verdict_of(gates):
@@ -766,9 +760,10 @@ def dryrun(argv, n):
 def dryrun_report(root, n, first, resumed, activities):
     """Rank 0's verdict on the two passes, written to root/dryrun.json; `problems` lists what is off."""
     half, problems = n // 2, []
-    a = {m["step"]: m for m in read_jsonl(os.path.join(root, "first", "metrics.jsonl")) if "loss" in m and "event" not in m}
-    b = {m["step"]: m for m in read_jsonl(os.path.join(root, "resumed", "metrics.jsonl")) if "loss" in m and "event" not in m}
-    tolerance = 1e-5 if dtype_name() == "float32" else 1e-2  # bf16 kernels may reduce in another order
+    # training rows with a loss (a non-finite one is written as null, and counted in nonfinite_steps)
+    a, b = ({m["step"]: m for m in read_metrics(os.path.join(root, run, "metrics.jsonl")) if m.get("loss") is not None}
+            for run in ("first", "resumed"))
+    tolerance = 1e-5 if activities[0]["dtype"] == "float32" else 1e-2  # bf16 kernels may reduce in another order
     diffs = {k: abs(b[k]["loss"] - a[k]["loss"]) / abs(a[k]["loss"]) for k in range(half + 1, n + 1) if k in a and k in b}
     worst = max(diffs.values(), default=float("inf"))
     if len(diffs) != n - half or not worst <= tolerance:
@@ -777,7 +772,7 @@ def dryrun_report(root, n, first, resumed, activities):
     idle = [x["rank"] for x in activities if x["steps"] != n]
     if idle:
         problems.append(f"ranks {idle} did not run all {n} steps")
-    if first["nonfinite_steps"] or not all(math.isfinite(m["loss"]) for m in a.values()):
+    if first["nonfinite_steps"]:
         problems.append(f"{first['nonfinite_steps']} non-finite steps")
     losses = [a[k]["loss"] for k in sorted(a)]
     k = max(1, len(losses) // 4)
@@ -791,16 +786,6 @@ def dryrun_report(root, n, first, resumed, activities):
                   first=first, resumed=resumed)
     write_json(os.path.join(root, "dryrun.json"), report)
     return report
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def dtype_name():
-    return dtype if dtype != "auto" else ("bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-                                          else "float32")
 
 
 # -----------------------------------------------------------------------------
@@ -1331,7 +1316,7 @@ def main(argv, keep_group=False):
             dist.destroy_process_group()
     if reason == "diverged":
         fail(f"{diverged} (summary in {out_dir}/summary.json)")
-    activity = dict(rank=rank, device=str(dev), steps=state.step, samples=state.samples,
+    activity = dict(rank=rank, device=str(dev), dtype=dt_name, steps=state.step, samples=state.samples,
                     peak_mem_gb=peak_memory_gb(dev), elapsed_s=state.elapsed)
     return (summary if master else None), activity
 
