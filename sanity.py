@@ -51,7 +51,7 @@ import configurator
 from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, flops_per_token, memory_estimate,
                    param_counts, sdpa_attention)
 from prepare import load_manifest, read_header
-from train import CKPT_FORMAT, MEMORY_USABLE, first_line, load_checkpoint, make_optimizer, save_checkpoint
+from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, first_line, load_checkpoint, make_optimizer, save_checkpoint
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
@@ -661,8 +661,8 @@ def main(argv):
         if capacity_report:
             print("\n".join(capacity_lines(capacity_report)))
         print(f"sanity {'passed' if passed else 'FAILED'}: {os.path.join(cfg['out_dir'], 'sanity.md')}", flush=True)
-    raise SystemExit(0 if passed else 1)
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    exit_worker(main(sys.argv[1:]))

@@ -1321,11 +1321,17 @@ def main(argv, keep_group=False):
     return (summary if master else None), activity
 
 
+def exit_worker(code):
+    """Exit with `code`. A torchrun worker skips the interpreter's teardown: destroying the process
+    group's leftover C++ threads there aborts the process now and then ("terminate called without an
+    active exception"), which torchrun reports as a failed job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "RANK" in os.environ:
+        os._exit(code)
+    raise SystemExit(code)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
-    if "RANK" in os.environ:
-        # a finished rank skips the interpreter's teardown: destroying the process group's leftover C++
-        # threads there aborts the process now and then ("terminate called without an active exception")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    exit_worker(0)

@@ -22,8 +22,10 @@ def run(args, env=None, check=True, timeout=600):
 
 
 def read_metrics(out_dir):
+    """Every row of metrics.jsonl, events included. A last line without its newline is one the run is
+    writing at this moment (a reader can see part of a write), so it is left for the next read."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def train_losses(out_dir):

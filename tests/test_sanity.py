@@ -14,7 +14,7 @@ CHECKS = ["environment", "disk", *(f"attention:{name}" for name in ATTENTION_BAC
           "capacity"]
 
 # run sanity.main after making model.py's attention wrong, or its KV cache crash
-WRAPPER = "import sys, model\n{patch}\nimport sanity\nsanity.main(sys.argv[1:])\n"
+WRAPPER = "import sys, model\n{patch}\nimport sanity\nraise SystemExit(sanity.main(sys.argv[1:]))\n"
 WRONG_SCALE = ("right = model.ATTENTION_BACKENDS['sdpa']\n"
                "model.ATTENTION_BACKENDS['sdpa'] = lambda q, k, v, causal: 1.5 * right(q, k, v, causal)")
 CRASH = ("def crash(*args):\n    raise RuntimeError('cache exploded\\nsecond line')\n"
