@@ -1,10 +1,13 @@
 """
 Train a GPT on the shards that prepare.py writes: one process (CPU or one GPU), or
-data-parallel (DDP) under torchrun: gloo on CPU, nccl on CUDA.
+under torchrun (gloo on CPU, nccl on CUDA) either data-parallel (dist_mode=ddp: each
+GPU holds the whole model and AdamW state) or sharded (dist_mode=fsdp: FSDP2 splits
+weights, gradients and AdamW state over the GPUs, for models DDP cannot fit).
 
     python train.py config/tiny.py
     python train.py config/a100_50m.py --max_steps=500 --compile=False
     torchrun --standalone --nproc_per_node=8 train.py config/h200_1b_ddp8.py
+    torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      # fsdp
 
 Config: the globals between the config markers below, overridden by config files and
 --key=val (configurator.py; --help lists them). Everything a run writes goes to out_dir:
@@ -19,7 +22,10 @@ split across ranks and micro-steps. So a run resumes exactly where it stopped, a
 1 GPU with gradient accumulation k computes the same step as k GPUs. That also holds
 across world sizes: a run checkpointed on 8 GPUs resumes on 4 (grad accumulation
 doubles) with the same batches; only the per-rank RNG states, which training does not
-use, are re-seeded.
+use, are re-seeded. An fsdp checkpoint is sharded (ckpt/step_N/state/, written by every
+rank with torch.distributed.checkpoint) and reshards on load: it resumes at another
+world size, or under ddp, and a ddp checkpoint resumes under fsdp; sample.py and
+export.py read it whole.
 
 A run survives what a rented pod does to it:
 - the same command again resumes from the newest checkpoint that is complete and reads
@@ -51,6 +57,12 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict, set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
@@ -121,15 +133,20 @@ plan_gpu = ""                   # GPU to plan time with when not on it, e.g. "H1
 planned_mfu = 0.0               # plan time and cost at this fraction of plan_gpu's bf16 peak
 planned_tokens_per_sec = 0.0    # or at this throughput; both 0: measured by a few timed steps here
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
+# parallelism under torchrun (fsdp also runs as one process)
+dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
 # system
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (cuda if available) | cpu | cuda
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 compile = False                 # torch.compile the model
+compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest: true fp32
 # --- end config
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
+STATE_DIR = "state"             # a sharded (fsdp) checkpoint's model and optimizer, torch.distributed.checkpoint files
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
@@ -164,6 +181,13 @@ def check_config():
     for key, value in non_negative.items():
         if value < 0:
             fail(f"{key}={value} must be >= 0")
+    if compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        fail(f"compile_mode={compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
+             f"max-autotune-no-cudagraphs")
+    if matmul_precision not in ("highest", "high", "medium"):
+        fail(f"matmul_precision={matmul_precision!r} is not one of highest, high, medium")
+    if dist_mode not in ("ddp", "fsdp"):
+        fail(f"dist_mode={dist_mode!r} is not one of ddp, fsdp")
     if min_lr > learning_rate:
         fail(f"min_lr={min_lr} is above learning_rate={learning_rate}: the schedule decays from learning_rate to min_lr")
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
@@ -316,44 +340,92 @@ def tensor_bytes(obj):
     return len(obj) if isinstance(obj, bytes) else 0
 
 
-def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb):
+def file_crc32(path):
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None):
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
-    None when the disk could not hold it and keep min_free_gb free (nothing is written then)."""
+    None when the disk could not hold it and keep min_free_gb free (nothing is written then).
+
+    sharded (fsdp): {"model": .., "optimizer": ..} state dicts of DTensors. Then every rank calls
+    this: each writes its shards into state/ with torch.distributed.checkpoint and checksums
+    them; rank 0 alone writes `files`, the marker, and the pointers."""
     name = f"step_{step:07d}"
-    for leftover in os.listdir(ckpt_root):  # of a save that was killed
-        if leftover.startswith(".tmp-"):
-            shutil.rmtree(os.path.join(ckpt_root, leftover), ignore_errors=True)
-    need, free = tensor_bytes(list(files.values())), shutil.disk_usage(ckpt_root).free
-    if free - need < min_free_gb * 1e9:
-        print(f"warning: skipping the step {step} checkpoint: it needs {need / 1e9:.2f} GB and {ckpt_root} has "
-              f"{free / 1e9:.2f} GB free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
-              file=sys.stderr, flush=True)
-        return None
     tmp = os.path.join(ckpt_root, f".tmp-{name}")
-    try:
-        os.makedirs(tmp)
-        marker = {}
-        for fname, obj in files.items():
-            crc = save_file(obj, os.path.join(tmp, fname))
-            marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
-        save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
-        fsync_dir(tmp)
-    except OSError as e:  # the disk filled up after all, or went away: drop the partial folder, keep training
-        shutil.rmtree(tmp, ignore_errors=True)
-        print(f"warning: the step {step} checkpoint failed ({first_line(e)}); training goes on: check {ckpt_root}",
-              file=sys.stderr, flush=True)
+    master = sharded is None or dist.get_rank() == 0
+    go = [True]
+    if master:
+        for leftover in os.listdir(ckpt_root):  # of a save that was killed
+            if leftover.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(ckpt_root, leftover), ignore_errors=True)
+        # a DTensor's numel is the global one: `need` is the whole checkpoint, as on a shared disk
+        need, free = tensor_bytes([list(files.values()), sharded]), shutil.disk_usage(ckpt_root).free
+        if free - need < min_free_gb * 1e9:
+            print(f"warning: skipping the step {step} checkpoint: it needs {need / 1e9:.2f} GB and {ckpt_root} has "
+                  f"{free / 1e9:.2f} GB free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
+                  file=sys.stderr, flush=True)
+            go = [False]
+    if sharded is not None:
+        dist.broadcast_object_list(go)  # also keeps the other ranks out until the leftovers are gone
+    if not go[0]:
         return None
+    marker, error = {}, None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if sharded is not None:
+            state = os.path.join(tmp, STATE_DIR)
+            dcp.save(sharded, checkpoint_id=state)
+            rank = dist.get_rank()  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
+            for f in os.listdir(state):
+                if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")):
+                    marker[f"{STATE_DIR}/{f}"] = dict(bytes=os.path.getsize(os.path.join(state, f)),
+                                                      crc32=file_crc32(os.path.join(state, f)))
+        if master:
+            for fname, obj in files.items():
+                crc = save_file(obj, os.path.join(tmp, fname))
+                marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
+    except (OSError, CheckpointException) as e:  # the disk filled up after all, or went away
+        error = first_line(e)
+    if sharded is not None:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (marker, error))
+        marker = {k: v for m, _ in gathered for k, v in m.items()}
+        error = next((e for _, e in gathered if e), None)
     final = os.path.join(ckpt_root, name)
-    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
-    os.replace(tmp, final)
-    fsync_dir(ckpt_root)
-    write_pointer(ckpt_root, "latest", name)
-    if best:
-        write_pointer(ckpt_root, "best", name)
-    keep = {read_pointer(ckpt_root, "best")}
-    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
-        if old not in keep:
-            shutil.rmtree(os.path.join(ckpt_root, old))
+    if master:
+        if error is None:
+            try:
+                save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
+                if sharded is not None:
+                    fsync_dir(os.path.join(tmp, STATE_DIR))
+                fsync_dir(tmp)
+            except OSError as e:
+                error = first_line(e)
+        if error is not None:  # drop the partial folder, keep training
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"warning: the step {step} checkpoint failed ({error}); training goes on: check {ckpt_root}",
+                  file=sys.stderr, flush=True)
+            final = None
+        else:
+            shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
+            os.replace(tmp, final)
+            fsync_dir(ckpt_root)
+            write_pointer(ckpt_root, "latest", name)
+            if best:
+                write_pointer(ckpt_root, "best", name)
+            keep = {read_pointer(ckpt_root, "best")}
+            for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
+                if old not in keep:
+                    shutil.rmtree(os.path.join(ckpt_root, old))
+    if sharded is not None:
+        result = [final]
+        dist.broadcast_object_list(result)
+        final = result[0]
     return final
 
 
@@ -369,20 +441,23 @@ def verify_checkpoint(path):
         if not os.path.exists(file) or os.path.getsize(file) != want["bytes"]:
             size = os.path.getsize(file) if os.path.exists(file) else "no"
             raise ValueError(f"{fname} has {size} bytes, {want['bytes']} were written")
-        crc = 0
-        with open(file, "rb") as f:
-            while chunk := f.read(1 << 24):
-                crc = zlib.crc32(chunk, crc)
+        crc = file_crc32(file)
         if crc != want["crc32"]:
             raise ValueError(f"{fname} is corrupt (CRC32 {crc:08x}, {want['crc32']:08x} was written)")
 
 
-def load_checkpoint(path, device):
-    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong."""
-    verify_checkpoint(path)
+def load_checkpoint(path, device, verify=True):
+    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong.
+    A sharded checkpoint's model and optimizer stay on disk: "state" names their folder (see restore)."""
+    if verify:
+        verify_checkpoint(path)
+    sharded = os.path.isdir(os.path.join(path, STATE_DIR))
     try:
         ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device if name != "trainer" else "cpu",
-                                 weights_only=True) for name in ("model", "optimizer", "trainer")}
+                                 weights_only=True) for name in (("trainer",) if sharded else ("model", "optimizer",
+                                                                                                "trainer"))}
+        if sharded:
+            ckpt["state"] = os.path.join(path, STATE_DIR)
         with open(os.path.join(path, "config.json")) as f:
             ckpt["config"] = json.load(f)
     except Exception as e:  # a damaged pickle can raise many kinds of error; all mean "unreadable"
@@ -394,13 +469,25 @@ def load_checkpoint(path, device):
 
 def newest_good_checkpoint(ckpt_root, device, warn):
     """(path, loaded checkpoint) of the newest checkpoint that reads back intact, or (None, None);
-    damaged or incomplete ones are skipped with a warning."""
+    damaged or incomplete ones are skipped with a warning. Under torchrun rank 0 checks the files
+    (each rank reading a sharded checkpoint whole would multiply the reads) and names the one to load."""
     names = sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True) \
         if os.path.isdir(ckpt_root) else []
-    for name in names:
+    chosen = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name in names:
+            try:
+                verify_checkpoint(os.path.join(ckpt_root, name))
+                chosen = [name]
+                break
+            except ValueError as e:
+                warn(f"skipping checkpoint {os.path.join(ckpt_root, name)}: {e}")
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen)
+    for name in names[names.index(chosen[0]):] if chosen[0] else []:
         path = os.path.join(ckpt_root, name)
-        try:
-            return path, load_checkpoint(path, device)
+        try:  # files that check out can still fail to unpickle
+            return path, load_checkpoint(path, device, verify=name != chosen[0])
         except ValueError as e:
             warn(f"skipping checkpoint {path}: {e}")
     return None, None
@@ -423,7 +510,12 @@ def load_model(ckpt, device="cpu"):
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
     model = GPT(GPTConfig(**config["model"]))
-    model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True))
+    if os.path.isdir(os.path.join(ckpt, STATE_DIR)):  # sharded (fsdp): DCP gathers the model's shards whole
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=os.path.join(ckpt, STATE_DIR), no_dist=True)
+        model.load_state_dict(state["model"])
+    else:
+        model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True))
     return model.to(device).eval(), config
 
 
@@ -470,6 +562,16 @@ def make_optimizer(model, fused):
         (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
     groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2), fused=fused)
+
+
+def optimizer_by_name(model, optimizer, saved):
+    """A plain optimizer.state_dict() (parameters numbered in param_groups order) keyed by parameter
+    name instead, the form FSDP's loader takes; both runs build their groups with make_optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    number_to_name = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                              (names[id(p)] for g in optimizer.param_groups for p in g["params"]), strict=True))
+    return dict(state={number_to_name[i]: s for i, s in saved["state"].items()},
+                param_groups=[dict(g, params=[number_to_name[i] for i in g["params"]]) for g in saved["param_groups"]])
 
 
 def mean_over_ranks(value, ddp, device):
@@ -811,21 +913,24 @@ def main(argv, keep_group=False):
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(s, on_signal)
 
-    # distributed setup: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE
-    ddp = "RANK" in os.environ
+    # distributed setup: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; fsdp without torchrun is a group of one
+    fsdp, torchrun = dist_mode == "fsdp", "RANK" in os.environ
+    distributed = torchrun or fsdp
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         fail(f"device={device} but CUDA is not available here: use --device=cpu")
-    dev = torch.device(f"cuda:{local_rank}" if use_cuda and ddp else ("cuda" if use_cuda else "cpu"))
+    dev = torch.device(f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu"))
     if use_cuda:
         torch.cuda.set_device(dev)
-    if ddp and not dist.is_initialized():
+        torch.set_float32_matmul_precision(matmul_precision)  # not on CPU: it would change fp32 results there
+    if distributed and not dist.is_initialized():
         # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
         timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+        alone = {} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **alone)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
@@ -884,13 +989,13 @@ def main(argv, keep_group=False):
         disk = os.path.dirname(disk)
     # planning from a CPU for a GPU pod: the config's world size, no local disk or speed
     planning = preflight_only and bool(gpu_mem_gb) and not use_cuda
-    plan_world = expect_world_size if planning and not ddp and expect_world_size else world
+    plan_world = expect_world_size if planning and not torchrun and expect_world_size else world
     report = [None]
     if master:
         gates, plan = preflight_gates(model_config, manifest, plan_world, world, dev_mem_gb,
                                       4 if dt_name == "float32" else 2, None if planning else shutil.disk_usage(disk).free)
         report = [dict(profile=gate_profile, gates=gates, plan=plan)]
-    if ddp:
+    if distributed:
         dist.broadcast_object_list(report)
     report = report[0]
     blocks = [g for g in report["gates"] if g["verdict"] == "block"]
@@ -924,8 +1029,14 @@ def main(argv, keep_group=False):
                                         "planned_tokens_per_sec to plan another machine's time"))
         return finish_preflight(report, master)
     raw_model = GPT(model_config).to(dev)
+    if fsdp:  # each block's parameters gathered just for its own compute; bf16 compute, fp32 gradient reduction
+        mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
+        for block in raw_model.layers:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(raw_model, mp_policy=mp)  # the rest: embedding (tied head), final norm
     if measure:
-        tokens_per_sec = mean_over_ranks(measure_tokens_per_sec(raw_model, train_data, dev, autocast), ddp, dev) * world
+        tokens_per_sec = mean_over_ranks(measure_tokens_per_sec(raw_model, train_data, dev, autocast), distributed,
+                                         dev) * world
         source = f"measured here, {world} x {dev.type}"
     if tokens_per_sec:
         report["gates"].append(time_gate(tokens_per_sec, source, world))
@@ -944,8 +1055,19 @@ def main(argv, keep_group=False):
                             rollbacks=0, lr_scale=1.0, injected=[])
 
     def restore(ckpt):
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
+            model_sd, optim_sd = get_state_dict(raw_model, optimizer)
+            sd = dict(model=model_sd, optimizer=optim_sd)
+            dcp.load(sd, checkpoint_id=ckpt["state"], no_dist=not dist.is_initialized())
+            set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        elif fsdp:  # a ddp checkpoint: every rank holds it whole and keeps its shard
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(raw_model, ckpt["model"], options=full)
+            set_optimizer_state_dict(raw_model, optimizer, optimizer_by_name(raw_model, optimizer, ckpt["optimizer"]),
+                                     options=full)
+        else:
+            raw_model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         trainer = ckpt["trainer"]
         for key in vars(state):
             setattr(state, key, trainer[key])
@@ -1009,11 +1131,11 @@ def main(argv, keep_group=False):
     if master:
         report["verdict"] = verdict_of(report["gates"])
         write_preflight(out_dir, report)
-    if ddp:
+    if distributed:
         dist.barrier()
 
-    model = torch.compile(raw_model) if compile else raw_model
-    if ddp:
+    model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
+    if distributed and not fsdp:
         model = DDP(model, device_ids=[local_rank] if use_cuda else None)
 
     log("config: " + json.dumps(config))
@@ -1050,32 +1172,41 @@ def main(argv, keep_group=False):
                 with autocast:
                     total += raw_model(x, y)[1].item()
         model.train()
-        return mean_over_ranks(total / eval_steps, ddp, dev)
+        return mean_over_ranks(total / eval_steps, distributed, dev)
 
     def checkpoint(val_loss, best):
-        """Save the current step on rank 0 with every rank's RNG state; the seconds it took."""
+        """Save the current step with every rank's RNG state, on rank 0 (fsdp: every rank writes its
+        shards); the seconds it took."""
         t0 = time.time()
         states = [None] * world
-        if ddp:
+        if distributed:
             dist.all_gather_object(states, rng_state())
         else:
             states = [rng_state()]
+        files = {}
         if master:
             trainer = dict(vars(state), format=CKPT_FORMAT, tokens=state.step * total_batch_tokens,
                            val_loss=val_loss, rng=states, world_size=world)
-            files = {"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict(),
-                     "trainer.pt": trainer, "config.json": json.dumps(saved, indent=1).encode()}
+            files = {"trainer.pt": trainer, "config.json": json.dumps(saved, indent=1).encode()}
+            if not fsdp:
+                files.update({"model.pt": raw_model.state_dict(), "optimizer.pt": optimizer.state_dict()})
             for f in manifest["tokenizer_files"]:  # the folder is enough to sample from
                 with open(os.path.join(data_dir, f), "rb") as fh:
                     files[f] = fh.read()
+        if fsdp:  # every rank writes its shards
+            model_sd, optim_sd = get_state_dict(raw_model, optimizer)
+            path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb,
+                                   sharded=dict(model=model_sd, optimizer=optim_sd))
+        elif master:
             path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb)
+        if master:
             if path:
                 log(f"checkpoint {path} ({time.time() - t0:.1f}s)", flush=True)
             if time.time() - t0 > PREEMPT_SAVE_SECONDS:
                 warn(f"that save took {time.time() - t0:.0f}s: more than the ~30 s torchrun and most clouds leave "
                      f"between SIGTERM and SIGKILL, so a preemption would lose the steps since the last checkpoint; "
                      f"write checkpoints to a faster local disk")
-        if ddp:
+        if distributed:
             dist.barrier()  # every rank leaves with the checkpoint on disk (a rollback may read it next)
         return time.time() - t0
 
@@ -1126,7 +1257,7 @@ def main(argv, keep_group=False):
         flags = [0.0 if finite else 1.0, 1.0 if stop_signal else 0.0,
                  float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0]
         v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=dev)])
-        if ddp:
+        if distributed:
             dist.all_reduce(v)
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
@@ -1167,7 +1298,7 @@ def main(argv, keep_group=False):
     ckpt_pending, diverged = False, None
     tick()
     reason = guard() if master else None  # a resumed run may already be past a limit
-    if ddp:
+    if distributed:
         reason = agree(torch.zeros(1, device=dev), True, reason)[2]
     if reason:
         log(f"not training: {reason} already reached at step {state.step}")
@@ -1179,14 +1310,21 @@ def main(argv, keep_group=False):
             g["lr"] = lr
         spike_drill, nan_drill = injecting("spike", inject_spike_at_step), injecting("nan", inject_nan_at_step)
         loss_sum = torch.zeros((), device=dev)
-        for micro in range(grad_accum):
-            # this rank's slice of the step's global batch: disjoint across ranks and micro-steps
+
+        def micro_batch(micro):
+            """This rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
             first = state.samples + (micro * world + rank) * micro_batch_size
             if spike_drill:
-                x, y = rare_token_batch(rare, micro_batch_size, block_size, [seed, state.step, first], dev)
-            else:
-                x, y = train_data.train_batch(first, micro_batch_size, dev)
-            sync = nullcontext() if not ddp or micro == grad_accum - 1 else model.no_sync()
+                return rare_token_batch(rare, micro_batch_size, block_size, [seed, state.step, first], dev)
+            return train_data.train_batch(first, micro_batch_size, dev)
+
+        batch = micro_batch(0)
+        for micro in range(grad_accum):
+            x, y = batch
+            # gradients are reduced across ranks once per step, after the last micro-step
+            if fsdp:
+                raw_model.set_requires_gradient_sync(micro == grad_accum - 1)
+            sync = nullcontext() if fsdp or not distributed or micro == grad_accum - 1 else model.no_sync()
             with sync:
                 with autocast:
                     _, micro_loss = model(x, y)
@@ -1194,8 +1332,12 @@ def main(argv, keep_group=False):
                     micro_loss = micro_loss * float("nan")
                 scaler.scale(micro_loss / grad_accum).backward()
             loss_sum += micro_loss.detach()
+            if micro + 1 < grad_accum:  # read and copy the next one while the GPU still works on this one
+                batch = micro_batch(micro + 1)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+        if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
         finite = bool(torch.isfinite(loss_sum)) and (scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
         tick()
@@ -1310,7 +1452,7 @@ def main(argv, keep_group=False):
                 f"{format_seconds(state.elapsed)}, ${state.cost_usd:.2f} | "
                 + ("no checkpoint written: already over budget_usd" if reason == "budget_file_spent"
                    else f"checkpoint {summary['checkpoint']}: the same command resumes"))
-    if ddp:
+    if distributed:
         dist.barrier()  # tear gloo/nccl down together: a rank leaving while rank 0 still writes can abort
         if not keep_group:
             dist.destroy_process_group()

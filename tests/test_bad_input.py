@@ -268,6 +268,9 @@ ROWS = [
     ("zero-micro-batch", plain("--micro_batch_size=0"), 1, "micro_batch_size=0 must be positive"),
     ("min-lr-above-lr", plain("--min_lr=1e-2"), 1,
      "min_lr=0.01 is above learning_rate=0.001: the schedule decays from learning_rate to min_lr"),
+    ("unknown-dist-mode", plain("--dist_mode=zero3"), 1, "dist_mode='zero3' is not one of ddp, fsdp"),
+    ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
+     "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
     # sample.py: exit 1
     ("sample-corrupt-checkpoint", sample_damaged, 1,
      "checkpoint {tmp}/out/" + CKPT + " cannot be used: model.pt is corrupt (CRC32 …): pick another "
