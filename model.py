@@ -8,18 +8,37 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
 - The vocabulary is padded to a multiple of `vocab_multiple` (matmuls with a round
   inner size run faster); padded ids are never targets and never sampled.
 - Attention goes through `attention()`, one place that dispatches on
-  `config.attn_backend`, so kernels can be added without touching the blocks.
+  `config.attn_backend`: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one
+  kernel (cudnn, flash, efficient, math) or left to choose ("sdpa"), FlexAttention, or
+  "auto", the fastest of them that runs here and agrees with a float64 reference.
+- doc_mask: tokens attend only within their document (documents start at bos_id), so
+  packed rows train like separate sequences.
+- Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
+  (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
 - Arithmetic that planning needs without building the model: parameter counts,
-  FLOPs per token, and the datasheet peak of known GPUs for MFU.
+  FLOPs per token, bytes per GPU, and the datasheet peak of known GPUs for MFU.
 """
 
+import importlib
+import importlib.util
 import math
+import warnings
 from dataclasses import dataclass, field
+from functools import lru_cache, partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+# fastest first: the order attn_backend="auto" tries them in
+ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
+GRAD_CKPT = ("none", "full", "selective")
+# GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
+# on them, export has nothing to map them to, and a resumed run may change them
+RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
 
 
 @dataclass
@@ -36,7 +55,15 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    attn_backend: str = "sdpa"
+    # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
+    attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks)
+    doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
+    bos_id: int = None            # the BOS token id (prepare.py: vocab_size - 1); doc_mask needs it
+    grad_ckpt: str = "none"       # activation checkpointing while training: none | full | selective
+    # tokens per chunk of the LM head + loss (0: all at once, and the logits are returned). 8192 rows of
+    # 50k-vocabulary logits are ~4 GB in bf16 + fp32 (not the 16 GB of a 16 x 2048 micro-batch), and big
+    # enough that the head's matmul stays efficient; the loss is the same mean up to fp32 rounding
+    loss_chunk: int = 8192
     padded_vocab: int = field(init=False)
 
     def __post_init__(self):
@@ -45,6 +72,16 @@ class GPTConfig:
                              f"and n_head by n_kv_head ({self.n_kv_head})")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.attn_backend not in ("auto", *ATTENTION_BACKENDS, "sdpa"):
+            raise ValueError(f"attn_backend={self.attn_backend!r}: choose auto, sdpa or one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.grad_ckpt not in GRAD_CKPT:
+            raise ValueError(f"grad_ckpt={self.grad_ckpt!r}: choose one of {', '.join(GRAD_CKPT)}")
+        if self.doc_mask and self.bos_id is None:
+            raise ValueError("doc_mask=True needs bos_id, the token that starts every document "
+                             "(prepare.py's manifest: vocab_size - 1)")
+        if self.loss_chunk < 0:
+            raise ValueError(f"loss_chunk={self.loss_chunk}: tokens per loss chunk, or 0 for no chunking")
         if self.ffn_hidden is None:
             self.ffn_hidden = 8 * self.n_embd // 3
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
@@ -55,23 +92,316 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# attention backends: (q, k, v) are (B, heads, T, head_dim); k and v may have fewer
-# heads (GQA). `causal` is the mask: True for a causal square, False for none, or a
-# boolean tensor (T_q, T_k) where True means "may attend".
+# attention kernels: (q, k, v) are (B, heads, T, head_dim); k and v may have fewer heads (GQA:
+# query head h reads key/value head h // (n_head / n_kv_head), every kernel's convention).
+# `causal`: True for causal, aligned bottom-right when there are more keys than queries (the new
+# queries of the KV cache come after the cached keys); False for no mask; or a boolean tensor
+# (T_q, T_k), True where a query may attend (SDPA kernels only).
+# `docs`: None or a Documents; attention is then causal and within each document.
 
-def sdpa_attention(q, k, v, causal):
-    mask = causal if isinstance(causal, torch.Tensor) else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal is True,
+class Documents:
+    """The document of every token, doc_ids (B, T), and the mask each kind of kernel takes, made on
+    first use and kept: GPT.forward makes one per batch before the blocks run, so every layer and
+    every recomputation under activation checkpointing reuses it."""
+
+    def __init__(self, doc_ids):
+        self.ids = doc_ids
+        self.made = {}
+
+    def get(self, form):
+        if form not in self.made:
+            self.made[form] = getattr(self, form)()
+        return self.made[form]
+
+    def dense(self):
+        """(B, 1, T, T) bool for SDPA: causal and the same document."""
+        T = self.ids.size(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
+        return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]
+
+    def block(self):
+        """FlexAttention's BlockMask: blocks wholly outside every document are skipped, not computed."""
+        from torch.nn.attention.flex_attention import create_block_mask
+        ids = self.ids
+
+        def same_document(b, h, q, kv):
+            return (q >= kv) & (ids[b, q] == ids[b, kv])
+
+        B, T = ids.shape
+        return create_block_mask(same_document, B, None, T, T, device=ids.device)
+
+    def varlen(self):
+        """(cu_seqlens, longest) for FlashAttention's varlen kernels: each document of each row is one
+        sequence of the flattened batch. The longest needs one host sync per batch."""
+        B, T = self.ids.shape
+        starts = torch.ones_like(self.ids, dtype=torch.bool)
+        starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
+        first = starts.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([first, first.new_tensor([B * T])]).to(torch.int32)
+        return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def sdpa_attention(q, k, v, causal, docs=None):
+    """PyTorch's scaled_dot_product_attention, on the kernel it picks (or the one sdpa_kernel pins)."""
+    mask, is_causal = None, False
+    if docs is not None:
+        mask = docs.get("dense")
+    elif isinstance(causal, torch.Tensor):
+        mask = causal
+    elif causal and q.size(2) == k.size(2):
+        is_causal = True
+    elif causal and q.size(2) > 1:  # SDPA's is_causal aligns top-left: spell bottom-right out (one query needs none)
+        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=k.size(1) != q.size(1))
 
 
-ATTENTION_BACKENDS = {"sdpa": sdpa_attention}
+def pinned_sdpa(kernel, q, k, v, causal, docs=None):
+    with sdpa_kernel([kernel]):
+        return sdpa_attention(q, k, v, causal, docs)
 
 
-def attention(backend, q, k, v, causal):
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attn_backend={backend!r} is not available; choose one of {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[backend](q, k, v, causal)
+# name: (module, what it is, how to get it)
+FLASH_PACKAGES = {
+    "fa3": ("flash_attn_interface", "FlashAttention 3",
+            "build it from flash-attention's hopper/ folder: cd hopper && python setup.py install"),
+    "fa2": ("flash_attn", "FlashAttention 2", "pip install flash-attn --no-build-isolation"),
+}
+
+
+def flash_attention(name, q, k, v, causal, docs=None):
+    """FlashAttention 2 or 3: (B, T, heads, head_dim) layout, GQA native, causal aligned bottom-right;
+    documents through the varlen kernel, each document its own sequence."""
+    if isinstance(causal, torch.Tensor):
+        raise ValueError(f"attn_backend={name} takes causal=True or False, not a mask tensor: use an SDPA backend")
+    module = importlib.import_module(FLASH_PACKAGES[name][0])
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if docs is None:
+        out = module.flash_attn_func(q, k, v, causal=causal)
+    else:
+        B, T = q.shape[:2]
+        cu_seqlens, longest = docs.get("varlen")
+        out = module.flash_attn_varlen_func(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
+                                            v.reshape(B * T, *v.shape[2:]), cu_seqlens_q=cu_seqlens,
+                                            cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
+                                            causal=True)
+    out = out[0] if isinstance(out, tuple) else out  # some releases also return the log-sum-exp
+    return out.view(q.shape[:2] + out.shape[-2:]).transpose(1, 2)
+
+
+@lru_cache(maxsize=16)
+def causal_block_mask(q_len, kv_len, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    offset = kv_len - q_len
+
+    def causal(b, h, q, kv):
+        return q + offset >= kv
+
+    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+
+
+@lru_cache(maxsize=1)
+def compiled_flex_attention():
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex_attention(q, k, v, causal, docs=None):
+    """FlexAttention with a block mask. Uncompiled it computes the whole score matrix, so on CUDA
+    the training shapes (as many queries as keys) run compiled; the KV cache's changing shapes
+    would each compile anew, so they run eagerly (one query row at a time is cheap)."""
+    from torch.nn.attention.flex_attention import flex_attention as eager
+    if isinstance(causal, torch.Tensor):
+        raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an SDPA backend")
+    block_mask = None
+    if docs is not None:
+        block_mask = docs.get("block")
+    elif causal and q.size(2) > 1:  # one query (the KV cache's next token) sees every key
+        block_mask = causal_block_mask(q.size(2), k.size(2), q.device)
+    run = compiled_flex_attention() if q.is_cuda and q.size(2) == k.size(2) else eager
+    return run(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+
+
+ATTENTION_KERNELS = {
+    "fa3": partial(flash_attention, "fa3"),
+    "fa2": partial(flash_attention, "fa2"),
+    "cudnn": partial(pinned_sdpa, SDPBackend.CUDNN_ATTENTION),
+    "flash": partial(pinned_sdpa, SDPBackend.FLASH_ATTENTION),
+    "efficient": partial(pinned_sdpa, SDPBackend.EFFICIENT_ATTENTION),
+    "flex": flex_attention,
+    "math": partial(pinned_sdpa, SDPBackend.MATH),
+    "sdpa": sdpa_attention,
+}
+# the backends that can mask documents, and the form of Documents each takes; SDPA's flash kernel
+# takes no mask on CUDA, and cudnn's support of one varies with the torch release
+DOC_MASK_FORM = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense", "math": "dense",
+                 "sdpa": "dense"}
+# largest error over largest value against float64, per compute dtype: a right kernel is well inside
+# (measured on CPU: 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32), a wrong one (scale, mask, GQA) is off by ~1
+PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def reference_attention(q, k, v, doc_ids=None):
+    """Causal attention (within documents, with doc_ids) in float64, written out: the yardstick."""
+    rep = q.size(1) // k.size(1)
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
+    T = q.size(2)
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
+    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+
+
+def parity_error(name, device, dtype, head_dim, doc_mask=False):
+    """Largest error of a kernel's output and q/k/v gradients against reference_attention, relative
+    to the largest value, on random GQA inputs (rounded to dtype first, so only the kernel's error counts)."""
+    device = torch.device(device)
+    T = 256 if device.type == "cuda" else 64  # on a GPU: past FlexAttention's and FlashAttention's 128-row tiles
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 4, T, head_dim), (2, 2, T, head_dim), (2, 2, T, head_dim), (2, 4, T, head_dim)]
+    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
+    doc_ids = None
+    if doc_mask:  # three documents in one row, one in the other
+        doc_ids = torch.zeros(2, T, dtype=torch.long, device=device)
+        doc_ids[0, T // 3:] += 1
+        doc_ids[0, T // 2 + 5:] += 1
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    reference_attention(*ref_in, doc_ids).backward(grad.double())
+    test_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ATTENTION_KERNELS[name](*test_in, True, Documents(doc_ids) if doc_mask else None)
+    out.backward(grad)
+    with torch.no_grad():
+        ref = reference_attention(*ref_in, doc_ids)
+        pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip(test_in, ref_in, strict=True)]
+        return max(((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item() for a, b in pairs)
+
+
+def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
+    """None when attention backend `name` can train here (device, dtype, head_dim, doc_mask), else one
+    line saying why not and what would make it run."""
+    device = torch.device(device)
+    if name not in ATTENTION_KERNELS:
+        return f"unknown attention backend {name!r}: choose auto or one of {', '.join(ATTENTION_KERNELS)}"
+    if doc_mask and name not in DOC_MASK_FORM:
+        return f"{name} cannot mask documents (doc_mask=True); {', '.join(DOC_MASK_FORM)} can"
+    if name in FLASH_PACKAGES:
+        module, label, install = FLASH_PACKAGES[name]
+        if importlib.util.find_spec(module) is None:
+            return f"{module} is not installed ({label}): {install}"
+        if device.type != "cuda":
+            return f"{label} is CUDA only; this is {device.type}"
+        if dtype not in (torch.bfloat16, torch.float16):
+            return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+        if head_dim % 8 or head_dim > 256:
+            return f"{label} takes a head_dim that is a multiple of 8 up to 256, not {head_dim}"
+        major, minor = torch.cuda.get_device_capability(device)
+        if name == "fa3" and major != 9:
+            return f"{label} is built for Hopper, compute capability 9.0; this GPU is {major}.{minor}: use fa2"
+        if name == "fa2" and major < 8:
+            return f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is {major}.{minor}"
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            return f"{module} is installed but does not import ({first_line(e)}): reinstall it for this torch"
+    elif name == "flex":
+        if device.type != "cuda":
+            return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
+        if importlib.util.find_spec("triton") is None:
+            return "FlexAttention compiles Triton kernels and triton is not installed: pip install triton"
+        return None  # a trial call would compile kernels for its shapes: the parity check (auto) or sanity.py runs it
+    elif name in ("cudnn", "efficient") and device.type != "cuda":
+        return f"the {name} kernel is CUDA only; this is {device.type}"
+    elif name in ("math", "sdpa"):
+        return None  # PyTorch's math kernel runs everywhere
+    return trial_call(name, device, dtype, head_dim, doc_mask)
+
+
+def first_line(e):
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def trial_call(name, device, dtype, head_dim, doc_mask):
+    """A tiny causal GQA forward and backward (over two documents with doc_mask): None when it runs,
+    else why not. SDPA gives its reasons for refusing a kernel in warnings."""
+    g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the model's init
+    q, kv = (torch.randn(1, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (2, 1))
+    docs = Documents(torch.arange(16, device=device)[None] // 8) if doc_mask else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            ATTENTION_KERNELS[name](q, kv, kv, True, docs).sum().backward()
+            return None
+        except Exception as e:  # whatever a kernel raises, it cannot train here
+            reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split())
+                                    for w in caught)
+            why = "; ".join(reasons) or first_line(e)
+    return f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: {why[:400]}"
+
+
+resolved = {}  # (name, device type, dtype, head_dim, doc_mask) -> (backend, note)
+
+
+def resolve_backend(name, device, dtype, head_dim, doc_mask=False):
+    """(backend, note): the kernel attn_backend=name runs here, and one line saying why.
+
+    "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error within
+    PARITY_TOLERANCE); the note says which faster ones were skipped and why. A named backend that
+    cannot run here is a ValueError that lists the ones that can: never a silent substitute.
+    Cached per (name, device type, dtype, head_dim, doc_mask)."""
+    key = (name, torch.device(device).type, dtype, head_dim, bool(doc_mask))
+    if key not in resolved:
+        # trial and parity runs are eager work, never part of a compiled graph (disabling compilation at
+        # import would import torch._dynamo, a second, into every process)
+        resolve = torch.compiler.disable(resolve_uncached) if torch.compiler.is_compiling() else resolve_uncached
+        resolved[key] = resolve(*key)
+    return resolved[key]
+
+
+def resolve_uncached(name, device_type, dtype, head_dim, doc_mask):
+    # they run forward and backward in their own dtypes, whatever the caller's grad and autocast modes
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
+        return resolve_in_eager(name, torch.device(device_type), dtype, head_dim, doc_mask)
+
+
+def resolve_in_eager(name, device, dtype, head_dim, doc_mask):
+    if name != "auto":
+        why = backend_unavailable(name, device, dtype, head_dim, doc_mask)
+        if why is None:
+            return name, f"{name}: as configured"
+        here = [b for b in ATTENTION_KERNELS if b != name and not backend_unavailable(b, device, dtype, head_dim,
+                                                                                       doc_mask)]
+        raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
+                         f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
+                         f"{', doc_mask' if doc_mask else ''}): {', '.join(here) or 'none'}")
+    skipped = []
+    tol = PARITY_TOLERANCE.get(dtype, 1e-4)
+    for candidate in ATTENTION_BACKENDS:
+        why = backend_unavailable(candidate, device, dtype, head_dim, doc_mask)
+        if why is None:
+            try:
+                err = parity_error(candidate, device, dtype, head_dim, doc_mask)
+                why = None if err <= tol else f"largest error {err:.1e} against float64, over {tol:g}"
+            except Exception as e:  # a kernel that fails its first real call is skipped, saying how
+                why = f"failed its parity check: {first_line(e)}"
+        if why is None:
+            return candidate, (f"auto: {candidate} (largest error {err:.1e} against float64)"
+                               + "".join(f"; skipped {s}" for s in skipped))
+        skipped.append(f"{candidate} ({why})")
+    raise RuntimeError("attn_backend=auto: no attention backend runs here: " + "; ".join(skipped))
+
+
+def attention(backend, q, k, v, causal, doc_ids=None):
+    """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T', D) on `backend` (an attn_backend value).
+    causal: True, False, or a bool mask tensor (see above). doc_ids: None, a (B, T) tensor of each
+    token's document, or the Documents made from it; attention is then causal and within documents.
+    The first call for a (backend, device, dtype, head_dim, doc_mask) resolves it, which runs a backward
+    of its own: call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
+    docs = doc_ids if doc_ids is None or isinstance(doc_ids, Documents) else Documents(doc_ids)
+    if docs is not None and causal is not True:
+        raise ValueError("doc_ids makes attention causal within each document: pass causal=True")
+    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), docs is not None)[0]
+    return ATTENTION_KERNELS[name](q, k, v, causal, docs)
 
 
 # -----------------------------------------------------------------------------
@@ -117,20 +447,16 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
         self.o_proj = nn.Linear(config.n_head * hd, config.n_embd, bias=False)
 
-    def forward(self, x, cos, sin, cache=None):
+    def forward(self, x, cos, sin, cache=None, docs=None):
         B, T, _ = x.shape
         hd = self.config.head_dim
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        causal = True
-        if cache is not None:
-            start = cache.pos
+        if cache is not None:  # the new queries come after the cached keys: causal=True aligns them bottom-right
             k, v = cache.update(self.layer, k, v)
-            if start > 0:  # new queries sit at the end of the cached keys: align the mask bottom-right
-                causal = False if T == 1 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        y = attention(self.config.attn_backend, q, k, v, causal)
+        y = attention(self.config.attn_backend, q, k, v, True, docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -153,9 +479,26 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+    def forward(self, x, cos, sin, cache=None, docs=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# selective checkpointing keeps what is costly to recompute, the outputs of the matmuls and of the
+# attention kernels (with their log-sum-exp), and recomputes the cheap rest in the backward: norms,
+# RoPE, SiLU, the residual adds and autocast's casts. (Kernels that are no torch op, like FlashAttention
+# releases before its custom ops, are recomputed: right, only slower.)
+SAVED_OPS = {"aten::mm", "aten::_scaled_dot_product_flash_attention",
+             "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
+             "aten::_scaled_dot_product_cudnn_attention", "flex_attention", "flash_attn::_flash_attn_forward",
+             "flash_attn::_flash_attn_varlen_forward", "flash_attn_3::_flash_attn_forward"}
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+selective_checkpointing = partial(create_selective_checkpoint_contexts, selective_policy)
 
 
 class GPT(nn.Module):
@@ -183,23 +526,55 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def forward(self, idx, targets=None, cache=None):
-        """Logits (B, T, padded_vocab) and, with targets, the mean cross-entropy."""
+        """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
+        or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits."""
+        config = self.config
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        if start + T > config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={config.block_size}")
         cos = self.rope_cos[start:start + T]
         sin = self.rope_sin[start:start + T]
         x = self.embed_tokens(idx)
-        for block in self.layers:
-            x = block(x, cos, sin, cache)
-        logits = self.lm_head(self.norm(x))
+        # the backend is resolved here, before any block runs under checkpoint (auto's parity check runs a
+        # backward of its own), as the blocks will ask: in the compute dtype, with documents or not
+        doc_mask = config.doc_mask and cache is None  # the KV cache (generation) reads one document at a time
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        backend = resolve_backend(config.attn_backend, x.device, dtype, config.head_dim, doc_mask)[0]
+        docs = None
+        if doc_mask:
+            docs = Documents(torch.cumsum(idx == config.bos_id, dim=1))
+            docs.get(DOC_MASK_FORM[backend])  # made once for all layers, not inside a checkpointed one
+        training = torch.is_grad_enabled() and cache is None
+        for block in self.layers:  # (torch.compile takes checkpoint's context_fn only spelled out like this)
+            if training and config.grad_ckpt == "full":  # a block keeps only its input
+                x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False)
+            elif training and config.grad_ckpt == "selective":
+                x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False, context_fn=selective_checkpointing)
+            else:
+                x = block(x, cos, sin, cache, docs)
+        x = self.norm(x)
         if cache is not None:
             cache.pos += T
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        if targets is None:
+            return self.lm_head(x), None
+        if not config.loss_chunk:
+            logits = self.lm_head(x)
+            return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
+
+    def chunked_loss(self, x, targets):
+        """The mean cross-entropy over loss_chunk tokens at a time. Each chunk runs under checkpoint, so
+        the forward keeps none of its logits and the backward rebuilds them one chunk at a time."""
+        chunks = zip(x.split(self.config.loss_chunk), targets.split(self.config.loss_chunk), strict=True)
+        # a single chunk would be rebuilt while every layer's activations are still held: no saving, only cost
+        rebuild = torch.is_grad_enabled() and x.size(0) > self.config.loss_chunk
+        total = sum(checkpoint(self.loss_sum, xc, yc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc)
+                    for xc, yc in chunks)
+        return total / targets.numel()
+
+    def loss_sum(self, x, targets):
+        return F.cross_entropy(self.lm_head(x).float(), targets, reduction="sum")
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
@@ -267,32 +642,44 @@ def flops_per_token(config, seq_len=None):
     return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * T
 
 
-def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=False,
+def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
                     compute_bytes=2):
     """Bytes per GPU of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32.
+    activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None: config.grad_ckpt).
 
     - weights, gradients: fp32, 4 bytes/param each; optimizer: AdamW's two fp32 moments, 8 bytes/param.
       sharded (FSDP): all three divided over world_size, plus two layers gathered at a time.
     - weight_casts: autocast's compute-dtype copy of every matrix, kept for the backward.
-    - activations: what the backward keeps, counted from the saved tensors of model.py on CPU
-      (tests/test_model.py measures it): per layer and token, 12*d bytes of fp32 norm state and
-      residual, compute-dtype copies of 5 d-wide tensors (norm outputs, q, attention output and
-      its reshaped copy), k and v, and SwiGLU's 4 hidden-wide tensors; a fused attention kernel
-      keeps no T x T matrix. With activation checkpointing each layer keeps only its fp32 input,
-      and one layer is rebuilt at a time.
-    - logits: the logits, their fp32 copy for the loss, and the log-softmax the loss keeps.
+    - activations: what the backward keeps, per token, as model.py saves it on CPU (tests/test_model.py
+      measures each case; a fused CUDA RMSNorm keeps less, a fused attention kernel no T x T matrix).
+      With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden:
+      a layer keeps 16*d of fp32 (its output, the residual between attention and MLP, each RMSNorm's
+      x * rsqrt), c*(4*d + 2*dkv + 4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's
+      four hidden-wide tensors), 4*n_head of attention log-sum-exp and 8 of norm scales; outside the
+      layers 8*d + c*d + 4 (the embedding, the final norm).
+      full checkpointing: a layer keeps only its 4*d output; the backward rebuilds one layer at a time
+      (all it keeps, but its output).
+      selective: a layer keeps its output and what its matmuls and attention return,
+      4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head; one layer at a time rebuilds the rest, 12*d + c*(3*d + dkv + 2*f) + 8.
+    - logits: the logits, their fp32 copy for the loss and the log-softmax the loss keeps, for loss_chunk
+      tokens at a time (or the whole micro-batch with loss_chunk=0).
     """
+    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
+    if mode not in GRAD_CKPT:
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: one of {', '.join(GRAD_CKPT)}")
     counts = param_counts(config)
     n = counts["total"]
     tokens = micro_batch_size * config.block_size
-    d, dkv, f, c = config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
-    layer_params = counts["non_embedding"] // config.n_layer
-    per_layer = tokens * (12 * d + c * (5 * d + 2 * dkv + 4 * f))
-    final = tokens * (8 * d + c * d)
-    if activation_checkpointing:
-        activations = config.n_layer * tokens * 4 * d + per_layer + final
+    L, d, dkv, f, c = config.n_layer, config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
+    layer_params = counts["non_embedding"] // L
+    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
+    if mode == "none":
+        per_token = L * layer
+    elif mode == "full":
+        per_token = L * 4 * d + layer - 4 * d
     else:
-        activations = config.n_layer * per_layer + final
+        per_token = L * (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head) + 12 * d + c * (3 * d + dkv + 2 * f) + 8
+    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
     shard = world_size if sharded else 1
     est = dict(params=n,
                weights=4 * n // shard + (2 * layer_params * c if sharded else 0),
@@ -300,8 +687,8 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activ
                optimizer=8 * n // shard,
                ddp_buckets=4 * n if world_size > 1 and not sharded else 0,  # DDP's all-reduce copy of the gradients
                weight_casts=0 if c == 4 else c * n // shard + (2 * layer_params * c if sharded else 0),
-               activations=activations,
-               logits=tokens * config.padded_vocab * (c + (4 if c < 4 else 0) + 4))
+               activations=tokens * (per_token + 8 * d + c * d + 4),
+               logits=logit_rows * config.padded_vocab * (c + (4 if c < 4 else 0) + 4))
     est["total"] = sum(v for k, v in est.items() if k != "params")
     return est
 

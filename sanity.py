@@ -11,9 +11,10 @@ and out_dir/sanity.md, and the exit status is 1 when any check failed (on any ra
 The checks, in order:
 - environment: python, torch, CUDA and driver, the GPUs (name, capability, memory), NCCL;
   disk: free space where out_dir is;
-- attention:*: every attention path this machine has (model.py's backends, each SDPA
-  kernel, the FlashAttention packages when installed), forward and backward against a
-  float64 reference, at the configured head layout, in the run's dtype;
+- attention:*: each attention backend of model.py (ATTENTION_BACKENDS, sdpa, and the one auto
+  picks here), forward and backward against a float64 reference, at the configured head layout,
+  in the run's dtype; a backend that cannot run here is skipped, saying why. attention:doc_mask:
+  the dense document mask against attending each document on its own;
 - train_step, kv_cache, checkpoint: a 2-layer model of the configured head layout takes a
   step in the run's dtype with finite loss and gradients, gives the same logits with the
   KV cache as without, and reads back bit for bit through train.py's checkpoint code;
@@ -27,7 +28,6 @@ Under torchrun every rank runs every check on its own GPU and rank 0 writes the 
 """
 
 import gc
-import importlib.util
 import json
 import math
 import os
@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from collections import Counter
 from dataclasses import asdict
 from datetime import timedelta
@@ -45,11 +44,10 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import configurator
-from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, flops_per_token, memory_estimate,
-                   param_counts, sdpa_attention)
+from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, backend_unavailable, flops_per_token,
+                   memory_estimate, param_counts, resolve_backend)
 from prepare import load_manifest, read_header
 from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, first_line, load_checkpoint, make_optimizer, save_checkpoint
 
@@ -68,6 +66,9 @@ vocab_size = None               # None: the data's vocabulary (manifest.json); a
 tie_embeddings = True           # share the input embedding with the output head
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 micro_batch_size = 8            # sequences per GPU per forward/backward
+dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
+grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
+loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 expect_world_size = 0           # ranks this config is written for; 0: any
 device = "auto"                 # auto (cuda if available) | cpu | cuda
@@ -85,13 +86,9 @@ gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (on
 # 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32; compiled against eager 8e-3 in bf16. A wrong kernel
 # (scale, mask, GQA mapping) is off by ~1.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-SDPA_KERNELS = (("math", SDPBackend.MATH), ("flash", SDPBackend.FLASH_ATTENTION),
-                ("efficient", SDPBackend.EFFICIENT_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION))
-FLASH_PACKAGES = (("flash_attn", "flash_attn", "FlashAttention 2: pip install flash-attn"),
-                  ("flash_attn3", "flash_attn_interface", "FlashAttention 3 for Hopper: build flash-attention/hopper"))
-# (json key, label, sharded, activation checkpointing)
-LAYOUTS = (("ddp", "DDP", False, False), ("ddp_act_ckpt", "DDP + act. ckpt", False, True),
-           ("sharded", "sharded", True, False), ("sharded_act_ckpt", "sharded + act. ckpt", True, True))
+# (json key, label, sharded, activation checkpointing); the configured run's layout comes first
+LAYOUTS = (("ddp", "DDP", False, "none"), ("ddp_act_ckpt", "DDP + act. ckpt", False, "full"),
+           ("sharded", "sharded", True, "none"), ("sharded_act_ckpt", "sharded + act. ckpt", True, "full"))
 MAX_MICRO_BATCH = 1024          # the micro-batch search stops here
 ALLREDUCE_ITERS = 5             # timed all_reduces, after 2 warm-up ones (NCCL builds its rings on the first)
 
@@ -216,16 +213,27 @@ def reference_attention(q, k, v):
     return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
 
 
-def compare_attention(fn, cfg, dev, dt):
-    """fn(q, k, v) -> (B, heads, T, head_dim), causal, against the float64 reference: the output and
-    the gradients of q, k and v. The inputs are rounded to dt first, so only the kernel's error counts."""
+def reference_documents(q, k, v, doc_ids):
+    """reference_attention within documents: each document of each row attended on its own."""
+    out = torch.empty_like(q)
+    for b in range(q.size(0)):
+        for doc in doc_ids[b].unique():
+            t = (doc_ids[b] == doc).nonzero().flatten()  # a document's tokens are consecutive
+            out[b:b + 1, :, t] = reference_attention(q[b:b + 1, :, t], k[b:b + 1, :, t], v[b:b + 1, :, t])
+    return out
+
+
+def compare_attention(fn, cfg, dev, dt, doc_ids=None):
+    """fn(q, k, v) -> (B, heads, T, head_dim), causal (within the documents of doc_ids (2, T), when
+    given), against the float64 reference: the output and the gradients of q, k and v. The inputs are
+    rounded to dt first, so only the kernel's error counts."""
     T, hd = min(cfg["block_size"], 256), cfg["n_embd"] // cfg["n_head"]
     g = torch.Generator().manual_seed(0)
     shapes = [(2, cfg["n_head"], T, hd), (2, cfg["n_kv_head"], T, hd), (2, cfg["n_kv_head"], T, hd),
               (2, cfg["n_head"], T, hd)]
     q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(dev, dt) for s in shapes)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = reference_attention(*ref_in)
+    ref = reference_attention(*ref_in) if doc_ids is None else reference_documents(*ref_in, doc_ids)
     ref.backward(grad.double())
     test_in = [t.clone().requires_grad_() for t in (q, k, v)]
     out = fn(*test_in)
@@ -241,48 +249,25 @@ def compare_attention(fn, cfg, dev, dt):
 
 
 def check_attention_backend(name, cfg, dev, dt):
-    """A backend of model.py, through model.attention() as the blocks call it."""
-    return compare_attention(lambda q, k, v: attention(name, q, k, v, True), cfg, dev, dt)
+    """A backend of model.py through model.attention(), as the blocks call it; skipped, saying why,
+    where it cannot run. auto: the backend model.py picks here, and why."""
+    hd = cfg["n_embd"] // cfg["n_head"]
+    why = None if name == "auto" else backend_unavailable(name, dev, dt, hd)
+    if why:
+        return "skip", why
+    status, detail = compare_attention(lambda q, k, v: attention(name, q, k, v, True), cfg, dev, dt)
+    return status, detail + (f"; {resolve_backend(name, dev, dt, hd)[1]}" if name == "auto" else "")
 
 
-def check_sdpa_kernel(label, kernel, cfg, dev, dt):
-    """model.py's SDPA path held to one kernel; a kernel that refuses these inputs is skipped, with its reasons."""
-    if dev.type != "cuda" and kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        return "skip", f"the {label} kernel is CUDA only; this run is on {dev}"
-
-    def fn(q, k, v):
-        with sdpa_kernel([kernel]):
-            return sdpa_attention(q, k, v, True)
-
-    with warnings.catch_warnings(record=True) as caught:  # SDPA says why it refuses a kernel in warnings
-        warnings.simplefilter("always")
-        try:
-            return compare_attention(fn, cfg, dev, dt)
-        except RuntimeError as e:
-            if "No available kernel" not in str(e) and "No viable backend" not in str(e):
-                raise
-    reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split()) for w in caught)
-    return "skip", f"the {label} kernel cannot run these inputs here: {'; '.join(reasons)[:400] or 'no reason given'}"
-
-
-def check_flash_package(module_name, hint, cfg, dev, dt):
-    """A FlashAttention package, when installed: flash_attn_func on (B, T, heads, head_dim), GQA native."""
-    if importlib.util.find_spec(module_name) is None:
-        return "skip", f"{module_name} is not installed ({hint})"
-    if dev.type != "cuda":
-        return "skip", f"{module_name} needs CUDA; this run is on {dev}"
-    if dt == torch.float32:
-        return "skip", f"{module_name} computes in bfloat16/float16 only; this run is float32"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:  # podgpt does not use the package: a broken install is reported, not fatal
-        return "skip", f"{module_name} is installed but does not import ({first_line(e)}): reinstall it for this torch"
-
-    def fn(q, k, v):
-        out = module.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)  # some releases return (out, lse)
-
-    return compare_attention(fn, cfg, dev, dt)
+def check_doc_mask(cfg, dev, dt):
+    """doc_mask's dense path (SDPA with a boolean mask, what math/efficient/sdpa run) against
+    attending each document on its own; the rows break into documents at different places."""
+    T = min(cfg["block_size"], 256)
+    doc_ids = torch.zeros(2, T, dtype=torch.long, device=dev)
+    doc_ids[0, T // 3:] += 1
+    doc_ids[0, T // 2 + 1:] += 1
+    doc_ids[1, T // 5:] += 1
+    return compare_attention(lambda q, k, v: attention("sdpa", q, k, v, True, doc_ids), cfg, dev, dt, doc_ids)
 
 
 def check_train_step(cfg, dev, dt):
@@ -488,7 +473,8 @@ def check_capacity(cfg, dev, dt, world, out):
     vocab, vocab_from = plan_vocab(cfg)
     mconfig = GPTConfig(vocab_size=vocab, block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
                         n_kv_head=cfg["n_kv_head"], n_embd=cfg["n_embd"], ffn_hidden=cfg["ffn_hidden"],
-                        tie_embeddings=cfg["tie_embeddings"], vocab_multiple=cfg["vocab_multiple"])
+                        tie_embeddings=cfg["tie_embeddings"], vocab_multiple=cfg["vocab_multiple"],
+                        grad_ckpt=cfg["grad_ckpt"], loss_chunk=cfg["loss_chunk"])
     mb = cfg["micro_batch_size"]
     # dtype=auto planned from a CPU is the GPU's bfloat16
     plan_dt = torch.bfloat16 if cfg["dtype"] == "auto" and dev.type != "cuda" else dt
@@ -504,37 +490,43 @@ def check_capacity(cfg, dev, dt, world, out):
                world_size=world, micro_batch_size=mb, compute_dtype=dtype_name(plan_dt),
                gpu_mem_bytes=memory or None, gpu_mem_gb=gb(memory) if memory else None,
                usable_bytes=budget, usable_share=MEMORY_USABLE, layouts={}, measured=None)
+    fsdp = cfg["dist_mode"] == "fsdp"
+    run_label = ("FSDP" if fsdp else "DDP") + ("" if cfg["grad_ckpt"] == "none" else f" + grad_ckpt={cfg['grad_ckpt']}")
+    out["layouts"]["run"] = dict(label=f"this run: {run_label}",
+                                 **plan_layout(mconfig, mb, world, fsdp, cfg["grad_ckpt"], cbytes, budget))
     for key, label, sharded, ckpt in LAYOUTS:
         out["layouts"][key] = dict(label=label, **plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget))
-    ddp = out["layouts"]["ddp"]
+    run = out["layouts"]["run"]
     summary = (f"{counts['total'] / 1e9:.3f}B parameters, {out['flops_per_token'] / 1e9:.2f} GFLOP/token; per GPU at "
-               f"micro-batch {mb}, world {world}: DDP {ddp['gb']['total']:.1f} GB, "
-               + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f}" for lay in list(out["layouts"].values())[1:]))
+               f"micro-batch {mb}, world {world}: "
+               + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f} GB" for lay in out["layouts"].values()))
     if built != counts["total"]:
         return "fail", f"the model builds with {built:,} parameters, model.param_counts says {counts['total']:,}"
     if dev.type != "cuda":
-        verdict = (f"; DDP {'fits' if ddp['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}" if budget
-                   else "; give gpu_mem_gb for a verdict")
-        return ("fail" if budget and not ddp["fits"] else "pass"), (
+        verdict = (f"; this run {'fits' if run['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}"
+                   if budget else "; give gpu_mem_gb for a verdict")
+        return ("fail" if budget and not run["fits"] else "pass"), (
             f"{summary}{verdict}; no GPU here: estimate only (built on the meta device: {built:,} parameters)")
+    # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU would save nothing
+    one = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes, budget)
     total = torch.cuda.get_device_properties(dev).total_memory
-    state = sum(ddp["bytes"][k] for k in ("weights", "gradients", "optimizer", "ddp_buckets"))
+    state = sum(one["bytes"][k] for k in ("weights", "gradients", "optimizer", "ddp_buckets"))
     if state > total:  # building it would only end in an out-of-memory error
-        return "fail", (f"{summary}; DDP's weights, gradients and AdamW state alone need {state / 1e9:.1f} GB, "
-                        f"over this GPU's {total / 1e9:.1f}: not measured")
-    peak, largest = measure_capacity(mconfig, mb, dev, dt, ddp["bytes"]["ddp_buckets"])
+        return "fail", (f"{summary}; one GPU's whole weights, gradients and AdamW state need {state / 1e9:.1f} GB, "
+                        f"over this GPU's {total / 1e9:.1f}: not measured (bench/mfu.py measures a slice)")
+    peak, largest = measure_capacity(mconfig, mb, dev, dt, one["bytes"]["ddp_buckets"])
     name = torch.cuda.get_device_name(dev)
     headroom = total - peak if peak else None
     out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total), micro_batch_size=mb,
-                           peak_bytes=peak, peak_gb=gb(peak) if peak else None,
-                           predicted_bytes=ddp["bytes"]["total"], predicted_gb=ddp["gb"]["total"],
+                           grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak, peak_gb=gb(peak) if peak else None,
+                           predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
                            headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
                            largest_micro_batch=largest)
     if peak is None:
         return "fail", (f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); "
                         f"the largest that fits is {largest}")
     return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
-                    f"{ddp['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; "
+                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; "
                     f"largest micro-batch that fits: {largest}")
 
 
@@ -626,11 +618,8 @@ def main(argv):
     checks = [("environment", partial(check_environment, cfg, dev, dt)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
     checks += [(f"attention:{name}", partial(check_attention_backend, name, cfg, dev, dt))
-               for name in ATTENTION_BACKENDS]
-    checks += [(f"attention:sdpa-{label}", partial(check_sdpa_kernel, label, kernel, cfg, dev, dt))
-               for label, kernel in SDPA_KERNELS]
-    checks += [(f"attention:{label}", partial(check_flash_package, module, hint, cfg, dev, dt))
-               for label, module, hint in FLASH_PACKAGES]
+               for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
+    checks += [("attention:doc_mask", partial(check_doc_mask, cfg, dev, dt))]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),

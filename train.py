@@ -48,6 +48,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -67,7 +68,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 from report import read_metrics, write_atomic, write_report
-from model import GPT, GPTConfig, attention, flops_per_token, memory_estimate, param_counts, peak_flops
+from model import (GPT, RUNTIME_FIELDS, GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops,
+                   resolve_backend)
 from prepare import docs_file, load_manifest, open_shard, read_header
 
 # --- config
@@ -88,6 +90,11 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
+# speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
+attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa
+doc_mask = False                # attention stays inside each document (BOS boundaries); this one does change the model
+grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
+loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
 # batch
 micro_batch_size = 8            # sequences per GPU per forward/backward
 total_batch_tokens = 524288     # tokens per optimizer step over all GPUs; grad accumulation is derived from it
@@ -151,6 +158,9 @@ INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
 PREEMPT_SAVE_SECONDS = 25       # a save slower than this would not fit between SIGTERM and SIGKILL
+# a torchrun worker keeps its wrapped model until os._exit (exit_worker): freeing DDP's reducer or FSDP's
+# groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
+LIVE_MODELS = []
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
 
 
@@ -484,6 +494,9 @@ def newest_good_checkpoint(ckpt_root, device, warn):
                 warn(f"skipping checkpoint {os.path.join(ckpt_root, name)}: {e}")
     if dist.is_initialized():
         dist.broadcast_object_list(chosen)
+    if chosen[0] and chosen[0] not in names:
+        fail(f"rank 0 resumes from {chosen[0]}, which this rank's {ckpt_root} does not hold: on several nodes, "
+             f"out_dir must be a folder every node sees (a shared filesystem)")
     for name in names[names.index(chosen[0]):] if chosen[0] else []:
         path = os.path.join(ckpt_root, name)
         try:  # files that check out can still fail to unpickle
@@ -503,16 +516,24 @@ def find_checkpoint(path, which="latest"):
     return os.path.join(ckpt_root, name) if name else None
 
 
+def load_sharded(state, path):
+    """Fill `state` from a sharded checkpoint's files, resharded to it: every rank its part under
+    torchrun, everything in a process without a process group."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
 def load_model(ckpt, device="cpu"):
     """(model, config dict) from a checkpoint folder, verified, weights loaded, in eval mode;
     ValueError saying what is wrong."""
     verify_checkpoint(ckpt)
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
-    model = GPT(GPTConfig(**config["model"]))
+    model = GPT(GPTConfig(**dict(config["model"], attn_backend="auto")))  # trained elsewhere: this machine's kernel
     if os.path.isdir(os.path.join(ckpt, STATE_DIR)):  # sharded (fsdp): DCP gathers the model's shards whole
         state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=os.path.join(ckpt, STATE_DIR), no_dist=True)
+        load_sharded(state, os.path.join(ckpt, STATE_DIR))
         model.load_state_dict(state["model"])
     else:
         model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True))
@@ -656,31 +677,37 @@ def document_hashes(data_dir, split):
 
 
 def memory_gate(config, world, mem_gb, dtype_bytes):
-    """memory_fit: the plain-DDP estimate per GPU against the usable memory, and the remedy that fits."""
-    ddp = memory_estimate(config, micro_batch_size, world, compute_bytes=dtype_bytes)
-    usable = mem_gb * 1e9 * MEMORY_USABLE
-    detail = f"DDP {ddp['total'] / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable ({mem_gb:g} GB x {MEMORY_USABLE})"
-    if ddp["total"] <= usable:
-        return gate("memory_fit", "warn" if ddp["total"] > 0.85 * usable else "pass", ddp["total"], usable, detail)
+    """memory_fit: this run's estimate per GPU (dist_mode, grad_ckpt) against the usable memory, and
+    when it does not fit, the remedies that would."""
+    sharded = dist_mode == "fsdp"
+
+    def total(mb=micro_batch_size, shard=sharded, ckpt=grad_ckpt):
+        return memory_estimate(config, mb, world, sharded=shard, activation_checkpointing=ckpt,
+                               compute_bytes=dtype_bytes)["total"]
+
+    need, usable = total(), mem_gb * 1e9 * MEMORY_USABLE
+    layout = ("FSDP" if sharded else "DDP") + ("" if grad_ckpt == "none" else f" + grad_ckpt={grad_ckpt}")
+    detail = f"{layout}: {need / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable ({mem_gb:g} GB x {MEMORY_USABLE})"
+    if need <= usable:
+        return gate("memory_fit", "warn" if need > 0.85 * usable else "pass", need, usable, detail)
     remedies = []
     for mb in (micro_batch_size // 2 ** k for k in range(1, 12)):
-        if mb >= 1 and memory_estimate(config, mb, world, compute_bytes=dtype_bytes)["total"] <= usable:
+        if mb >= 1 and total(mb) <= usable:
             remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps total_batch_tokens)")
             break
-    if memory_estimate(config, micro_batch_size, world, activation_checkpointing=True,
-                       compute_bytes=dtype_bytes)["total"] <= usable:
-        remedies.append("activation checkpointing")
-    sharded = memory_estimate(config, micro_batch_size, world, sharded=True, activation_checkpointing=True,
-                              compute_bytes=dtype_bytes)
-    if sharded["total"] <= usable:
-        remedies.append(f"sharding (FSDP) across {world} GPUs + activation checkpointing: "
-                        f"{sharded['total'] / 1e9:.1f} GB per GPU")
-    fix = "; or ".join(remedies) or f"more GPUs or a smaller model (sharded + checkpointed it still needs " \
-                                     f"{sharded['total'] / 1e9:.1f} GB per GPU)"
-    return gate("memory_fit", "block", ddp["total"], usable, f"{detail}: does not fit; use {fix}")
+    for ckpt in ("selective", "full"):
+        if grad_ckpt != ckpt and grad_ckpt != "full" and total(ckpt=ckpt) <= usable:
+            remedies.append(f"grad_ckpt={ckpt}")
+            break
+    best = total(shard=True, ckpt="full")
+    if not sharded and best <= usable:
+        remedies.append(f"dist_mode=fsdp + grad_ckpt=full across {world} GPUs: {best / 1e9:.1f} GB per GPU")
+    fix = "; or ".join(remedies) or (f"more GPUs or a smaller model (FSDP + grad_ckpt=full across {world} GPUs still "
+                                      f"needs {best / 1e9:.1f} GB per GPU)")
+    return gate("memory_fit", "block", need, usable, f"{detail}: does not fit; use {fix}")
 
 
-def preflight_gates(model_config, manifest, world, launched, dev_mem_gb, dtype_bytes, free_disk):
+def preflight_gates(model_config, manifest, world, launched, dev_mem_gb, dtype_bytes, free_disk, runtime):
     """Every gate that needs no model on the device, for `world` ranks (`launched` here): (gates, plan).
     free_disk None: planning for another machine."""
     counts = param_counts(model_config)
@@ -737,17 +764,23 @@ def preflight_gates(model_config, manifest, world, launched, dev_mem_gb, dtype_b
         gates.append(gate("world_size", "block" if wrong else "pass", world, expect_world_size or "any",
                           f"launched {world} ranks" + (f", the config expects {expect_world_size}: launch "
                                                        f"--nproc_per_node={expect_world_size}" if wrong else "")))
-    try:
-        probe = torch.randn(1, model_config.n_head, 8, model_config.head_dim, requires_grad=True)
-        attention(model_config.attn_backend, probe, probe, probe, True).sum().backward()
-        gates.append(gate("attention_backend_runtime", "pass", model_config.attn_backend, None, "forward and backward run"))
-    except (RuntimeError, ValueError) as e:
-        gates.append(gate("attention_backend_runtime", "block", model_config.attn_backend, None, first_line(e)))
+    if runtime is None:
+        gates.append(gate("attention_backend_runtime", "skip", attn_backend, None,
+                          "planned from another machine: sanity.py on the pod checks the kernels"))
+    else:
+        try:
+            chosen, note = resolve_backend(attn_backend, *runtime, model_config.head_dim, doc_mask)
+            gates.append(gate("attention_backend_runtime", "pass", chosen, None, note))
+        except ValueError as e:
+            gates.append(gate("attention_backend_runtime", "block", attn_backend, None, first_line(e)))
     plan = dict(params=counts, flops_per_token=flops_per_token(model_config), planned_tokens=tokens,
-                tokens_per_param=per_param,
-                memory_ddp=memory_estimate(model_config, micro_batch_size, world, compute_bytes=dtype_bytes),
+                tokens_per_param=per_param, dist_mode=dist_mode, grad_ckpt=grad_ckpt,
+                memory=memory_estimate(model_config, micro_batch_size, world, sharded=dist_mode == "fsdp",
+                                       activation_checkpointing=grad_ckpt, compute_bytes=dtype_bytes),
+                memory_ddp=memory_estimate(model_config, micro_batch_size, world, activation_checkpointing="none",
+                                           compute_bytes=dtype_bytes),
                 memory_sharded=memory_estimate(model_config, micro_batch_size, world, sharded=True,
-                                               activation_checkpointing=True, compute_bytes=dtype_bytes))
+                                               activation_checkpointing="full", compute_bytes=dtype_bytes))
     return gates, plan
 
 
@@ -978,7 +1011,9 @@ def main(argv, keep_group=False):
         model_config = GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer,
                                  n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, ffn_hidden=ffn_hidden,
                                  rope_theta=rope_theta, tie_embeddings=tie_embeddings,
-                                 vocab_multiple=vocab_multiple, init_std=init_std)
+                                 vocab_multiple=vocab_multiple, init_std=init_std, attn_backend=attn_backend,
+                                 doc_mask=doc_mask, bos_id=manifest["bos_id"] if manifest else None,
+                                 grad_ckpt=grad_ckpt, loss_chunk=loss_chunk)
     except ValueError as e:
         fail(f"{e}: change the model shape")
 
@@ -993,7 +1028,8 @@ def main(argv, keep_group=False):
     report = [None]
     if master:
         gates, plan = preflight_gates(model_config, manifest, plan_world, world, dev_mem_gb,
-                                      4 if dt_name == "float32" else 2, None if planning else shutil.disk_usage(disk).free)
+                                      4 if dt_name == "float32" else 2, None if planning else shutil.disk_usage(disk).free,
+                                      None if planning else (dev, ptdtype))
         report = [dict(profile=gate_profile, gates=gates, plan=plan)]
     if distributed:
         dist.broadcast_object_list(report)
@@ -1028,6 +1064,11 @@ def main(argv, keep_group=False):
             report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "
                                         "planned_tokens_per_sec to plan another machine's time"))
         return finish_preflight(report, master)
+    try:  # resolved before the model runs (and before torch.compile traces it); the choice is logged
+        attn_note = resolve_backend(attn_backend, dev, ptdtype, model_config.head_dim, doc_mask)[1]
+    except ValueError as e:
+        fail(f"{first_line(e).removeprefix('ValueError: ')}")
+    log(f"attention: {attn_note}")
     raw_model = GPT(model_config).to(dev)
     if fsdp:  # each block's parameters gathered just for its own compute; bf16 compute, fp32 gradient reduction
         mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
@@ -1058,7 +1099,7 @@ def main(argv, keep_group=False):
         if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
             model_sd, optim_sd = get_state_dict(raw_model, optimizer)
             sd = dict(model=model_sd, optimizer=optim_sd)
-            dcp.load(sd, checkpoint_id=ckpt["state"], no_dist=not dist.is_initialized())
+            load_sharded(sd, ckpt["state"])
             set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
         elif fsdp:  # a ddp checkpoint: every rank holds it whole and keeps its shard
             full = StateDictOptions(full_state_dict=True)
@@ -1097,8 +1138,9 @@ def main(argv, keep_group=False):
             fail(f"checkpoint {ckpt_path} is damaged: {e}: give another checkpoint folder or --resume=auto")
     if ckpt is not None:
         old = ckpt["config"]
-        if old["model"] != saved["model"]:
-            diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in saved["model"].items() if old["model"].get(k) != v)
+        shape = {k: v for k, v in saved["model"].items() if k not in RUNTIME_FIELDS}  # the rest may change
+        if any(old["model"].get(k) != v for k, v in shape.items()):
+            diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items() if old["model"].get(k) != v)
             fail(f"checkpoint {ckpt_path} has another model shape ({diff}): use a new out_dir, or the checkpoint's shape")
         if old["tokenizer_fingerprint"] != saved["tokenizer_fingerprint"] and not allow_resume_mismatch:
             fail(f"checkpoint {ckpt_path} was trained with another tokenizer ({old['tokenizer_fingerprint']}) than "
@@ -1137,6 +1179,8 @@ def main(argv, keep_group=False):
     model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if distributed and not fsdp:
         model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+    if distributed:
+        LIVE_MODELS.append(model)
 
     log("config: " + json.dumps(config))
     log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "

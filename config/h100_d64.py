@@ -1,6 +1,6 @@
 # Seed 001: the "d64" character-level model on 8x H100 PCIe, 31 hours, $1000 budget.
 #   python prepare.py config/h100_d64.py --source=/workspace/combined_output.txt
-#   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py
+#   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      (dist_mode=fsdp, below)
 #
 # Where the runbook's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
 # - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
@@ -8,9 +8,9 @@
 #   8*d^2 parameters per layer as a 4x two-matrix MLP: 12.885B in total.
 # - Mixed-precision AdamW under plain DDP needs ~16 bytes/parameter per GPU (~206 GB),
 #   far over 80 GB, so the runbook's "~75GB per GPU at batch 4" cannot be. This model
-#   trains only sharded (FSDP, ~2 bytes/param/GPU on 8 GPUs for weights, more for
-#   gradients and optimizer state) with activation checkpointing: both come with a
-#   later podgpt release; until then this config is a plan, not a launchable run.
+#   trains only sharded with activation checkpointing (dist_mode and grad_ckpt below);
+#   `train.py config/h100_d64.py --preflight_only=True --gpu_mem_gb=80` prints the
+#   per-GPU estimate of both layouts (memory_fit).
 # - One token costs 83.8 GFLOP: at an optimistic 40% MFU of the H100 PCIe's 756
 #   TFLOP/s, 8 GPUs process ~29k tokens/s, ~3.2B tokens in 31 hours (not "~12B"),
 #   about 9 passes over the runbook's 350M-token corpus.
@@ -47,6 +47,10 @@ ckpt_every = 730           # the runbook's "every hour"
 log_every = 10
 dtype = "bfloat16"
 compile = True
+# FSDP2 splits weights, gradients and AdamW state over the 8 GPUs (12.9B x 16 bytes / 8), and
+# full activation checkpointing keeps one block's activations at a time instead of 64
+dist_mode = "fsdp"
+grad_ckpt = "full"
 # the runbook's limits: 31 hours, $1000 at $4/GPU-hour on 8 GPUs; whichever comes first
 # stops the run with a checkpoint. It also warns of overfitting (9 passes over a small
 # corpus) and says to use the best checkpoint, not the last: stop after 3 evaluations

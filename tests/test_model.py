@@ -1,11 +1,17 @@
-"""model.py: causality, KV cache, sampling, and the parameter/FLOP arithmetic the configs quote."""
+"""model.py: causality, KV cache, sampling, document masks, activation checkpointing, the chunked loss,
+and the parameter/FLOP/memory arithmetic the configs quote."""
+import dataclasses
 import os
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import configurator
-from model import GPT, GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, sample_next
+from model import (RUNTIME_FIELDS, GPT, GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops,
+                   sample_next)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -104,35 +110,162 @@ def test_bad_shapes_are_refused():
         GPTConfig(n_embd=32, n_head=4, n_kv_head=3)
 
 
-def test_memory_estimate_matches_what_a_cpu_step_allocates():
-    """The planner's bytes for weights, gradients and AdamW state equal a real step's, and its
-    activation count is within 2% of the tensors autograd actually keeps (fp32, where the
-    compute dtype is the storage dtype, so every saved tensor is counted)."""
-    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64)
+class LiveBytes(TorchDispatchMode):
+    """The bytes of every storage the ops of a step make, while they are alive, by kind: made by the
+    forward, rebuilt in the backward (grad mode on: checkpoint's recomputation) or by the backward
+    proper; and by region: inside a block or outside (embedding, final norm, head, loss)."""
+
+    def __init__(self, model, *batch):
+        super().__init__()
+        self.live, self.peak, self.phase, self.depth = {}, {}, "forward", 0
+        self.before = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers(),
+                                                                           *batch]}
+        for block in model.layers:  # the hooks run again when checkpoint rebuilds a block
+            block.register_forward_pre_hook(lambda *a: setattr(self, "depth", self.depth + 1))
+            block.register_forward_hook(lambda *a: setattr(self, "depth", self.depth - 1))
+
+    def alive(self):
+        bytes_by_kind = {}
+        for cdata, (ref, nbytes, kind) in list(self.live.items()):
+            if ref.expired():
+                del self.live[cdata]
+            else:
+                bytes_by_kind[kind] = bytes_by_kind.get(kind, 0) + nbytes
+        return bytes_by_kind
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        phase = "rebuilt" if self.phase == "backward" and torch.is_grad_enabled() else self.phase
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ref = StorageWeakRef(t.untyped_storage())
+                if ref.cdata not in self.live and ref.cdata not in self.before:
+                    self.live[ref.cdata] = (ref, t.untyped_storage().nbytes(), (phase, "block" if self.depth else "head"))
+        for kind, n in self.alive().items():
+            self.peak[kind] = max(self.peak.get(kind, 0), n)
+        return out
+
+
+def measure_step(config, micro_batch):
+    """One fp32 CPU step: (bytes the forward leaves for the backward, the most the backward rebuilds
+    at once inside blocks and outside them, the model after its step, its optimizer)."""
     torch.manual_seed(0)
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = torch.randint(0, 256, (2, 4, 128))
-    saved = {}
-
-    def keep(t):
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
-        logits, loss = model(x, y)
-    loss.backward()
+    x, y = torch.randint(0, config.vocab_size, (2, micro_batch, config.block_size))
+    with LiveBytes(model, x, y) as live:
+        _, loss = model(x, y)
+        kept = sum(live.alive().values())
+        live.phase = "backward"
+        loss.backward()
     optimizer.step()
+    return kept, live.peak.get(("rebuilt", "block"), 0), live.peak.get(("rebuilt", "head"), 0), model, optimizer
+
+
+@pytest.mark.parametrize("grad_ckpt, loss_chunk", [("none", 0), ("full", 0), ("selective", 0), ("none", 200),
+                                                   ("selective", 128)])
+def test_memory_estimate_matches_what_a_cpu_step_allocates(grad_ckpt, loss_chunk):
+    """The planner's bytes for weights, gradients and AdamW state equal a real step's; its activations
+    and logits are what the step holds (fp32, where the compute dtype is the storage dtype, so every
+    tensor counts): what the forward leaves for the backward, plus the one block (checkpointing) and the
+    one loss chunk the backward rebuilds at a time."""
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+                       grad_ckpt=grad_ckpt, loss_chunk=loss_chunk)
+    kept, block, chunk, model, optimizer = measure_step(config, micro_batch=4)
     est = memory_estimate(config, micro_batch_size=4, compute_bytes=4)
     params = list(model.parameters())
     assert est["weights"] == sum(p.nbytes for p in params)
     assert est["gradients"] == sum(p.grad.nbytes for p in params)
     assert est["optimizer"] == sum(t.nbytes for st in optimizer.state.values() for k, t in st.items() if k != "step")
-    weights = {p.untyped_storage().data_ptr() for p in params} | {model.rope_cos.untyped_storage().data_ptr(),
-                                                                   model.rope_sin.untyped_storage().data_ptr()}
-    kept = sum(n for ptr, n in saved.items() if ptr not in weights)
-    log_softmax = 4 * 128 * config.padded_vocab * 4  # the loss's saved fp32 log-probabilities
-    assert est["activations"] == pytest.approx(kept - log_softmax, rel=0.02)
-    # sharding divides the per-parameter state; checkpointing keeps one layer's activations, not all
-    sharded = memory_estimate(config, micro_batch_size=4, world_size=8, sharded=True, activation_checkpointing=True)
-    assert sharded["optimizer"] == est["optimizer"] // 8 and sharded["activations"] < est["activations"]
+    if loss_chunk:  # the forward keeps no logits; the backward rebuilds one chunk's at a time
+        assert est["activations"] == pytest.approx(kept + block, rel=0.01)
+        assert est["logits"] == pytest.approx(chunk, rel=0.01) and est["logits"] == 8 * loss_chunk * 256
+    else:
+        assert est["activations"] + est["logits"] == pytest.approx(kept + block, rel=0.01)
+        assert chunk == pytest.approx(0, abs=16) and est["logits"] == 8 * 4 * 128 * 256
+    assert (block > 0) == (grad_ckpt != "none")
+    # None follows the config; True and False are "full" and "none"
+    for ckpt, same in ((None, grad_ckpt), (True, "full"), (False, "none")):
+        assert memory_estimate(config, 4, compute_bytes=4, activation_checkpointing=ckpt) == \
+            memory_estimate(config, 4, compute_bytes=4, activation_checkpointing=same)
+
+
+def test_memory_estimate_orders_the_layouts():
+    config = GPTConfig(vocab_size=32768, block_size=2048, n_layer=24, n_head=16, n_kv_head=4, n_embd=2048)
+    act = {mode: memory_estimate(config, 8, activation_checkpointing=mode)["activations"]
+           for mode in ("none", "selective", "full")}
+    assert act["none"] > act["selective"] > act["full"]
+    sharded = memory_estimate(config, 8, world_size=8, sharded=True, activation_checkpointing=True)
+    assert sharded["optimizer"] == memory_estimate(config, 8)["optimizer"] // 8
+    whole = memory_estimate(dataclasses.replace(config, loss_chunk=0), 8)["logits"]
+    assert memory_estimate(config, 8)["logits"] * 2 == whole  # 8192 of the 16384 tokens at a time
+    with pytest.raises(ValueError, match="activation_checkpointing='some'"):
+        memory_estimate(config, 8, activation_checkpointing="some")
+
+
+def losses_and_grads(model, x, y):
+    model.zero_grad(set_to_none=True)
+    logits, loss = model(x, y)
+    loss.backward()
+    return logits, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(doc_mask=True, bos_id=96, tie_embeddings=False)])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_loss_and_gradients(mode, kw):
+    x, y = torch.randint(0, 97, (2, 3, 48))
+    _, loss, grads = losses_and_grads(tiny(**kw), x, y)
+    _, ckpt_loss, ckpt_grads = losses_and_grads(tiny(grad_ckpt=mode, **kw), x, y)
+    torch.testing.assert_close(ckpt_loss, loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ckpt_grads, grads, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(tie_embeddings=False)])
+def test_chunked_loss_equals_the_whole_batch(kw):
+    x, y = torch.randint(0, 97, (2, 3, 40))  # 120 tokens
+    logits, loss, grads = losses_and_grads(tiny(loss_chunk=0, **kw), x, y)
+    assert logits.shape == (3, 40, 128)
+    for chunk in (40, 50, 7, 120, 10_000):  # dividing 120 or not; one chunk; more than there is
+        no_logits, chunked, chunked_grads = losses_and_grads(tiny(loss_chunk=chunk, **kw), x, y)
+        assert no_logits is None
+        torch.testing.assert_close(chunked, loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(chunked_grads, grads, rtol=1e-5, atol=1e-7)
+    with torch.no_grad():
+        torch.testing.assert_close(tiny(loss_chunk=50, **kw)(x, y)[1], loss, rtol=1e-6, atol=0)
+
+
+def test_doc_mask_reads_packed_documents_as_if_alone():
+    """Two documents packed in a row give each one the logits it has alone; without doc_mask the
+    second sees the first. A row that starts mid-document (no BOS yet) is a document too."""
+    bos = 96
+    a, b = torch.randint(0, bos, (16,)), torch.randint(0, bos, (21,))
+    a[0] = b[0] = bos
+    packed = torch.cat([a, b])[None]
+    masked, plain = tiny(doc_mask=True, bos_id=bos).eval(), tiny().eval()
+    with torch.no_grad():
+        out = masked(torch.cat([packed, torch.cat([b[1:], a, b[:1]])[None]]))[0]
+        alone_a, alone_b = masked(a[None])[0][0], masked(b[None])[0][0]
+        torch.testing.assert_close(out[0, :16], alone_a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[0, 16:], alone_b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[1, 20:36], alone_a, atol=1e-5, rtol=1e-5)  # after a BOS-less start
+        torch.testing.assert_close(out[1, :20], masked(b[None, 1:])[0][0], atol=1e-5, rtol=1e-5)
+        unmasked = plain(packed)[0][0]
+        torch.testing.assert_close(unmasked[:16], alone_a, atol=1e-5, rtol=1e-5)  # same weights
+        assert not torch.allclose(unmasked[16:], alone_b, atol=1e-3)
+        # generation (the KV cache) reads one document: the same tokens as without the cache
+        cached = torch.stack(list(masked.generate(a[None, :7], 20, temperature=0)), 1)
+        assert torch.equal(cached, torch.stack(list(masked.generate(a[None, :7], 20, temperature=0,
+                                                                    use_cache=False)), 1))
+
+
+def test_runtime_settings_are_checked_and_old_configs_load():
+    old = dict(vocab_size=97, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, ffn_hidden=85,
+               rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True, vocab_multiple=64, init_std=0.02,
+               attn_backend="sdpa")  # a config.json written before the runtime settings
+    config = GPTConfig(**old)
+    assert (config.doc_mask, config.bos_id, config.grad_ckpt, config.loss_chunk) == (False, None, "none", 8192)
+    assert set(RUNTIME_FIELDS) <= {f.name for f in dataclasses.fields(GPTConfig)}
+    for bad, message in ((dict(attn_backend="fa4"), "attn_backend='fa4'"), (dict(grad_ckpt="some"), "grad_ckpt"),
+                         (dict(doc_mask=True), "doc_mask=True needs bos_id"), (dict(loss_chunk=-1), "loss_chunk")):
+        with pytest.raises(ValueError, match=message):
+            GPTConfig(**dict(old, **bad))

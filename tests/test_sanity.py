@@ -8,15 +8,15 @@ import pytest
 from conftest import run
 from model import ATTENTION_BACKENDS, GPTConfig, memory_estimate
 
-CHECKS = ["environment", "disk", *(f"attention:{name}" for name in ATTENTION_BACKENDS), "attention:sdpa-math",
-          "attention:sdpa-flash", "attention:sdpa-efficient", "attention:sdpa-cudnn", "attention:flash_attn",
-          "attention:flash_attn3", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce",
-          "capacity"]
+CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
+          "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce", "capacity"]
 
-# run sanity.main after making model.py's attention wrong, or its KV cache crash
+# run sanity.main after making model.py's attention wrong, its document mask only causal, or its KV cache crash
 WRAPPER = "import sys, model\n{patch}\nimport sanity\nraise SystemExit(sanity.main(sys.argv[1:]))\n"
-WRONG_SCALE = ("right = model.ATTENTION_BACKENDS['sdpa']\n"
-               "model.ATTENTION_BACKENDS['sdpa'] = lambda q, k, v, causal: 1.5 * right(q, k, v, causal)")
+WRONG_SCALE = ("right = model.ATTENTION_KERNELS['math']\n"
+               "model.ATTENTION_KERNELS['math'] = lambda *args: 1.5 * right(*args)")
+NO_DOCUMENTS = ("model.Documents.dense = lambda self: "
+                "model.torch.ones(self.ids.size(1), self.ids.size(1), dtype=model.torch.bool).tril()")
 CRASH = ("def crash(*args):\n    raise RuntimeError('cache exploded\\nsecond line')\n"
          "model.KVCache.update = crash")
 
@@ -36,11 +36,12 @@ def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data):
         assert c["status"] in ("pass", "fail", "skip") and c["detail"] and c["seconds"] >= 0
         assert f"| {c['name']} | {c['status']} |" in md
     # what a CPU has passes; what needs CUDA, a package, torchrun or an option is skipped, saying why
-    for name in ("environment", "disk", "attention:sdpa", "attention:sdpa-math", "attention:sdpa-flash",
-                 "train_step", "kv_cache", "checkpoint", "dataset"):
+    for name in ("environment", "disk", "attention:sdpa", "attention:math", "attention:flash", "attention:auto",
+                 "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset"):
         assert checks[name]["status"] == "pass", checks[name]
-    assert "CUDA only" in checks["attention:sdpa-efficient"]["detail"]
-    assert "not installed" in checks["attention:flash_attn3"]["detail"]
+    assert "CUDA only" in checks["attention:efficient"]["detail"] and checks["attention:efficient"]["status"] == "skip"
+    assert "not installed" in checks["attention:fa3"]["detail"] and "no backward" in checks["attention:flex"]["detail"]
+    assert "auto: flash" in checks["attention:auto"]["detail"]
     assert "compile=False" in checks["compile"]["detail"] and "torchrun" in checks["allreduce"]["detail"]
     assert checks["capacity"]["status"] == "skip" and report["capacity"] is None
     assert "257 tokens" in checks["dataset"]["detail"]
@@ -51,7 +52,8 @@ def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data):
 FAILURES = {
     "disk": (["--min_free_disk_gb=1e9"], ("sanity.py",), "disk", "(need 1e+09)"),
     "dataset": (["--vocab_size=50257"], ("sanity.py",), "dataset", "vocab_size=50257 but"),
-    "attention": ([], ("-c", WRAPPER.format(patch=WRONG_SCALE)), "attention:sdpa", "OVER 0.0001"),
+    "attention": ([], ("-c", WRAPPER.format(patch=WRONG_SCALE)), "attention:math", "OVER 0.0001"),
+    "doc_mask": ([], ("-c", WRAPPER.format(patch=NO_DOCUMENTS)), "attention:doc_mask", "OVER 0.0001"),
     "crash": ([], ("-c", WRAPPER.format(patch=CRASH)), "kv_cache", "RuntimeError: cache exploded"),
 }
 
@@ -88,8 +90,25 @@ def test_capacity_on_cpu_plans_the_1b_config(tmp_path):
         assert memory_estimate(config, layout["largest_micro_batch"], 8, sharded, ckpt)["total"] <= usable
         assert memory_estimate(config, layout["largest_micro_batch"] + 1, 8, sharded, ckpt)["total"] > usable
     assert cap["layouts"]["ddp"]["bytes"]["ddp_buckets"] == 4 * cap["params"]["total"]
+    assert cap["layouts"]["run"]["label"] == "this run: DDP" and cap["layouts"]["run"]["bytes"] == \
+        cap["layouts"]["ddp"]["bytes"]
     assert "## capacity: 1.124B parameters" in md and "| total |" in md and "No GPU here" in md
     assert "| fits 0.92 x 141 GB | yes |" in md and "## capacity" in r.stdout  # the table is printed too
+
+
+def test_capacity_follows_the_runs_dist_mode_and_grad_ckpt(tmp_path):
+    """d64 on 8x 80 GB: its config's FSDP + full activation checkpointing fits, plain DDP would not."""
+    r, report, checks, md = sanity(tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
+                                   config="config/h100_d64.py", check=False)
+    cap = report["capacity"]
+    run_layout, ddp = cap["layouts"]["run"], cap["layouts"]["ddp"]
+    assert run_layout["label"] == "this run: FSDP + grad_ckpt=full" and run_layout["fits"] and not ddp["fits"]
+    assert run_layout["bytes"] == cap["layouts"]["sharded_act_ckpt"]["bytes"]
+    assert checks["capacity"]["status"] == "pass" and "this run fits gpu_mem_gb=80" in checks["capacity"]["detail"]
+    r, report, checks, md = sanity(tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80", "--dist_mode=ddp",
+                                   "--grad_ckpt=none", config="config/h100_d64.py", check=False)
+    assert checks["capacity"]["status"] == "fail" and "this run does NOT fit" in checks["capacity"]["detail"]
+    assert r.returncode == 1
 
 
 def test_two_ranks_under_torchrun_check_the_all_reduce(tmp_path):
