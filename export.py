@@ -12,10 +12,14 @@ The folder holds:
   (as model.embed_tokens.weight: safetensors has no shared tensors, transformers re-ties it);
 - generation_config.json: bos = eos = podgpt's BOS id (every document starts with it, so it also
   ends the previous one), padding ids suppressed;
+- tokenizer.json, tokenizer_config.json: the tokenizer for transformers (AutoTokenizer), made with
+  transformers' tiktoken converter; it encodes exactly as podgpt's and puts BOS first. Written for
+  byte, gpt2 and bpe:N; the char tokenizer (ids index characters, not bytes) has none: export.py
+  prints a note and the model card says so;
 - podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
-  prepare.load_tokenizer reads (kept in a subfolder: transformers reads a top-level tokenizer.json
-  as its own format, which podgpt's is not);
-- podgpt.json: podgpt's model config and where the export came from (load_export reads it);
+  prepare.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
+- podgpt.json: podgpt's model config, where the export came from, its step and validation loss
+  (load_export and sample.py's /info read it);
 - README.md: a model card (recipe, data, tokens, losses, preflight verdict, limitations).
 
 Vocabulary: podgpt pads the embedding and head to a multiple of vocab_multiple. The export keeps the
@@ -30,6 +34,7 @@ inv_freq = theta^(-2i/head_dim), exactly transformers' rotate_half, so q/k rows 
 """
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -37,7 +42,8 @@ import sys
 import torch
 
 import configurator
-from model import GPT, GPTConfig, param_counts
+from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
+from prepare import read_ranks
 from report import read_json
 
 # --- config
@@ -51,9 +57,10 @@ max_shard_gb = 5.0              # weights larger than this are split into shards
 
 TOKENIZER_DIR = "podgpt_tokenizer"
 PODGPT_FILE = "podgpt.json"
-# fields of model.py's GPTConfig that Llama expresses; anything else is an architecture it may not
+# fields of model.py's GPTConfig that Llama expresses, and the runtime settings that do not change the weights
+# (kernels, memory, document masking in training); anything else is an architecture Llama may not express
 LLAMA_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
-                "norm_eps", "tie_embeddings", "vocab_multiple", "init_std", "attn_backend"}
+                "norm_eps", "tie_embeddings", "vocab_multiple", "init_std", *RUNTIME_FIELDS}
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -88,6 +95,11 @@ def check_llama(model_cfg, state_dict):
     if cfg.tie_embeddings and not tied:
         raise ExportError("tie_embeddings=True but lm_head differs from embed_tokens: the checkpoint is inconsistent")
     return cfg
+
+
+def finite(x):
+    """x, or None where JSON has no number for it (no evaluation yet: inf)."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def hf_config(cfg, torch_dtype):
@@ -161,7 +173,51 @@ def write_weights(folder, tensors, max_shard_bytes):
     return names + ["model.safetensors.index.json"]
 
 
-def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype):
+def write_hf_tokenizer(src, folder, block_size):
+    """tokenizer.json + tokenizer_config.json for transformers in `folder`, from podgpt's tokenizer files in `src`;
+    None, or why none was written. transformers' tiktoken converter builds it, so it splits text with the same
+    pattern and merges by the same ranks as tiktoken: the same ids (tests/test_export.py checks)."""
+    meta = read_json(os.path.join(src, "tokenizer.json"))
+    if meta is None:
+        return f"no readable podgpt tokenizer.json in {src}"
+    if meta["kind"] == "byte":  # ids 0-255 are the bytes: a byte-level BPE without merges (any split pattern)
+        ranks, pattern, bos = {bytes([i]): i for i in range(256)}, r"[\s\S]+", "<|bos|>"
+    elif meta["kind"] == "tiktoken":
+        ranks, pattern = read_ranks(os.path.join(src, "tokenizer.tiktoken")), meta["pattern"]
+        bos = next(name for name, i in meta["special_tokens"].items() if i == meta["bos_id"])
+    else:
+        return (f"the {meta['spec']} tokenizer's ids index characters, not bytes, "
+                "which transformers' tiktoken converter cannot express")
+    try:
+        from tokenizers import processors
+        from transformers.convert_slow_tokenizer import TikTokenConverter
+    except ImportError:
+        return "transformers is not installed (pip install -r requirements-dev.txt)"
+
+    class Converter(TikTokenConverter):
+        def load_tiktoken_bpe(self, _):  # the ranks read above: tiktoken's loader caches files by path
+            return ranks
+
+    try:
+        fast = Converter(pattern=pattern, extra_special_tokens=[bos]).converted()
+    except Exception as e:  # e.g. a split pattern the tokenizers library cannot compile
+        from train import first_line
+        return f"transformers' tiktoken converter failed ({first_line(e)})"
+    # every training document starts with BOS: transformers puts it first, as sample.py does
+    fast.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                        special_tokens=[(bos, meta["bos_id"])])
+    fast.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast",  # a name transformers 4 and 5 both load
+              "bos_token": bos, "eos_token": bos, "model_max_length": block_size,
+              "split_special_tokens": True,  # "<|bos|>" typed in a text is text, as in podgpt's encode
+              "clean_up_tokenization_spaces": False}  # decode gives the text back as it was
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=1)
+    return None
+
+
+def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
+    """README.md of the export; tokenizer_note: why there is no transformers tokenizer (None: there is one)."""
     summary = read_json(os.path.join(out_dir, "summary.json")) or {}
     if summary.get("checkpoint") and os.path.basename(str(summary["checkpoint"])) != os.path.basename(path):
         summary = {}  # the run went on (or ended) at another checkpoint: its numbers are not this one's
@@ -210,18 +266,29 @@ def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype):
                      + (f" (blocked: {', '.join(blocked)})" if blocked else ""))
     else:
         lines.append("- preflight verdict: none recorded (no preflight.json in the out_dir)")
+    if tokenizer_note is None:
+        use = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+               "tok = AutoTokenizer.from_pretrained(\"<this folder>\")",
+               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
+               "ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
+               "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
+        tokenizer_line = ("- `tokenizer.json` encodes exactly as podgpt's tokenizer (made with transformers' tiktoken "
+                          f"converter); podgpt's own files are in `{TOKENIZER_DIR}/`.")
+    else:
+        use = ["from transformers import AutoModelForCausalLM",
+               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
+               f"# start every prompt with the BOS id {cfg.vocab_size - 1}"]
+        tokenizer_line = (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
+                          f"in `{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids "
+                          "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
     lines += [
         "", "## Use", "",
-        "```python", "from transformers import AutoModelForCausalLM",
-        "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-        f"# start every prompt with the BOS id {cfg.vocab_size - 1}", "```", "",
+        "```python", *use, "```", "",
         "`python sample.py --ckpt=<this folder>` streams text with podgpt's own tokenizer "
         f"(`{TOKENIZER_DIR}/`).", "",
         "## Known limitations", "",
         "- Small model pretrained from scratch: no instruction tuning, no safety tuning; it continues text.",
-        "- No transformers tokenizer is included: podgpt's tokenizer files are in "
-        f"`{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids to transformers, "
-        "and serve with vLLM using `--skip-tokenizer-init` (or add a tokenizer).",
+        tokenizer_line,
         f"- vocab_size is the padded {cfg.padded_vocab}: ids {cfg.vocab_size}..{cfg.padded_vocab - 1} are padding, "
         "never trained as targets; transformers' generate suppresses them (generation_config.json), "
         "vLLM does not (their logits are low after training, but mask them if you sample at high temperature).",
@@ -238,20 +305,14 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         raise ExportError(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
         raise ExportError(f"max_shard_gb={max_shard_gb} must be positive")
-    from train import load_model, verify_checkpoint
-    try:
-        verify_checkpoint(path)
-        with open(os.path.join(path, "config.json")) as f:
-            run_cfg = json.load(f)
-        state = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True)
-    except (ValueError, OSError) as e:
-        raise ExportError(f"checkpoint {path} cannot be used: {e}") from None
-    cfg = check_llama(run_cfg["model"], state)
-    try:
-        load_model(path, "cpu")  # the checkpoint loads into model.py as it is
+    from train import load_model
+    try:  # verified, loaded into model.py as it is; a sharded (fsdp) checkpoint gathered whole
+        model, run_cfg = load_model(path, "cpu")
         trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
     except Exception as e:
         raise ExportError(f"checkpoint {path} cannot be used: {e}") from None
+    state = model.state_dict()
+    cfg = check_llama(run_cfg["model"], state)
     if os.path.exists(out) and not os.path.exists(os.path.join(out, PODGPT_FILE)) and os.listdir(out):
         raise ExportError(f"{out} exists and is not a podgpt export: choose another --out or remove it")
     tmp = out.rstrip("/") + ".tmp"
@@ -271,12 +332,18 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         for name in ("tokenizer.json", "tokenizer.tiktoken"):
             if os.path.exists(os.path.join(path, name)):
                 shutil.copy(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
+        tokenizer_note = write_hf_tokenizer(path, tmp, cfg.block_size)
+        if tokenizer_note:
+            print(f"note: no tokenizer.json for transformers: {tokenizer_note}; "
+                  f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
         with open(os.path.join(tmp, PODGPT_FILE), "w") as f:
             json.dump({"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
-                       "weights_dtype": weight_dtype}, f, indent=1)
+                       "val_loss": finite(trainer.get("val_loss")),
+                       "best_val_loss": finite(trainer.get("best_val_loss")), "weights_dtype": weight_dtype}, f,
+                      indent=1)
         out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype))
+            f.write(model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -1,5 +1,5 @@
 """export.py: the exported folder is a LlamaForCausalLM that computes podgpt's logits, bit-exact weights,
-the same greedy text as sample.py, shards, refusals."""
+the same greedy text as sample.py, a transformers tokenizer that encodes as podgpt's, shards, refusals."""
 import json
 import os
 import sys
@@ -167,3 +167,65 @@ def test_refusals_leave_nothing(runs, tmp_path):
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     r = do_export(runs["gqa_tied"], tmp_path / "keep", check=False)
     assert r.returncode == 1 and (tmp_path / "keep" / "notes.txt").read_text() == "mine"
+
+
+# ASCII, code, multi-byte characters, and special-token names, which podgpt encodes as plain text
+TEXTS = ["Hello world", "def main(argv):\n    return {k: v ** 2 for k, v in argv}  # squares\n\n\tpass\r\n",
+         "héllo 世界 — naïve café 😀", "a literal <|endoftext|> and <|bos|> stay text", "  2 spaces, 1234567 digits"]
+UNICODE_DOC = "\n".join(["héllo 世界, naïve café — 東京 😀 ünïcödé"] * 3000)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_run(tmp_path_factory):
+    """make(spec): the out_dir of a 3-step run on data prepared with that tokenizer (made once per spec); the
+    source puts multi-byte text first, so that a bpe learns merges inside characters too."""
+    root = tmp_path_factory.mktemp("tokenizer_runs")
+    (root / "unicode.txt").write_text(UNICODE_DOC, encoding="utf-8")
+    made = {}
+
+    def make(spec):
+        if spec not in made:
+            data, out = root / f"data_{spec}".replace(":", "_"), root / f"run_{spec}".replace(":", "_")
+            run([sys.executable, "prepare.py", f"--source={root / 'unicode.txt'},stdlib", f"--tokenizer={spec}",
+                 f"--data_dir={data}", "--max_docs=100", "--val_fraction=0.1", "--workers=2"])
+            run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL,
+                 "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--eval_every=3",
+                 "--ckpt_every=3", "--seed=7"])
+            made[spec] = str(out)
+        return made[spec]
+    return make
+
+
+@pytest.mark.parametrize("spec", ["byte", "bpe:400", "gpt2"])
+def test_transformers_tokenizer_encodes_as_podgpt(spec, runs, tokenizer_run, tmp_path):
+    if spec == "gpt2" and not os.environ.get("PODGPT_GPT2_TIKTOKEN"):
+        pytest.skip("no gpt2 ranks offline: set PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file")
+    dest = tmp_path / "hf"
+    r = do_export(runs["gqa_tied"] if spec == "byte" else tokenizer_run(spec), dest)
+    assert "note:" not in r.stdout
+    ours = load_tokenizer(export.tokenizer_dir(str(dest)))
+    assert ours.spec == spec
+    hf = transformers.AutoTokenizer.from_pretrained(str(dest))
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert hf(text, add_special_tokens=False).input_ids == ids, text
+        with_bos = hf(text).input_ids
+        assert with_bos == [ours.bos_id] + ids, text  # BOS first, as every training document and sample.py
+        assert hf.decode(with_bos, skip_special_tokens=True) == text
+    if spec.startswith("bpe"):  # merges were learnt and used, inside multi-byte characters too
+        assert len(ours.encode(TEXTS[0])) < len(TEXTS[0].encode())
+        pieces = [ours.decode_bytes([i]) for i in ours.encode(TEXTS[2])]
+        assert any(len(piece) > 1 and max(piece) >= 0x80 for piece in pieces)
+    assert (hf.bos_token_id, hf.eos_token_id) == (ours.bos_id, ours.bos_id)
+    assert "encodes exactly as podgpt's tokenizer" in (dest / "README.md").read_text()
+
+
+def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run, tmp_path):
+    dest = tmp_path / "hf"
+    r = do_export(tokenizer_run("char"), dest)
+    notes = [line for line in r.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "char tokenizer" in notes[0] and "Traceback" not in r.stderr, r.stdout
+    assert not (dest / "tokenizer.json").exists() and not (dest / "tokenizer_config.json").exists()
+    assert load_tokenizer(export.tokenizer_dir(str(dest))).spec == "char"  # podgpt's own files are there
+    card = (dest / "README.md").read_text()
+    assert "No transformers tokenizer is included (the char tokenizer" in card and "AutoTokenizer" not in card
