@@ -1,0 +1,260 @@
+"""
+What the bench/ probes share: their config, the device they measure, the clock, the
+training step they time, and the result line each one appends.
+
+Every probe is a script with its settings as commented globals between the config markers
+(configurator.py; --help lists them). A probe that measures a training run (mfu, memory,
+loader, vs_hf) also takes the run the way train.py does: config files and train.py's keys.
+Each invocation appends ONE JSON line to bench/results/<probe>.jsonl (or --out): the probe,
+the device, torch and CUDA versions, the UTC date, the exact command, and its figures.
+"""
+
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import fields
+from datetime import datetime, timezone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py, train.py
+
+# after the path: these are the repo's modules
+import torch
+import torch.nn.functional as F
+
+import configurator
+from model import GPT, GRAD_CKPT, GPTConfig
+from sanity import autocast, compute_dtype, driver_version, plan_vocab
+from train import fail, make_optimizer, peak_memory_gb
+
+TRAIN = os.path.join(ROOT, "train.py")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+# -----------------------------------------------------------------------------
+# config
+
+def configure(script_path, argv, run=False):
+    """(the probe's keys, the measured run's config or None).
+
+    The probe's own keys (its config block) are set with --key=val. A probe that measures a
+    training run (run=True) takes that run as train.py would: config files and train.py's keys,
+    e.g. `config/h200_1b_ddp8.py --n_layer=4 --micro_batch_size=8` (python train.py --help)."""
+    if not run:
+        return configurator.configure(script_path, argv), None
+    own = configurator.read_defaults(script_path)
+    if any(a in ("-h", "--help") for a in argv):
+        print(configurator.help_text(os.path.basename(script_path), own))
+        print("\nthe run it measures: config files and train.py's keys (python train.py --help), "
+              "e.g. config/tiny.py --n_layer=2 --micro_batch_size=4 --device=cuda --dtype=auto")
+        raise SystemExit(0)
+    mine = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in own]
+    return configurator.configure(script_path, mine), configurator.configure(TRAIN, [a for a in argv if a not in mine])
+
+
+def int_list(key, text):
+    """'1,2,4' as [1, 2, 4]; anything else stops with one line naming the key and the fix."""
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        fail(f"{key}={text!r} is not a comma-separated list of positive integers: write e.g. --{key}=1,2,4,8")
+    return values
+
+
+def check_counts(cfg, *keys):
+    """Stop unless each of these keys (warmup, iters, ...) is a non-negative count, the timed one positive."""
+    for key in keys:
+        if cfg[key] < (1 if key == "iters" else 0):
+            fail(f"{key}={cfg[key]} must be {'positive' if key == 'iters' else '>= 0'}")
+
+
+# -----------------------------------------------------------------------------
+# device, dtype, clock
+
+def pick_device(name, dtype):
+    """(device, compute dtype) as train.py picks them: CUDA when asked for or (auto) available, under
+    torchrun this rank's GPU; dtype auto is bfloat16 on CUDA (autocast), float32 on a CPU."""
+    if name not in ("auto", "cpu") and not name.startswith("cuda"):
+        fail(f"device={name!r} is not one of auto, cpu, cuda")
+    if dtype not in DTYPES:
+        fail(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        fail(f"device={name} but CUDA is not available here: use --device=cpu")
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu"), compute_dtype(dtype, torch.device("cpu"))
+    if "LOCAL_RANK" in os.environ:  # under torchrun: this rank's GPU
+        name = f"cuda:{os.environ['LOCAL_RANK']}"
+    dev = torch.device("cuda" if name == "auto" else name)
+    torch.cuda.set_device(dev)
+    return dev, compute_dtype(dtype, dev)
+
+
+def run_device(run):
+    """pick_device for a training run's config, with train.py's fp32 matmul precision on CUDA."""
+    dev, dt = pick_device(run["device"], run["dtype"])
+    if dev.type == "cuda":
+        torch.set_float32_matmul_precision(run["matmul_precision"])
+    return dev, dt
+
+
+def device_name(dev):
+    """The GPU's name (model.peak_flops knows it by this), or the CPU's model and core count."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return f"cpu ({cpu}, {os.cpu_count()} cores)"
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def seconds_per_call(fn, dev, warmup, iters):
+    """Mean wall seconds of fn() over `iters` calls, after `warmup` untimed ones (allocator, cuBLAS
+    heuristics, torch.compile). CUDA kernels run asynchronously: the queue is drained before the clock
+    starts and before it stops, so the time is the GPU's, not the launches'."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(dev)
+    return (time.perf_counter() - t0) / iters
+
+
+def free_memory(dev):
+    """Drop what an earlier measurement left (an out-of-memory try leaves cached blocks) and restart the peak."""
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+# -----------------------------------------------------------------------------
+# the training step of a run
+
+def model_config(run, **overrides):
+    """model.GPTConfig of the run as train.py builds it: every GPTConfig field that is also a train.py
+    key comes from the run (so a field the model gains, with its train.py key, passes through), the
+    vocabulary from vocab_size, the prepared data or plan_vocab_size (sanity.plan_vocab), BOS as
+    prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top. Stops with one line
+    when the vocabulary or the shape cannot be had."""
+    kwargs = {f.name: run[f.name] for f in fields(GPTConfig) if f.init and f.name in run}
+    try:
+        kwargs["vocab_size"] = plan_vocab(run)[0]
+    except ValueError as e:
+        fail(f"{e} (or give --vocab_size=N)")
+    if kwargs.get("bos_id") is None:
+        kwargs["bos_id"] = kwargs["vocab_size"] - 1
+    try:
+        return GPTConfig(**dict(kwargs, **overrides))
+    except ValueError as e:
+        fail(f"{e}: change the model shape")
+
+
+def ckpt_settings(key, text):
+    """A comma-separated list of activation-checkpointing settings (model.GRAD_CKPT); anything else stops."""
+    settings = [s.strip() for s in text.split(",") if s.strip()]
+    if not settings or any(s not in GRAD_CKPT for s in settings):
+        fail(f"{key}={text!r}: write a comma-separated list of {', '.join(GRAD_CKPT)}, e.g. --{key}=none,full")
+    return settings
+
+
+def build(mconfig, dev):
+    """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
+    and train.py's AdamW for it (fused on CUDA, as in training)."""
+    with torch.device(dev):
+        model = GPT(mconfig)
+    return model, make_optimizer(model, fused=dev.type == "cuda")
+
+
+def compiled(model, run):
+    """The model as the run calls it: torch.compile'd with its compile_mode when compile=True.
+    dynamic=False: one static graph per micro-batch shape, as a training run (one shape) gets."""
+    return torch.compile(model, mode=run["compile_mode"], dynamic=False) if run["compile"] else model
+
+
+def our_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def cross_entropy(logits, y):
+    """model.py's loss on a model's logits: fp32 cross-entropy over every position."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def train_step(model, optimizer, x, y, amp, loss_of):
+    """train.py's step for one micro-batch: forward with targets under autocast, backward, gradient
+    clipping, AdamW, gradients dropped."""
+    with amp:
+        loss = loss_of(model, x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, warmup, iters, loss_of=our_loss):
+    """Step time, tokens/s and peak memory of training steps on random tokens (the compute does not depend
+    on them), or oom=True when the micro-batch does not fit. Peak memory: torch.cuda.max_memory_allocated
+    on a GPU; on a CPU the process's peak RSS (train.peak_memory_gb), which counts everything the process
+    ever held."""
+    free_memory(dev)
+    row = dict(micro_batch=micro_batch, tokens=micro_batch * block_size)
+    try:
+        x = torch.randint(0, vocab, (micro_batch, block_size), device=dev)
+        y = torch.randint(0, vocab, (micro_batch, block_size), device=dev)
+        seconds = seconds_per_call(lambda: train_step(model, optimizer, x, y, autocast(dev, dt), loss_of),
+                                   dev, warmup, iters)
+    except torch.cuda.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        return dict(row, oom=True)  # returning drops the traceback, and with it what the failed step held
+    return dict(row, step_time_s=seconds, tokens_per_sec=row["tokens"] / seconds, peak_mem_gb=peak_memory_gb(dev),
+                peak_mem_kind="max_memory_allocated" if dev.type == "cuda" else "process_peak_rss")
+
+
+# -----------------------------------------------------------------------------
+# the result line
+
+def command_line():
+    """The command as typed: the interpreter invocation and sys.argv; under torchrun the launcher's
+    command (this worker's parent process) when it can be read."""
+    argv = sys.orig_argv
+    if "LOCAL_RANK" in os.environ:
+        try:
+            with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")[:-1] or argv
+        except OSError:
+            pass
+    return shlex.join(argv)
+
+
+def write_result(probe, out, dev, figures):
+    """Append the result line to `out` (default bench/results/<probe>.jsonl); returns its path."""
+    path = out or os.path.join(ROOT, "bench", "results", f"{probe}.jsonl")
+    record = dict(probe=probe, device=device_name(dev), torch=torch.__version__, cuda=torch.version.cuda,
+                  driver=driver_version() if dev.type == "cuda" else None,
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command_line(), **figures)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"result appended to {path}")
+    return path
+
+
+def fmt(value, spec=".3g"):
+    """A figure for the console tables; None (unknown, not measured) as '-'."""
+    return "-" if value is None else format(value, spec)

@@ -1,0 +1,82 @@
+"""
+The practical ceiling: measured matmul TFLOP/s on this device, bf16 on a GPU (fp32 on a CPU),
+over square sizes and the shapes an LLM's training step multiplies.
+
+    python bench/matmul.py                              # a GPU's default sizes (a CPU's: small ones)
+    python bench/matmul.py --sizes=8192,16384x2048x5461 --iters=50
+
+Prints TFLOP/s per shape and the best, with the best's fraction of the datasheet dense
+peak (model.peak_flops; null on a CPU or an unknown GPU). The best is the figure to pass
+to bench/mfu.py as --ceiling_tflops: MFU against what the chip can actually do.
+"""
+
+import sys
+
+import common
+import torch
+
+from model import peak_flops
+from sanity import dtype_name
+from train import fail
+
+# --- config
+sizes = ""                      # comma-separated N (N x N @ N x N) or MxKxN ((M, K) @ (K, N)); "": the defaults below
+device = "auto"                 # auto (cuda if available) | cpu | cuda
+dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
+warmup = 5                      # untimed multiplications per shape
+iters = 20                      # timed multiplications per shape
+out = ""                        # JSONL file the result line is appended to; "": bench/results/matmul.jsonl
+# --- end config
+
+# squares, then (tokens, in, out) of the repo's configs at 16k tokens per micro-batch: h200_1b_ddp8's
+# SwiGLU up and down (d 2048, hidden floor(8d/3) = 5461: an odd inner size) and its 32k-vocabulary head,
+# h100_d64's up projection (d 4096, hidden 10922)
+GPU_SIZES = "2048,4096,8192,16384,16384x2048x5461,16384x5461x2048,16384x2048x32768,8192x4096x10922"
+CPU_SIZES = "128,256,256x192x512"
+
+
+def parse_sizes(text):
+    """[(M, K, N)] from 'N' and 'MxKxN' items; anything else stops with the fix."""
+    shapes = []
+    for item in text.split(","):
+        dims = item.strip().lower().split("x")
+        if not all(d.isdigit() and int(d) > 0 for d in dims) or len(dims) not in (1, 3):
+            fail(f"sizes: {item!r} is neither N nor MxKxN (positive integers): write e.g. --sizes=4096,16384x2048x5461")
+        m, k, n = [int(d) for d in dims] * (3 if len(dims) == 1 else 1)
+        shapes.append((m, k, n))
+    return shapes
+
+
+def tflops(m, k, n, dev, dt, warm, timed):
+    """TFLOP/s of (M, K) @ (K, N): 2*M*K*N floating-point operations (a multiply and an add each)."""
+    a = torch.randn(m, k, device=dev, dtype=dt)
+    b = torch.randn(k, n, device=dev, dtype=dt)
+    seconds = common.seconds_per_call(lambda: a @ b, dev, warm, timed)
+    return 2 * m * k * n / seconds / 1e12, seconds
+
+
+def main(argv):
+    cfg, _ = common.configure(__file__, argv)
+    common.check_counts(cfg, "warmup", "iters")
+    dev, dt = common.pick_device(cfg["device"], cfg["dtype"])
+    shapes = parse_sizes(cfg["sizes"] or (GPU_SIZES if dev.type == "cuda" else CPU_SIZES))
+    name = common.device_name(dev)
+    rows = []
+    print(f"{name}, {dtype_name(dt)}")
+    for m, k, n in shapes:
+        value, seconds = tflops(m, k, n, dev, dt, cfg["warmup"], cfg["iters"])
+        rows.append(dict(m=m, k=k, n=n, ms=seconds * 1e3, tflops=value))
+        print(f"  {m:>6} x {k:>6} @ {k:>6} x {n:>6}  {seconds * 1e3:9.3f} ms  {value:8.2f} TFLOP/s")
+    best = max(rows, key=lambda r: r["tflops"])
+    peak = peak_flops(name) if dev.type == "cuda" else None
+    fraction = best["tflops"] * 1e12 / peak if peak else None
+    print(f"best {best['tflops']:.2f} TFLOP/s at {best['m']}x{best['k']}x{best['n']}; datasheet peak "
+          f"{common.fmt(peak and peak / 1e12)} TFLOP/s, fraction {common.fmt(fraction)}")
+    common.write_result("matmul", cfg["out"], dev, dict(
+        dtype=dtype_name(dt), warmup=cfg["warmup"], iters=cfg["iters"], rows=rows,
+        best_tflops=best["tflops"], best_shape=[best["m"], best["k"], best["n"]],
+        peak_tflops=peak and peak / 1e12, fraction_of_peak=fraction))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

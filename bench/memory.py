@@ -1,0 +1,84 @@
+"""
+Peak memory of a config's training step against model.memory_estimate's prediction, over a
+micro-batch sweep, with and without activation checkpointing.
+
+    python bench/memory.py config/h200_1b_ddp8.py --device=cuda --micro_batches=1,2,4,8,16
+    python bench/memory.py config/a100_50m.py --plan_vocab_size=50257        # on a CPU: the prediction only
+
+Measured: torch.cuda.max_memory_allocated over two real training steps (the second is the
+steady state: AdamW's moments exist), one process, so no DDP buckets (world_size=1 in the
+prediction too). What the CUDA context and the allocator's cache hold on top is not counted
+on either side. On a CPU the process's RSS is no measure of a GPU step, so measured is null
+and the line holds the prediction alone. The ratio measured / predicted says how far
+train.py's memory_fit gate can be trusted; an OOM micro-batch is recorded as such.
+"""
+
+import sys
+from dataclasses import asdict
+
+import common
+import torch
+
+from model import memory_estimate
+from sanity import dtype_name
+
+# --- config
+micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)
+grad_ckpts = "none,full,selective"  # activation checkpointing settings to sweep (model.GPTConfig.grad_ckpt)
+out = ""                        # JSONL file the result line is appended to; "": bench/results/memory.jsonl
+# --- end config
+
+
+def predict(mconfig, setting, micro_batch, compute_bytes):
+    """{part: GB} from model.memory_estimate ("total" among them) for this activation-checkpointing setting."""
+    parts = memory_estimate(mconfig, micro_batch, activation_checkpointing=setting, compute_bytes=compute_bytes)
+    return {k: v / 1e9 for k, v in parts.items() if k != "params"}  # params is a count, not bytes
+
+
+def measure(mconfig, micro_batches, dev, dt):
+    """{micro_batch: peak GB, None when out of memory} of two real training steps on this GPU."""
+    model, optimizer = common.build(mconfig, dev)
+    peaks = {}
+    for mb in micro_batches:
+        row = common.measure_steps(model, optimizer, mb, mconfig.block_size, mconfig.vocab_size, dev, dt, 1, 1)
+        peaks[mb] = row.get("peak_mem_gb")
+    del model, optimizer
+    common.free_memory(dev)
+    return peaks
+
+
+def main(argv):
+    cfg, run = common.configure(__file__, argv, run=True)
+    micro_batches = common.int_list("micro_batches", cfg["micro_batches"])
+    settings = common.ckpt_settings("grad_ckpts", cfg["grad_ckpts"])
+    dev, dt = common.run_device(run)
+    # planned from a CPU, dtype=auto means the GPU's bfloat16 (as sanity.py --capacity plans it)
+    plan_dt = torch.bfloat16 if run["dtype"] == "auto" and dev.type != "cuda" else dt
+    compute_bytes = 4 if plan_dt == torch.float32 else 2
+    name = common.device_name(dev)
+    print(f"{name}, {dtype_name(plan_dt)}: peak memory per micro-batch, predicted (model.memory_estimate) "
+          f"against measured{'' if dev.type == 'cuda' else ' (no GPU here: predicted only)'}")
+    rows = []
+    for setting in settings:
+        mconfig = common.model_config(run, grad_ckpt=setting)
+        try:
+            measured = measure(mconfig, micro_batches, dev, dt) if dev.type == "cuda" else {}
+        except torch.cuda.OutOfMemoryError:  # the weights and optimizer alone do not fit
+            measured = dict.fromkeys(micro_batches)
+        for mb in micro_batches:
+            parts, peak = predict(mconfig, setting, mb, compute_bytes), measured.get(mb)
+            predicted = parts["total"]
+            rows.append(dict(grad_ckpt=setting, micro_batch=mb, predicted_gb=predicted, predicted_parts_gb=parts,
+                             measured_gb=peak, oom=dev.type == "cuda" and peak is None,
+                             ratio=peak / predicted if peak and predicted else None))
+            r = rows[-1]
+            print(f"  grad_ckpt={setting:5s} micro_batch={mb:<4} predicted {common.fmt(r['predicted_gb'], '.3f')} GB  "
+                  f"measured {'OOM' if r['oom'] else common.fmt(r['measured_gb'], '.3f')} GB  "
+                  f"ratio {common.fmt(r['ratio'])}")
+    common.write_result("memory", cfg["out"], dev, dict(
+        config=[a for a in argv if not a.startswith("--")], model=asdict(common.model_config(run)),
+        dtype=dtype_name(plan_dt), compute_bytes=compute_bytes, rows=rows))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

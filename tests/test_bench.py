@@ -1,0 +1,200 @@
+"""bench/: every probe runs on a CPU at tiny shapes and appends one JSON line (to a temporary file,
+never into the repo) with the fields every result carries and figures that add up; --help lists
+each probe's keys; bad input is one line and a non-zero exit."""
+import json
+import os
+import runpy
+import sys
+from datetime import datetime, timezone
+
+import pytest
+import torch
+
+from conftest import ROOT, run
+from configurator import read_defaults
+from model import GPTConfig, flops_per_token, memory_estimate
+
+PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf")
+RUN_PROBES = ("mfu", "memory", "loader", "vs_hf")  # these also take train.py's config files and keys
+# config/tiny.py (4 layers, CPU, float32) made smaller still; a vocabulary given, so no data is needed
+SHAPE = ["--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=64", "--vocab_size=256"]
+TINY = ["config/tiny.py", "--n_layer=2", *SHAPE]
+FAST = ["--warmup=1", "--iters=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+
+
+def probe(tmp_path, name, *args, launch=(sys.executable,)):
+    """Run bench/<name>.py into a fresh results file; its one JSON line, checked for the common fields."""
+    out = tmp_path / f"{name}.jsonl"
+    r = run([*launch, f"bench/{name}.py", *args, f"--out={out}"])
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1, lines
+    rec = json.loads(lines[0])
+    assert rec["probe"] == name and rec["device"].startswith("cpu")
+    assert rec["torch"] == torch.__version__ and rec["cuda"] == torch.version.cuda and rec["driver"] is None
+    date = datetime.fromisoformat(rec["date"])
+    assert date.tzinfo == timezone.utc and abs((datetime.now(timezone.utc) - date).total_seconds()) < 600
+    # the command as typed: the interpreter, the script and every argument
+    assert rec["command"].startswith(launch[0]) and f"bench/{name}.py" in rec["command"]
+    assert all(a in rec["command"] for a in args) and f"--out={out}" in rec["command"]
+    assert f"result appended to {out}" in r.stdout
+    return rec
+
+
+def close(a, b):
+    return a == pytest.approx(b, rel=1e-9)
+
+
+def model_of(rec, **changes):
+    """The GPTConfig a result line records (padded_vocab is derived), with changes."""
+    return GPTConfig(**{k: v for k, v in rec["model"].items() if k != "padded_vocab"} | changes)
+
+
+def test_matmul(tmp_path):
+    rec = probe(tmp_path, "matmul", "--device=cpu", "--sizes=64,32x48x16", *FAST)
+    assert [(r["m"], r["k"], r["n"]) for r in rec["rows"]] == [(64, 64, 64), (32, 48, 16)]
+    assert rec["dtype"] == "float32"
+    for r in rec["rows"]:
+        assert r["tflops"] > 0 and close(r["tflops"], 2 * r["m"] * r["k"] * r["n"] / (r["ms"] / 1e3) / 1e12)
+    assert rec["best_tflops"] == max(r["tflops"] for r in rec["rows"])
+    assert rec["peak_tflops"] is None and rec["fraction_of_peak"] is None  # no datasheet peak for a CPU
+
+
+def test_attention_every_backend_with_and_without_documents(tmp_path):
+    rec = probe(tmp_path, "attention", "--device=cpu", *FAST)  # the CPU defaults: T 64 and 128, head dim 16
+    import model
+    backends = [*model.ATTENTION_BACKENDS, "sdpa"]
+    assert rec["backends"] == backends
+    assert [(r["head_dim"], r["seq_len"], r["doc_mask"], r["backend"]) for r in rec["rows"]] == \
+        [(16, T, masked, b) for T in (64, 128) for masked in (False, True) for b in backends]
+    for r in rec["rows"]:
+        reason = model.backend_unavailable(r["backend"], "cpu", torch.float32, 16, doc_mask=r["doc_mask"])
+        assert r["status"] == ("unavailable" if reason else "ok"), r
+        if reason:  # reported with model.py's reason, not dropped
+            assert r["reason"] == reason
+            continue
+        # causal forward 4*B*H*T*T*D / 2, backward 2.5x that
+        assert r["batch"] == 256 // r["seq_len"] and r["heads"] == 64 // 16
+        flops = 3.5 * 4 * r["batch"] * r["heads"] * r["seq_len"] ** 2 * r["head_dim"] / 2
+        assert r["tflops"] > 0 and close(r["tflops"], flops / (r["ms"] / 1e3) / 1e12)
+        assert r["useful_tflops"] < r["tflops"] if r["doc_mask"] else r["useful_tflops"] == r["tflops"]
+    assert any(r["status"] == "ok" and r["doc_mask"] for r in rec["rows"])  # math and sdpa mask documents on a CPU
+
+
+def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path):
+    # a 1-layer slice of tiny.py's 4 layers: measured at 1 and 2 layers, extrapolated to 4
+    rec = probe(tmp_path, "mfu", "config/tiny.py", *SHAPE, "--n_layer=1", "--micro_batches=1,2",
+                "--grad_ckpts=none,full", "--ceiling_tflops=0.5", *FAST)
+    full = model_of(rec)
+    assert (full.n_layer, full.n_embd, full.block_size, full.vocab_size) == (4, 64, 64, 256)
+    assert rec["flops_per_token"] == flops_per_token(full) and rec["config"] == ["config/tiny.py"]
+    assert [(r["grad_ckpt"], r["n_layer"], r["micro_batch"]) for r in rec["rows"]] == \
+        [(g, d, mb) for g in ("none", "full") for d in (1, 2) for mb in (1, 2)]
+    for r in rec["rows"]:
+        assert r["tokens"] == r["micro_batch"] * 64 and r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
+        assert close(r["tokens_per_sec"], r["tokens"] / r["step_time_s"])
+        assert r["mfu"] is None  # no datasheet peak on a CPU: no MFU rather than a wrong one
+        fpt = flops_per_token(model_of(rec, n_layer=r["n_layer"]))
+        assert close(r["mfu_vs_ceiling"], fpt * r["tokens_per_sec"] / 0.5e12)
+        assert r["peak_mem_gb"] > 0 and r["peak_mem_kind"] == "process_peak_rss"
+    ext = rec["extrapolation"]
+    assert ext["n_layer"] == 4 and ext["depths"] == [1, 2] and len(ext["rows"]) == 4
+    rows = {(r["grad_ckpt"], r["micro_batch"], r["n_layer"]): r for r in rec["rows"]}
+    for f in ext["rows"]:
+        one, two = rows[f["grad_ckpt"], f["micro_batch"], 1], rows[f["grad_ckpt"], f["micro_batch"], 2]
+        for key in ("step_time_s", "peak_mem_gb"):  # the line through (1, one) and (2, two), at 4 layers
+            assert close(f[f"{key}_per_layer"], two[key] - one[key])
+            assert close(f[key], one[key] + 3 * f[f"{key}_per_layer"])
+        if f["tokens_per_sec"] is not None:
+            assert close(f["tokens_per_sec"], f["tokens"] / f["step_time_s"])
+            assert close(f["mfu_vs_ceiling"], rec["flops_per_token"] * f["tokens_per_sec"] / 0.5e12)
+        assert f["mfu"] is None
+    assert rec["best"] in ext["rows"] or rec["best"] is None
+
+
+def test_memory_predicts_what_model_memory_estimate_says(tmp_path):
+    rec = probe(tmp_path, "memory", *TINY, "--micro_batches=1,2", "--grad_ckpts=none,full,selective")
+    mconfig = model_of(rec)
+    assert (mconfig.n_layer, mconfig.n_embd, mconfig.block_size) == (2, 64, 64)
+    assert rec["compute_bytes"] == 4 and rec["dtype"] == "float32"  # tiny.py: float32
+    assert [(r["grad_ckpt"], r["micro_batch"]) for r in rec["rows"]] == \
+        [(g, mb) for g in ("none", "full", "selective") for mb in (1, 2)]
+    for r in rec["rows"]:
+        assert r["measured_gb"] is None and r["ratio"] is None and r["oom"] is False  # a CPU: predicted only
+        want = memory_estimate(mconfig, r["micro_batch"], activation_checkpointing=r["grad_ckpt"], compute_bytes=4)
+        assert r["predicted_gb"] == want["total"] / 1e9
+        assert r["predicted_parts_gb"]["activations"] == want["activations"] / 1e9
+
+
+def test_comms_two_ranks_under_torchrun(tmp_path):
+    rec = probe(tmp_path, "comms", "--device=cpu", "--sizes=1024,65536", *FAST, launch=TORCHRUN)
+    assert rec["backend"] == "gloo" and rec["world_size"] == 2 and "--nproc_per_node=2" in rec["command"]
+    assert [r["bytes"] for r in rec["rows"]] == [1024, 65536]
+    for r in rec["rows"]:
+        assert r["us"] > 0 and close(r["algbw_gbps"], r["bytes"] / (r["us"] / 1e6) / 1e9)
+        assert close(r["busbw_gbps"], r["algbw_gbps"] * 2 * (2 - 1) / 2)
+    assert rec["best_busbw_gbps"] == max(r["busbw_gbps"] for r in rec["rows"])
+
+
+def test_loader_against_the_gpu_rate(tmp_path, stdlib_data):
+    rec = probe(tmp_path, "loader", f"--data_dir={stdlib_data}", "--block_size=64", "--micro_batch_size=4",
+                "--device=cpu", "--gpu_tokens_per_sec=1000", "--iters=20")
+    assert rec["data_dir"] == stdlib_data and rec["tokenizer"] == "byte" and rec["windows"] > 0
+    assert (rec["micro_batch"], rec["block_size"]) == (4, 64)
+    assert rec["tokens_per_sec"] > 0 and close(rec["tokens_per_sec"], 4 * 64 / (rec["batch_ms"] / 1e3))
+    assert close(rec["headroom"], rec["tokens_per_sec"] / 1000)
+
+
+def test_vs_hf_same_shape_both_timed(tmp_path):
+    pytest.importorskip("transformers")
+    rec = probe(tmp_path, "vs_hf", *TINY, "--micro_batch_size=2", "--windows=2", *FAST)
+    assert rec["params_ours"] == rec["params_hf"]  # the Llama mapping builds the same model
+    assert rec["model"]["attn_backend"] == "sdpa" and rec["compile"] is False
+    assert [len(v) for v in rec["per_window"].values()] == [2, 2]
+    assert rec["ours_tokens_per_sec"] > 0 and rec["hf_tokens_per_sec"] > 0
+    assert close(rec["ratio"], rec["ours_tokens_per_sec"] / rec["hf_tokens_per_sec"])
+
+
+def in_process(monkeypatch, capsys, name, *args):
+    """(exit status, stdout, stderr) of bench/<name>.py run in this process, where torch and the repo are
+    already imported: --help and input checks in milliseconds rather than a new interpreter each."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [f"bench/{name}.py", *args])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(ROOT, "bench", f"{name}.py"), run_name="__main__")
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("name", PROBES)
+def test_help_lists_every_key(monkeypatch, capsys, name):
+    code, out, _ = in_process(monkeypatch, capsys, name, "--help")
+    assert code == 0
+    keys = read_defaults(os.path.join(ROOT, "bench", f"{name}.py"))
+    for key in keys:
+        assert f"--{key} " in out
+    assert ("train.py" in out) == (name in RUN_PROBES)
+    if name in RUN_PROBES:  # its own keys and train.py's are told apart by name
+        assert not set(keys) & set(read_defaults(os.path.join(ROOT, "train.py")))
+
+
+@pytest.mark.parametrize("args, says", [
+    (["mfu", *TINY, "--micro_batches=1,x"], "micro_batches='1,x' is not a comma-separated list"),
+    (["mfu", *TINY, "--grad_ckpts=none,partial"], "grad_ckpts='none,partial'"),
+    (["memory", "config/nonexistent.py"], "config file 'config/nonexistent.py' not found"),
+    (["memory", "config/tiny.py", "--micro_batchs=2"], "unknown key 'micro_batchs'"),
+    (["matmul", "--sizes=64x64"], "sizes: '64x64' is neither N nor MxKxN"),
+    (["attention", "--backends=fa4"], "backends: fa4 not offered by model.py"),
+    (["loader", "--data_dir=/nonexistent"], "no manifest.json in /nonexistent"),
+    (["comms"], "run it under torchrun")])
+def test_bad_input_is_one_line_and_a_failure(monkeypatch, capsys, tmp_path, args, says):
+    code, _, err = in_process(monkeypatch, capsys, *args, f"--out={tmp_path / 'never.jsonl'}")
+    assert code != 0 and err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+def test_a_bad_input_from_the_command_line():
+    r = run([sys.executable, "bench/mfu.py", *TINY, "--micro_batches=0"], check=False)
+    assert r.returncode != 0 and r.stderr.strip() == ("error: micro_batches='0' is not a comma-separated list of "
+                                                      "positive integers: write e.g. --micro_batches=1,2,4,8")
