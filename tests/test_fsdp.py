@@ -49,6 +49,14 @@ def test_fsdp_ddp_and_one_process_compute_the_same_steps(runs):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("grad_ckpt", ["full", "selective"])
+def test_fsdp_composes_with_activation_checkpointing(runs, stdlib_data, tmp_path, grad_ckpt):
+    """Recomputing each block's activations inside FSDP's gather and reduce leaves the steps as they were."""
+    out = tmp_path / grad_ckpt
+    train(out, stdlib_data, *ARGS, *FSDP, f"--grad_ckpt={grad_ckpt}", nproc=2)
+    assert_close_losses(out, runs["fsdp"], range(1, MAX_STEPS + 1))
+
+
 @pytest.mark.parametrize("nproc,mode", [(1, "fsdp"), (1, "ddp"), (2, "fsdp")])
 def test_a_sharded_checkpoint_resumes_at_another_world_size_and_mode(runs, stdlib_data, tmp_path, nproc, mode):
     """Saved by 2 FSDP ranks at step 10; resumed by 1 or 2 ranks, sharded or not: the next steps
