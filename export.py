@@ -42,7 +42,7 @@ import sys
 import torch
 
 import configurator
-from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
+from model import GPT, RUNTIME_FIELDS, GPTConfig, first_line, param_counts
 from prepare import read_ranks
 from report import read_json
 
@@ -201,7 +201,6 @@ def write_hf_tokenizer(src, folder, block_size):
     try:
         fast = Converter(pattern=pattern, extra_special_tokens=[bos]).converted()
     except Exception as e:  # e.g. a split pattern the tokenizers library cannot compile
-        from train import first_line
         return f"transformers' tiktoken converter failed ({first_line(e)})"
     # every training document starts with BOS: transformers puts it first, as sample.py does
     fast.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",

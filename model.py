@@ -318,7 +318,9 @@ def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
 
 
 def first_line(e):
-    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+    """An exception as one line, for messages that must stay one line (train.py and the scripts use it too)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def trial_call(name, device, dtype, head_dim, doc_mask):

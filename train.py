@@ -68,8 +68,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 from report import read_metrics, write_atomic, write_report
-from model import (GPT, RUNTIME_FIELDS, GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops,
-                   resolve_backend)
+from model import (GPT, RUNTIME_FIELDS, GPTConfig, first_line, flops_per_token, memory_estimate, param_counts,
+                   peak_flops, resolve_backend)
 from prepare import docs_file, load_manifest, open_shard, read_header
 
 # --- config
@@ -168,12 +168,6 @@ def fail(message):
     """Stop with one line that names the problem and the fix."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(1)
-
-
-def first_line(e):
-    """An exception as one line, for messages that must stay one line."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def check_config():
@@ -463,9 +457,9 @@ def load_checkpoint(path, device, verify=True):
         verify_checkpoint(path)
     sharded = os.path.isdir(os.path.join(path, STATE_DIR))
     try:
+        names = ("trainer",) if sharded else ("model", "optimizer", "trainer")
         ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device if name != "trainer" else "cpu",
-                                 weights_only=True) for name in (("trainer",) if sharded else ("model", "optimizer",
-                                                                                                "trainer"))}
+                                 weights_only=True) for name in names}
         if sharded:
             ckpt["state"] = os.path.join(path, STATE_DIR)
         with open(os.path.join(path, "config.json")) as f:
@@ -1067,7 +1061,7 @@ def main(argv, keep_group=False):
     try:  # resolved before the model runs (and before torch.compile traces it); the choice is logged
         attn_note = resolve_backend(attn_backend, dev, ptdtype, model_config.head_dim, doc_mask)[1]
     except ValueError as e:
-        fail(f"{first_line(e).removeprefix('ValueError: ')}")
+        fail(str(e))
     log(f"attention: {attn_note}")
     raw_model = GPT(model_config).to(dev)
     if fsdp:  # each block's parameters gathered just for its own compute; bf16 compute, fp32 gradient reduction
@@ -1095,10 +1089,13 @@ def main(argv, keep_group=False):
                             evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
                             rollbacks=0, lr_scale=1.0, injected=[])
 
+    def sharded_state():
+        """Model and optimizer as DCP saves and loads them: by parameter name, sharded under fsdp."""
+        return dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer), strict=True))
+
     def restore(ckpt):
         if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
-            model_sd, optim_sd = get_state_dict(raw_model, optimizer)
-            sd = dict(model=model_sd, optimizer=optim_sd)
+            sd = sharded_state()
             load_sharded(sd, ckpt["state"])
             set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
         elif fsdp:  # a ddp checkpoint: every rank holds it whole and keeps its shard
@@ -1238,9 +1235,8 @@ def main(argv, keep_group=False):
                 with open(os.path.join(data_dir, f), "rb") as fh:
                     files[f] = fh.read()
         if fsdp:  # every rank writes its shards
-            model_sd, optim_sd = get_state_dict(raw_model, optimizer)
             path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb,
-                                   sharded=dict(model=model_sd, optimizer=optim_sd))
+                                   sharded=sharded_state())
         elif master:
             path = save_checkpoint(ckpt_root, state.step, files, keep_last, best, ckpt_min_free_gb)
         if master:
@@ -1335,6 +1331,13 @@ def main(argv, keep_group=False):
         state.injected.append(tag)
         return True
 
+    def micro_batch(micro, spike_drill):
+        """This rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
+        first = state.samples + (micro * world + rank) * micro_batch_size
+        if spike_drill:
+            return rare_token_batch(rare, micro_batch_size, block_size, [seed, state.step, first], dev)
+        return train_data.train_batch(first, micro_batch_size, dev)
+
     bpb_scale = manifest["splits"]["val"]["tokens"] / manifest["splits"]["val"]["bytes"] / math.log(2)
     t_log, step_at_log = time.time(), state.step
     val_loss, loss = None, None
@@ -1354,15 +1357,7 @@ def main(argv, keep_group=False):
             g["lr"] = lr
         spike_drill, nan_drill = injecting("spike", inject_spike_at_step), injecting("nan", inject_nan_at_step)
         loss_sum = torch.zeros((), device=dev)
-
-        def micro_batch(micro):
-            """This rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
-            first = state.samples + (micro * world + rank) * micro_batch_size
-            if spike_drill:
-                return rare_token_batch(rare, micro_batch_size, block_size, [seed, state.step, first], dev)
-            return train_data.train_batch(first, micro_batch_size, dev)
-
-        batch = micro_batch(0)
+        batch = micro_batch(0, spike_drill)
         for micro in range(grad_accum):
             x, y = batch
             # gradients are reduced across ranks once per step, after the last micro-step
@@ -1377,7 +1372,7 @@ def main(argv, keep_group=False):
                 scaler.scale(micro_loss / grad_accum).backward()
             loss_sum += micro_loss.detach()
             if micro + 1 < grad_accum:  # read and copy the next one while the GPU still works on this one
-                batch = micro_batch(micro + 1)
+                batch = micro_batch(micro + 1, spike_drill)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
         if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards

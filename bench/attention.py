@@ -22,7 +22,6 @@ import torch
 
 import model
 from sanity import dtype_name
-from train import first_line
 
 # --- config
 seq_lens = ""                   # comma-separated sequence lengths T; "": 1024,2048,4096 on a GPU, 64,128 on a CPU
@@ -73,7 +72,7 @@ def measure(backend, q, k, v, grad, docs, dev, dt, cfg):
     except torch.cuda.OutOfMemoryError:
         return dict(status="oom")
     except Exception as e:  # a kernel that fails at this shape is reported, and the sweep goes on
-        return dict(status="error", reason=first_line(e))
+        return dict(status="error", reason=model.first_line(e))
     B, H, T, D = q.shape
     forward = 4 * B * H * T * T * D / 2
     useful = 4 * H * D * attended_pairs(docs.ids.cpu()) if docs is not None else forward
