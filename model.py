@@ -448,10 +448,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
         self.o_proj = nn.Linear(config.n_head * hd, config.n_embd, bias=False)
+        # RoPE tables: derived, not learned, so not in checkpoints; float32 whatever the compute dtype. Each
+        # layer holds its own rather than taking them as inputs: FSDP2 casts a block's float inputs to the
+        # compute dtype, and torch 2.11-2.12 skip that cast when activation checkpointing recomputes it.
+        cos, sin = rope_tables(hd, config.block_size, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, cos, sin, cache=None, docs=None):
+    def forward(self, x, cache=None, docs=None):
         B, T, _ = x.shape
         hd = self.config.head_dim
+        start = cache.pos if cache is not None else 0
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
@@ -476,13 +484,24 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config, layer):
         super().__init__()
+        self.grad_ckpt = config.grad_ckpt
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache=None, docs=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, docs)
+    def forward(self, x, cache=None, docs=None):
+        # Activation checkpointing happens inside the block's own forward, so that hooks on the block (FSDP2's
+        # all-gather and input cast) run once, outside the recomputed region: checkpoint, then shard, the
+        # order torchtitan wraps in. (torch.compile takes context_fn only spelled out like this.)
+        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":  # keeps only its input
+            return checkpoint(self.body, x, None, docs, use_reentrant=False)
+        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "selective":
+            return checkpoint(self.body, x, None, docs, use_reentrant=False, context_fn=selective_checkpointing)
+        return self.body(x, cache, docs)
+
+    def body(self, x, cache, docs):
+        x = x + self.self_attn(self.input_layernorm(x), cache, docs)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -513,10 +532,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # RoPE tables are derived, not learned: not saved in checkpoints
-        cos, sin = rope_tables(config.head_dim, config.block_size, config.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         self.apply(self._init_weights)
         # GPT-2's scaled init: each residual branch adds to the stream 2*n_layer times
         for name, p in self.named_parameters():
@@ -535,8 +550,6 @@ class GPT(nn.Module):
         start = cache.pos if cache is not None else 0
         if start + T > config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={config.block_size}")
-        cos = self.rope_cos[start:start + T]
-        sin = self.rope_sin[start:start + T]
         x = self.embed_tokens(idx)
         # the backend is resolved here, before any block runs under checkpoint (auto's parity check runs a
         # backward of its own), as the blocks will ask: in the compute dtype, with documents or not
@@ -547,14 +560,8 @@ class GPT(nn.Module):
         if doc_mask:
             docs = Documents(torch.cumsum(idx == config.bos_id, dim=1))
             docs.get(DOC_MASK_FORM[backend])  # made once for all layers, not inside a checkpointed one
-        training = torch.is_grad_enabled() and cache is None
-        for block in self.layers:  # (torch.compile takes checkpoint's context_fn only spelled out like this)
-            if training and config.grad_ckpt == "full":  # a block keeps only its input
-                x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False)
-            elif training and config.grad_ckpt == "selective":
-                x = checkpoint(block, x, cos, sin, None, docs, use_reentrant=False, context_fn=selective_checkpointing)
-            else:
-                x = block(x, cos, sin, cache, docs)
+        for block in self.layers:
+            x = block(x, cache, docs)
         x = self.norm(x)
         if cache is not None:
             cache.pos += T

@@ -46,6 +46,7 @@ from prepare import load_tokenizer
 from export import finite, is_export, load_export, tokenizer_dir
 from model import param_counts
 from train import find_checkpoint, first_line, load_model
+from util import setup
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -59,7 +60,7 @@ temperature = 0.8               # 0: greedy; higher: more random
 top_k = 200                     # sample among the k most likely tokens; 0: all
 top_p = 1.0                     # nucleus sampling: smallest set of tokens with this much probability
 seed = 1337                     # sampling seed
-device = "auto"                 # auto (cuda if available) | cpu | cuda
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 serve = False                   # True: answer HTTP (POST /v1/completions, GET /health, /info) instead of printing
 host = "127.0.0.1"              # address to listen on; 0.0.0.0 opens it to the network (there is no authentication)
 port = 8000                     # port to listen on; 0: any free one (the start line names it)
@@ -98,7 +99,7 @@ def main(argv):
                   f"give a UTF-8 text file or --prompt=TEXT", file=sys.stderr)
             raise SystemExit(1) from None
 
-    dev = config["device"] if config["device"] != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = setup(config["device"]).dev
     try:
         model, saved = load_export(path, dev) if exported else load_model(path, dev)
         info = checkpoint_info(path, exported, saved) if config["serve"] else None

@@ -39,7 +39,6 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict
-from datetime import timedelta
 from functools import partial
 
 import torch
@@ -50,6 +49,7 @@ from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, backe
                    memory_estimate, param_counts, resolve_backend)
 from prepare import load_manifest, read_header
 from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, first_line, load_checkpoint, make_optimizer, save_checkpoint
+from util import resolve_device, setup, torchrun_env
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
@@ -71,7 +71,7 @@ grad_ckpt = "none"              # activation checkpointing: none | full (each bl
 loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 expect_world_size = 0           # ranks this config is written for; 0: any
-device = "auto"                 # auto (cuda if available) | cpu | cuda
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 compile = False                 # torch.compile the model: check compiled forward/backward against eager
 # sanity's own
@@ -95,16 +95,6 @@ ALLREDUCE_ITERS = 5             # timed all_reduces, after 2 warm-up ones (NCCL 
 
 # -----------------------------------------------------------------------------
 # helpers
-
-def resolve_device(name, local_rank):
-    """train.py's choice: CUDA when asked for or (auto) available, under torchrun this rank's GPU.
-    CUDA asked for but absent: the CPU, so that the other checks still run (the environment check fails)."""
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu")
-    if local_rank is not None:
-        return torch.device(f"cuda:{local_rank}")
-    return torch.device("cuda" if name == "auto" else name)
-
 
 def compute_dtype(name, dev):
     """train.py's compute dtype: dtype=auto is bfloat16 on a GPU that has it, else float32."""
@@ -176,12 +166,13 @@ def gb(n):
 # -----------------------------------------------------------------------------
 # checks: each returns (status, detail)
 
-def check_environment(cfg, dev, dt):
+def check_environment(cfg, dev, dt, device_error):
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
-    if cfg["device"].startswith("cuda") and not torch.cuda.is_available():
-        return "fail", "; ".join(parts + [f"device={cfg['device']} but CUDA is not available here "
-                                          f"(torch.version.cuda={torch.version.cuda}): use --device=cpu"])
-    if torch.cuda.is_available():
+    if device_error:
+        return "fail", "; ".join(parts + [device_error])
+    if dev.type == "cpu" and torch.cuda.is_available():  # device=cpu: the GPUs are counted, never touched
+        parts.append(f"{torch.cuda.device_count()} GPU(s) not used (device={cfg['device']}), {os.cpu_count()} CPU cores")
+    elif dev.type == "cuda":
         parts.append(f"CUDA {torch.version.cuda}, driver {driver_version()}")
         gpus = Counter()
         for i in range(torch.cuda.device_count()):
@@ -506,7 +497,7 @@ def check_capacity(cfg, dev, dt, world, out):
         verdict = (f"; this run {'fits' if run['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}"
                    if budget else "; give gpu_mem_gb for a verdict")
         return ("fail" if budget and not run["fits"] else "pass"), (
-            f"{summary}{verdict}; no GPU here: estimate only (built on the meta device: {built:,} parameters)")
+            f"{summary}{verdict}; not on a GPU: estimate only (built on the meta device: {built:,} parameters)")
     # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU would save nothing
     one = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes, budget)
     total = torch.cuda.get_device_properties(dev).total_memory
@@ -549,7 +540,7 @@ def capacity_lines(cap):
     m = cap["measured"]
     lines.append("")
     if m is None:
-        lines.append("No GPU here: the estimate only (the model was built on the meta device to confirm "
+        lines.append("Not on a GPU: the estimate only (the model was built on the meta device to confirm "
                      f"its {cap['meta_params']:,} parameters).")
     elif m["peak_bytes"] is None:
         lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch {m['micro_batch_size']} "
@@ -597,15 +588,15 @@ def main(argv):
     if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):
         print(f"error: dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16, float16", file=sys.stderr)
         raise SystemExit(1)
-    ddp = "RANK" in os.environ  # torchrun sets RANK, LOCAL_RANK, WORLD_SIZE
-    rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
-    dev = resolve_device(cfg["device"], local_rank if ddp else None)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if ddp:
-        # a rank that dies makes the others' collectives fail after this long instead of hanging
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo",
-                                timeout=timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30))))
+    # train.py's device; one that cannot be had (CUDA asked for but absent): the CPU, so that the other
+    # checks still run and the environment check fails with the reason
+    env, device_error = torchrun_env(), None
+    try:
+        resolve_device(cfg["device"], env[1] if env else None)
+    except ValueError as e:
+        device_error = str(e)
+    proc = setup("cpu" if device_error else cfg["device"])
+    dev, rank, ddp = proc.dev, proc.rank, proc.distributed
     dt = compute_dtype(cfg["dtype"], dev)
     world = cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"] or 1
     try:
@@ -615,7 +606,7 @@ def main(argv):
               file=sys.stderr)
         raise SystemExit(1) from None
     capacity_report = {}
-    checks = [("environment", partial(check_environment, cfg, dev, dt)),
+    checks = [("environment", partial(check_environment, cfg, dev, dt, device_error)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
     checks += [(f"attention:{name}", partial(check_attention_backend, name, cfg, dev, dt))
                for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]

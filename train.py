@@ -52,7 +52,6 @@ import warnings
 import zlib
 from contextlib import nullcontext
 from dataclasses import asdict
-from datetime import timedelta
 from types import SimpleNamespace
 
 import numpy as np
@@ -67,6 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
+from util import device_mesh, fail, setup
 from report import read_metrics, write_atomic, write_report
 from model import (GPT, RUNTIME_FIELDS, GPTConfig, first_line, flops_per_token, memory_estimate, param_counts,
                    peak_flops, resolve_backend)
@@ -144,7 +144,7 @@ plan_vocab_size = 0             # vocabulary to plan with before data_dir is pre
 dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
 # system
 seed = 1337                     # model init and data order
-device = "auto"                 # auto (cuda if available) | cpu | cuda
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 compile = False                 # torch.compile the model
 compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
@@ -162,12 +162,6 @@ PREEMPT_SAVE_SECONDS = 25       # a save slower than this would not fit between 
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
-
-
-def fail(message):
-    """Stop with one line that names the problem and the fix."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
 
 
 def check_config():
@@ -383,7 +377,11 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         os.makedirs(tmp, exist_ok=True)
         if sharded is not None:
             state = os.path.join(tmp, STATE_DIR)
-            dcp.save(sharded, checkpoint_id=state)
+            # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
+            # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
+            on_cpu = all(t.device.type == "cpu" for t in sharded["model"].values())
+            dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state, **({"per_thread_copy_ahead": 0} if on_cpu
+                                                                             else {})))
             rank = dist.get_rank()  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
             for f in os.listdir(state):
                 if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")):
@@ -570,6 +568,17 @@ def lr_at(step):
     return min_lr + 0.5 * (learning_rate - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def shard_model(model, dev, compute_dtype):
+    """FSDP2 over the process group: each block's parameters gathered just for its own compute, and again
+    for its backward (its recompute under grad_ckpt happens inside the block: checkpoint, then shard);
+    compute in compute_dtype, gradients reduced in fp32; the root shards the rest (embedding, tied head,
+    final norm)."""
+    mp, mesh = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), device_mesh(dev)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
 def make_optimizer(model, fused):
     # decay matrices only: norms (1-D) and the embedding table (sparse rows, tied head) are left alone
     decay, no_decay = [], []
@@ -742,7 +751,7 @@ def preflight_gates(model_config, manifest, world, launched, dev_mem_gb, dtype_b
     if dev_mem_gb:
         gates.append(memory_gate(model_config, world, dev_mem_gb, dtype_bytes))
     else:
-        gates.append(gate("memory_fit", "skip", None, None, "no GPU here: give gpu_mem_gb to plan for one"))
+        gates.append(gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
     ckpt_bytes = 12 * counts["total"]  # fp32 weights (4) and AdamW's two moments (8)
     need = ckpt_bytes * (keep_last + (1 if save_best else 0))
     detail = f"{keep_last} + best checkpoints of {ckpt_bytes / 1e9:.2f} GB = {need / 1e9:.1f} GB"
@@ -940,24 +949,13 @@ def main(argv, keep_group=False):
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(s, on_signal)
 
-    # distributed setup: torchrun sets RANK/LOCAL_RANK/WORLD_SIZE; fsdp without torchrun is a group of one
-    fsdp, torchrun = dist_mode == "fsdp", "RANK" in os.environ
-    distributed = torchrun or fsdp
-    rank = int(os.environ.get("RANK", 0))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if use_cuda and not torch.cuda.is_available():
-        fail(f"device={device} but CUDA is not available here: use --device=cpu")
-    dev = torch.device(f"cuda:{local_rank}" if use_cuda and distributed else ("cuda" if use_cuda else "cpu"))
+    # device and process group: torchrun's ranks each on its own GPU; fsdp without torchrun is a group of one
+    fsdp = dist_mode == "fsdp"
+    proc = setup(device, group=fsdp)
+    dev, rank, world, torchrun, distributed = proc.dev, proc.rank, proc.world, proc.torchrun, proc.distributed
+    use_cuda = dev.type == "cuda"
     if use_cuda:
-        torch.cuda.set_device(dev)
         torch.set_float32_matmul_precision(matmul_precision)  # not on CPU: it would change fp32 results there
-    if distributed and not dist.is_initialized():
-        # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
-        timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
-        alone = {} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout, **alone)
     master = rank == 0
     log = print if master else (lambda *a, **k: None)
 
@@ -1064,11 +1062,8 @@ def main(argv, keep_group=False):
         fail(str(e))
     log(f"attention: {attn_note}")
     raw_model = GPT(model_config).to(dev)
-    if fsdp:  # each block's parameters gathered just for its own compute; bf16 compute, fp32 gradient reduction
-        mp = MixedPrecisionPolicy(param_dtype=ptdtype, reduce_dtype=torch.float32)
-        for block in raw_model.layers:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(raw_model, mp_policy=mp)  # the rest: embedding (tied head), final norm
+    if fsdp:
+        shard_model(raw_model, dev, ptdtype)
     if measure:
         tokens_per_sec = mean_over_ranks(measure_tokens_per_sec(raw_model, train_data, dev, autocast), distributed,
                                          dev) * world
@@ -1175,13 +1170,14 @@ def main(argv, keep_group=False):
 
     model = torch.compile(raw_model, mode=compile_mode) if compile else raw_model
     if distributed and not fsdp:
-        model = DDP(model, device_ids=[local_rank] if use_cuda else None)
+        model = DDP(model, device_ids=[dev.index] if use_cuda else None)
     if distributed:
         LIVE_MODELS.append(model)
 
     log("config: " + json.dumps(config))
     log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
-        f"{flops_tok / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n} train windows | "
+        f"{flops_tok / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train and "
+        f"{val_data.n:,} validation windows | "
         f"world {world} x micro {micro_batch_size} x accum {grad_accum} = {total_batch_tokens} tokens/step | "
         f"{dev} {dt_name}")
     if ckpt_path:

@@ -31,7 +31,7 @@ gqa = 1                         # query heads per key/value head (1: multi-head 
 tokens = 0                      # tokens per batch (B = tokens / T, at least 1); 0: 16384 on a GPU, 256 on a CPU
 docs_per_row = 4                # documents per sequence in the masked cases, cut at random positions
 backends = ""                   # comma-separated attn_backend names; "": model.ATTENTION_BACKENDS, then sdpa
-device = "auto"                 # auto (cuda if available) | cpu | cuda
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 warmup = 3                      # untimed forward+backward per case
 iters = 10                      # timed forward+backward per case

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 import configurator
 from model import GPT, GRAD_CKPT, GPTConfig
 from sanity import autocast, compute_dtype, driver_version, plan_vocab
-from train import fail, make_optimizer, peak_memory_gb
+from train import make_optimizer, peak_memory_gb
+from util import fail, setup
 
 TRAIN = os.path.join(ROOT, "train.py")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -78,20 +79,11 @@ def check_counts(cfg, *keys):
 # device, dtype, clock
 
 def pick_device(name, dtype):
-    """(device, compute dtype) as train.py picks them: CUDA when asked for or (auto) available, under
-    torchrun this rank's GPU; dtype auto is bfloat16 on CUDA (autocast), float32 on a CPU."""
-    if name not in ("auto", "cpu") and not name.startswith("cuda"):
-        fail(f"device={name!r} is not one of auto, cpu, cuda")
+    """(device, compute dtype) as train.py picks them (util.setup: under torchrun this rank's GPU, and
+    the process group joined); dtype auto is bfloat16 on CUDA (autocast), float32 on a CPU."""
     if dtype not in DTYPES:
         fail(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        fail(f"device={name} but CUDA is not available here: use --device=cpu")
-    if name == "cpu" or not torch.cuda.is_available():
-        return torch.device("cpu"), compute_dtype(dtype, torch.device("cpu"))
-    if "LOCAL_RANK" in os.environ:  # under torchrun: this rank's GPU
-        name = f"cuda:{os.environ['LOCAL_RANK']}"
-    dev = torch.device("cuda" if name == "auto" else name)
-    torch.cuda.set_device(dev)
+    dev = setup(name).dev
     return dev, compute_dtype(dtype, dev)
 
 

@@ -14,7 +14,6 @@ of 25 MB, so the figures around 25 MB are the ones training sees.
 
 import os
 import sys
-from datetime import timedelta
 
 import common
 import torch
@@ -49,10 +48,8 @@ def main(argv):
     if "RANK" not in os.environ:
         common.fail("comms.py measures all-reduce between processes: run it under torchrun, e.g. "
                     "python -m torch.distributed.run --standalone --nproc_per_node=2 bench/comms.py")
-    dev, dt = common.pick_device(cfg["device"], cfg["dtype"])
+    dev, dt = common.pick_device(cfg["device"], cfg["dtype"])  # and the process group: NCCL on GPUs, gloo on CPUs
     sizes = common.int_list("sizes", cfg["sizes"]) if cfg["sizes"] else GPU_SIZES if dev.type == "cuda" else CPU_SIZES
-    # a rank that dies makes the others fail after this long instead of hanging
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     n, rank = dist.get_world_size(), dist.get_rank()
     element = torch.tensor([], dtype=dt).element_size()
     rows = []

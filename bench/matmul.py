@@ -17,11 +17,11 @@ import torch
 
 from model import peak_flops
 from sanity import dtype_name
-from train import fail
+from util import fail
 
 # --- config
 sizes = ""                      # comma-separated N (N x N @ N x N) or MxKxN ((M, K) @ (K, N)); "": the defaults below
-device = "auto"                 # auto (cuda if available) | cpu | cuda
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 warmup = 5                      # untimed multiplications per shape
 iters = 20                      # timed multiplications per shape

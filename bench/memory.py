@@ -57,7 +57,7 @@ def main(argv):
     compute_bytes = 4 if plan_dt == torch.float32 else 2
     name = common.device_name(dev)
     print(f"{name}, {dtype_name(plan_dt)}: peak memory per micro-batch, predicted (model.memory_estimate) "
-          f"against measured{'' if dev.type == 'cuda' else ' (no GPU here: predicted only)'}")
+          f"against measured{'' if dev.type == 'cuda' else ' (not on a GPU: predicted only)'}")
     rows = []
     for setting in settings:
         mconfig = common.model_config(run, grad_ckpt=setting)

@@ -26,12 +26,13 @@ def assert_close_losses(out, ref, steps):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stdlib_data):
-    """The same 16 steps on one process, on 2 ranks under DDP and on 2 ranks under FSDP."""
+    """The same 16 steps on one process, on 2 ranks under DDP and on 2 ranks under FSDP. The ranks run as
+    on a pod with one GPU, which a CPU run must leave alone (gloo, a CPU mesh, no CUDA call)."""
     root = tmp_path_factory.mktemp("fsdp")
     outs = {}
     for name, nproc, args in (("single", 1, []), ("ddp", 2, []), ("fsdp", 2, FSDP)):
         outs[name] = root / name
-        train(outs[name], stdlib_data, *ARGS, *args, nproc=nproc)
+        train(outs[name], stdlib_data, *ARGS, *args, nproc=nproc, fake_gpus=1)
     return outs
 
 
@@ -81,9 +82,9 @@ _save = train.dcp.save
 saves = []
 
 
-def save(state, checkpoint_id):
-    _save(state, checkpoint_id=checkpoint_id)
-    saves.append(checkpoint_id)
+def save(state, **where):
+    _save(state, **where)
+    saves.append(where)
     if len(saves) == 2 and RANK == 1:  # rank 1's shards of the second checkpoint are on disk
         os.kill(os.getpid(), signal.SIGKILL)
 

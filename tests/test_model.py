@@ -2,6 +2,7 @@
 and the parameter/FLOP/memory arithmetic the configs quote."""
 import dataclasses
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -120,9 +121,15 @@ class LiveBytes(TorchDispatchMode):
         self.live, self.peak, self.phase, self.depth = {}, {}, "forward", 0
         self.before = {StorageWeakRef(t.untyped_storage()).cdata for t in [*model.parameters(), *model.buffers(),
                                                                            *batch]}
-        for block in model.layers:  # the hooks run again when checkpoint rebuilds a block
-            block.register_forward_pre_hook(lambda *a: setattr(self, "depth", self.depth + 1))
-            block.register_forward_hook(lambda *a: setattr(self, "depth", self.depth - 1))
+        for block in model.layers:  # a block's body runs in the forward, and again when checkpoint rebuilds it
+            block.body = partial(self.inside, block.body)
+
+    def inside(self, body, *args):
+        self.depth += 1
+        try:
+            return body(*args)
+        finally:
+            self.depth -= 1
 
     def alive(self):
         bytes_by_kind = {}

@@ -13,7 +13,9 @@ from prepare import docs_file, load_manifest, open_shard, write_shard
 
 
 def preflight(out, *args, check=False):
-    r = run([sys.executable, "train.py", *args, "--preflight_only=True", f"--out_dir={out}"], check=check)
+    """Preflight planned on this CPU (pinned: a GPU on the machine running the tests changes nothing)."""
+    r = run([sys.executable, "train.py", *args, "--device=cpu", "--preflight_only=True", f"--out_dir={out}"],
+            check=check)
     report = json.load(open(os.path.join(out, "preflight.json")))
     assert os.path.exists(os.path.join(out, "preflight.md"))
     return r, report, {g["name"]: g for g in report["gates"]}

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, train_losses
+from conftest import FAKE_CUDA, ROOT, TINY_MODEL, read_metrics, run, train_losses
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
@@ -125,9 +125,12 @@ def wrapper(tmp_path, body, **fmt):
     return str(path)
 
 
-def train(out, data, *args, script="train.py", nproc=1, check=True, env=None, timeout=300):
-    """Run train.py (or a wrapper of it) on the tiny model: one process, or `nproc` ranks under torchrun."""
+def train(out, data, *args, script="train.py", nproc=1, check=True, env=None, timeout=300, fake_gpus=0):
+    """Run train.py (or a wrapper of it) on the tiny model: one process, or `nproc` ranks under torchrun.
+    fake_gpus: as if the machine had that many GPUs, which the CPU run must not touch (tests/fake_cuda.py)."""
     launch = [sys.executable] if nproc == 1 else TORCHRUN
+    if fake_gpus:
+        launch, env = [*launch, FAKE_CUDA], dict(env or {}, PODGPT_FAKE_GPUS=str(fake_gpus))
     return run([*launch, script, f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
                env=env, check=check, timeout=timeout)
 

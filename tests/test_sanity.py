@@ -74,7 +74,7 @@ def test_capacity_on_cpu_plans_the_1b_config(tmp_path):
                                    config="config/h200_1b_ddp8.py")
     cap = report["capacity"]
     assert cap["world_size"] == 8  # the config's expect_world_size
-    assert checks["capacity"]["status"] == "pass" and "no GPU here: estimate only" in checks["capacity"]["detail"]
+    assert checks["capacity"]["status"] == "pass" and "not on a GPU: estimate only" in checks["capacity"]["detail"]
     assert cap["params"]["total"] == pytest.approx(1.124e9, rel=1e-3) and cap["meta_params"] == cap["params"]["total"]
     assert cap["flops_per_token"] == pytest.approx(7.953e9, rel=1e-3) and cap["measured"] is None
     assert cap["model"]["vocab_size"] == 32768 and cap["compute_dtype"] == "bfloat16"
@@ -92,7 +92,7 @@ def test_capacity_on_cpu_plans_the_1b_config(tmp_path):
     assert cap["layouts"]["ddp"]["bytes"]["ddp_buckets"] == 4 * cap["params"]["total"]
     assert cap["layouts"]["run"]["label"] == "this run: DDP" and cap["layouts"]["run"]["bytes"] == \
         cap["layouts"]["ddp"]["bytes"]
-    assert "## capacity: 1.124B parameters" in md and "| total |" in md and "No GPU here" in md
+    assert "## capacity: 1.124B parameters" in md and "| total |" in md and "Not on a GPU" in md
     assert "| fits 0.92 x 141 GB | yes |" in md and "## capacity" in r.stdout  # the table is printed too
 
 

@@ -1,0 +1,36 @@
+"""Run a podgpt script as if this machine had GPUs that nothing may touch.
+
+    python tests/fake_cuda.py SCRIPT [ARGS...]       (also as torchrun's script)
+
+torch.cuda reports PODGPT_FAKE_GPUS GPUs (default 1), and every call that would reach one (set_device,
+the lazy CUDA init behind properties, synchronize and memory stats, NCCL) stops the script with
+"CUDA called: <call>". So a run that finishes made no CUDA call, and a run that picks a GPU shows which
+device it asked for first.
+"""
+import os
+import runpy
+import sys
+
+import torch
+
+
+def forbidden(name):
+    def call(*args, **kwargs):
+        raise RuntimeError(f"CUDA called: {name}({', '.join(map(str, args))})")
+    return call
+
+
+gpus = int(os.environ.get("PODGPT_FAKE_GPUS", "1"))
+torch.cuda.is_available = lambda: True
+torch.cuda.device_count = lambda: gpus
+torch._C._get_accelerator = lambda: torch.device("cuda")  # what FSDP2's default mesh asks
+for name in ("set_device", "_lazy_init", "init", "current_device", "synchronize", "get_device_properties",
+             "get_device_name", "get_device_capability", "is_bf16_supported", "mem_get_info", "empty_cache",
+             "reset_peak_memory_stats", "max_memory_allocated", "memory_stats"):
+    setattr(torch.cuda, name, forbidden(f"torch.cuda.{name}"))
+torch.cuda.nccl.version = forbidden("torch.cuda.nccl.version")
+
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+runpy.run_path(script, run_name="__main__")
