@@ -326,8 +326,8 @@ def serve_http(config, path, model, tok, info, dev):
     ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, lock=threading.Lock(), stopping=threading.Event(),
                           max_tokens=config["serve_max_tokens"], max_prompt=cfg.block_size - 1)
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
-                    device=dev, limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
-                                        "body_bytes": MAX_BODY_BYTES})
+                    device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
+                                             "body_bytes": MAX_BODY_BYTES})
     try:
         server = http.server.ThreadingHTTPServer((config["host"], config["port"]), Handler)
     except OSError as e:

@@ -115,6 +115,7 @@ def test_health_and_info(server, ckpt):
     weights = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
     assert info["parameters"] == sum(t.numel() for k, t in weights.items() if k != "lm_head.weight")  # tied head
     assert info["limits"]["max_tokens"] == MAX_TOKENS and info["limits"]["prompt_tokens"] == 63
+    assert info["device"] == "cpu"  # the one setup's device, as text
 
 
 def test_greedy_completion_is_sample_py_text(server, ckpt):
