@@ -45,14 +45,13 @@ import select
 import signal
 import subprocess
 import sys
-from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-import model
 from conftest import ROOT, read_metrics, run, train_losses
+from test_bench import close, model_of, run_probe
 from model import ATTENTION_BACKENDS, backend_unavailable, flops_per_token, parity_error, peak_flops, resolve_backend
 from train import MARKER, STATE_DIR, find_checkpoint, load_model
 
@@ -410,24 +409,11 @@ def test_sanity_under_torchrun_checks_the_nccl_all_reduce(tmp_path, data):
 # 6. bench/: every probe at a small size, into a temporary results file
 
 def probe(tmp_path, name, *args, launch=(sys.executable,)):
-    """bench/<name>.py into a fresh results file; its one JSON line, checked for the fields of a GPU result."""
-    out = tmp_path / f"{name}.jsonl"
-    r = gpu_run([*launch, f"bench/{name}.py", *args, f"--out={out}"])
-    lines = out.read_text().splitlines()
-    assert len(lines) == 1, lines
-    rec = json.loads(lines[0])
-    assert rec["probe"] == name and rec["device"] == gpu_name()
-    assert rec["torch"] == torch.__version__ and rec["cuda"] == torch.version.cuda and rec["cuda"] is not None
+    """test_bench.py's run_probe, and the fields of a GPU result."""
+    rec = run_probe(tmp_path, name, *args, launch=launch, timeout=RUN_TIMEOUT)
+    assert rec["device"] == gpu_name() and rec["cuda"] is not None
     assert re.fullmatch(r"\d+(\.\d+)+", rec["driver"]), rec["driver"]  # nvidia-smi's driver version
-    date = datetime.fromisoformat(rec["date"])
-    assert date.tzinfo == timezone.utc and abs((datetime.now(timezone.utc) - date).total_seconds()) < 900
-    assert rec["command"].startswith(launch[0]) and f"bench/{name}.py" in rec["command"]
-    assert all(a in rec["command"] for a in args) and f"result appended to {out}" in r.stdout
     return rec
-
-
-def close(a, b):
-    return a == pytest.approx(b, rel=1e-9)
 
 
 def test_bench_matmul(tmp_path):
@@ -461,11 +447,6 @@ def test_bench_attention(tmp_path):
         assert r["useful_tflops"] < r["tflops"] if r["doc_mask"] else r["useful_tflops"] == r["tflops"]
     ok = {(r["backend"], r["doc_mask"]) for r in rec["rows"] if r["status"] == "ok"}
     assert {(b, False) for b in must_run(False)} | {(b, True) for b in must_run(True)} <= ok, ok
-
-
-def model_of(rec, **changes):
-    """The GPTConfig a result line records (padded_vocab is derived), with changes."""
-    return model.GPTConfig(**{k: v for k, v in rec["model"].items() if k != "padded_vocab"} | changes)
 
 
 def test_bench_mfu(tmp_path, data):
