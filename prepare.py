@@ -29,15 +29,20 @@ Output in data_dir, built in data_dir.tmp and swapped into place when complete:
 - train_counts.npy: int64[vocab_size] unigram counts of the train split, BOS included.
 - manifest.json: tokenizer, counts per split, shards with sha256, source, the arguments
   that determine the output, and a fingerprint of it all. load_manifest() reads it.
-Validation is whole documents picked by a hash of their text, so the output is the same
-for any number of workers, and duplicate documents always land in the same split.
+Validation is whole documents, those with the smallest hashes of their text: val_fraction
+of them, and more while they hold fewer than min_val_tokens tokens (found at the end of the
+pass, then the documents are tokenized again: only a small corpus needs that). The split
+depends on the set of documents alone, so the output is the same for any number of
+workers, and duplicate documents always land in the same split.
 """
 
 import base64
 import collections
 import difflib
 import hashlib
+import heapq
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -57,7 +62,8 @@ source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-
 data_dir = "data"  # output folder: shards, manifest, tokenizer files
 tokenizer = "byte"  # gpt2 | byte | char | bpe:N
 text_field = "text"  # field of .jsonl lines / column of .parquet files
-val_fraction = 0.005  # fraction of documents held out for validation (whole documents)
+val_fraction = 0.005  # fraction of documents held out for validation (whole documents); 0: no validation
+min_val_tokens = 100_000  # with val_fraction > 0, at least this many (more documents, by hash): fewer make a noisy loss
 max_docs = 0  # stop after this many documents (0: all)
 max_shards = 0  # for presets: download only the first N files (0: all)
 min_chars = 0  # drop documents shorter than this many characters
@@ -71,8 +77,8 @@ force = False  # rebuild even if data_dir already holds this exact result
 # --- end config
 
 # the config keys that determine the output (data_dir, download_dir, workers, force do not)
-OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "max_docs", "max_shards", "min_chars",
-               "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
+OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tokens", "max_docs", "max_shards",
+               "min_chars", "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
 
 MAGIC = 20240520  # first int64 of every shard
 VERSION = 1  # shard and manifest format version
@@ -274,20 +280,21 @@ def gpt2_ranks():
     return ranks
 
 
-def bpe_training_texts(docs, val_fraction, max_chars):
+def bpe_training_texts(docs, threshold, max_chars):
     """The training documents (never validation ones), cut off after max_chars characters."""
     n = 0
     for text in docs:
         if n >= max_chars:
             return
-        if not is_val(text.encode("utf-8"), val_fraction):
+        if doc_hash(text.encode("utf-8")) >= threshold:
             text = text[: max_chars - n]
             n += len(text)
             yield text
 
 
-def train_tokenizer(spec, docs, val_fraction, bpe_train_chars):
-    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. docs() streams the documents."""
+def train_tokenizer(spec, docs, threshold, bpe_train_chars):
+    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. docs() streams the documents;
+    bpe:N trains on those whose hash is at least threshold, the training documents."""
     kind, n = parse_spec(spec)
     if kind == "byte":
         return {"kind": "byte", "vocab_size": 257}, None
@@ -304,7 +311,7 @@ def train_tokenizer(spec, docs, val_fraction, bpe_train_chars):
         bpe = rustbpe.Tokenizer()
         # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
         # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
-        bpe.train_from_iterator(bpe_training_texts(docs(), val_fraction, bpe_train_chars), n - 1)
+        bpe.train_from_iterator(bpe_training_texts(docs(), threshold, bpe_train_chars), n - 1)
         ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
         pattern, bos = bpe.get_pattern(), "<|bos|>"
     meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
@@ -465,10 +472,31 @@ def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256):
                 return
 
 
-def is_val(data, val_fraction):
-    """Whether a document (its UTF-8 bytes) is held out: decided by its content alone."""
-    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-    return h / 2**64 < val_fraction
+def doc_hash(data):
+    """A document's place in the split, from its UTF-8 bytes alone: uniform in [0, 2**64), and
+    the documents whose hash is below a threshold are held out for validation."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+class SmallestHashes:
+    """The documents with the smallest hashes that together hold at least min_tokens tokens, kept in a
+    heap as the documents stream past: memory grows with min_tokens, not with the corpus."""
+
+    def __init__(self, min_tokens):
+        self.min_tokens, self.tokens = min_tokens, 0
+        self.heap = []  # (-hash, n_tokens): the largest hash on top
+
+    def add(self, h, n_tokens):
+        if self.tokens >= self.min_tokens and (not self.heap or h >= -self.heap[0][0]):
+            return  # enough already, with smaller hashes
+        heapq.heappush(self.heap, (-h, n_tokens))
+        self.tokens += n_tokens
+        while self.tokens - self.heap[0][1] >= self.min_tokens:  # enough without the largest
+            self.tokens -= heapq.heappop(self.heap)[1]
+
+    def threshold(self):
+        """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
+        return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
 
 
 # -----------------------------------------------------------------------------
@@ -544,22 +572,22 @@ def download(url, download_dir, sha256=""):
 # -----------------------------------------------------------------------------
 # Tokenizing in worker processes, writing shards
 
-worker_tok = worker_val_fraction = None  # set in each worker process by init_worker
+worker_tok = None  # set in each worker process by init_worker
 
 
-def init_worker(tok_dir, val_fraction):
-    global worker_tok, worker_val_fraction
-    worker_tok, worker_val_fraction = load_tokenizer(tok_dir), val_fraction  # from the files: nothing pickled
+def init_worker(tok_dir):
+    global worker_tok
+    worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
 
 
 def encode_batch(texts):
-    """(is_val, n_bytes, [BOS] + tokens) for each document of a batch."""
+    """(doc_hash, n_bytes, [BOS] + tokens) for each document of a batch."""
     dtype = token_dtype(worker_tok.vocab_size)
     out = []
     for text in texts:
         data = text.encode("utf-8")
         tokens = np.array([worker_tok.bos_id] + worker_tok.encode(text), dtype=dtype)
-        out.append((is_val(data, worker_val_fraction), len(data), tokens))
+        out.append((doc_hash(data), len(data), tokens))
     return out
 
 
@@ -575,11 +603,11 @@ def batched(docs):
         yield batch
 
 
-def encode_all(docs, n_workers, tok_dir, val_fraction):
+def encode_all(docs, n_workers, tok_dir):
     """encode_batch's results for every document, in order, from a pool of processes."""
     from tqdm import tqdm
 
-    with multiprocessing.Pool(n_workers, init_worker, (tok_dir, val_fraction)) as pool, \
+    with multiprocessing.Pool(n_workers, init_worker, (tok_dir,)) as pool, \
             tqdm(unit="B", unit_scale=True, desc="tokenizing") as bar:
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
@@ -596,8 +624,9 @@ def encode_all(docs, n_workers, tok_dir, val_fraction):
                 yield result
 
 
-def write_shards(out_dir, encoded, tok, shard_tokens):
-    """Pack encoded documents into shards per split; returns the manifest's splits and train unigram counts."""
+def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
+    """Pack encoded documents into shards per split (validation: hash below threshold), each also
+    added to `smallest`, a SmallestHashes; returns the manifest's splits and train unigram counts."""
     splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "shards": []} for name in ("train", "val")}
     filling = {name: [] for name in splits}  # documents of the shard being filled
     filled = dict.fromkeys(splits, 0)  # and their tokens
@@ -615,8 +644,9 @@ def write_shards(out_dir, encoded, tok, shard_tokens):
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], filled[name] = [], 0
 
-    for val, n_bytes, tokens in encoded:
-        name = "val" if val else "train"
+    for h, n_bytes, tokens in encoded:
+        smallest.add(h, len(tokens))
+        name = "val" if h < threshold else "train"
         split = splits[name]
         split["docs"] += 1
         split["bytes"] += n_bytes
@@ -700,6 +730,8 @@ def build():
     parse_spec(tokenizer)  # fail on a bad spec before reading anything
     if not 0 <= val_fraction < 1:
         raise PrepareError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if min_val_tokens < 0:
+        raise PrepareError(f"min_val_tokens must be >= 0, got {min_val_tokens}")
     if not force and is_complete(out_dir, args):
         print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
         return
@@ -710,22 +742,41 @@ def build():
         return documents(inputs, text_field, min_chars, max_docs, download_dir, sha256)
 
     tmp = out_dir + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    n_workers = workers or os.cpu_count()
+    # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
+    # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
+    threshold = base_threshold = math.ceil(val_fraction * 2**64)
     try:
-        meta, ranks = train_tokenizer(tokenizer, docs, val_fraction, bpe_train_chars)
-        tokenizer_files = save_tokenizer(tmp, tokenizer, meta, ranks)
-        tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
-        n_workers = workers or os.cpu_count()
-        splits, counts = write_shards(tmp, encode_all(docs(), n_workers, tmp, val_fraction), tok, shard_tokens)
-        n_docs = splits["train"]["docs"] + splits["val"]["docs"]
+        while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            meta, ranks = train_tokenizer(tokenizer, docs, threshold, bpe_train_chars)
+            tokenizer_files = save_tokenizer(tmp, tokenizer, meta, ranks)
+            tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
+            smallest = SmallestHashes(min_val_tokens)
+            splits, counts = write_shards(tmp, encode_all(docs(), n_workers, tmp), tok, shard_tokens, threshold,
+                                          smallest)
+            train, val = splits["train"], splits["val"]
+            if val_fraction == 0 or val["tokens"] >= min_val_tokens or smallest.threshold() is None:
+                break
+            print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
+                  f"{min_val_tokens:,}: holding out more documents (the next smallest hashes) and tokenizing again")
+            threshold = smallest.threshold()
+        n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
         if n_docs == 0:
             raise PrepareError(f"no documents in {source} (check --source, --text_field, --min_chars)")
-        if splits["train"]["docs"] == 0:
+        if val_fraction > 0 and (val["tokens"] < min_val_tokens or
+                                 threshold > base_threshold and 2 * val["tokens"] > n_tokens):
+            raise PrepareError(f"too little data for min_val_tokens={min_val_tokens:,}: holding out that many tokens "
+                               f"in whole documents would leave less than half of the {n_tokens:,} tokens "
+                               f"({n_docs:,} documents) for training: lower --min_val_tokens or add documents "
+                               "(raise --max_docs)")
+        if train["docs"] == 0:
             raise PrepareError(f"all {n_docs} documents went to validation: lower --val_fraction")
-        if val_fraction > 0 and splits["val"]["docs"] == 0:
+        if val_fraction > 0 and val["docs"] == 0:
             raise PrepareError(f"no document went to validation ({n_docs} documents, val_fraction={val_fraction}): "
-                               "raise --val_fraction or add documents (--val_fraction=0 trains without validation)")
+                               "raise --val_fraction or --min_val_tokens, or add documents "
+                               "(--val_fraction=0 trains without validation)")
         with open(os.path.join(tmp, "train_counts.npy"), "wb") as f:
             np.save(f, counts)
         manifest = {
@@ -748,8 +799,9 @@ def build():
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-built folder behind
         raise
-    for name, split in splits.items():
-        print(f"{name:5s}: {split['docs']:,} docs, {split['tokens']:,} tokens, shards: {len(split['shards'])}")
+    print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, shards: {len(train['shards'])}")
+    print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens ({val['tokens'] / n_tokens:.1%} of tokens) "
+          "held out")
     print(f"wrote {out_dir}: {tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
           f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
 

@@ -1,5 +1,5 @@
-"""Tests of prepare.py: round trips through every tokenizer, the shard format, the split,
-determinism across workers, reuse, downloads (from a local HTTP server) and CLI errors."""
+"""Tests of prepare.py: round trips through every tokenizer, the shard format, the split and its
+guaranteed minimum, determinism across workers, reuse, downloads (from a local HTTP server) and CLI errors."""
 
 import hashlib
 import http.server
@@ -68,9 +68,27 @@ def error_line(err):
     return lines[-1]
 
 
+def doc_hash(text):
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 def expected_val(text, fraction):
-    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
-    return h / 2**64 < fraction
+    return doc_hash(text) / 2**64 < fraction
+
+
+def smallest_hash_split(texts, n_tokens, val_fraction, min_tokens):
+    """The held-out documents, computed here by sorting: those whose hash lies in the first val_fraction
+    of the hash range, or, while those hold fewer than min_tokens tokens, the fewest smallest-hash ones that do."""
+    hashes = [doc_hash(t) for t in texts]
+    threshold = val_fraction * 2**64
+    if sum(n for h, n in zip(hashes, n_tokens) if h < threshold) < min_tokens:
+        total = 0
+        for h, n in sorted(zip(hashes, n_tokens)):
+            total += n
+            if total >= min_tokens:
+                threshold = h + 1
+                break
+    return [t for t, h in zip(texts, hashes) if h < threshold]
 
 
 def decode_split(data_dir, split):
@@ -104,7 +122,7 @@ def test_round_trip_every_tokenizer(spec, corpus, tmp_path, monkeypatch):
         gpt2_or_skip()
     out = tmp_path / "out"
     assert run(f"--source={corpus}", f"--tokenizer={spec}", f"--data_dir={out}", "--val_fraction=0.2",
-               "--shard_tokens=300", "--workers=2") == 0
+               "--min_val_tokens=0", "--shard_tokens=300", "--workers=2") == 0
     train, val = decode_split(out, "train"), decode_split(out, "val")
     assert train == [d for d in CORPUS_DOCS if not expected_val(d, 0.2)]
     assert val == [d for d in CORPUS_DOCS if expected_val(d, 0.2)]
@@ -182,18 +200,30 @@ def snapshot(folder):
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
-def test_workers_do_not_change_the_output(corpus, tmp_path):
+def test_workers_do_not_change_the_output(corpus, tmp_path, capsys):
+    """Also when min_val_tokens moves the threshold: then bpe:N is trained again without the new
+    validation documents, so the result is what one pass with that threshold gives."""
     outs = [tmp_path / "w1", tmp_path / "w2"]
     for n, out in zip((1, 2), outs):
-        assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={out}", "--val_fraction=0.2",
-                   "--shard_tokens=200", f"--workers={n}") == 0
+        assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={out}", "--val_fraction=0.05",
+                   "--min_val_tokens=300", "--shard_tokens=200", f"--workers={n}") == 0
+        assert "fewer than min_val_tokens=300: holding out more documents" in capsys.readouterr().out
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
     assert one == two and len(one) > 8
+    train, val = decode_split(outs[0], "train"), decode_split(outs[0], "val")
+    assert prepare.load_manifest(outs[0])["splits"]["val"]["tokens"] >= 300
+    assert max(map(doc_hash, val)) < min(map(doc_hash, train))  # the smallest hashes, whole documents
+    between = (max(map(doc_hash, val)) + min(map(doc_hash, train))) / 2 / 2**64
+    single = tmp_path / "single"
+    assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={single}", f"--val_fraction={between!r}",
+               "--min_val_tokens=0", "--shard_tokens=200") == 0
+    assert "tokenizing again" not in capsys.readouterr().out
+    assert prepare.load_manifest(single)["fingerprint"] == prepare.load_manifest(outs[0])["fingerprint"]
 
 
 def test_rerun_reuses_and_force_rebuilds(corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    args = [f"--source={corpus}", f"--data_dir={out}", "--val_fraction=0.2", "--shard_tokens=500"]
+    args = [f"--source={corpus}", f"--data_dir={out}", "--val_fraction=0.2", "--min_val_tokens=0", "--shard_tokens=500"]
     assert run(*args) == 0
     before = snapshot(out)
     capsys.readouterr()
@@ -242,6 +272,96 @@ def test_split_paragraphs_makes_documents_of_one_big_text_file(tmp_path):
     assert run(f"--source={book}", "--split_paragraphs", "--tokenizer=char", f"--data_dir={out}",
                "--val_fraction=0") == 0
     assert decode_split(out, "train") == ["Chapter 1\r\nIt begins.", "Second — paragraph", "Third 🌙\n"]
+
+
+# -----------------------------------------------------------------------------
+# the validation split: val_fraction of the documents, and at least min_val_tokens tokens
+
+
+def test_embedded_default_holds_out_a_real_validation_set(tmp_path):
+    """config/tiny.py on this Python's stdlib (bash run.sh's data): at least 1% of the tokens and 64 windows
+    of its block_size are held out, however many files the stdlib has, and they are the smallest hashes."""
+    config = {}
+    exec((ROOT / "config" / "tiny.py").read_text(), config)
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "prepare.py", "config/tiny.py", f"--data_dir={out}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    splits = prepare.load_manifest(out)["splits"]
+    train, val = splits["train"], splits["val"]
+    total = train["tokens"] + val["tokens"]
+    windows = sum((shard["tokens"] - 1) // config["block_size"] for shard in val["shards"])  # as train.py's Loader
+    print(f"held out: {val['docs']} documents, {val['tokens']} tokens, {val['tokens'] / total:.2%}, {windows} windows")
+    assert val["tokens"] >= 0.01 * total and windows >= 64 and 2 * val["tokens"] < total
+    assert (f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens ({val['tokens'] / total:.1%} of tokens) "
+            "held out") in r.stdout
+    files = list(stdlib_files())
+    held_out = smallest_hash_split(files, [len(t.encode()) + 1 for t in files], config["val_fraction"],
+                                   config["min_val_tokens"])
+    assert decode_split(out, "val") == held_out and train["docs"] == len(files) - len(held_out)
+
+
+def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_path, capsys):
+    docs = [f"document {i}: " + "word " * (i % 13) for i in range(150)]
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    n_tokens = [len(d.encode()) + 1 for d in docs]  # byte tokens and BOS
+    assert smallest_hash_split(docs, n_tokens, 0.001, 0) == []  # val_fraction alone: no document
+    held_out = smallest_hash_split(docs, n_tokens, 0.001, 500)
+    outs = [tmp_path / "w1", tmp_path / "w2"]
+    for n, out in zip((1, 2), outs):
+        assert run(f"--source={source}", f"--data_dir={out}", "--val_fraction=0.001", "--min_val_tokens=500",
+                   "--shard_tokens=400", f"--workers={n}") == 0
+        printed = capsys.readouterr().out
+        assert "validation: 0 documents, 0 tokens, fewer than min_val_tokens=500: holding out more" in printed
+        assert decode_split(out, "val") == held_out
+        assert decode_split(out, "train") == [d for d in docs if d not in held_out]
+    one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
+    assert one == two
+    val = prepare.load_manifest(outs[0])["splits"]["val"]
+    assert val["docs"] == len(held_out) and val["tokens"] == sum(len(d.encode()) + 1 for d in held_out) >= 500
+    assert f"validation: {len(held_out):,} documents, {val['tokens']:,} tokens (" in printed
+
+
+def test_too_small_a_corpus_for_min_val_tokens_is_refused(corpus, tmp_path):
+    total = sum(len(d.encode()) + 1 for d in CORPUS_DOCS)
+    out = tmp_path / "out"
+    for min_tokens in (total + 1, total * 6 // 10):  # more than all the tokens; more than half of them
+        r = subprocess.run([sys.executable, "prepare.py", f"--source={corpus}", f"--data_dir={out}",
+                            f"--min_val_tokens={min_tokens}", "--workers=2"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        line = error_line(r.stderr)
+        assert r.returncode == 1 and f"min_val_tokens={min_tokens:,}" in line and f"of the {total:,} tokens" in line
+        assert "lower --min_val_tokens" in line and "--max_docs" in line
+        assert not out.exists() and not Path(f"{out}.tmp").exists()
+    assert run(f"--source={corpus}", f"--data_dir={out}", f"--min_val_tokens={total // 4}") == 0
+    val = prepare.load_manifest(out)["splits"]["val"]
+    assert total // 4 <= val["tokens"] < total / 2
+    assert run(f"--source={corpus}", f"--data_dir={out}", "--val_fraction=0") == 0  # no validation, no minimum
+    assert decode_split(out, "val") == [] and len(decode_split(out, "train")) == len(CORPUS_DOCS)
+
+
+def test_smallest_hashes_finds_the_threshold_in_any_order():
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, 2**63, 200).tolist()
+    docs = [(h, int(n)) for h, n in zip(hashes + hashes[:40:4], rng.integers(1, 60, 210))]  # duplicates too
+    total = sum(n for _, n in docs)
+    for min_tokens in (1, 30, 500, total // 2, total, total + 1):
+        expected, seen = None, 0
+        for h, n in sorted(docs):
+            seen += n
+            if seen >= min_tokens:
+                expected = h + 1
+                break
+        for _ in range(3):
+            rng.shuffle(docs)
+            smallest = prepare.SmallestHashes(min_tokens)
+            for h, n in docs:
+                smallest.add(h, n)
+            assert smallest.threshold() == expected
+            if expected is not None:  # the documents below it hold min_tokens, those below the one before do not
+                below = [sum(n for h, n in docs if h < t) for t in (expected, expected - 1)]
+                assert below[0] >= min_tokens > below[1]
 
 
 # -----------------------------------------------------------------------------
@@ -355,7 +475,7 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", server.url)
     out, cache = tmp_path / "fw", tmp_path / "fw" / "downloads"  # a download cache inside data_dir
     args = ["--source=fineweb-edu-10bt", "--max_shards=1", f"--data_dir={out}", f"--download_dir={cache}",
-            "--val_fraction=0.2"]
+            "--val_fraction=0.2", "--min_val_tokens=0"]
     assert run(*args) == 0
     manifest = prepare.load_manifest(out)
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == len(rows)
@@ -404,7 +524,9 @@ def test_bad_files_and_splits_are_errors(tmp_path, capsys):
     few = tmp_path / "few.jsonl"
     few.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(3)))
     assert run(f"--source={few}", f"--data_dir={out}", "--val_fraction=0.001") == 1
-    assert "val_fraction" in error_line(capsys.readouterr().err) and not out.exists()
+    assert "lower --min_val_tokens" in error_line(capsys.readouterr().err) and not out.exists()
+    assert run(f"--source={few}", f"--data_dir={out}", "--val_fraction=0.001", "--min_val_tokens=0") == 1
+    assert "no document went to validation" in error_line(capsys.readouterr().err) and not out.exists()
     out.mkdir()
     (out / "precious.txt").write_text("not prepare's")
     assert run(f"--source={few}", f"--data_dir={out}", "--val_fraction=0") == 1

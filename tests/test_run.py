@@ -15,6 +15,8 @@ from conftest import ROOT, TINY_MODEL, read_metrics, run
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("run")
+    # the first 400 files of any Python's stdlib (3.10-3.13: 5.0M-5.8M tokens) are enough for config/tiny.py's
+    # min_val_tokens, so every Python holds out a validation set, however many files its stdlib has
     env = dict(DATA_DIR=str(tmp / "data"), OUT_DIR=str(tmp / "out"), PREPARE_ARGS="--max_docs=400 --workers=2",
                DRYRUN_STEPS="4", PYTHON=sys.executable)
     r = run(["bash", "run.sh", "--max_steps=120", "--eval_every=60", "--ckpt_every=60", "--log_every=10"], env=env)
@@ -27,7 +29,9 @@ def test_every_stage_runs_and_leaves_its_outputs(pipeline):
     for stage in ("sanity", "prepare", "dryrun", "train", "sample"):
         assert f"=== {stage}:" in r.stdout
     assert (out / "sanity.json").exists() and json.load(open(out / "sanity.json"))["passed"]
-    assert (tmp / "data" / "manifest.json").exists()
+    manifest = json.load(open(tmp / "data" / "manifest.json"))
+    val, min_val_tokens = manifest["splits"]["val"], manifest["prepare_args"]["min_val_tokens"]
+    assert val["tokens"] >= min_val_tokens > 0 and f"validation: {val['docs']:,} documents, " in r.stdout
     assert all((out / f).exists() for f in ("summary.md", "metrics.csv", "manifest.json", "plots/loss_steps.png"))
     dryrun = json.load(open(out / "dryrun" / "dryrun.json"))
     assert dryrun["ok"] and dryrun["steps"] == 4 and dryrun["resume_check"]["steps"] == [3, 4]
