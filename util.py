@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 DEVICES = "auto, cpu, cuda, cuda:N"
 
@@ -65,7 +65,7 @@ def resolve_device(name, local_rank=None, cuda_count=None):
 def setup(device, group=False):
     """This process's device and process group. Under torchrun (or with group=True: a group of one
     process, as fsdp needs) joins the process group: NCCL on GPUs, gloo on the CPU. Returns
-    rank, local_rank, world, torchrun, distributed and dev; a bad device stops with one line."""
+    dev, rank, world, torchrun and distributed; a bad device stops with one line."""
     env = torchrun_env()
     rank, local_rank, world = env or (0, 0, 1)
     try:
@@ -78,15 +78,15 @@ def setup(device, group=False):
     if distributed and not dist.is_initialized():
         # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
         timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
-        alone = {} if env else dict(store=dist.HashStore(), rank=0, world_size=1)
+        options = {} if env else dict(store=dist.HashStore(), rank=0, world_size=1)  # torchrun's, or a group of one
         if dev.type == "cuda":  # binds the group to this rank's GPU (barrier() would guess it)
-            alone["device_id"] = dev
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout, **alone)
-    return SimpleNamespace(dev=dev, rank=rank, local_rank=local_rank, world=world, torchrun=env is not None,
-                           distributed=distributed)
+            options["device_id"] = dev
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout, **options)
+    return SimpleNamespace(dev=dev, rank=rank, world=world, torchrun=env is not None, distributed=distributed)
 
 
 def device_mesh(dev):
-    """The 1-D mesh FSDP2 shards over, of this run's device type. (fully_shard's default mesh is CUDA's
-    wherever a GPU exists, so a CPU run on a GPU machine would put rank 1 on a cuda:1 that may not exist.)"""
-    return init_device_mesh(dev.type, (dist.get_world_size(),))
+    """The 1-D mesh FSDP2 shards over: this run's process group, on its device type. (fully_shard's default
+    mesh is CUDA's wherever a GPU exists, so a CPU run on a GPU machine would put rank 1 on a cuda:1 that may
+    not exist; and a new mesh of CPU type there adds an NCCL backend to a gloo run.)"""
+    return DeviceMesh.from_group(dist.group.WORLD, dev.type)

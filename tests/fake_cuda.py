@@ -29,6 +29,9 @@ for name in ("set_device", "_lazy_init", "init", "current_device", "synchronize"
              "reset_peak_memory_stats", "max_memory_allocated", "memory_stats"):
     setattr(torch.cuda, name, forbidden(f"torch.cuda.{name}"))
 torch.cuda.nccl.version = forbidden("torch.cuda.nccl.version")
+# torch's AdamW.step asks this whenever CUDA is available, CPU parameters or not (up to torch 2.9): not
+# podgpt's call, answered as on a machine without GPUs
+torch.cuda.is_current_stream_capturing = lambda: False
 
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

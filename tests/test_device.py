@@ -40,11 +40,12 @@ def test_every_device_is_indexed_or_refused(name, local_rank, gpus, want):
             resolve_device(name, local_rank, gpus)
 
 
-def fake_gpu_run(args, gpus=1, nproc=1, check=True):
+def fake_gpu_run(args, gpus=1, nproc=1, check=True, env=None):
     """Run a script through tests/fake_cuda.py: as on a machine with `gpus` GPUs that nothing may touch."""
     launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                   f"--nproc_per_node={nproc}"]
-    return run([*launch, FAKE_CUDA, *args], env=dict(PODGPT_FAKE_GPUS=str(gpus)), check=check, timeout=300)
+    return run([*launch, FAKE_CUDA, *args], env=dict(env or {}, PODGPT_FAKE_GPUS=str(gpus)), check=check,
+               timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +81,17 @@ def test_every_script_takes_an_indexed_gpu(script, cpu_run, stdlib_data):
     assert r.returncode != 0 and "CUDA called: torch.cuda.set_device(cuda:0)" in r.stderr, r.stderr[-2000:]
 
 
-def test_torchrun_ranks_take_their_local_gpu(stdlib_data, tmp_path):
-    r = fake_gpu_run(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=cuda"], gpus=2,
-                     nproc=2, check=False)
-    assert "set_device(cuda:0)" in r.stderr and "set_device(cuda:1)" in r.stderr, r.stderr[-2000:]
+@pytest.mark.parametrize("local_rank,gpus,said", [(0, 2, "CUDA called: torch.cuda.set_device(cuda:0)"),
+                                                   (1, 2, "CUDA called: torch.cuda.set_device(cuda:1)"),
+                                                   (1, 1, "error: LOCAL_RANK 1 but this machine has 1 GPU: "
+                                                          "launch at most --nproc_per_node=1")])
+def test_a_torchrun_rank_takes_its_local_gpu(stdlib_data, tmp_path, local_rank, gpus, said):
+    """A rank in torchrun's environment (set here: no launcher, whose first failing rank would stop the
+    other before it speaks) asks for cuda:LOCAL_RANK, or says the node has too few GPUs."""
+    env = dict(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE="2")
+    r = fake_gpu_run(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=cuda"], gpus=gpus,
+                     check=False, env=env)
+    assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
 
 
 @pytest.fixture
