@@ -57,12 +57,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
@@ -372,10 +366,12 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         dist.broadcast_object_list(go)  # also keeps the other ranks out until the leftovers are gone
     if not go[0]:
         return None
-    marker, error = {}, None
+    marker, error, errors = {}, None, (OSError,)
     try:
         os.makedirs(tmp, exist_ok=True)
         if sharded is not None:
+            import torch.distributed.checkpoint as dcp  # only sharded runs import it: see shard_model
+            errors = (OSError, dcp.api.CheckpointException)
             state = os.path.join(tmp, STATE_DIR)
             # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
             # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
@@ -391,7 +387,7 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
             for fname, obj in files.items():
                 crc = save_file(obj, os.path.join(tmp, fname))
                 marker[fname] = dict(bytes=os.path.getsize(os.path.join(tmp, fname)), crc32=crc)
-    except (OSError, CheckpointException) as e:  # the disk filled up after all, or went away
+    except errors as e:  # the disk filled up after all, or went away
         error = first_line(e)
     if sharded is not None:
         gathered = [None] * dist.get_world_size()
@@ -511,6 +507,7 @@ def find_checkpoint(path, which="latest"):
 def load_sharded(state, path):
     """Fill `state` from a sharded checkpoint's files, resharded to it: every rank its part under
     torchrun, everything in a process without a process group."""
+    import torch.distributed.checkpoint as dcp  # see shard_model
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
@@ -573,6 +570,10 @@ def shard_model(model, dev, compute_dtype):
     for its backward (its recompute under grad_ckpt happens inside the block: checkpoint, then shard);
     compute in compute_dtype, gradients reduced in fp32; the root shards the rest (embedding, tied head,
     final norm)."""
+    # FSDP2, DTensor and torch.distributed.checkpoint are imported by the runs that shard, not at the top:
+    # together they are 0.8-1.0 s of train.py's 2.5-3.3 s import (measured on a 2-core CPU, torch 2.13),
+    # which every other run and every script that imports train.py would pay at each start
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp, mesh = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), device_mesh(dev)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -1086,9 +1087,13 @@ def main(argv, keep_group=False):
 
     def sharded_state():
         """Model and optimizer as DCP saves and loads them: by parameter name, sharded under fsdp."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # see shard_model
         return dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer), strict=True))
 
     def restore(ckpt):
+        if "state" in ckpt or fsdp:  # see shard_model
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict, set_state_dict)
         if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
             sd = sharded_state()
             load_sharded(sd, ckpt["state"])
@@ -1371,7 +1376,7 @@ def main(argv, keep_group=False):
                 batch = micro_batch(micro + 1, spike_drill)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-        if isinstance(grad_norm, DTensor):  # fsdp: the norm over every rank's shards
+        if fsdp:  # a DTensor: the norm over every rank's shards
             grad_norm = grad_norm.full_tensor()
         # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
         finite = bool(torch.isfinite(loss_sum)) and (scaler.is_enabled() or bool(torch.isfinite(grad_norm)))

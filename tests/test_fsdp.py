@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run, train_losses
+from conftest import run, shared, train_losses
 from test_resume import ARGS, CKPT_EVERY, MAX_STEPS, assert_identical, ckpt_steps, load, train, wrapper
 from train import MARKER, STATE_DIR, find_checkpoint, load_model
 
@@ -28,12 +28,13 @@ def assert_close_losses(out, ref, steps):
 def runs(tmp_path_factory, stdlib_data):
     """The same 16 steps on one process, on 2 ranks under DDP and on 2 ranks under FSDP. The ranks run as
     on a pod with one GPU, which a CPU run must leave alone (gloo, a CPU mesh, no CUDA call)."""
-    root = tmp_path_factory.mktemp("fsdp")
-    outs = {}
-    for name, nproc, args in (("single", 1, []), ("ddp", 2, []), ("fsdp", 2, FSDP)):
-        outs[name] = root / name
-        train(outs[name], stdlib_data, *ARGS, *args, nproc=nproc, fake_gpus=1)
-    return outs
+    layouts = (("single", 1, []), ("ddp", 2, []), ("fsdp", 2, FSDP))
+
+    def build(root):
+        for name, nproc, args in layouts:
+            train(root / name, stdlib_data, *ARGS, *args, nproc=nproc, fake_gpus=1)
+    root = shared(tmp_path_factory, "fsdp_runs", build)
+    return {name: root / name for name, _, _ in layouts}
 
 
 def test_fsdp_ddp_and_one_process_compute_the_same_steps(runs):
@@ -78,7 +79,9 @@ def test_a_ddp_checkpoint_resumes_under_fsdp(runs, stdlib_data, tmp_path):
 
 
 KILL_AFTER_SECOND_SHARDED_SAVE = """\
-_save = train.dcp.save
+import torch.distributed.checkpoint as dcp
+
+_save = dcp.save
 saves = []
 
 
@@ -89,7 +92,7 @@ def save(state, **where):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-train.dcp.save = save
+dcp.save = save
 """
 
 
