@@ -1,6 +1,8 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
+import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +14,33 @@ FAKE_CUDA = os.path.join(ROOT, "tests", "fake_cuda.py")
 # a 2-layer model that trains in seconds on a CPU, used by the training tests
 TINY_MODEL = ["--block_size=64", "--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--device=cpu",
               "--dtype=float32", "--warmup_steps=2", "--learning_rate=1e-3", "--eval_steps=2"]
+
+
+def pytest_xdist_auto_num_workers(config):
+    """pytest.ini's `-n auto`: one test process per CPU core, and one process in all for the GPU tier
+    (`-m gpu`), whose tests share the one GPU and time it."""
+    if config.option.markexpr.strip() == "gpu":
+        return 0
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux: this process's cores
+
+
+def shared(tmp_path_factory, name, build):
+    """The folder `name`, made by build(folder) once per test session and only read by the tests.
+    pytest.ini runs the tests on several processes (pytest-xdist, one per core), each with its own fixtures: the
+    first one to ask for a costly shared fixture (a trained run, the run.sh pipeline) builds it while
+    the other waits on a lock, then reuses the folder instead of training it a second time."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # this session's folder, which holds every worker's own
+    folder, done = base / name, base / f"{name}.done"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build on another worker left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
 
 
 def run(args, env=None, check=True, timeout=600):
@@ -36,7 +65,7 @@ def train_losses(out_dir):
 
 @pytest.fixture(scope="session")
 def stdlib_data(tmp_path_factory):
-    data = tmp_path_factory.mktemp("data") / "stdlib_byte"
-    run([sys.executable, "prepare.py", "--source=stdlib", "--tokenizer=byte", f"--data_dir={data}",
-         "--max_docs=300", "--val_fraction=0.05", "--workers=2"])
-    return str(data)
+    def build(folder):
+        run([sys.executable, "prepare.py", "--source=stdlib", "--tokenizer=byte", f"--data_dir={folder}",
+             "--max_docs=300", "--val_fraction=0.05", "--workers=2"])
+    return str(shared(tmp_path_factory, "stdlib_byte", build))

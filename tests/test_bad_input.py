@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, run
+from conftest import TINY_MODEL, run, shared
 from test_preflight import contaminate
 
 TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128"]
@@ -28,8 +28,9 @@ CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
 @pytest.fixture(scope="session")
 def finished_run(tmp_path_factory, stdlib_data):
     """An out_dir with a completed 1-step run of the tiny model on stdlib_data; rows copy it."""
-    out = tmp_path_factory.mktemp("bad_input") / "run"
-    run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN, "--max_steps=1"])
+    def build(out):
+        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN, "--max_steps=1"])
+    out = shared(tmp_path_factory, "bad_input_run", build)
     assert os.path.isfile(out / CKPT / "complete.json")
     return out
 

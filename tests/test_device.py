@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from conftest import FAKE_CUDA, TINY_MODEL, run
+from conftest import FAKE_CUDA, TINY_MODEL, run, shared
 from model import GPT, GRAD_CKPT, GPTConfig
 from train import shard_model
 from util import resolve_device, setup
@@ -51,10 +51,10 @@ def fake_gpu_run(args, gpus=1, nproc=1, check=True, env=None):
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory, stdlib_data):
     """A 4-step CPU run, checkpointed, made on a machine that has a GPU."""
-    out = tmp_path_factory.mktemp("device") / "run"
-    fake_gpu_run(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, "--max_steps=4",
-                  "--micro_batch_size=4", "--total_batch_tokens=256", "--ckpt_every=2", "--eval_every=1000"])
-    return out
+    def build(out):
+        fake_gpu_run(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, "--max_steps=4",
+                      "--micro_batch_size=4", "--total_batch_tokens=256", "--ckpt_every=2", "--eval_every=1000"])
+    return shared(tmp_path_factory, "device_cpu_run", build)
 
 
 def test_device_cpu_makes_no_cuda_call_in_any_script(cpu_run, tmp_path, stdlib_data):

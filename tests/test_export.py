@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL, run
+from conftest import TINY_MODEL, run, shared
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -23,15 +23,13 @@ VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, stdlib_data):
     """Two tiny runs of 3 steps, GQA + tied and MHA + untied; {variant: out_dir}."""
-    root = tmp_path_factory.mktemp("export_runs")
-    outs = {}
-    for name, args in VARIANTS.items():
-        out = root / name
-        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, *args,
-             "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--log_every=1",
-             "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7"])
-        outs[name] = str(out)
-    return outs
+    def build(root):
+        for name, args in VARIANTS.items():
+            run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={root / name}", *TINY_MODEL,
+                 *args, "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--log_every=1",
+                 "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7"])
+    root = shared(tmp_path_factory, "export_runs", build)
+    return {name: str(root / name) for name in VARIANTS}
 
 
 def do_export(out_dir, dest, *args, check=True):

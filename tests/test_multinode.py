@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, train_losses
+from conftest import ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
 from test_resume import children
 
 MAX_STEPS = 10
@@ -31,9 +31,10 @@ TIMEOUT = 150  # seconds for one run.sh; a hang (e.g. a restart stuck in init_pr
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory, stdlib_data):
     """The uninterrupted single-node 2-rank run, with run.sh's default config file (which sets min_lr and more)."""
-    out = tmp_path_factory.mktemp("multinode") / "ref"
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         "config/tiny.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *ARGS], timeout=TIMEOUT)
+    def build(out):
+        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+             "config/tiny.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *ARGS], timeout=TIMEOUT)
+    out = shared(tmp_path_factory, "multinode_ref", build)
     assert sorted(train_losses(out)) == list(range(1, MAX_STEPS + 1))
     return out
 

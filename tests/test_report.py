@@ -7,17 +7,17 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run
+from conftest import ROOT, TINY_MODEL, read_metrics, run, shared
 
 PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, stdlib_data):
-    out = tmp_path_factory.mktemp("report") / "out"
-    run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
-         "--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"])
-    return str(out)
+    def build(out):
+        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
+             "--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"])
+    return str(shared(tmp_path_factory, "report_run", build))
 
 
 @pytest.fixture(scope="module")

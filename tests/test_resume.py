@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAKE_CUDA, ROOT, TINY_MODEL, read_metrics, run, train_losses
+from conftest import FAKE_CUDA, ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
@@ -249,8 +249,7 @@ def ckpt_steps(out):
 @pytest.fixture(scope="module")
 def ref_single(tmp_path_factory, stdlib_data):
     """The uninterrupted one-process run that the interrupted ones must reproduce."""
-    out = tmp_path_factory.mktemp("resume") / "ref_single"
-    train(out, stdlib_data, *ARGS)
+    out = shared(tmp_path_factory, "resume_ref_single", lambda out: train(out, stdlib_data, *ARGS))
     assert ckpt_steps(out) == [5, 10, 15, 16]
     return out
 
@@ -258,9 +257,10 @@ def ref_single(tmp_path_factory, stdlib_data):
 @pytest.fixture(scope="module")
 def ref_ddp(tmp_path_factory, stdlib_data):
     """The uninterrupted 2-rank run (gloo)."""
-    out = tmp_path_factory.mktemp("resume") / "ref_ddp"
-    r = train(out, stdlib_data, *ARGS, nproc=2)
-    assert "world 2 x micro 4 x accum 1" in r.stdout
+    def build(out):
+        r = train(out, stdlib_data, *ARGS, nproc=2)
+        assert "world 2 x micro 4 x accum 1" in r.stdout
+    out = shared(tmp_path_factory, "resume_ref_ddp", build)
     assert ckpt_steps(out) == [5, 10, 15, 16]
     return out
 

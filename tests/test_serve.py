@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sample
-from conftest import ROOT, TINY_MODEL, run
+from conftest import ROOT, TINY_MODEL, run, shared
 from prepare import load_tokenizer
 from train import find_checkpoint
 
@@ -23,10 +23,11 @@ MAX_TOKENS = 1000  # the server's serve_max_tokens in these tests (not the defau
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, stdlib_data):
-    out = tmp_path_factory.mktemp("serve_run") / "out"
-    run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
-         "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--eval_every=3", "--ckpt_every=3",
-         "--learning_rate=1e-2", "--seed=7"])
+    def build(out):
+        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
+             "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--eval_every=3", "--ckpt_every=3",
+             "--learning_rate=1e-2", "--seed=7"])
+    out = shared(tmp_path_factory, "serve_run", build)
     return find_checkpoint(str(out), "best")
 
 
