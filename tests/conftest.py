@@ -21,7 +21,8 @@ def pytest_xdist_auto_num_workers(config):
     (`-m gpu`), whose tests share the one GPU and time it."""
     if config.option.markexpr.strip() == "gpu":
         return 0
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # Linux: this process's cores
+    # Linux: the cores this process may run on (a container's share), elsewhere all of them
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def shared(tmp_path_factory, name, build):
