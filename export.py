@@ -42,9 +42,10 @@ import sys
 import torch
 
 import configurator
-from model import GPT, RUNTIME_FIELDS, GPTConfig, first_line, param_counts
+from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
 from prepare import read_ranks
 from report import read_json
+from util import first_line
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir

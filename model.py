@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from util import first_line
+
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
 GRAD_CKPT = ("none", "full", "selective")
@@ -315,12 +317,6 @@ def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
     elif name in ("math", "sdpa"):
         return None  # PyTorch's math kernel runs everywhere
     return trial_call(name, device, dtype, head_dim, doc_mask)
-
-
-def first_line(e):
-    """An exception as one line, for messages that must stay one line (train.py and the scripts use it too)."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def trial_call(name, device, dtype, head_dim, doc_mask):

@@ -56,6 +56,7 @@ import urllib.parse
 import numpy as np
 
 import configurator
+from data import HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, token_dtype
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
@@ -79,11 +80,6 @@ force = False  # rebuild even if data_dir already holds this exact result
 # the config keys that determine the output (data_dir, download_dir, workers, force do not)
 OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tokens", "max_docs", "max_shards",
                "min_chars", "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
-
-MAGIC = 20240520  # first int64 of every shard
-VERSION = 1  # shard and manifest format version
-HEADER_INTS = 128
-HEADER_BYTES = HEADER_INTS * 8
 
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
@@ -112,16 +108,7 @@ class PrepareError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Shard files: the format train.py reads
-
-
-def token_dtype(vocab_size):
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def docs_file(shard_file):
-    """The document index beside a shard: train_000000.bin -> train_000000.docs.npy."""
-    return shard_file[: -len(".bin")] + ".docs.npy"
+# Shard files: the format data.py reads
 
 
 def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
@@ -148,50 +135,6 @@ def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
         np.save(f, doc_starts)
     os.replace(path + ".docs.tmp", docs_file(path))
     return digest.hexdigest()
-
-
-def read_header(path):
-    """The validated header of a shard as a dict; ValueError saying what is wrong otherwise."""
-    size = os.path.getsize(path)
-    if size < HEADER_BYTES:
-        raise ValueError(f"{path}: truncated shard ({size} bytes, shorter than its {HEADER_BYTES}-byte header)")
-    header = np.fromfile(path, dtype="<i8", count=HEADER_INTS)
-    magic, version, itemsize, n_tokens, vocab_size, n_docs, bos_id = (int(x) for x in header[:7])
-    if magic != MAGIC:
-        raise ValueError(f"{path}: not a podgpt shard (bad magic {magic}, expected {MAGIC})")
-    if version != VERSION:
-        raise ValueError(f"{path}: unsupported shard version {version} (this code reads {VERSION}): "
-                         "rebuild it with this prepare.py --force")
-    if itemsize != token_dtype(vocab_size).itemsize:
-        raise ValueError(f"{path}: token itemsize {itemsize} does not fit vocab_size {vocab_size}")
-    if size != HEADER_BYTES + n_tokens * itemsize:
-        raise ValueError(f"{path}: {size} bytes, but its header promises {HEADER_BYTES + n_tokens * itemsize} "
-                         "(truncated or corrupt): rebuild with prepare.py --force")
-    return {"version": version, "dtype": token_dtype(vocab_size), "n_tokens": n_tokens,
-            "vocab_size": vocab_size, "n_docs": n_docs, "bos_id": bos_id}
-
-
-def open_shard(path):
-    """The tokens of a shard, memory-mapped read-only, after checking its header."""
-    header = read_header(path)
-    return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
-
-
-def load_manifest(data_dir):
-    """manifest.json of a prepared data_dir; ValueError with the fix when missing or unreadable."""
-    path = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no manifest.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is unreadable ({e}): rerun python prepare.py --data_dir={data_dir} --force")
-    version = manifest.get("format_version") if isinstance(manifest, dict) else None
-    if version != VERSION:
-        raise ValueError(f"{path} has format_version {version}, this code reads {VERSION}: "
-                         f"rerun python prepare.py --data_dir={data_dir} --force")
-    return manifest
 
 
 # -----------------------------------------------------------------------------

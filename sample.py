@@ -45,8 +45,8 @@ import configurator
 from prepare import load_tokenizer
 from export import finite, is_export, load_export, tokenizer_dir
 from model import param_counts
-from train import find_checkpoint, first_line, load_model
-from util import setup
+from train import find_checkpoint, load_model
+from util import first_line, setup
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir

@@ -47,9 +47,9 @@ import torch.distributed as dist
 import configurator
 from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, backend_unavailable, flops_per_token,
                    memory_estimate, param_counts, resolve_backend)
-from prepare import load_manifest, read_header
-from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, first_line, load_checkpoint, make_optimizer, save_checkpoint
-from util import resolve_device, setup, torchrun_env
+from data import load_manifest, read_header
+from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, load_checkpoint, make_optimizer, save_checkpoint
+from util import first_line, resolve_device, setup, torchrun_env
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here

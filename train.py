@@ -38,7 +38,6 @@ A run survives what a rented pod does to it:
   non-finite steps in a row roll back to the last checkpoint at half the learning rate.
 """
 
-import hashlib
 import json
 import math
 import os
@@ -60,11 +59,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from util import device_mesh, fail, setup
+from util import device_mesh, fail, first_line, setup
 from report import read_metrics, write_atomic, write_report
-from model import (GPT, RUNTIME_FIELDS, GPTConfig, first_line, flops_per_token, memory_estimate, param_counts,
+from model import (GPT, RUNTIME_FIELDS, GPTConfig, flops_per_token, memory_estimate, param_counts,
                    peak_flops, resolve_backend)
-from prepare import docs_file, load_manifest, open_shard, read_header
+from data import (Loader, document_hashes, load_manifest, rare_token_batch, rarest_tokens, tokenizer_fingerprint,
+                  unigram_baseline)
 
 # --- config
 # I/O
@@ -192,80 +192,6 @@ def check_config():
         fail(f"budget_file={budget_file} needs budget_usd, the cap its spend is checked against")
     if budget_file and not os.path.isfile(budget_file):
         fail(f"budget_file {budget_file} does not exist: start what writes it first, or leave budget_file empty")
-
-
-# -----------------------------------------------------------------------------
-# data
-
-class Loader:
-    """Windows of block_size+1 tokens (input and shifted target) over a split's shards.
-
-    Window i of shard s starts at token i*block_size. Training visits all windows in a
-    seeded random order per epoch (without replacement), and the order of epoch e is
-    a pure function of (seed, e). Sample k of the run is window order(k // n)[k % n],
-    so the loader's whole state is k, the number of samples consumed; validation
-    reads windows 0, 1, 2, ... in place.
-    """
-
-    def __init__(self, data_dir, split, manifest, block_size, seed):
-        self.block_size, self.seed = block_size, seed
-        self.shards = []
-        for s in manifest["splits"][split]["shards"]:
-            path = os.path.join(data_dir, s["file"])
-            try:
-                if read_header(path)["vocab_size"] != manifest["vocab_size"]:
-                    raise ValueError(f"{path}: vocab_size {read_header(path)['vocab_size']} in its header, "
-                                     f"{manifest['vocab_size']} in manifest.json")
-                self.shards.append(open_shard(path))
-            except ValueError as e:  # read_header's message names the shard; most also name the fix
-                fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
-            except OSError as e:
-                fail(f"cannot read shard {path} ({first_line(e)}): rebuild the data with prepare.py --force")
-        counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
-        self.starts = np.cumsum([0] + counts)
-        self.n = int(self.starts[-1])
-        if self.n == 0:
-            fail(f"the {split} split of {data_dir} has fewer than block_size+1 = {block_size + 1} tokens: "
-                 f"lower block_size or prepare more data")
-        self._epoch, self._order = None, None
-
-    def order(self, epoch):
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._order
-
-    def window(self, i):
-        s = int(np.searchsorted(self.starts, i, side="right")) - 1
-        start = int(i - self.starts[s]) * self.block_size
-        return self.shards[s][start:start + self.block_size + 1]
-
-    def batch(self, windows, device):
-        return to_device(np.stack([self.window(int(i)) for i in windows]), device)
-
-    def train_batch(self, first_sample, size, device):
-        samples = np.arange(first_sample, first_sample + size)
-        windows = [self.order(k // self.n)[k % self.n] for k in samples]
-        return self.batch(windows, device)
-
-
-def to_device(rows, device):
-    """(inputs, targets) from rows of block_size+1 tokens."""
-    rows = torch.from_numpy(rows.astype(np.int64))
-    if device.type == "cuda":
-        rows = rows.pin_memory().to(device, non_blocking=True)
-    return rows[:, :-1], rows[:, 1:]
-
-
-def rare_token_batch(rare, size, block_size, seed, device):
-    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill)."""
-    return to_device(np.random.default_rng(seed).choice(rare, size=(size, block_size + 1)), device)
-
-
-def rarest_tokens(counts):
-    """The rarest 1% of the token kinds that occur in training (at least 16 kinds)."""
-    seen = np.flatnonzero(counts)
-    return seen[np.argsort(counts[seen], kind="stable")][:max(16, len(seen) // 100)]
 
 
 # -----------------------------------------------------------------------------
@@ -545,15 +471,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def tokenizer_fingerprint(data_dir, manifest):
-    """CRC32s of the tokenizer files: two bpe:N tokenizers of different corpora differ here."""
-    crcs = []
-    for name in manifest["tokenizer_files"]:
-        with open(os.path.join(data_dir, name), "rb") as f:
-            crcs.append(f"{zlib.crc32(f.read()):08x}")
-    return f"{manifest['tokenizer']}:{'.'.join(crcs)}"
-
-
 # -----------------------------------------------------------------------------
 # helpers of the loop
 
@@ -618,15 +535,6 @@ def format_seconds(s):
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-def unigram_baseline(data_dir, manifest, val):
-    """Loss (nats/token) of predicting each validation token from the training tokens'
-    unigram frequencies (add-one smoothed): what a model that ignores context gets."""
-    counts = np.load(os.path.join(data_dir, manifest["token_counts"])).astype(np.float64) + 1.0
-    log_p = np.log(counts / counts.sum())
-    val_counts = sum(np.bincount(np.asarray(s), minlength=len(counts)) for s in val.shards)
-    return float(-(val_counts * log_p).sum() / val_counts.sum())
-
-
 def rewrite_metrics(path, last_step):
     """On resume: keep only the metrics lines of steps <= last_step (and drop a torn last line)."""
     if not os.path.exists(path):
@@ -669,15 +577,6 @@ MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA c
 
 def gate(name, verdict, value, threshold, detail):
     return dict(name=name, verdict=verdict, value=value, threshold=threshold, detail=detail)
-
-
-def document_hashes(data_dir, split):
-    """A 64-bit hash of every document of a split (the docs index beside each shard gives the boundaries)."""
-    for s in split["shards"]:
-        tokens = open_shard(os.path.join(data_dir, s["file"]))
-        starts = np.load(docs_file(os.path.join(data_dir, s["file"])))
-        for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
-            yield hashlib.blake2b(tokens[a:b].tobytes(), digest_size=8).digest()
 
 
 def memory_gate(config, world, mem_gb, dtype_bytes):

@@ -25,6 +25,12 @@ def fail(message):
     raise SystemExit(1)
 
 
+def first_line(e):
+    """An exception as one line, for messages that must stay one line ."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
 def torchrun_env():
     """(rank, local_rank, world_size) as torchrun sets them, or None outside torchrun."""
     if "RANK" not in os.environ:

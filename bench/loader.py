@@ -1,5 +1,5 @@
 """
-Can the data loader feed the GPU? train.Loader's tokens/s from a prepared data folder, in
+Can the data loader feed the GPU? data.Loader's tokens/s from a prepared data folder, in
 batches of the configured shape (micro_batch_size x block_size), onto the device, against
 what the GPU consumes.
 
@@ -20,8 +20,7 @@ import sys
 
 import common
 
-from prepare import load_manifest
-from train import Loader
+from data import Loader, load_manifest
 
 # --- config
 gpu_tokens_per_sec = 0.0        # tokens/s one GPU consumes (bench/mfu.py); 0: no comparison

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, run
-from prepare import docs_file, load_manifest, open_shard, write_shard
+from data import docs_file, load_manifest, open_shard
+from prepare import write_shard
 
 
 def preflight(out, *args, check=False):

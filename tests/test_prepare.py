@@ -17,6 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import data  # noqa: E402
 import prepare  # noqa: E402
 
 # documents with accents, CJK, emoji, \r\n, tabs and special-token text
@@ -93,11 +94,11 @@ def smallest_hash_split(texts, n_tokens, val_fraction, min_tokens):
 
 def decode_split(data_dir, split):
     """The documents of a split, cut at BOS by the .docs.npy index and decoded strictly."""
-    manifest = prepare.load_manifest(data_dir)
+    manifest = data.load_manifest(data_dir)
     tok = prepare.load_tokenizer(data_dir)
     docs = []
     for shard in manifest["splits"][split]["shards"]:
-        tokens = prepare.open_shard(os.path.join(data_dir, shard["file"]))
+        tokens = data.open_shard(os.path.join(data_dir, shard["file"]))
         starts = np.load(os.path.join(data_dir, shard["docs_file"]))
         assert len(tokens) == shard["tokens"] and len(starts) == shard["docs"]
         assert (tokens[starts] == tok.bos_id).all() and (tokens == tok.bos_id).sum() == len(starts)
@@ -128,14 +129,14 @@ def test_round_trip_every_tokenizer(spec, corpus, tmp_path, monkeypatch):
     assert val == [d for d in CORPUS_DOCS if expected_val(d, 0.2)]
     assert val and not set(train) & set(val)
 
-    manifest = prepare.load_manifest(out)
+    manifest = data.load_manifest(out)
     tok = prepare.load_tokenizer(out)
     assert manifest["tokenizer"] == tok.spec == spec
     assert manifest["bos_id"] == tok.bos_id == tok.vocab_size - 1 == manifest["vocab_size"] - 1
     assert manifest["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in val)
     for split in manifest["splits"].values():  # a shard closes with the document that fills it
         for shard in split["shards"][:-1]:
-            header = prepare.read_header(os.path.join(out, shard["file"]))
+            header = data.read_header(os.path.join(out, shard["file"]))
             assert header["n_tokens"] >= 300 and header["n_docs"] == shard["docs"]
     assert len(manifest["splits"]["train"]["shards"]) > 1
     counts = np.load(out / manifest["token_counts"])
@@ -166,17 +167,17 @@ def test_shard_header_is_validated(tmp_path):
     sha = prepare.write_shard(path, tokens, 257, 256, [0, 3])
     raw = open(path, "rb").read()
     assert sha == hashlib.sha256(raw).hexdigest() and len(raw) == 1024 + 2 * len(tokens)
-    assert prepare.read_header(path) | {"dtype": None} == {
+    assert data.read_header(path) | {"dtype": None} == {
         "version": 1, "dtype": None, "n_tokens": 6, "vocab_size": 257, "n_docs": 2, "bos_id": 256}
-    shard = prepare.open_shard(path)
+    shard = data.open_shard(path)
     assert shard.dtype == np.uint16 and shard.tolist() == tokens
-    assert np.load(prepare.docs_file(path)).tolist() == [0, 3]
+    assert np.load(data.docs_file(path)).tolist() == [0, 3]
 
-    def corrupt(data, match):
+    def corrupt(content, match):
         bad = str(tmp_path / "bad.bin")
-        open(bad, "wb").write(data)
+        open(bad, "wb").write(content)
         with pytest.raises(ValueError, match=match):
-            prepare.open_shard(bad)
+            data.open_shard(bad)
 
     header = np.frombuffer(raw[:1024], dtype="<i8").copy()
     corrupt(np.array([1234] + [0] * 127, dtype="<i8").tobytes() + raw[1024:], "bad magic")
@@ -187,13 +188,13 @@ def test_shard_header_is_validated(tmp_path):
 
     big = str(tmp_path / "val_000000.bin")
     prepare.write_shard(big, [70000, 69999, 5], 70001, 70000, [0])
-    assert prepare.open_shard(big).dtype == np.uint32 and prepare.open_shard(big).tolist() == [70000, 69999, 5]
+    assert data.open_shard(big).dtype == np.uint32 and data.open_shard(big).tolist() == [70000, 69999, 5]
     with pytest.raises(ValueError, match="starting with bos_id"):
         prepare.write_shard(big, [1, 256], 257, 256, [0])
     with pytest.raises(ValueError, match="must lie in"):
         prepare.write_shard(big, [256, 300], 257, 256, [0])
     with pytest.raises(ValueError, match="no manifest.json in"):
-        prepare.load_manifest(tmp_path)
+        data.load_manifest(tmp_path)
 
 
 def snapshot(folder):
@@ -211,14 +212,14 @@ def test_workers_do_not_change_the_output(corpus, tmp_path, capsys):
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
     assert one == two and len(one) > 8
     train, val = decode_split(outs[0], "train"), decode_split(outs[0], "val")
-    assert prepare.load_manifest(outs[0])["splits"]["val"]["tokens"] >= 300
+    assert data.load_manifest(outs[0])["splits"]["val"]["tokens"] >= 300
     assert max(map(doc_hash, val)) < min(map(doc_hash, train))  # the smallest hashes, whole documents
     between = (max(map(doc_hash, val)) + min(map(doc_hash, train))) / 2 / 2**64
     single = tmp_path / "single"
     assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={single}", f"--val_fraction={between!r}",
                "--min_val_tokens=0", "--shard_tokens=200") == 0
     assert "tokenizing again" not in capsys.readouterr().out
-    assert prepare.load_manifest(single)["fingerprint"] == prepare.load_manifest(outs[0])["fingerprint"]
+    assert data.load_manifest(single)["fingerprint"] == data.load_manifest(outs[0])["fingerprint"]
 
 
 def test_rerun_reuses_and_force_rebuilds(corpus, tmp_path, capsys):
@@ -236,11 +237,11 @@ def test_rerun_reuses_and_force_rebuilds(corpus, tmp_path, capsys):
     assert all(after[k][0] != before[k][0] for k in after)  # every file written anew
     assert run(*args, "--min_chars=40") == 0  # other arguments: rebuilt, fewer documents
     assert "reusing" not in capsys.readouterr().out
-    assert prepare.load_manifest(out)["prepare_args"]["min_chars"] == 40
+    assert data.load_manifest(out)["prepare_args"]["min_chars"] == 40
     shard = out / "train_000000.bin"
     shard.write_bytes(shard.read_bytes()[:-2])  # a damaged shard is not reused
     assert run(*args, "--min_chars=40") == 0
-    assert "reusing" not in capsys.readouterr().out and prepare.read_header(shard)
+    assert "reusing" not in capsys.readouterr().out and data.read_header(shard)
 
 
 def stdlib_files():
@@ -262,7 +263,7 @@ def test_stdlib_source_max_docs_and_min_chars(tmp_path):
     assert run(f"--data_dir={out}", "--max_docs=12", "--val_fraction=0", "--min_chars=5000") == 0
     long_docs = decode_split(out, "train")
     assert long_docs == [t for t in files if len(t) >= 5000][:12]
-    assert "stdlib" in prepare.load_manifest(out)["source"]
+    assert "stdlib" in data.load_manifest(out)["source"]
 
 
 def test_split_paragraphs_makes_documents_of_one_big_text_file(tmp_path):
@@ -287,7 +288,7 @@ def test_embedded_default_holds_out_a_real_validation_set(tmp_path):
     r = subprocess.run([sys.executable, "prepare.py", "config/tiny.py", f"--data_dir={out}"], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    splits = prepare.load_manifest(out)["splits"]
+    splits = data.load_manifest(out)["splits"]
     train, val = splits["train"], splits["val"]
     total = train["tokens"] + val["tokens"]
     windows = sum((shard["tokens"] - 1) // config["block_size"] for shard in val["shards"])  # as train.py's Loader
@@ -318,7 +319,7 @@ def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_pa
         assert decode_split(out, "train") == [d for d in docs if d not in held_out]
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
     assert one == two
-    val = prepare.load_manifest(outs[0])["splits"]["val"]
+    val = data.load_manifest(outs[0])["splits"]["val"]
     assert val["docs"] == len(held_out) and val["tokens"] == sum(len(d.encode()) + 1 for d in held_out) >= 500
     assert f"validation: {len(held_out):,} documents, {val['tokens']:,} tokens (" in printed
 
@@ -335,7 +336,7 @@ def test_too_small_a_corpus_for_min_val_tokens_is_refused(corpus, tmp_path):
         assert "lower --min_val_tokens" in line and "--max_docs" in line
         assert not out.exists() and not Path(f"{out}.tmp").exists()
     assert run(f"--source={corpus}", f"--data_dir={out}", f"--min_val_tokens={total // 4}") == 0
-    val = prepare.load_manifest(out)["splits"]["val"]
+    val = data.load_manifest(out)["splits"]["val"]
     assert total // 4 <= val["tokens"] < total / 2
     assert run(f"--source={corpus}", f"--data_dir={out}", "--val_fraction=0") == 0  # no validation, no minimum
     assert decode_split(out, "val") == [] and len(decode_split(out, "train")) == len(CORPUS_DOCS)
@@ -477,7 +478,7 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     args = ["--source=fineweb-edu-10bt", "--max_shards=1", f"--data_dir={out}", f"--download_dir={cache}",
             "--val_fraction=0.2", "--min_val_tokens=0"]
     assert run(*args) == 0
-    manifest = prepare.load_manifest(out)
+    manifest = data.load_manifest(out)
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == len(rows)
     assert sorted(decode_split(out, "train") + decode_split(out, "val")) == sorted(rows)
     assert "1 of 14 files" in manifest["source"] and len(server.log) == 1
@@ -516,8 +517,8 @@ def test_bad_files_and_splits_are_errors(tmp_path, capsys):
         "y.parquet": (parquet_bytes(["t"], column="content"), "no column 'text'"),
         "z.parquet": (b"PAR1 not really parquet", "cannot read"),
     }
-    for name, (data, message) in cases.items():
-        (tmp_path / name).write_bytes(data)
+    for name, (content, message) in cases.items():
+        (tmp_path / name).write_bytes(content)
         assert run(f"--source={tmp_path / name}", f"--data_dir={out}") == 1
         assert message in error_line(capsys.readouterr().err)
         assert not out.exists() and not Path(f"{out}.tmp").exists()

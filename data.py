@@ -1,0 +1,178 @@
+"""
+The read side of prepared data, shared by train.py, sanity.py and bench/: the shard and manifest
+format that prepare.py writes, the Loader that turns shards into batches, the fingerprints that tie
+a checkpoint to its data and tokenizer, and the unigram baseline a model's loss is measured against.
+
+A shard is a 128-int64 little-endian header (magic, version, token itemsize, tokens, vocab_size,
+documents, bos_id) followed by the tokens; beside it, NAME.docs.npy holds the token offset at
+which each document (each a BOS token, then its text) starts.
+"""
+
+import hashlib
+import json
+import os
+import zlib
+
+import numpy as np
+import torch
+
+from util import fail, first_line
+
+MAGIC = 20240520  # first int64 of every shard
+VERSION = 1  # shard and manifest format version
+HEADER_INTS = 128
+HEADER_BYTES = HEADER_INTS * 8
+
+
+def token_dtype(vocab_size):
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def docs_file(shard_file):
+    """The document index beside a shard: train_000000.bin -> train_000000.docs.npy."""
+    return shard_file[: -len(".bin")] + ".docs.npy"
+
+
+def read_header(path):
+    """The validated header of a shard as a dict; ValueError saying what is wrong otherwise."""
+    size = os.path.getsize(path)
+    if size < HEADER_BYTES:
+        raise ValueError(f"{path}: truncated shard ({size} bytes, shorter than its {HEADER_BYTES}-byte header)")
+    header = np.fromfile(path, dtype="<i8", count=HEADER_INTS)
+    magic, version, itemsize, n_tokens, vocab_size, n_docs, bos_id = (int(x) for x in header[:7])
+    if magic != MAGIC:
+        raise ValueError(f"{path}: not a podgpt shard (bad magic {magic}, expected {MAGIC})")
+    if version != VERSION:
+        raise ValueError(f"{path}: unsupported shard version {version} (this code reads {VERSION}): "
+                         "rebuild it with this prepare.py --force")
+    if itemsize != token_dtype(vocab_size).itemsize:
+        raise ValueError(f"{path}: token itemsize {itemsize} does not fit vocab_size {vocab_size}")
+    if size != HEADER_BYTES + n_tokens * itemsize:
+        raise ValueError(f"{path}: {size} bytes, but its header promises {HEADER_BYTES + n_tokens * itemsize} "
+                         "(truncated or corrupt): rebuild with prepare.py --force")
+    return {"version": version, "dtype": token_dtype(vocab_size), "n_tokens": n_tokens,
+            "vocab_size": vocab_size, "n_docs": n_docs, "bos_id": bos_id}
+
+
+def open_shard(path):
+    """The tokens of a shard, memory-mapped read-only, after checking its header."""
+    header = read_header(path)
+    return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES, shape=(header["n_tokens"],))
+
+
+def load_manifest(data_dir):
+    """manifest.json of a prepared data_dir; ValueError with the fix when missing or unreadable."""
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"no manifest.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e}): rerun python prepare.py --data_dir={data_dir} --force")
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != VERSION:
+        raise ValueError(f"{path} has format_version {version}, this code reads {VERSION}: "
+                         f"rerun python prepare.py --data_dir={data_dir} --force")
+    return manifest
+
+
+def document_hashes(data_dir, split):
+    """A 64-bit hash of every document of a split (the docs index beside each shard gives the boundaries)."""
+    for s in split["shards"]:
+        tokens = open_shard(os.path.join(data_dir, s["file"]))
+        starts = np.load(docs_file(os.path.join(data_dir, s["file"])))
+        for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
+            yield hashlib.blake2b(tokens[a:b].tobytes(), digest_size=8).digest()
+
+
+def tokenizer_fingerprint(data_dir, manifest):
+    """CRC32s of the tokenizer files: two bpe:N tokenizers of different corpora differ here."""
+    crcs = []
+    for name in manifest["tokenizer_files"]:
+        with open(os.path.join(data_dir, name), "rb") as f:
+            crcs.append(f"{zlib.crc32(f.read()):08x}")
+    return f"{manifest['tokenizer']}:{'.'.join(crcs)}"
+
+
+def unigram_baseline(data_dir, manifest, val):
+    """Loss (nats/token) of predicting each validation token from the training tokens'
+    unigram frequencies (add-one smoothed): what a model that ignores context gets."""
+    counts = np.load(os.path.join(data_dir, manifest["token_counts"])).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    val_counts = sum(np.bincount(np.asarray(s), minlength=len(counts)) for s in val.shards)
+    return float(-(val_counts * log_p).sum() / val_counts.sum())
+
+
+# -----------------------------------------------------------------------------
+# batches
+
+class Loader:
+    """Windows of block_size+1 tokens (input and shifted target) over a split's shards.
+
+    Window i of shard s starts at token i*block_size. Training visits all windows in a
+    seeded random order per epoch (without replacement), and the order of epoch e is
+    a pure function of (seed, e). Sample k of the run is window order(k // n)[k % n],
+    so the loader's whole state is k, the number of samples consumed; validation
+    reads windows 0, 1, 2, ... in place.
+    """
+
+    def __init__(self, data_dir, split, manifest, block_size, seed):
+        self.block_size, self.seed = block_size, seed
+        self.shards = []
+        for s in manifest["splits"][split]["shards"]:
+            path = os.path.join(data_dir, s["file"])
+            try:
+                if read_header(path)["vocab_size"] != manifest["vocab_size"]:
+                    raise ValueError(f"{path}: vocab_size {read_header(path)['vocab_size']} in its header, "
+                                     f"{manifest['vocab_size']} in manifest.json")
+                self.shards.append(open_shard(path))
+            except ValueError as e:  # read_header's message names the shard; most also name the fix
+                fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
+            except OSError as e:
+                fail(f"cannot read shard {path} ({first_line(e)}): rebuild the data with prepare.py --force")
+        counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
+        self.starts = np.cumsum([0] + counts)
+        self.n = int(self.starts[-1])
+        if self.n == 0:
+            fail(f"the {split} split of {data_dir} has fewer than block_size+1 = {block_size + 1} tokens: "
+                 f"lower block_size or prepare more data")
+        self._epoch, self._order = None, None
+
+    def order(self, epoch):
+        if epoch != self._epoch:
+            self._epoch = epoch
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._order
+
+    def window(self, i):
+        s = int(np.searchsorted(self.starts, i, side="right")) - 1
+        start = int(i - self.starts[s]) * self.block_size
+        return self.shards[s][start:start + self.block_size + 1]
+
+    def batch(self, windows, device):
+        return to_device(np.stack([self.window(int(i)) for i in windows]), device)
+
+    def train_batch(self, first_sample, size, device):
+        samples = np.arange(first_sample, first_sample + size)
+        windows = [self.order(k // self.n)[k % self.n] for k in samples]
+        return self.batch(windows, device)
+
+
+def to_device(rows, device):
+    """(inputs, targets) from rows of block_size+1 tokens."""
+    rows = torch.from_numpy(rows.astype(np.int64))
+    if device.type == "cuda":
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    return rows[:, :-1], rows[:, 1:]
+
+
+def rare_token_batch(rare, size, block_size, seed, device):
+    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill)."""
+    return to_device(np.random.default_rng(seed).choice(rare, size=(size, block_size + 1)), device)
+
+
+def rarest_tokens(counts):
+    """The rarest 1% of the token kinds that occur in training (at least 16 kinds)."""
+    seen = np.flatnonzero(counts)
+    return seen[np.argsort(counts[seen], kind="stable")][:max(16, len(seen) // 100)]
