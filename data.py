@@ -1,7 +1,8 @@
 """
-The read side of prepared data, shared by train.py, sanity.py and bench/: the shard and manifest
-format that prepare.py writes, the Loader that turns shards into batches, the fingerprints that tie
-a checkpoint to its data and tokenizer, and the unigram baseline a model's loss is measured against.
+The read side of prepared data, shared by train.py, sanity.py, bench/ and prepare.py (which
+writes it): the shard and manifest format, the Loader that turns shards into batches, the
+fingerprints that tie a checkpoint to its data and tokenizer, and the unigram baseline a model's
+loss is measured against.
 
 A shard is a 128-int64 little-endian header (magic, version, token itemsize, tokens, vocab_size,
 documents, bos_id) followed by the tokens; beside it, NAME.docs.npy holds the token offset at

@@ -990,14 +990,14 @@ def main(argv, keep_group=False):
         return dict(zip(("model", "optimizer"), get_state_dict(raw_model, optimizer), strict=True))
 
     def restore(ckpt):
-        if "state" in ckpt or fsdp:  # see shard_model
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict, set_state_dict)
         if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
+            from torch.distributed.checkpoint.state_dict import set_state_dict  # see shard_model
             sd = sharded_state()
             load_sharded(sd, ckpt["state"])
             set_state_dict(raw_model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
         elif fsdp:  # a ddp checkpoint: every rank holds it whole and keeps its shard
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
             full = StateDictOptions(full_state_dict=True)
             set_model_state_dict(raw_model, ckpt["model"], options=full)
             set_optimizer_state_dict(raw_model, optimizer, optimizer_by_name(raw_model, optimizer, ckpt["optimizer"]),

@@ -27,9 +27,9 @@ def pytest_xdist_auto_num_workers(config):
 
 def shared(tmp_path_factory, name, build):
     """The folder `name`, made by build(folder) once per test session and only read by the tests.
-    pytest.ini runs the tests on several processes (pytest-xdist, one per core), each with its own fixtures: the
-    first one to ask for a costly shared fixture (a trained run, the run.sh pipeline) builds it while
-    the other waits on a lock, then reuses the folder instead of training it a second time."""
+    pytest.ini runs the tests on several processes (pytest-xdist, one per core), each with its own
+    fixtures: the first one to ask for a costly shared fixture (a trained run, the run.sh pipeline)
+    builds it while the others wait on a lock, then they reuse the folder instead of building it again."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # this session's folder, which holds every worker's own
