@@ -23,22 +23,37 @@ then applied left to right:
   `--flag` alone means `--flag=True` for a boolean key;
 - `--help` lists every key with its default and comment.
 
-Any mistake gives one line naming the problem and the fix, and exit status 2.
+Any mistake is a ConfigError: one line naming the problem and the fix, and exit status 2 (the
+script's top level prints it, util.run_main).
 """
 
 import ast
 import difflib
 import io
 import os
-import sys
 import tokenize
+
+from util import Error
 
 BEGIN, END = "# --- config", "# --- end config"
 SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py")
 
 
-class ConfigError(Exception):
-    pass
+class ConfigError(Error):
+    """A mistake in a config file or --key=val: exit status 2."""
+
+    def __init__(self, message):
+        super().__init__(message, code=2)
+
+
+class Config(dict):
+    """The resolved config: config["key"] or config.key."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
 
 
 def read_defaults(path):
@@ -148,8 +163,9 @@ def help_text(prog, defaults):
     return "\n".join(rows)
 
 
-def parse(script_path, argv):
-    """The resolved config dict; ConfigError on any mistake, SystemExit(0) after --help."""
+def configure(script_path, argv):
+    """The resolved Config; ConfigError on any mistake (the script's top level prints it: util.run_main),
+    SystemExit(0) after --help."""
     defaults = read_defaults(script_path)
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(os.path.basename(script_path), defaults))
@@ -164,13 +180,4 @@ def parse(script_path, argv):
         else:
             foreign = foreign_keys(script_path) if foreign is None else foreign
             apply_file(arg, config, defaults, foreign)
-    return config
-
-
-def configure(script_path, argv):
-    """parse(), but a mistake prints one line and exits with status 2."""
-    try:
-        return parse(script_path, argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
+    return Config(config)

@@ -75,7 +75,8 @@ fi
 TRAIN_ARGS=("$@")
 [[ -n ${DATA_DIR:-} ]] && TRAIN_ARGS+=("--data_dir=$DATA_DIR")
 # the run's out_dir as train.py resolves it from the config and the overrides
-OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator; print(configurator.parse("train.py", sys.argv[1:])["out_dir"])' \
+OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
+util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
 
 # How torchrun is launched. Several nodes use the static rendezvous (--node_rank, --master_addr,

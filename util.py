@@ -1,14 +1,19 @@
 """
-What every podgpt script shares below the model: the one error exit, and the one device and
-process-group setup (train.py, sanity.py, sample.py and its server, export.py, bench/).
+What every podgpt script shares below the model: the one error type and exit, atomic writes,
+dtype names, peak memory, and the one device and process-group setup (train.py, sanity.py,
+sample.py and its server, export.py, prepare.py, bench/).
 
 The device a process runs on is always an indexed one: cuda:LOCAL_RANK under torchrun, cuda:0
 otherwise, or the CPU. device=cpu means the CPU all the way down, also on a machine with GPUs:
 gloo for the process group, a CPU mesh for FSDP, and no call into CUDA at all.
 """
 
+import json
 import os
+import resource
+import subprocess
 import sys
+from contextlib import nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -19,16 +24,103 @@ from torch.distributed.device_mesh import DeviceMesh
 DEVICES = "auto, cpu, cuda, cuda:N"
 
 
-def fail(message):
+class Error(Exception):
+    """podgpt's own error: one line that names the problem and the fix, and the exit status it
+    ends the script with. A script's top level (run_main) prints it; only a script that carries on
+    past one catches it (sanity.py reports a device it cannot have as a failed check)."""
+
+    def __init__(self, message, code=1):
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message, code=1):
     """Stop with one line that names the problem and the fix."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(1)
+    raise Error(message, code)
+
+
+def run_main(main, argv):
+    """A script's top level: run main(argv), print podgpt's Error as one line, exit with main's
+    status (None: 0) or the error's."""
+    try:
+        code = main(argv)
+    except Error as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = e.code
+    exit_worker(code or 0)
+
+
+def exit_worker(code):
+    """Exit with `code`. A torchrun worker skips the interpreter's teardown: destroying the process
+    group's leftover C++ threads there aborts the process now and then ("terminate called without an
+    active exception"), which torchrun reports as a failed job."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "RANK" in os.environ:
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def first_line(e):
     """An exception as one line, for messages that must stay one line ."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def is_master():
+    """Rank 0 of a torchrun job, or a process on its own: the one that prints and writes the run's files."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def log(*args, **kwargs):
+    if is_master():
+        print(*args, **kwargs)
+
+
+def warn(message):
+    if is_master():
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def format_seconds(s):
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def write_atomic(path, text):
+    """Whole file or none: a reader (or a crash) never sees half a report."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    write_atomic(path, json.dumps(obj, indent=1))
+
+
+def compute_dtype(name, dev):
+    """The torch dtype of `dtype=name` on dev: auto is bfloat16 on a GPU that has it, else float32."""
+    if name == "auto":
+        name = "bfloat16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    if name not in ("float32", "bfloat16", "float16"):
+        fail(f"dtype={name!r} is not one of auto, float32, bfloat16, float16")
+    return getattr(torch, name)
+
+
+def dtype_name(dt):
+    return str(dt).removeprefix("torch.")
+
+
+def autocast(dev, dt):
+    """Mixed precision in dt, or nothing in float32."""
+    return nullcontext() if dt == torch.float32 else torch.autocast(dev.type, dtype=dt)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
 def torchrun_env():
@@ -96,3 +188,21 @@ def device_mesh(dev):
     mesh is CUDA's wherever a GPU exists, so a CPU run on a GPU machine would put rank 1 on a cuda:1 that may
     not exist; and a new mesh of CPU type there adds an NCCL backend to a gloo run.)"""
     return DeviceMesh.from_group(dist.group.WORLD, dev.type)
+
+
+def driver_version():
+    """The NVIDIA driver's version, which torch does not report, from nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=60).stdout
+        return out.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown (no nvidia-smi)"
+
+
+def mean_over_ranks(value, distributed, device):
+    t = torch.tensor(float(value), device=device)
+    if distributed:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return t.item()

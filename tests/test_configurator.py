@@ -12,7 +12,7 @@ TRAIN = os.path.join(ROOT, "train.py")
 
 
 def parse(*argv):
-    return configurator.parse(TRAIN, list(argv))
+    return configurator.configure(TRAIN, list(argv))
 
 
 def test_defaults_and_overrides(tmp_path):
@@ -80,4 +80,4 @@ def test_help_lists_every_key_with_default_and_comment():
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(ROOT, "config"))))
 def test_every_config_file_is_valid_for_every_script(name):
     for script in configurator.SCRIPTS:
-        configurator.parse(os.path.join(ROOT, script), [os.path.join(ROOT, "config", name)])
+        configurator.configure(os.path.join(ROOT, script), [os.path.join(ROOT, "config", name)])

@@ -67,7 +67,7 @@ def test_padded_vocabulary_is_never_sampled():
 
 
 def load_model_config(name):
-    cfg = configurator.parse(os.path.join(ROOT, "train.py"), [os.path.join(ROOT, "config", name)])
+    cfg = configurator.configure(os.path.join(ROOT, "train.py"), [os.path.join(ROOT, "config", name)])
     vocab = {"a100_50m.py": 50257, "h200_1b_ddp8.py": 32768, "h100_d64.py": 32}[name]
     return GPTConfig(vocab_size=vocab, block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
                      n_kv_head=cfg["n_kv_head"], n_embd=cfg["n_embd"], ffn_hidden=cfg["ffn_hidden"],
