@@ -78,13 +78,45 @@ def load_manifest(data_dir):
     return manifest
 
 
+def check_prepared(data_dir, manifest, vocab_size):
+    """Stop with one line when data_dir lacks a file its manifest lists, or holds tokens a model of
+    vocab_size (None: the data's) cannot embed. The shards themselves are checked as Loader opens them."""
+    for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
+        if not os.path.isfile(os.path.join(data_dir, name)):
+            fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with prepare.py --force")
+    if vocab_size is not None and vocab_size < manifest["vocab_size"]:
+        fail(f"vocab_size={vocab_size} but {data_dir} was tokenized with {manifest['tokenizer']} "
+             f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
+
+
+def token_hash(tokens):
+    """A document's 64-bit hash: blake2b of its tokens' bytes as a shard stores them (the shard's dtype)."""
+    return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).digest(), "little")
+
+
 def document_hashes(data_dir, split):
-    """A 64-bit hash of every document of a split (the docs index beside each shard gives the boundaries)."""
+    """token_hash of every document of a split (the docs index beside each shard gives the boundaries)."""
     for s in split["shards"]:
         tokens = open_shard(os.path.join(data_dir, s["file"]))
         starts = np.load(docs_file(os.path.join(data_dir, s["file"])))
         for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
-            yield hashlib.blake2b(tokens[a:b].tobytes(), digest_size=8).digest()
+            yield token_hash(tokens[a:b])
+
+
+def shared_documents(train_hashes, val_hashes):
+    """(how many training documents are also validation documents, how many validation documents), by hash."""
+    val = set(val_hashes)
+    return sum(h in val for h in train_hashes), len(val_hashes)
+
+
+def contamination(data_dir, manifest):
+    """shared_documents of the data: as prepare.py counted it while writing the shards (the manifest's
+    "contamination"), or, for a manifest of an older prepare.py without it, by hashing every document
+    here, a pass over the whole corpus at each call: prepare.py --force rebuilds the data with the count."""
+    if "contamination" in manifest:
+        return manifest["contamination"]["train_docs_in_val"], manifest["contamination"]["val_documents"]
+    splits = manifest["splits"]
+    return shared_documents(document_hashes(data_dir, splits["train"]), list(document_hashes(data_dir, splits["val"])))
 
 
 def tokenizer_fingerprint(data_dir, manifest):

@@ -29,6 +29,8 @@ Output in data_dir, built in data_dir.tmp and swapped into place when complete:
 - train_counts.npy: int64[vocab_size] unigram counts of the train split, BOS included.
 - manifest.json: tokenizer, counts per split, shards with sha256, source, the arguments
   that determine the output, and a fingerprint of it all. load_manifest() reads it.
+  Its "contamination" counts the training documents whose tokens are also a validation
+  document's (data.token_hash), so that train.py's check needs no pass over the corpus.
 Validation is whole documents, those with the smallest hashes of their text: val_fraction
 of them, and more while they hold fewer than min_val_tokens tokens (found at the end of the
 pass, then the documents are tokenized again: only a small corpus needs that). The split
@@ -36,6 +38,7 @@ depends on the set of documents alone, so the output is the same for any number 
 workers, and duplicate documents always land in the same split.
 """
 
+import array
 import base64
 import collections
 import difflib
@@ -56,7 +59,9 @@ import urllib.parse
 import numpy as np
 
 import configurator
-from data import HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, token_dtype
+from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents, token_dtype,
+                  token_hash)
+from util import fail, run_main
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
@@ -101,10 +106,6 @@ HF_PRESETS = {
 PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
-
-
-class PrepareError(Exception):
-    """A problem with the input or the arguments: printed as one 'error: ...' line."""
 
 
 # -----------------------------------------------------------------------------
@@ -176,13 +177,13 @@ class Tokenizer:
 
 
 def parse_spec(spec):
-    """("byte" | "char" | "gpt2" | "bpe", N) for a tokenizer spec, or PrepareError."""
+    """("byte" | "char" | "gpt2" | "bpe", N) for a tokenizer spec; fails on any other."""
     if spec in ("byte", "char", "gpt2"):
         return spec, None
     name, _, n = spec.partition(":")
     if name == "bpe" and n.isdigit() and int(n) > 256:
         return "bpe", int(n)
-    raise PrepareError(f"unknown tokenizer '{spec}': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)")
+    fail(f"unknown tokenizer '{spec}': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)")
 
 
 def read_ranks(path):
@@ -208,18 +209,18 @@ def gpt2_ranks():
     path = os.environ.get("PODGPT_GPT2_TIKTOKEN")
     if path:
         if not os.path.isfile(path):
-            raise PrepareError(f"PODGPT_GPT2_TIKTOKEN={path}: no such file")
+            fail(f"PODGPT_GPT2_TIKTOKEN={path}: no such file")
         ranks = read_ranks(path)
     else:
         import tiktoken
         try:
             enc = tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
         except Exception as e:  # network errors come in many types
-            raise PrepareError(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
-                               "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
+            fail(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
+                 "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
         ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_RANKS)}
     if sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        raise PrepareError(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
+        fail(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
     return ranks
 
 
@@ -333,19 +334,19 @@ def resolve_sources(spec, max_shards, sha256, split_paragraphs):
         elif os.path.isfile(part) or os.path.isdir(part):
             files = walk(part, SOURCE_EXTS) if os.path.isdir(part) else [part]
             if not files:
-                raise PrepareError(f"no {'/'.join(SOURCE_EXTS)} files under {part}")
+                fail(f"no {'/'.join(SOURCE_EXTS)} files under {part}")
             parts.append(f"{part} ({len(files)} files)")
             inputs += [(f, split_paragraphs) for f in files]
         else:
             close = difflib.get_close_matches(part, PRESETS, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (presets: {', '.join(PRESETS)})"
-            raise PrepareError(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder{hint}")
+            fail(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder{hint}")
     for location, _ in inputs:  # know before any download or tokenizing that every input can be read
         if not (urllib.parse.urlsplit(location).path if is_url(location) else location).lower().endswith(SOURCE_EXTS):
-            raise PrepareError(f"{location}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
+            fail(f"{location}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
     if sha256 and not (len(inputs) == 1 and is_url(inputs[0][0])):
-        raise PrepareError("--sha256 checks a single-URL source; this source has "
-                           f"{len(inputs)} inputs: drop --sha256 or give one URL")
+        fail(f"--sha256 checks a single-URL source; this source has {len(inputs)} inputs: "
+             "drop --sha256 or give one URL")
     return inputs, " + ".join(parts)
 
 
@@ -361,10 +362,10 @@ def read_documents(path, text_field, split_paragraphs):
                     try:
                         text = json.loads(line)[text_field]
                     except (ValueError, KeyError, TypeError):
-                        raise PrepareError(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
-                                           "(set --text_field)") from None
+                        fail(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
+                             "(set --text_field)")
                     if not isinstance(text, str):
-                        raise PrepareError(f"{path}:{line_no}: field '{text_field}' is not a string (set --text_field)")
+                        fail(f"{path}:{line_no}: field '{text_field}' is not a string (set --text_field)")
                     # \ud800-style escapes can make lone surrogates, which are not valid UTF-8
                     yield text.encode("utf-8", errors="replace").decode("utf-8")
         elif ext == ".parquet":
@@ -377,27 +378,27 @@ def read_documents(path, text_field, split_paragraphs):
             else:
                 yield text
     except OSError as e:
-        raise PrepareError(f"cannot read {path}: {e.strerror or e}")
+        fail(f"cannot read {path}: {e.strerror or e}")
 
 
 def read_parquet(path, text_field):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise PrepareError("pyarrow is needed for .parquet sources: pip install pyarrow") from None
+        fail("pyarrow is needed for .parquet sources: pip install pyarrow")
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow reports a corrupt file as ArrowInvalid, OSError or others
-        raise PrepareError(f"cannot read {path} as parquet: {e}") from None
+        fail(f"cannot read {path} as parquet: {e}")
     if text_field not in pf.schema_arrow.names:
-        raise PrepareError(f"{path} has no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}; "
-                           "set --text_field)")
+        fail(f"{path} has no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}; "
+             "set --text_field)")
     for i in range(pf.num_row_groups):  # a row group at a time: shards can be bigger than memory
         for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
             if text is None:
                 continue
             if not isinstance(text, str):
-                raise PrepareError(f"{path}: column '{text_field}' holds {type(text).__name__}, not text")
+                fail(f"{path}: column '{text_field}' holds {type(text).__name__}, not text")
             yield text
 
 
@@ -489,11 +490,11 @@ def download(url, download_dir, sha256=""):
                 status = e.response.status_code if e.response is not None else None
                 reason = f"HTTP {status}" if status else type(e).__name__
                 if status is not None and status < 500 and status not in (408, 416, 429):
-                    raise PrepareError(f"cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks "
-                                       "the Hugging Face mirror)") from None
+                    fail(f"cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks "
+                         "the Hugging Face mirror)")
                 if attempt == RETRIES:
-                    raise PrepareError(f"cannot download {url} after {RETRIES} attempts ({reason}): check the "
-                                       "network and rerun, it resumes") from None
+                    fail(f"cannot download {url} after {RETRIES} attempts ({reason}): check the "
+                         "network and rerun, it resumes")
                 wait = BACKOFF * 2 ** (attempt - 1)
                 print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s",
                       file=sys.stderr)
@@ -507,8 +508,7 @@ def download(url, download_dir, sha256=""):
         actual = digest.hexdigest()
         if actual != sha256.lower():
             os.remove(path)
-            raise PrepareError(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): "
-                               "check --sha256 or the URL")
+            fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
     return path
 
 
@@ -569,8 +569,11 @@ def encode_all(docs, n_workers, tok_dir):
 
 def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
     """Pack encoded documents into shards per split (validation: hash below threshold), each also
-    added to `smallest`, a SmallestHashes; returns the manifest's splits and train unigram counts."""
+    added to `smallest`, a SmallestHashes; returns the manifest's splits, train unigram counts and
+    contamination. The split keeps duplicate texts together, yet the count is of the tokens written."""
     splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "shards": []} for name in ("train", "val")}
+    # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
+    hashes = {name: array.array("Q") for name in splits}
     filling = {name: [] for name in splits}  # documents of the shard being filled
     filled = dict.fromkeys(splits, 0)  # and their tokens
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
@@ -596,12 +599,16 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
         split["tokens"] += len(tokens)
         filling[name].append(tokens)
         filled[name] += len(tokens)
+        hashes[name].append(token_hash(tokens))
         if filled[name] >= shard_tokens:  # a shard closes after the document that fills it
             close_shard(name)
     for name in splits:
         if filling[name]:
             close_shard(name)
-    return splits, counts
+    shared, n_val = shared_documents(hashes["train"], hashes["val"])
+    contamination = {"train_docs_in_val": shared, "val_documents": n_val,
+                     "hash": "blake2b-64 of each document's tokens"}
+    return splits, counts, contamination
 
 
 # -----------------------------------------------------------------------------
@@ -634,10 +641,9 @@ def check_replaceable(data_dir, download_dir):
         return
     cache = os.path.relpath(download_dir, data_dir).split(os.sep)[0]
     if cache == ".":
-        raise PrepareError("download_dir must differ from data_dir, which is replaced as a whole")
+        fail("download_dir must differ from data_dir, which is replaced as a whole")
     if not os.path.isdir(data_dir) or set(os.listdir(data_dir)) - {cache}:
-        raise PrepareError(f"{data_dir} exists and holds no manifest.json: not replacing it; "
-                           "choose another --data_dir or remove it")
+        fail(f"{data_dir} exists and holds no manifest.json: not replacing it; choose another --data_dir or remove it")
 
 
 def swap_into_place(tmp, data_dir, download_dir):
@@ -665,66 +671,82 @@ def fingerprint(out_dir, tokenizer_files, splits):
     return digest.hexdigest()
 
 
-def build():
-    """Prepare data_dir from the config globals (set by main)."""
-    t0 = time.time()
-    out_dir = os.path.normpath(data_dir)
-    args = {key: globals()[key] for key in OUTPUT_KEYS}
-    parse_spec(tokenizer)  # fail on a bad spec before reading anything
-    if not 0 <= val_fraction < 1:
-        raise PrepareError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    if min_val_tokens < 0:
-        raise PrepareError(f"min_val_tokens must be >= 0, got {min_val_tokens}")
-    if not force and is_complete(out_dir, args):
-        print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
-        return
-    check_replaceable(out_dir, download_dir)
-    inputs, description = resolve_sources(source, max_shards, sha256, split_paragraphs)
+def tokenize_corpus(tmp, cfg, inputs):
+    """Train the tokenizer and write the shards into tmp, holding out at least min_val_tokens where the
+    corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram counts and
+    contamination."""
 
     def docs():
-        return documents(inputs, text_field, min_chars, max_docs, download_dir, sha256)
+        return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256)
 
-    tmp = out_dir + ".tmp"
-    n_workers = workers or os.cpu_count()
+    n_workers = cfg.workers or os.cpu_count()
     # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
-    threshold = base_threshold = math.ceil(val_fraction * 2**64)
+    threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
+    while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        meta, ranks = train_tokenizer(cfg.tokenizer, docs, threshold, cfg.bpe_train_chars)
+        tokenizer_files = save_tokenizer(tmp, cfg.tokenizer, meta, ranks)
+        tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
+        smallest = SmallestHashes(cfg.min_val_tokens)
+        splits, counts, contamination = write_shards(tmp, encode_all(docs(), n_workers, tmp), tok, cfg.shard_tokens,
+                                                     threshold, smallest)
+        val = splits["val"]
+        if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
+            break
+        print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
+              f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes) and tokenizing again")
+        threshold = smallest.threshold()
+    check_split(cfg, splits, raised=threshold > base_threshold)
+    return tok, tokenizer_files, splits, counts, contamination
+
+
+def check_split(cfg, splits, raised):
+    """Fail on a split that cannot train: no documents, or none for training, or (val_fraction > 0) no
+    validation documents, fewer than min_val_tokens tokens of them, or, where that minimum `raised` the
+    threshold beyond val_fraction's, more than half of the tokens."""
+    train, val = splits["train"], splits["val"]
+    n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
+    if n_docs == 0:
+        fail(f"no documents in {cfg.source} (check --source, --text_field, --min_chars)")
+    if cfg.val_fraction > 0 and (val["tokens"] < cfg.min_val_tokens or raised and 2 * val["tokens"] > n_tokens):
+        fail(f"too little data for min_val_tokens={cfg.min_val_tokens:,}: holding out that many tokens "
+             f"in whole documents would leave less than half of the {n_tokens:,} tokens "
+             f"({n_docs:,} documents) for training: lower --min_val_tokens or add documents "
+             "(raise --max_docs)")
+    if train["docs"] == 0:
+        fail(f"all {n_docs} documents went to validation: lower --val_fraction")
+    if cfg.val_fraction > 0 and val["docs"] == 0:
+        fail(f"no document went to validation ({n_docs} documents, val_fraction={cfg.val_fraction}): "
+             "raise --val_fraction or --min_val_tokens, or add documents "
+             "(--val_fraction=0 trains without validation)")
+
+
+def build(cfg):
+    """Prepare cfg.data_dir: reused when it holds this exact result, else built in data_dir.tmp and
+    swapped into place."""
+    t0 = time.time()
+    out_dir = os.path.normpath(cfg.data_dir)
+    args = {key: cfg[key] for key in OUTPUT_KEYS}
+    parse_spec(cfg.tokenizer)  # fail on a bad spec before reading anything
+    if not 0 <= cfg.val_fraction < 1:
+        fail(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
+    if cfg.min_val_tokens < 0:
+        fail(f"min_val_tokens must be >= 0, got {cfg.min_val_tokens}")
+    if not cfg.force and is_complete(out_dir, args):
+        print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
+        return
+    check_replaceable(out_dir, cfg.download_dir)
+    inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
+    tmp = out_dir + ".tmp"
     try:
-        while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            meta, ranks = train_tokenizer(tokenizer, docs, threshold, bpe_train_chars)
-            tokenizer_files = save_tokenizer(tmp, tokenizer, meta, ranks)
-            tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
-            smallest = SmallestHashes(min_val_tokens)
-            splits, counts = write_shards(tmp, encode_all(docs(), n_workers, tmp), tok, shard_tokens, threshold,
-                                          smallest)
-            train, val = splits["train"], splits["val"]
-            if val_fraction == 0 or val["tokens"] >= min_val_tokens or smallest.threshold() is None:
-                break
-            print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
-                  f"{min_val_tokens:,}: holding out more documents (the next smallest hashes) and tokenizing again")
-            threshold = smallest.threshold()
-        n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
-        if n_docs == 0:
-            raise PrepareError(f"no documents in {source} (check --source, --text_field, --min_chars)")
-        if val_fraction > 0 and (val["tokens"] < min_val_tokens or
-                                 threshold > base_threshold and 2 * val["tokens"] > n_tokens):
-            raise PrepareError(f"too little data for min_val_tokens={min_val_tokens:,}: holding out that many tokens "
-                               f"in whole documents would leave less than half of the {n_tokens:,} tokens "
-                               f"({n_docs:,} documents) for training: lower --min_val_tokens or add documents "
-                               "(raise --max_docs)")
-        if train["docs"] == 0:
-            raise PrepareError(f"all {n_docs} documents went to validation: lower --val_fraction")
-        if val_fraction > 0 and val["docs"] == 0:
-            raise PrepareError(f"no document went to validation ({n_docs} documents, val_fraction={val_fraction}): "
-                               "raise --val_fraction or --min_val_tokens, or add documents "
-                               "(--val_fraction=0 trains without validation)")
+        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(tmp, cfg, inputs)
         with open(os.path.join(tmp, "train_counts.npy"), "wb") as f:
             np.save(f, counts)
         manifest = {
             "format_version": VERSION,
-            "tokenizer": tokenizer,
+            "tokenizer": cfg.tokenizer,
             "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id,
             "token_dtype": token_dtype(tok.vocab_size).name,
@@ -733,31 +755,32 @@ def build():
             "token_counts": "train_counts.npy",
             "source": description,
             "prepare_args": args,
+            "contamination": contamination,  # not in the fingerprint: that is of the tokenizer and shards alone
             "fingerprint": fingerprint(tmp, tokenizer_files, splits),
         }
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
-        swap_into_place(tmp, out_dir, download_dir)
+        swap_into_place(tmp, out_dir, cfg.download_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-built folder behind
         raise
+    train, val = splits["train"], splits["val"]
+    n_tokens = train["tokens"] + val["tokens"]
     print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, shards: {len(train['shards'])}")
     print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens ({val['tokens'] / n_tokens:.1%} of tokens) "
           "held out")
-    print(f"wrote {out_dir}: {tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
+    print(f"wrote {out_dir}: {cfg.tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
           f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
 
 
-def main(argv=None):
-    config = configurator.configure(__file__, sys.argv[1:] if argv is None else argv)
-    globals().update(config)
+def main(argv):
+    cfg = configurator.configure(__file__, argv)
     try:
-        build()
-    except (PrepareError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1)
+        build(cfg)
+    except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
+        fail(str(e))
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main, sys.argv[1:])

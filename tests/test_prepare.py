@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import prepare  # noqa: E402
+import util  # noqa: E402
 
 # documents with accents, CJK, emoji, \r\n, tabs and special-token text
 JSONL_DOCS = [f"doc {i}: naïve café — 東京 {i * 7} 😀\tend" for i in range(30)] + [
@@ -53,12 +54,10 @@ def corpus(tmp_path):
 
 
 def run(*args):
-    """prepare.main in this process; returns its exit status (0 on success)."""
-    try:
-        prepare.main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code
-    return 0
+    """prepare.py's top level (util.run_main) in this process; returns its exit status (0 on success)."""
+    with pytest.raises(SystemExit) as stop:
+        util.run_main(prepare.main, [str(a) for a in args])
+    return stop.value.code
 
 
 def error_line(err):
@@ -365,6 +364,51 @@ def test_smallest_hashes_finds_the_threshold_in_any_order():
                 assert below[0] >= min_tokens > below[1]
 
 
+TOKEN_HASH = "blake2b-64 of each document's tokens"
+
+
+def test_manifest_counts_contamination_as_hashing_the_shards_does(stdlib_data, monkeypatch):
+    """train.py's contamination check reads prepare.py's count from the manifest, no pass over the corpus;
+    a manifest of an older prepare.py, without the count, is answered by hashing the shards."""
+    manifest = data.load_manifest(stdlib_data)
+    splits = manifest["splits"]
+    train = list(data.document_hashes(stdlib_data, splits["train"]))
+    val = list(data.document_hashes(stdlib_data, splits["val"]))
+    assert len(train) == splits["train"]["docs"] and len(val) == splits["val"]["docs"] > 0
+    shard = os.path.join(stdlib_data, splits["val"]["shards"][0]["file"])
+    first = data.open_shard(shard)[:np.load(data.docs_file(shard))[1]].tobytes()  # the hash is of the token bytes
+    assert val[0] == int.from_bytes(hashlib.blake2b(first, digest_size=8).digest(), "little")
+    shared = sum(h in set(val) for h in train)
+    assert manifest["contamination"] == {"train_docs_in_val": shared, "val_documents": len(val), "hash": TOKEN_HASH}
+
+    def no_corpus_pass(*args):
+        raise AssertionError("hashed the corpus although the manifest holds the count")
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "document_hashes", no_corpus_pass)
+        assert data.contamination(stdlib_data, manifest) == (shared, len(val))
+    older = {key: value for key, value in manifest.items() if key != "contamination"}
+    assert data.contamination(stdlib_data, older) == (shared, len(val))
+
+
+def test_a_document_in_both_splits_is_counted(tmp_path):
+    """The split keeps equal texts together, so a document lands in both splits only when two texts give
+    the same tokens: planted here, the same tokens under text hashes either side of the threshold. The count
+    is of training documents (a duplicate counts twice); tokens that differ by one do not count."""
+    tok = prepare.Tokenizer("byte", "byte", 257, 256)
+    threshold = 2**63
+
+    def doc(text, h):
+        return h, len(text), np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size))
+
+    encoded = [doc("shared", 5), doc("val only", 6), doc("shared", threshold + 5), doc("train only", threshold + 6),
+               doc("shared!", threshold + 7), doc("shared", threshold + 8)]
+    splits, _, contamination = prepare.write_shards(tmp_path, encoded, tok, 8, threshold, prepare.SmallestHashes(0))
+    assert [splits[name]["docs"] for name in ("train", "val")] == [4, 2] and len(splits["train"]["shards"]) > 1
+    assert contamination == {"train_docs_in_val": 2, "val_documents": 2, "hash": TOKEN_HASH}
+    assert data.contamination(tmp_path, {"splits": splits}) == (2, 2)  # what the written shards give
+
+
 # -----------------------------------------------------------------------------
 # downloads, from a server on 127.0.0.1
 
@@ -448,11 +492,11 @@ def test_download_retries_transient_errors_then_gives_up(server, tmp_path):
     assert open(prepare.download(server.url + "/z.txt", str(tmp_path)), "rb").read() == b"ok\n"
     assert len(server.log) == 3
     server.failures = 100
-    with pytest.raises(prepare.PrepareError, match=f"after {prepare.RETRIES} attempts"):
+    with pytest.raises(util.Error, match=f"after {prepare.RETRIES} attempts"):
         prepare.download(server.url + "/w.txt", str(tmp_path))
     assert len(server.log) == 3 + prepare.RETRIES
     server.failures = 0
-    with pytest.raises(prepare.PrepareError, match="HTTP 404"):  # not transient: no retries
+    with pytest.raises(util.Error, match="HTTP 404"):  # not transient: no retries
         prepare.download(server.url + "/missing.txt", str(tmp_path))
     assert len(server.log) == 4 + prepare.RETRIES
 
