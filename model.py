@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from util import first_line
+from util import device_mesh, first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
@@ -255,13 +255,17 @@ def reference_attention(q, k, v, doc_ids=None):
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-def parity_error(name, device, dtype, head_dim, doc_mask=False):
-    """Largest error of a kernel's output and q/k/v gradients against reference_attention, relative
-    to the largest value, on random GQA inputs (rounded to dtype first, so only the kernel's error counts)."""
+def parity_errors(name, device, dtype, head_dim, doc_mask=False, n_head=4, n_kv_head=2, T=None):
+    """Largest error of a kernel's output and of its q/k/v gradients ({output, dq, dk, dv}) against
+    reference_attention, relative to the largest value, on random inputs of n_head query and n_kv_head
+    key/value heads (rounded to dtype first, so only the kernel's error counts). T None: 256 on a GPU
+    (past FlexAttention's and FlashAttention's 128-row tiles), 64 on a CPU. sanity.py checks every
+    backend with these at the run's head layout."""
     device = torch.device(device)
-    T = 256 if device.type == "cuda" else 64  # on a GPU: past FlexAttention's and FlashAttention's 128-row tiles
+    T = T or (256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(0)
-    shapes = [(2, 4, T, head_dim), (2, 2, T, head_dim), (2, 2, T, head_dim), (2, 4, T, head_dim)]
+    shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
+              (2, n_head, T, head_dim)]
     q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
     doc_ids = None
     if doc_mask:  # three documents in one row, one in the other
@@ -276,7 +280,13 @@ def parity_error(name, device, dtype, head_dim, doc_mask=False):
     with torch.no_grad():
         ref = reference_attention(*ref_in, doc_ids)
         pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip(test_in, ref_in, strict=True)]
-        return max(((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item() for a, b in pairs)
+        return {part: ((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item()
+                for part, (a, b) in zip(("output", "dq", "dk", "dv"), pairs, strict=True)}
+
+
+def parity_error(name, device, dtype, head_dim, doc_mask=False):
+    """The largest of parity_errors at the default shapes: what auto holds against PARITY_TOLERANCE."""
+    return max(parity_errors(name, device, dtype, head_dim, doc_mask).values())
 
 
 def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
@@ -606,6 +616,16 @@ class GPT(nn.Module):
             yield token
 
 
+def make_optimizer(model, learning_rate, betas, weight_decay, fused):
+    """AdamW over the model's parameters, decaying matrices only: norms (1-D) and the embedding table
+    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
+    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
     """One token per row from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
     if temperature == 0:
@@ -709,3 +729,18 @@ def peak_flops(device_name):
         if key.lower() in device_name.lower():
             return flops
     return None
+
+
+def shard_model(model, dev, compute_dtype):
+    """FSDP2 over the process group: each block's parameters gathered just for its own compute, and again
+    for its backward (its recompute under grad_ckpt happens inside the block: checkpoint, then shard);
+    compute in compute_dtype, gradients reduced in fp32; the root shards the rest (embedding, tied head,
+    final norm)."""
+    # FSDP2, DTensor and torch.distributed.checkpoint are imported by the runs that shard, not at the top:
+    # together they are 0.8-1.0 s of train.py's 2.5-3.3 s import (measured on a 2-core CPU, torch 2.13),
+    # which every other run and every script that imports model.py would pay at each start
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp, mesh = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), device_mesh(dev)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
