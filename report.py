@@ -10,7 +10,8 @@ writes into out_dir:
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
 
-train.py calls write_report(out_dir) at the end of a run. It only reads the small files of the out_dir
+train.py calls write_report(out_dir) at the end of a run (and, for a dry run, dryrun_report; on a resume,
+rewrite_metrics drops the metrics lines past the checkpoint). It only reads the small files of the out_dir
 (never a model or optimizer state), and every piece is optional: a missing or damaged file leaves its part of
 the report empty rather than raising, because a report must never turn a finished run into a failed one.
 """
@@ -25,6 +26,9 @@ import os
 import platform
 import subprocess
 import sys
+
+import configurator
+from util import run_main, write_atomic, write_json
 
 # --- config
 out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -61,6 +65,21 @@ def read_metrics(path):
     return rows
 
 
+def rewrite_metrics(path, last_step):
+    """On resume: keep only the metrics lines of steps <= last_step (and drop a torn last line)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if line.endswith("\n") and json.loads(line)["step"] <= last_step:
+                    kept.append(line)
+            except (ValueError, KeyError):
+                pass
+    write_atomic(path, "".join(kept))
+
+
 def is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -74,6 +93,37 @@ def run_config(out_dir):
     except OSError:
         return None
     return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
+
+
+def dryrun_report(root, n, first, resumed, activities):
+    """Rank 0's verdict on the two passes, written to root/dryrun.json; `problems` lists what is off."""
+    half, problems = n // 2, []
+    # training rows with a loss (a non-finite one is written as null, and counted in nonfinite_steps)
+    a, b = ({m["step"]: m for m in read_metrics(os.path.join(root, run, "metrics.jsonl")) if m.get("loss") is not None}
+            for run in ("first", "resumed"))
+    tolerance = 1e-5 if activities[0]["dtype"] == "float32" else 1e-2  # bf16 kernels may reduce in another order
+    diffs = {k: abs(b[k]["loss"] - a[k]["loss"]) / abs(a[k]["loss"]) for k in range(half + 1, n + 1) if k in a and k in b}
+    worst = max(diffs.values(), default=float("inf"))
+    if len(diffs) != n - half or not worst <= tolerance:
+        problems.append(f"the resumed run does not reproduce steps {half + 1}..{n}: largest relative loss "
+                        f"difference {worst:.3g} (tolerance {tolerance:g})")
+    idle = [x["rank"] for x in activities if x["steps"] != n]
+    if idle:
+        problems.append(f"ranks {idle} did not run all {n} steps")
+    if first["nonfinite_steps"]:
+        problems.append(f"{first['nonfinite_steps']} non-finite steps")
+    losses = [a[k]["loss"] for k in sorted(a)]
+    k = max(1, len(losses) // 4)
+    trend = (sum(losses[:k]) / k, sum(losses[-k:]) / k)
+    if trend[1] > trend[0]:
+        problems.append(f"the loss rose: {trend[0]:.4f} over the first {k} steps, {trend[1]:.4f} over the last {k}")
+    report = dict(ok=not problems, problems=problems, steps=n, world_size=len(activities), ranks=activities,
+                  tokens_per_sec=a[max(a)]["tokens_per_sec"], peak_mem_gb=max(x["peak_mem_gb"] for x in activities),
+                  loss_first=trend[0], loss_last=trend[1], spikes=first["spikes"],
+                  resume_check=dict(from_step=half, steps=sorted(diffs), max_rel_diff=worst, tolerance=tolerance),
+                  first=first, resumed=resumed)
+    write_json(os.path.join(root, "dryrun.json"), report)
+    return report
 
 
 # ----------------------------------------------------------------------------
@@ -91,14 +141,6 @@ def long_rows(rows):
                 seen.add(key)
                 out.append(key)
     return out
-
-
-def write_atomic(path, text):
-    """Whole file or none: a reader (or a crash) never sees half a report."""
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def write_csv(path, rows):
@@ -325,9 +367,13 @@ def write_report(out_dir):
     return problems
 
 
+def main(argv):
+    """Exit status 1 when a part of the report could not be written."""
+    config = configurator.configure(__file__, argv)
+    problems = write_report(config.out_dir)
+    print(f"report in {config.out_dir}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
+    return 1 if problems else 0
+
+
 if __name__ == "__main__":
-    import configurator
-    cfg = configurator.configure(__file__, sys.argv[1:])
-    problems = write_report(cfg["out_dir"])
-    print(f"report in {cfg['out_dir']}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
-    sys.exit(1 if problems else 0)
+    run_main(main, sys.argv[1:])

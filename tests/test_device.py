@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import FAKE_CUDA, TINY_MODEL, run, shared
 from model import GPT, GRAD_CKPT, GPTConfig
-from train import shard_model
+from model import shard_model
 from util import resolve_device, setup
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)

@@ -29,14 +29,14 @@ def test_dry_run_fails_when_resume_is_broken(tmp_path, stdlib_data):
     wrapper = tmp_path / "broken_resume.py"
     wrapper.write_text(f"""import sys
 sys.path.insert(0, {ROOT!r})
-import train
-load = train.load_checkpoint
+import checkpoint, train, util
+load = checkpoint.load_checkpoint
 def off_by_one(path, device):
     ckpt = load(path, device)
     ckpt["trainer"]["samples"] += 1
     return ckpt
-train.load_checkpoint = off_by_one
-train.main(sys.argv[1:])
+checkpoint.load_checkpoint = off_by_one
+util.run_main(train.main, sys.argv[1:])
 """)
     r = run([sys.executable, str(wrapper), f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}/out", *ARGS], check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr

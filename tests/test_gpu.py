@@ -53,7 +53,7 @@ import torch
 from conftest import ROOT, read_metrics, run, train_losses
 from test_bench import close, model_of, run_probe
 from model import ATTENTION_BACKENDS, backend_unavailable, flops_per_token, parity_error, peak_flops, resolve_backend
-from train import MARKER, STATE_DIR, find_checkpoint, load_model
+from checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),

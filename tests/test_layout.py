@@ -1,6 +1,6 @@
-"""The modules import one way, from the bottom up: util -> model -> data -> train -> the scripts.
-A module imports only podgpt modules below it (at its top or inside a function), so each can be
-read, copied and tested without the ones above it."""
+"""The modules import one way, from the bottom up: util -> model, data -> checkpoint, preflight -> train
+and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
+so each can be read, copied and tested without the ones above it; no script imports train.py's insides."""
 import ast
 import os
 
@@ -9,9 +9,20 @@ from conftest import ROOT
 # each module and the podgpt modules it may import
 BELOW = {
     "util": set(),
+    "configurator": {"util"},
     "model": {"util"},
     "data": {"util"},
+    "report": {"util", "configurator"},
+    "checkpoint": {"util", "model", "data"},
+    "preflight": {"util", "model", "data"},
+    "prepare": {"util", "configurator", "data"},
+    "export": {"util", "configurator", "model", "checkpoint", "prepare", "report"},
+    "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export"},
+    "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
+    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report"},
 }
+# bench/'s probes share bench/common.py and may use any module but the scripts' insides
+BENCH_MAY_NOT = {"train", "sanity", "sample"}
 
 
 OURS = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}  # the repo's top-level modules
@@ -41,3 +52,30 @@ def test_the_finder_sees_imports_at_the_top_and_inside_functions():
 def test_modules_import_only_what_is_below_them():
     for module, allowed in BELOW.items():
         assert imports_of(module) <= allowed, f"{module}.py imports {imports_of(module) - allowed}"
+
+
+def below(module):
+    """Every module that `module` may reach through the imports BELOW allows."""
+    seen, todo = set(), list(BELOW[module])
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += BELOW[m]
+    return seen
+
+
+def test_every_module_has_its_place_and_the_layers_have_no_cycle():
+    assert OURS == set(BELOW), f"place {OURS - set(BELOW)} in BELOW (or drop {set(BELOW) - OURS})"
+    for module in BELOW:
+        assert module not in below(module), f"{module} may import itself through {below(module)}"
+    assert not any("train" in allowed for allowed in BELOW.values())  # train.py's insides stay its own
+
+
+def test_bench_imports_no_script_insides():
+    bench = os.path.join(ROOT, "bench")
+    for f in sorted(os.listdir(bench)):
+        if f.endswith(".py"):
+            with open(os.path.join(bench, f)) as fh:
+                wrong = podgpt_imports(fh.read()) & BENCH_MAY_NOT
+            assert not wrong, f"bench/{f} imports {wrong}"

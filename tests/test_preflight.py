@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import TINY_MODEL, run
-from data import docs_file, load_manifest, open_shard
+from data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from prepare import write_shard
 
 
@@ -70,7 +70,8 @@ TINY = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_
 
 
 def contaminate(src, dst):
-    """A copy of the dataset whose first training shard also holds the first validation document."""
+    """A copy of the dataset whose first training shard also holds the first validation document, with the
+    manifest's contamination count as prepare.py would have written it for such data."""
     shutil.copytree(src, dst)
     manifest = load_manifest(dst)
     val = os.path.join(dst, manifest["splits"]["val"]["shards"][0]["file"])
@@ -83,6 +84,9 @@ def contaminate(src, dst):
                 np.append(starts, len(tokens)))
     shard["tokens"] += len(doc)
     manifest["splits"]["train"]["tokens"] += len(doc)
+    splits = manifest["splits"]
+    manifest["contamination"]["train_docs_in_val"] = shared_documents(
+        document_hashes(dst, splits["train"]), list(document_hashes(dst, splits["val"])))[0]
     with open(os.path.join(dst, "manifest.json"), "w") as f:
         json.dump(manifest, f)
 

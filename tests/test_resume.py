@@ -6,8 +6,8 @@ Every "bit-identical" claim here is checked exactly: the same float for every st
 model.pt and optimizer.pt (and the loop state and RNG states in trainer.pt), fp32 on CPU.
 
 To stop a run at a chosen moment the tests run train.main from a small wrapper script (written
-into tmp_path) that patches one function of train.py: Loader.train_batch to SIGKILL the process
-(or raise) when the step it is about to run is the chosen one, or save_file to SIGKILL it while
+into tmp_path) that patches one function: data.Loader.train_batch to SIGKILL the process
+(or raise) when the step it is about to run is the chosen one, or checkpoint.save_file to SIGKILL it while
 a checkpoint's optimizer.pt is half written. The resume is always the plain `train.py` with the
 same arguments: "the same command again".
 """
@@ -51,23 +51,25 @@ DDP_KILLS = kill_points(random.Random(6), 2)  # [15, 9]
 WRAPPER = """\
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import train
+import checkpoint, data, train
+from util import run_main
 
 RANK = int(os.environ.get("RANK", 0))
+CFG = train.configure(sys.argv[1:])
 
 
 def step_of(first_sample):
-    # the 0-based optimizer step a train_batch call belongs to (train.py's globals hold the config by now)
-    return first_sample // (train.total_batch_tokens // train.block_size)
+    # the 0-based optimizer step a train_batch call belongs to
+    return first_sample // (CFG.total_batch_tokens // CFG.block_size)
 
 
 {body}
 
-train.main(sys.argv[1:])
+run_main(train.main, sys.argv[1:])
 """
 
 KILL_AT_STEP = """\
-_train_batch = train.Loader.train_batch
+_train_batch = data.Loader.train_batch
 
 
 def train_batch(self, first_sample, size, device):
@@ -76,11 +78,11 @@ def train_batch(self, first_sample, size, device):
     return _train_batch(self, first_sample, size, device)
 
 
-train.Loader.train_batch = train_batch
+data.Loader.train_batch = train_batch
 """
 
 RAISE_AT_STEP = """\
-_train_batch = train.Loader.train_batch
+_train_batch = data.Loader.train_batch
 
 
 def train_batch(self, first_sample, size, device):
@@ -89,14 +91,14 @@ def train_batch(self, first_sample, size, device):
     return _train_batch(self, first_sample, size, device)
 
 
-train.Loader.train_batch = train_batch
+data.Loader.train_batch = train_batch
 """
 
 KILL_IN_SECOND_SAVE = """\
 import io
 import torch
 
-_save_file = train.save_file
+_save_file = checkpoint.save_file
 optimizer_saves = []
 
 
@@ -114,7 +116,7 @@ def save_file(obj, path):
     return _save_file(obj, path)
 
 
-train.save_file = save_file
+checkpoint.save_file = save_file
 """
 
 

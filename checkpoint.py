@@ -1,0 +1,522 @@
+"""
+Checkpoints: write, verify, commit, rotate, find, load, and the resume that continues a run exactly.
+
+ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, every file fsync'd, complete.json (sizes
+and CRC32 of every file) last, then renamed into place; only then are ckpt/latest (and ckpt/best)
+pointed at it. A kill at any moment leaves the previous checkpoint intact, and a damaged one is
+recognized when read back.
+
+A ddp or single-process checkpoint holds model.pt and optimizer.pt, written by rank 0. An fsdp
+checkpoint holds state/, written by every rank with torch.distributed.checkpoint (DCP): each rank
+its own shards, which it checksums; rank 0 the rest. Either resumes under the other mode and at
+another world size; load_model reads either whole, for sample.py and export.py.
+
+Why two formats and not DCP for both (DCP runs in one process too): model.pt is a plain state dict
+that torch.load opens in one line, in a fork, a notebook or sanity.py's round trip, and every
+checkpoint written so far is one; DCP files need DCP's reader. What two formats cost is small: a
+restore path per format (Checkpoints.restore), and load_model's two branches. Sharded runs, which
+cannot gather a 13B model's AdamW state on one rank, are the ones that need DCP.
+
+train.py's loop asks one Checkpoints object: due() (is a save owed now?), save(), resume() at the
+start, and newest() + restore() for a rollback.
+"""
+
+import json
+import os
+import random
+import shutil
+import sys
+import time
+import warnings
+import zlib
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data import tokenizer_fingerprint
+from model import GPT, RUNTIME_FIELDS, GPTConfig
+from util import fail, first_line, log, warn
+
+CKPT_FORMAT = 2
+MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
+STATE_DIR = "state"             # a sharded (fsdp) checkpoint's model and optimizer, torch.distributed.checkpoint files
+PREEMPT_SAVE_SECONDS = 25       # a save slower than this would not fit between SIGTERM and SIGKILL
+
+
+# -----------------------------------------------------------------------------
+# files
+
+class _CRC32Writer:
+    """A file wrapper that checksums what is written through it, so saving reads nothing back."""
+
+    def __init__(self, f):
+        self.f, self.crc = f, 0
+
+    def write(self, b):
+        self.crc = zlib.crc32(b, self.crc)
+        return self.f.write(b)
+
+    def flush(self):
+        self.f.flush()
+
+
+def save_file(obj, path):
+    """Write bytes or a torch object to path, fsync'd; its CRC32."""
+    with open(path, "wb") as f:
+        w = _CRC32Writer(f)
+        if isinstance(obj, bytes):
+            w.write(obj)
+        else:
+            torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return w.crc
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_pointer(ckpt_root, which, name):
+    save_file(name.encode(), os.path.join(ckpt_root, f"{which}.tmp"))
+    os.replace(os.path.join(ckpt_root, f"{which}.tmp"), os.path.join(ckpt_root, which))
+
+
+def read_pointer(ckpt_root, which):
+    try:
+        with open(os.path.join(ckpt_root, which)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def tensor_bytes(obj):
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return len(obj) if isinstance(obj, bytes) else 0
+
+
+def file_crc32(path):
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# -----------------------------------------------------------------------------
+# writing
+
+def room_for(ckpt_root, step, need, min_free_gb):
+    """Whether the disk holds `need` more bytes and keeps min_free_gb free; a warning when it does not."""
+    free = shutil.disk_usage(ckpt_root).free
+    if free - need >= min_free_gb * 1e9:
+        return True
+    print(f"warning: skipping the step {step} checkpoint: it needs {need / 1e9:.2f} GB and {ckpt_root} has "
+          f"{free / 1e9:.2f} GB free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
+          file=sys.stderr, flush=True)
+    return False
+
+
+def write_shards(state_dir, sharded):
+    """This rank's part of the sharded state, written by DCP into state_dir: {file: size and CRC32}."""
+    import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
+    # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
+    # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
+    on_cpu = all(t.device.type == "cpu" for t in sharded["model"].values())
+    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu
+                                                                         else {})))
+    rank, marker = dist.get_rank(), {}  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
+    for f in os.listdir(state_dir):
+        if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")):
+            path = os.path.join(state_dir, f)
+            marker[f"{STATE_DIR}/{f}"] = dict(bytes=os.path.getsize(path), crc32=file_crc32(path))
+    return marker
+
+
+def save_errors(sharded):
+    """What a failing disk raises in a save: OSError, and under DCP its CheckpointException (a BaseException)."""
+    if sharded is None:
+        return (OSError,)
+    import torch.distributed.checkpoint as dcp
+    return OSError, dcp.api.CheckpointException
+
+
+def write_files(folder, files):
+    """`files` ({name: bytes or torch object}) into folder, fsync'd: {file: size and CRC32}."""
+    marker = {}
+    for fname, obj in files.items():
+        crc = save_file(obj, os.path.join(folder, fname))
+        marker[fname] = dict(bytes=os.path.getsize(os.path.join(folder, fname)), crc32=crc)
+    return marker
+
+
+def commit(ckpt_root, tmp, step, marker, best, keep_last):
+    """Rank 0's last part of a save: the marker, the rename into place, the pointers, the rotation.
+    The folder, or None (with a warning, the partial folder removed) when the disk refused."""
+    name = f"step_{step:07d}"
+    try:
+        save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
+        if os.path.isdir(os.path.join(tmp, STATE_DIR)):
+            fsync_dir(os.path.join(tmp, STATE_DIR))
+        fsync_dir(tmp)
+    except OSError as e:
+        return abandon(ckpt_root, tmp, step, first_line(e))
+    final = os.path.join(ckpt_root, name)
+    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_root)
+    write_pointer(ckpt_root, "latest", name)
+    if best:
+        write_pointer(ckpt_root, "best", name)
+    keep = {read_pointer(ckpt_root, "best")}
+    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
+        if old not in keep:
+            shutil.rmtree(os.path.join(ckpt_root, old))
+    return final
+
+
+def abandon(ckpt_root, tmp, step, error):
+    """Drop a partial checkpoint folder and keep training; None."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: check {ckpt_root}",
+          file=sys.stderr, flush=True)
+    return None
+
+
+def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None):
+    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
+    None when the disk could not hold it and keep min_free_gb free (nothing is written then).
+
+    sharded (fsdp): {"model": .., "optimizer": ..} state dicts of DTensors. Then every rank calls
+    this: each writes its shards into state/ with torch.distributed.checkpoint and checksums
+    them; rank 0 alone writes `files`, the marker, and the pointers."""
+    tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
+    master = sharded is None or dist.get_rank() == 0
+    go = [True]
+    if master:
+        for leftover in os.listdir(ckpt_root):  # of a save that was killed
+            if leftover.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(ckpt_root, leftover), ignore_errors=True)
+        # a DTensor's numel is the global one: the need is the whole checkpoint, as on a shared disk
+        go = [room_for(ckpt_root, step, tensor_bytes([list(files.values()), sharded]), min_free_gb)]
+    if sharded is not None:
+        dist.broadcast_object_list(go)  # also keeps the other ranks out until the leftovers are gone
+    if not go[0]:
+        return None
+    marker, error = {}, None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if sharded is not None:
+            marker.update(write_shards(os.path.join(tmp, STATE_DIR), sharded))
+        if master:
+            marker.update(write_files(tmp, files))
+    except save_errors(sharded) as e:  # the disk filled up after all, or went away
+        error = first_line(e)
+    if sharded is not None:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (marker, error))
+        marker = {k: v for m, _ in gathered for k, v in m.items()}
+        error = next((e for _, e in gathered if e), None)
+    final = None
+    if master:
+        final = abandon(ckpt_root, tmp, step, error) if error else commit(ckpt_root, tmp, step, marker, best,
+                                                                           keep_last)
+    if sharded is not None:
+        result = [final]
+        dist.broadcast_object_list(result)
+        final = result[0]
+    return final
+
+
+# -----------------------------------------------------------------------------
+# reading
+
+def verify_checkpoint(path):
+    """Raise ValueError saying what is wrong if the folder is not a complete, intact checkpoint."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            files = {n: dict(bytes=int(m["bytes"]), crc32=int(m["crc32"])) for n, m in json.load(f)["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"incomplete, no readable {MARKER} ({first_line(e)})") from None
+    for fname, want in files.items():
+        file = os.path.join(path, fname)
+        if not os.path.exists(file) or os.path.getsize(file) != want["bytes"]:
+            size = os.path.getsize(file) if os.path.exists(file) else "no"
+            raise ValueError(f"{fname} has {size} bytes, {want['bytes']} were written")
+        crc = file_crc32(file)
+        if crc != want["crc32"]:
+            raise ValueError(f"{fname} is corrupt (CRC32 {crc:08x}, {want['crc32']:08x} was written)")
+
+
+def load_checkpoint(path, device, verify=True):
+    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong.
+    A sharded checkpoint's model and optimizer stay on disk: "state" names their folder (see restore)."""
+    if verify:
+        verify_checkpoint(path)
+    sharded = os.path.isdir(os.path.join(path, STATE_DIR))
+    try:
+        names = ("trainer",) if sharded else ("model", "optimizer", "trainer")
+        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device if name != "trainer" else "cpu",
+                                 weights_only=True) for name in names}
+        if sharded:
+            ckpt["state"] = os.path.join(path, STATE_DIR)
+        with open(os.path.join(path, "config.json")) as f:
+            ckpt["config"] = json.load(f)
+    except Exception as e:  # a damaged pickle can raise many kinds of error; all mean "unreadable"
+        raise ValueError(f"unreadable ({first_line(e)})") from None
+    if ckpt["trainer"].get("format") != CKPT_FORMAT:
+        raise ValueError(f"checkpoint format {ckpt['trainer'].get('format')}, this train.py reads {CKPT_FORMAT}")
+    return ckpt
+
+
+def newest_good_checkpoint(ckpt_root, device):
+    """(path, loaded checkpoint) of the newest checkpoint that reads back intact, or (None, None);
+    damaged or incomplete ones are skipped with a warning. Under torchrun rank 0 checks the files
+    (each rank reading a sharded checkpoint whole would multiply the reads) and names the one to load."""
+    names = sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True) \
+        if os.path.isdir(ckpt_root) else []
+    chosen = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name in names:
+            try:
+                verify_checkpoint(os.path.join(ckpt_root, name))
+                chosen = [name]
+                break
+            except ValueError as e:
+                warn(f"skipping checkpoint {os.path.join(ckpt_root, name)}: {e}")
+    if dist.is_initialized():
+        dist.broadcast_object_list(chosen)
+    if chosen[0] and chosen[0] not in names:
+        fail(f"rank 0 resumes from {chosen[0]}, which this rank's {ckpt_root} does not hold: on several nodes, "
+             f"out_dir must be a folder every node sees (a shared filesystem)")
+    for name in names[names.index(chosen[0]):] if chosen[0] else []:
+        path = os.path.join(ckpt_root, name)
+        try:  # files that check out can still fail to unpickle
+            return path, load_checkpoint(path, device, verify=name != chosen[0])
+        except ValueError as e:
+            warn(f"skipping checkpoint {path}: {e}")
+    return None, None
+
+
+def find_checkpoint(path, which="latest"):
+    """The checkpoint folder that `path` names: itself, or the latest (or best) one of an out_dir; None if none.
+    An out_dir without a best checkpoint (no evaluation yet) gives its latest."""
+    if os.path.exists(os.path.join(path, MARKER)):
+        return path
+    ckpt_root = os.path.join(path, "ckpt")
+    name = read_pointer(ckpt_root, which) or read_pointer(ckpt_root, "latest")
+    return os.path.join(ckpt_root, name) if name else None
+
+
+def load_sharded(state, path):
+    """Fill `state` from a sharded checkpoint's files, resharded to it: every rank its part under
+    torchrun, everything in a process without a process group."""
+    import torch.distributed.checkpoint as dcp  # see model.shard_model
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+
+
+def load_model(ckpt, device="cpu"):
+    """(model, config dict) from a checkpoint folder, verified, weights loaded, in eval mode;
+    ValueError saying what is wrong."""
+    verify_checkpoint(ckpt)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    model = GPT(GPTConfig(**dict(config["model"], attn_backend="auto")))  # trained elsewhere: this machine's kernel
+    if os.path.isdir(os.path.join(ckpt, STATE_DIR)):  # sharded (fsdp): DCP gathers the model's shards whole
+        state = {"model": model.state_dict()}
+        load_sharded(state, os.path.join(ckpt, STATE_DIR))
+        model.load_state_dict(state["model"])
+    else:
+        model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True))
+    return model.to(device).eval(), config
+
+
+def rng_state():
+    return dict(python=random.getstate(), numpy=[x.tolist() if isinstance(x, np.ndarray) else x
+                                                   for x in np.random.get_state()],
+                torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)  # this rank's GPU
+
+
+def set_rng_state(state):
+    random.setstate((state["python"][0], tuple(state["python"][1]), state["python"][2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def optimizer_by_name(model, optimizer, saved):
+    """A plain optimizer.state_dict() (parameters numbered in param_groups order) keyed by parameter
+    name instead, the form FSDP's loader takes; both runs build their groups with model.make_optimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    number_to_name = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
+                              (names[id(p)] for g in optimizer.param_groups for p in g["params"]), strict=True))
+    return dict(state={number_to_name[i]: s for i, s in saved["state"].items()},
+                param_groups=[dict(g, params=[number_to_name[i] for i in g["params"]]) for g in saved["param_groups"]])
+
+
+def run_record(cfg, mconfig, world, grad_accum, manifest):
+    """The files every checkpoint carries besides the weights: config.json (this run's config and model,
+    the data and tokenizer it trains on) and the tokenizer, so that the folder is enough to sample from."""
+    saved = dict(cfg, model={k: v for k, v in asdict(mconfig).items() if k != "padded_vocab"}, world_size=world,
+                 grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
+                 tokenizer_fingerprint=tokenizer_fingerprint(cfg.data_dir, manifest))
+    files = {"config.json": json.dumps(saved, indent=1).encode()}
+    for f in manifest["tokenizer_files"]:
+        with open(os.path.join(cfg.data_dir, f), "rb") as fh:
+            files[f] = fh.read()
+    return saved, files
+
+
+def check_compatible(path, old, new, allow_mismatch, data_dir):
+    """Stop with one line when checkpoint `path` (its config.json: old) cannot continue this run (new):
+    another model shape always; another tokenizer or other data unless allow_mismatch."""
+    shape = {k: v for k, v in new["model"].items() if k not in RUNTIME_FIELDS}  # the rest may change
+    if any(old["model"].get(k) != v for k, v in shape.items()):
+        diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items() if old["model"].get(k) != v)
+        fail(f"checkpoint {path} has another model shape ({diff}): use a new out_dir, or the checkpoint's shape")
+    if old["tokenizer_fingerprint"] != new["tokenizer_fingerprint"] and not allow_mismatch:
+        fail(f"checkpoint {path} was trained with another tokenizer ({old['tokenizer_fingerprint']}) than "
+             f"{data_dir} ({new['tokenizer_fingerprint']}): point data_dir at its data, or --allow_resume_mismatch=True")
+    if old["data_fingerprint"] != new["data_fingerprint"] and not allow_mismatch:
+        fail(f"checkpoint {path} was trained on other data than {data_dir} (manifest fingerprint differs): "
+             f"point data_dir at its data, or --allow_resume_mismatch=True to continue on this data")
+
+
+# -----------------------------------------------------------------------------
+# the run's checkpoints, as train.py's loop sees them
+
+class Checkpoints:
+    """out_dir/ckpt of one run: the model and optimizer it saves and restores, when a save is due,
+    and the files every checkpoint carries besides them (`files`: config.json, the tokenizer).
+
+    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's."""
+
+    def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best, min_free_gb):
+        self.root = os.path.join(out_dir, "ckpt")
+        self.model, self.optimizer, self.proc, self.sharded, self.files = model, optimizer, proc, sharded, files
+        self.every, self.keep_last, self.save_best, self.min_free_gb = every, keep_last, save_best, min_free_gb
+        self.pending = False        # a periodic save owed, held back while bad steps run in a row
+        self.saved_step = -1        # the step the newest checkpoint holds
+
+    def has_earlier(self):
+        return os.path.isdir(self.root) and any(d.startswith("step_") for d in os.listdir(self.root))
+
+    def newest(self):
+        """(path, loaded checkpoint) of the newest one that reads back intact, or (None, None)."""
+        return newest_good_checkpoint(self.root, self.proc.dev)
+
+    def resume(self, resume, config, allow_mismatch, data_dir, state):
+        """Continue from the checkpoint resume= names (auto: the newest good one, if any; never: none;
+        or a folder) when it fits `config` (config.json of this run): the model, the optimizer and the
+        loop's `state` restored. The folder resumed from, or None."""
+        earlier = self.has_earlier()
+        if resume == "never" and earlier:  # its checkpoints and ckpt/best would mix with this run's
+            fail(f"resume=never but {self.root} holds checkpoints of an earlier run: use a new out_dir, or move "
+                 f"them away")
+        if resume == "never":
+            return None
+        if resume == "auto":
+            path, ckpt = self.newest()
+            if ckpt is None and earlier:
+                fail(f"no checkpoint in {self.root} reads back intact (see the warnings): move them away to start "
+                     f"over, or give resume= a checkpoint folder")
+        else:
+            path = find_checkpoint(resume)
+            if path is None:
+                fail(f"resume={resume}: no checkpoint there (give a checkpoint folder or an out_dir with ckpt/latest)")
+            try:
+                ckpt = load_checkpoint(path, self.proc.dev)
+            except ValueError as e:
+                fail(f"checkpoint {path} is damaged: {e}: give another checkpoint folder or --resume=auto")
+        if ckpt is None:
+            return None
+        check_compatible(path, ckpt["config"], config, allow_mismatch, data_dir)
+        self.restore(ckpt, state)
+        self.saved_step = state.step
+        return path
+
+    def state_dicts(self):
+        """Model and optimizer as DCP saves and loads them: by parameter name, sharded under fsdp."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict  # see model.shard_model
+        return dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer), strict=True))
+
+    def restore(self, ckpt, state):
+        """Model, optimizer, the loop's state and this rank's RNGs from a loaded checkpoint, whichever
+        mode and world size wrote it."""
+        model, optimizer, proc = self.model, self.optimizer, self.proc
+        if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+            sd = self.state_dicts()
+            load_sharded(sd, ckpt["state"])
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
+        elif self.sharded:  # a ddp checkpoint: every rank holds it whole and keeps its shard
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, ckpt["model"], options=full)
+            set_optimizer_state_dict(model, optimizer, optimizer_by_name(model, optimizer, ckpt["optimizer"]),
+                                     options=full)
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        trainer = ckpt["trainer"]
+        for key in vars(state):
+            setattr(state, key, trainer[key])
+        if len(trainer["rng"]) == proc.world:
+            set_rng_state(trainer["rng"][proc.rank])
+        else:  # training uses no randomness; only the per-rank RNGs restart
+            warn(f"world size {len(trainer['rng'])} -> {proc.world}: same batches, per-rank RNG states re-seeded")
+
+    def due(self, step, last_step, new_best, stopping, bad_in_a_row):
+        """Whether to save now: every `every` steps and at the last one, but held back while bad steps
+        run in a row (so a rollback never lands inside them); at a new best validation loss; on a stop."""
+        self.pending |= step % self.every == 0 or step == last_step
+        return (self.pending and bad_in_a_row == 0) or (new_best and self.save_best) or stopping
+
+    def save(self, trainer, best):
+        """Save the current step, with every rank's RNG state and `trainer` (the loop's state), on rank 0
+        (sharded: every rank writes its shards); the seconds it took."""
+        t0, proc = time.time(), self.proc
+        states = [rng_state()]
+        if proc.distributed:
+            states = [None] * proc.world
+            dist.all_gather_object(states, rng_state())
+        files = {}
+        if proc.rank == 0:
+            files = dict(self.files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
+                                                           world_size=proc.world)})
+            if not self.sharded:
+                files.update({"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()})
+        path = None
+        if self.sharded:  # every rank writes its shards
+            path = save_checkpoint(self.root, trainer["step"], files, self.keep_last, best, self.min_free_gb,
+                                   sharded=self.state_dicts())
+        elif proc.rank == 0:
+            path = save_checkpoint(self.root, trainer["step"], files, self.keep_last, best, self.min_free_gb)
+        seconds = time.time() - t0
+        if path:
+            log(f"checkpoint {path} ({seconds:.1f}s)", flush=True)
+        if seconds > PREEMPT_SAVE_SECONDS:
+            warn(f"that save took {seconds:.0f}s: more than the ~30 s torchrun and most clouds leave between "
+                      f"SIGTERM and SIGKILL, so a preemption would lose the steps since the last checkpoint; write "
+                      f"checkpoints to a faster local disk")
+        if proc.distributed:
+            dist.barrier()  # every rank leaves with the checkpoint on disk (a rollback may read it next)
+        self.pending, self.saved_step = False, trainer["step"]
+        return time.time() - t0

@@ -1,0 +1,359 @@
+"""
+Preflight: the gates a run passes before any GPU-hour is paid for, and the plan behind them
+(parameters, memory per GPU, hours and dollars). train.py checks them at every start and writes
+out_dir/preflight.json and .md (--preflight_only: nothing else); sanity.py --capacity plans the
+same memory; bench/ builds its models from a config the same way.
+
+Every number comes from model.py's arithmetic, the prepared data's manifest, or a measurement
+here. A gate's verdict: pass, warn, block (the run does not start, unless allow_unsafe), or skip
+(nothing to check it against, said why). Functions take the run's config (configurator.Config).
+"""
+
+import os
+import shutil
+import time
+from dataclasses import fields
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from data import contamination, load_manifest
+from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
+from util import fail, first_line, write_atomic, write_json
+
+HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
+# epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
+# research only at 100 (past ~16 repetition adds next to nothing: surely a mistake)
+EPOCHS_BLOCK = {"research": 100, "release": 4}
+LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
+MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
+MAX_MICRO_BATCH = 1024          # the micro-batch searches stop here
+
+
+# -----------------------------------------------------------------------------
+# the model a config describes
+
+def plan_vocab(cfg, manifest=None):
+    """(vocabulary, where it came from): vocab_size, else the prepared data's, else plan_vocab_size."""
+    if cfg.vocab_size:
+        return cfg.vocab_size, "vocab_size"
+    if manifest is None and os.path.isfile(os.path.join(cfg.data_dir, "manifest.json")):
+        manifest = load_manifest(cfg.data_dir)
+    if manifest is not None:
+        return manifest["vocab_size"], f"{cfg.data_dir}/manifest.json"
+    if cfg.plan_vocab_size:
+        return cfg.plan_vocab_size, "plan_vocab_size"
+    fail(f"no data in {cfg.data_dir} to take the vocabulary from: prepare it, or set plan_vocab_size (or vocab_size) "
+         f"to plan without it")
+
+
+def model_config(cfg, manifest=None, **overrides):
+    """model.GPTConfig of a run's config: every GPTConfig field that is also a config key (so a field
+    the model gains, with its train.py key, passes through), the vocabulary from plan_vocab, BOS as
+    prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top."""
+    kwargs = {f.name: cfg[f.name] for f in fields(GPTConfig) if f.init and f.name in cfg}
+    kwargs["vocab_size"] = plan_vocab(cfg, manifest)[0]
+    kwargs["bos_id"] = manifest["bos_id"] if manifest else kwargs["vocab_size"] - 1
+    try:
+        return GPTConfig(**dict(kwargs, **overrides))
+    except ValueError as e:
+        fail(f"{e}: change the model shape")
+
+
+# -----------------------------------------------------------------------------
+# memory: model.memory_estimate's bytes per GPU, for this run's layout and the others
+
+def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
+    """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
+    known): double until it does not, then bisect. Memory grows with the micro-batch, so one boundary."""
+    lo, hi, limit = known, max(2 * known, 1), max(limit, known)
+    while hi <= limit and fits(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
+    """model.memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
+    largest micro-batch that would."""
+    estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded, activation_checkpointing=ckpt,
+                       compute_bytes=cbytes)
+    parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # params is a count, not bytes
+    return dict(sharded=sharded, activation_checkpointing=ckpt, bytes=parts,
+                gb={k: round(v / 1e9, 3) for k, v in parts.items()},
+                fits=parts["total"] <= budget if budget else None,
+                largest_micro_batch=largest_fitting(lambda m: estimate(m)["total"] <= budget, 0) if budget else None)
+
+
+def layout_label(cfg):
+    return ("FSDP" if cfg.dist_mode == "fsdp" else "DDP") + ("" if cfg.grad_ckpt == "none" else
+                                                              f" + grad_ckpt={cfg.grad_ckpt}")
+
+
+# -----------------------------------------------------------------------------
+# the gates
+
+def gate(name, verdict, value, threshold, detail):
+    return dict(name=name, verdict=verdict, value=value, threshold=threshold, detail=detail)
+
+
+def horizon_gate(cfg, counts):
+    """compute_optimal_horizon: planned tokens per non-embedding parameter against Chinchilla's 20."""
+    tokens = cfg.max_steps * cfg.total_batch_tokens
+    per_param = tokens / counts["non_embedding"]
+    low, band, high = HORIZON[cfg.gate_profile]
+    ratio = per_param / 20
+    verdict = "pass"
+    if band and not band[0] <= ratio <= band[1]:
+        verdict = "warn"
+    if (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS):
+        verdict = "block"
+    return gate("compute_optimal_horizon", verdict, ratio, band or "-",
+                f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
+                f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
+                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20")
+
+
+def data_gates(cfg, manifest):
+    """corpus_model_fit (epochs over the unique training tokens), contamination (training documents that
+    are also validation documents, as prepare.py counted them) and tokenizer_vocab."""
+    if manifest is None:
+        return [gate(name, "skip", None, None, f"no data prepared in {cfg.data_dir} yet")
+                for name in ("corpus_model_fit", "contamination", "tokenizer_vocab")]
+    tokens = cfg.max_steps * cfg.total_batch_tokens
+    unique = manifest["splits"]["train"]["tokens"]
+    epochs, limit = tokens / unique, EPOCHS_BLOCK[cfg.gate_profile]
+    shared, val_docs = contamination(cfg.data_dir, manifest)
+    ok = cfg.vocab_size is None or cfg.vocab_size == manifest["vocab_size"]
+    return [gate("corpus_model_fit", "block" if epochs > limit else "warn" if epochs > 1 else "pass", epochs, limit,
+                 f"{tokens / 1e9:.3g}B planned tokens over {unique / 1e9:.3g}B unique training tokens = {epochs:.2f} "
+                 f"epochs (warn above 1, block above {limit})"),
+            gate("contamination", "block" if shared else "pass", shared, 0,
+                 f"{shared} training documents are also validation documents" if shared else
+                 f"no training document among the {val_docs} validation documents"),
+            gate("tokenizer_vocab", "pass" if ok else "block", cfg.vocab_size or manifest["vocab_size"],
+                 manifest["vocab_size"], f"{cfg.data_dir}: {manifest['tokenizer']}, {manifest['vocab_size']} tokens"
+                 + ("" if ok else f"; the model is set to vocab_size={cfg.vocab_size}: set vocab_size=None or "
+                                  f"prepare matching data"))]
+
+
+def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
+    """memory_fit: this run's estimate per GPU (dist_mode, grad_ckpt) against the usable memory, and
+    when it does not fit, the remedies that would."""
+    sharded = cfg.dist_mode == "fsdp"
+
+    def total(mb=cfg.micro_batch_size, shard=sharded, ckpt=cfg.grad_ckpt):
+        return memory_estimate(mconfig, mb, world, sharded=shard, activation_checkpointing=ckpt,
+                               compute_bytes=dtype_bytes)["total"]
+
+    need, usable = total(), mem_gb * 1e9 * MEMORY_USABLE
+    detail = (f"{layout_label(cfg)}: {need / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable ({mem_gb:g} GB x "
+              f"{MEMORY_USABLE})")
+    if need <= usable:
+        return gate("memory_fit", "warn" if need > 0.85 * usable else "pass", need, usable, detail)
+    remedies = []
+    for mb in (cfg.micro_batch_size // 2 ** k for k in range(1, 12)):
+        if mb >= 1 and total(mb) <= usable:
+            remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps total_batch_tokens)")
+            break
+    for ckpt in ("selective", "full"):
+        if cfg.grad_ckpt != ckpt and cfg.grad_ckpt != "full" and total(ckpt=ckpt) <= usable:
+            remedies.append(f"grad_ckpt={ckpt}")
+            break
+    best = total(shard=True, ckpt="full")
+    if not sharded and best <= usable:
+        remedies.append(f"dist_mode=fsdp + grad_ckpt=full across {world} GPUs: {best / 1e9:.1f} GB per GPU")
+    fix = "; or ".join(remedies) or (f"more GPUs or a smaller model (FSDP + grad_ckpt=full across {world} GPUs still "
+                                      f"needs {best / 1e9:.1f} GB per GPU)")
+    return gate("memory_fit", "block", need, usable, f"{detail}: does not fit; use {fix}")
+
+
+def disk_gate(cfg, counts, free_disk):
+    """checkpoint_disk: the checkpoints kept (fp32 weights and AdamW's two moments) against the free disk."""
+    ckpt_bytes = 12 * counts["total"]
+    need = ckpt_bytes * (cfg.keep_last + (1 if cfg.save_best else 0))
+    detail = f"{cfg.keep_last} + best checkpoints of {ckpt_bytes / 1e9:.2f} GB = {need / 1e9:.1f} GB"
+    if free_disk is None:
+        return gate("checkpoint_disk", "skip", need, None, f"{detail}: planning for another machine")
+    return gate("checkpoint_disk", "block" if need > free_disk else "warn" if need > 0.8 * free_disk else "pass",
+                need, free_disk, f"{detail} against {free_disk / 1e9:.1f} GB free")
+
+
+def world_gate(cfg, world, launched):
+    if launched != world:
+        return gate("world_size", "skip", launched, world, f"planning for {world} ranks from {launched}")
+    expect = cfg.expect_world_size
+    wrong = expect and expect != world
+    return gate("world_size", "block" if wrong else "pass", world, expect or "any",
+                f"launched {world} ranks" + (f", the config expects {expect}: launch --nproc_per_node={expect}"
+                                             if wrong else ""))
+
+
+def attention_gate(cfg, mconfig, runtime):
+    """attention_backend_runtime: attn_backend runs here (runtime: (device, dtype); None: planning elsewhere)."""
+    if runtime is None:
+        return gate("attention_backend_runtime", "skip", cfg.attn_backend, None,
+                    "planned from another machine: sanity.py on the pod checks the kernels")
+    try:
+        chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim, cfg.doc_mask)
+        return gate("attention_backend_runtime", "pass", chosen, None, note)
+    except ValueError as e:
+        return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
+
+
+def time_gate(cfg, tokens_per_sec, source, world):
+    """time_and_cost: hours and dollars of the planned tokens, and where a guard would stop the run."""
+    hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
+    usd = hours * world * cfg.usd_per_gpu_hour
+    limits = []
+    if cfg.max_hours and hours > cfg.max_hours:
+        limits.append(("max_hours", cfg.max_hours / hours))
+    if cfg.budget_usd and cfg.usd_per_gpu_hour and usd > cfg.budget_usd:
+        limits.append(("budget_usd", cfg.budget_usd / usd))
+    detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
+              + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
+    if not limits:
+        return gate("time_and_cost", "pass", hours, cfg.max_hours or None, detail)
+    name, fraction = min(limits, key=lambda x: x[1])
+    steps = int(cfg.max_steps * fraction)
+    return gate("time_and_cost", "block" if cfg.gate_profile == "release" else "warn", hours,
+                cfg.max_hours or cfg.budget_usd,
+                f"{detail}: {name} stops it near step {steps} of {cfg.max_steps}, before the schedule ends: "
+                f"lower max_steps to ~{steps} so the learning rate decays in time")
+
+
+# -----------------------------------------------------------------------------
+# the report
+
+def gates_report(cfg, proc, mconfig, manifest, dt, warn):
+    """Every gate that needs no model on the device, checked on rank 0 before anything is allocated and
+    sent to every rank: the report {profile, gates, plan}. A block stops the run here (allow_unsafe: a
+    warning; preflight_only: reported at the end). Planning from a CPU for a GPU pod (preflight_only with
+    gpu_mem_gb): the config's world size, and no local disk or kernels."""
+    report = [None]
+    if proc.rank == 0:
+        world, launched = plan_world(cfg, proc), proc.world
+        mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
+                                    if proc.dev.type == "cuda" else 0)
+        dtype_bytes = 4 if dt == torch.float32 else 2
+        counts = param_counts(mconfig)
+        gates = [horizon_gate(cfg, counts), *data_gates(cfg, manifest)]
+        gates.append(memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
+                     gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
+        gates += [disk_gate(cfg, counts, None if planning(cfg, proc) else free_disk(cfg.out_dir)),
+                  world_gate(cfg, world, launched),
+                  attention_gate(cfg, mconfig, None if planning(cfg, proc) else (proc.dev, dt))]
+        plan = dict(params=counts, flops_per_token=flops_per_token(mconfig),
+                    planned_tokens=cfg.max_steps * cfg.total_batch_tokens,
+                    tokens_per_param=cfg.max_steps * cfg.total_batch_tokens / counts["non_embedding"],
+                    dist_mode=cfg.dist_mode, grad_ckpt=cfg.grad_ckpt)
+        for key, sharded, ckpt in (("memory", cfg.dist_mode == "fsdp", cfg.grad_ckpt), ("memory_ddp", False, "none"),
+                                   ("memory_sharded", True, "full")):
+            plan[key] = memory_estimate(mconfig, cfg.micro_batch_size, world, sharded=sharded,
+                                        activation_checkpointing=ckpt, compute_bytes=dtype_bytes)
+        report = [dict(profile=cfg.gate_profile, gates=gates, plan=plan)]
+    if proc.distributed:
+        dist.broadcast_object_list(report)
+    report = report[0]
+    blocks = [g for g in report["gates"] if g["verdict"] == "block"]
+    if blocks and not cfg.allow_unsafe and not cfg.preflight_only:
+        fail("preflight blocks: " + "; ".join(f"{g['name']}: {g['detail']}" for g in blocks)
+             + " (or allow_unsafe=True to train anyway)")
+    for g in blocks if cfg.allow_unsafe else []:
+        warn(f"preflight gate {g['name']} blocks, allow_unsafe=True goes on: {g['detail']}")
+    return report
+
+
+def plan_time(cfg, proc, report, tokens_per_sec, source):
+    """The time_and_cost gate at a known throughput; without one, skipped and said why."""
+    if tokens_per_sec:
+        report["gates"].append(time_gate(cfg, tokens_per_sec, source, plan_world(cfg, proc)))
+    elif cfg.preflight_only:
+        report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "
+                                    "planned_tokens_per_sec to plan another machine's time"))
+
+
+def planning(cfg, proc):
+    """Planning from a CPU for a GPU pod: no local disk, kernels or speed count."""
+    return cfg.preflight_only and bool(cfg.gpu_mem_gb) and proc.dev.type != "cuda"
+
+
+def plan_world(cfg, proc):
+    """The world size the plan is for: the config's when planning a pod from one process, else this one."""
+    return cfg.expect_world_size if planning(cfg, proc) and not proc.torchrun and cfg.expect_world_size else proc.world
+
+
+def free_disk(path):
+    """Free bytes on the disk that holds path (or would: its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def planned_speed(cfg, proc, mconfig):
+    """(tokens/s, where it comes from) at planned_tokens_per_sec or planned_mfu of a GPU's peak; (0, None)
+    when neither is set (train.py then measures it)."""
+    if cfg.planned_tokens_per_sec:
+        return cfg.planned_tokens_per_sec, "planned_tokens_per_sec"
+    if not cfg.planned_mfu:
+        return 0, None
+    here = torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else None
+    peak = peak_flops(cfg.plan_gpu or here) if (cfg.plan_gpu or here) else None
+    if peak is None:
+        fail("planned_mfu needs a known GPU's peak: set plan_gpu to one of H200, H100 SXM, H100 PCIe, A100")
+    return (cfg.planned_mfu * peak * plan_world(cfg, proc) / flops_per_token(mconfig),
+            f"planned_mfu={cfg.planned_mfu:g} of {cfg.plan_gpu or here}")
+
+
+def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block_size):
+    """This rank's forward+backward tokens/s: 2 warm-up and 3 timed micro-steps; the gradients are dropped."""
+    x, y = loader.batch(range(micro_batch_size), dev)
+    for i in range(5):
+        if i == 2:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+        with autocast:
+            loss = model(x, y)[1]
+        loss.backward()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    return 3 * micro_batch_size * block_size / (time.time() - t0)
+
+
+def verdict_of(gates):
+    verdicts = {g["verdict"] for g in gates}
+    return "block" if "block" in verdicts else "warn" if "warn" in verdicts else "pass"
+
+
+def write_preflight(path, report):
+    """preflight.json and preflight.md, with the report's verdict."""
+    report["verdict"] = verdict_of(report["gates"])
+    write_json(os.path.join(path, "preflight.json"), report)
+    lines = [f"# preflight: {report['verdict']} ({report['profile']} profile)", "",
+             "| gate | verdict | value | threshold | detail |", "|---|---|---|---|---|"]
+    for g in report["gates"]:
+        value = f"{g['value']:.4g}" if isinstance(g["value"], float) else g["value"]
+        lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | {g['detail']} |")
+    write_atomic(os.path.join(path, "preflight.md"), "\n".join(lines) + "\n")
+
+
+def finish_preflight(cfg, report, master):
+    """--preflight_only: write and print the report; exit status 1 when a gate blocks, else 0."""
+    if master:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        write_preflight(cfg.out_dir, report)
+        for g in report["gates"]:
+            print(f"{g['verdict']:>5}  {g['name']}: {g['detail']}")
+        print(f"preflight: {report['verdict']} ({cfg.gate_profile} profile), report in {cfg.out_dir}/preflight.md")
+    else:
+        report["verdict"] = verdict_of(report["gates"])
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 1 if report["verdict"] == "block" else 0
