@@ -42,10 +42,11 @@ import sys
 import torch
 
 import configurator
+from checkpoint import find_checkpoint, load_model
 from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
 from prepare import read_ranks
-from report import read_json
-from util import first_line
+from report import read_json, read_metrics
+from util import fail, first_line, run_main, write_atomic, write_json
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -66,23 +67,19 @@ MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_at
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 
-class ExportError(Exception):
-    pass
-
-
 def require(module):
     try:
         return __import__(module)
     except ImportError:
-        raise ExportError(f"{module} is not installed: pip install -r requirements-dev.txt") from None
+        fail(f"{module} is not installed: pip install -r requirements-dev.txt")
 
 
 def check_llama(model_cfg, state_dict):
-    """Raise ExportError unless the model is one LlamaForCausalLM expresses exactly."""
+    """The model's GPTConfig; util.Error unless the model is one LlamaForCausalLM expresses exactly."""
     extra = sorted(set(model_cfg) - LLAMA_FIELDS)
     if extra:
-        raise ExportError(f"the model config has {', '.join(extra)}, which Llama cannot express: "
-                          f"this export.py only maps podgpt's Llama architecture")
+        fail(f"the model config has {', '.join(extra)}, which Llama cannot express: "
+             f"this export.py only maps podgpt's Llama architecture")
     cfg = GPTConfig(**model_cfg)
     want = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
     for i in range(cfg.n_layer):
@@ -90,11 +87,11 @@ def check_llama(model_cfg, state_dict):
         want |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
     if set(state_dict) != want:
         odd = sorted(set(state_dict) ^ want)[:3]
-        raise ExportError(f"the weights do not match Llama's layout (e.g. {', '.join(odd)}): cannot export")
+        fail(f"the weights do not match Llama's layout (e.g. {', '.join(odd)}): cannot export")
     tied = state_dict["lm_head.weight"].data_ptr() == state_dict["embed_tokens.weight"].data_ptr() or \
         torch.equal(state_dict["lm_head.weight"], state_dict["embed_tokens.weight"])
     if cfg.tie_embeddings and not tied:
-        raise ExportError("tie_embeddings=True but lm_head differs from embed_tokens: the checkpoint is inconsistent")
+        fail("tie_embeddings=True but lm_head differs from embed_tokens: the checkpoint is inconsistent")
     return cfg
 
 
@@ -169,8 +166,8 @@ def write_weights(folder, tensors, max_shard_bytes):
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    write_json(os.path.join(folder, "model.safetensors.index.json"),
+               {"metadata": {"total_size": total}, "weight_map": weight_map})
     return names + ["model.safetensors.index.json"]
 
 
@@ -211,9 +208,27 @@ def write_hf_tokenizer(src, folder, block_size):
               "bos_token": bos, "eos_token": bos, "model_max_length": block_size,
               "split_special_tokens": True,  # "<|bos|>" typed in a text is text, as in podgpt's encode
               "clean_up_tokenization_spaces": False}  # decode gives the text back as it was
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_json(os.path.join(folder, "tokenizer_config.json"), config)
     return None
+
+
+def card_usage(cfg, tokenizer_note):
+    """The model card's code example and its line on the tokenizer: transformers' tokenizer where there is one,
+    token ids where there is none (tokenizer_note says why)."""
+    if tokenizer_note is None:
+        use = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+               "tok = AutoTokenizer.from_pretrained(\"<this folder>\")",
+               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
+               "ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
+               "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
+        return use, ("- `tokenizer.json` encodes exactly as podgpt's tokenizer (made with transformers' tiktoken "
+                     f"converter); podgpt's own files are in `{TOKENIZER_DIR}/`.")
+    use = ["from transformers import AutoModelForCausalLM",
+           "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
+           f"# start every prompt with the BOS id {cfg.vocab_size - 1}"]
+    return use, (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
+                 f"in `{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids "
+                 "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
 
 
 def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
@@ -224,14 +239,10 @@ def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_not
     preflight = read_json(os.path.join(out_dir, "preflight.json"))
     tok = read_json(os.path.join(path, "tokenizer.json")) or {}
     train_loss = summary.get("final_train_loss")
-    if train_loss is None:
-        try:
-            with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            losses = [r["loss"] for r in rows if "loss" in r and r.get("step", -1) <= trainer.get("step", -1)]
-            train_loss = losses[-1] if losses else None
-        except (OSError, ValueError):
-            pass
+    if train_loss is None:  # the run has not ended: the last loss it logged up to this checkpoint
+        losses = [r["loss"] for r in read_metrics(os.path.join(out_dir, "metrics.jsonl"))
+                  if "loss" in r and r["step"] <= trainer.get("step", -1)]
+        train_loss = losses[-1] if losses else None
     recipe_keys = ("max_steps", "total_batch_tokens", "micro_batch_size", "learning_rate", "min_lr", "warmup_steps",
                    "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype", "world_size", "grad_accum")
     p = param_counts(cfg)
@@ -266,21 +277,7 @@ def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_not
                      + (f" (blocked: {', '.join(blocked)})" if blocked else ""))
     else:
         lines.append("- preflight verdict: none recorded (no preflight.json in the out_dir)")
-    if tokenizer_note is None:
-        use = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-               "tok = AutoTokenizer.from_pretrained(\"<this folder>\")",
-               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-               "ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
-               "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
-        tokenizer_line = ("- `tokenizer.json` encodes exactly as podgpt's tokenizer (made with transformers' tiktoken "
-                          f"converter); podgpt's own files are in `{TOKENIZER_DIR}/`.")
-    else:
-        use = ["from transformers import AutoModelForCausalLM",
-               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-               f"# start every prompt with the BOS id {cfg.vocab_size - 1}"]
-        tokenizer_line = (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
-                          f"in `{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids "
-                          "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
+    use, tokenizer_line = card_usage(cfg, tokenizer_note)
     lines += [
         "", "## Use", "",
         "```python", *use, "```", "",
@@ -299,35 +296,32 @@ def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_not
 
 
 def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
-    """Write the export of checkpoint folder `path` to `out` (atomically); ExportError on a problem."""
+    """Write the export of checkpoint folder `path` to `out` (atomically); util.Error on a problem."""
     require("safetensors")
     if weight_dtype not in ("float32", "bfloat16"):
-        raise ExportError(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
+        fail(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
-        raise ExportError(f"max_shard_gb={max_shard_gb} must be positive")
-    from train import load_model
+        fail(f"max_shard_gb={max_shard_gb} must be positive")
     try:  # verified, loaded into model.py as it is; a sharded (fsdp) checkpoint gathered whole
         model, run_cfg = load_model(path, "cpu")
         trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise ExportError(f"checkpoint {path} cannot be used: {e}") from None
+    except Exception as e:  # a damaged pickle can raise many kinds of error
+        fail(f"checkpoint {path} cannot be used: {e}")
     state = model.state_dict()
     cfg = check_llama(run_cfg["model"], state)
     if os.path.exists(out) and not os.path.exists(os.path.join(out, PODGPT_FILE)) and os.listdir(out):
-        raise ExportError(f"{out} exists and is not a podgpt export: choose another --out or remove it")
+        fail(f"{out} exists and is not a podgpt export: choose another --out or remove it")
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[weight_dtype]
         write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config(cfg, weight_dtype), f, indent=1)
+        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype))
         bos = cfg.vocab_size - 1
         gen = {"bos_token_id": bos, "eos_token_id": bos, "max_length": cfg.block_size,
                "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
-        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
-            json.dump({k: v for k, v in gen.items() if v is not None}, f, indent=1)
+        write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
         for name in ("tokenizer.json", "tokenizer.tiktoken"):
             if os.path.exists(os.path.join(path, name)):
@@ -336,14 +330,13 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         if tokenizer_note:
             print(f"note: no tokenizer.json for transformers: {tokenizer_note}; "
                   f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
-        with open(os.path.join(tmp, PODGPT_FILE), "w") as f:
-            json.dump({"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
-                       "val_loss": finite(trainer.get("val_loss")),
-                       "best_val_loss": finite(trainer.get("best_val_loss")), "weights_dtype": weight_dtype}, f,
-                      indent=1)
+        write_json(os.path.join(tmp, PODGPT_FILE),
+                   {"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
+                    "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
+                    "weights_dtype": weight_dtype})
         out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
-        with open(os.path.join(tmp, "README.md"), "w", encoding="utf-8") as f:
-            f.write(model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
+        write_atomic(os.path.join(tmp, "README.md"),
+                     model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -399,22 +392,17 @@ def load_export(path, device="cpu"):
 
 def main(argv):
     config = configurator.configure(__file__, argv)
-    from train import find_checkpoint
-    try:
-        if config["which"] not in ("best", "latest"):
-            raise ExportError(f"which={config['which']!r} is not one of best, latest")
-        if not config["out"]:
-            raise ExportError("no --out: give the folder to write, e.g. --out=export/tiny")
-        src = config["ckpt"] or config["out_dir"]
-        path = find_checkpoint(src, config["which"]) if os.path.isdir(src) else None
-        if path is None:
-            raise ExportError(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
-        export(path, config["out"], config["dtype"], config["max_shard_gb"])
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(f"exported {path} to {config['out']}")
+    if config.which not in ("best", "latest"):
+        fail(f"which={config.which!r} is not one of best, latest")
+    if not config.out:
+        fail("no --out: give the folder to write, e.g. --out=export/tiny")
+    src = config.ckpt or config.out_dir
+    path = find_checkpoint(src, config.which) if os.path.isdir(src) else None
+    if path is None:
+        fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
+    export(path, config.out, config.dtype, config.max_shard_gb)
+    print(f"exported {path} to {config.out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

@@ -42,11 +42,11 @@ from types import SimpleNamespace
 import torch
 
 import configurator
-from prepare import load_tokenizer
+from checkpoint import find_checkpoint, load_model
 from export import finite, is_export, load_export, tokenizer_dir
 from model import param_counts
-from train import find_checkpoint, load_model
-from util import first_line, setup
+from prepare import load_tokenizer
+from util import fail, first_line, run_main, setup
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -72,57 +72,58 @@ MAX_BODY_BYTES = 1 << 20        # a request body larger than this is refused unr
 
 def main(argv):
     config = configurator.configure(__file__, argv)
-    if config["which"] not in ("best", "latest"):
-        print(f"error: which={config['which']!r} is not one of best, latest", file=sys.stderr)
-        raise SystemExit(2)
-    src = config["ckpt"] or config["out_dir"]
+    if config.which not in ("best", "latest"):
+        fail(f"which={config.which!r} is not one of best, latest", code=2)
+    src = config.ckpt or config.out_dir
     exported = is_export(src)
-    path = src if exported else find_checkpoint(src, config["which"])
+    path = src if exported else find_checkpoint(src, config.which)
     if path is None:
-        print(f"error: no checkpoint in {config['ckpt'] or config['out_dir']!r}: "
-              f"train first or pass --ckpt=OUT_DIR or a checkpoint folder", file=sys.stderr)
-        raise SystemExit(1) from None
-    if config["serve"]:
-        if not 0 <= config["port"] <= 65535 or config["serve_max_tokens"] < 1:
-            print("error: need 0 <= port <= 65535 and serve_max_tokens >= 1", file=sys.stderr)
-            raise SystemExit(2)
-    elif config["max_new_tokens"] < 0 or config["num_samples"] < 1 or config["temperature"] < 0:
-        print("error: need max_new_tokens >= 0, num_samples >= 1 and temperature >= 0", file=sys.stderr)
-        raise SystemExit(2)
-    text = config["prompt"]
-    if config["prompt_file"]:
-        try:
-            with open(config["prompt_file"], encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            print(f"error: cannot read prompt_file {config['prompt_file']} ({first_line(e)}): "
-                  f"give a UTF-8 text file or --prompt=TEXT", file=sys.stderr)
-            raise SystemExit(1) from None
+        fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
+    if config.serve:
+        if not 0 <= config.port <= 65535 or config.serve_max_tokens < 1:
+            fail("need 0 <= port <= 65535 and serve_max_tokens >= 1", code=2)
+    elif config.max_new_tokens < 0 or config.num_samples < 1 or config.temperature < 0:
+        fail("need max_new_tokens >= 0, num_samples >= 1 and temperature >= 0", code=2)
+    text = read_prompt(config.prompt, config.prompt_file)
 
-    dev = setup(config["device"]).dev
+    dev = setup(config.device).dev
     try:
         model, saved = load_export(path, dev) if exported else load_model(path, dev)
-        info = checkpoint_info(path, exported, saved) if config["serve"] else None
+        info = checkpoint_info(path, exported, saved) if config.serve else None
     except ValueError as e:
-        print(f"error: checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)",
-              file=sys.stderr)
-        raise SystemExit(1) from None
+        fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
     tok = load_tokenizer(tokenizer_dir(path))
-    if config["serve"]:
+    if config.serve:
         return serve_http(config, path, model, tok, info, dev)
-    ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
-    generator = torch.Generator(device=dev).manual_seed(config["seed"])
     print(f"# {path}", file=sys.stderr)
-    for i in range(config["num_samples"]):
+    print_samples(config, model, tok, text, dev)
+
+
+def read_prompt(prompt, prompt_file):
+    """The text the samples continue: prompt, or the contents of prompt_file when one is given."""
+    if not prompt_file:
+        return prompt
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read prompt_file {prompt_file} ({first_line(e)}): give a UTF-8 text file or --prompt=TEXT")
+
+
+def print_samples(config, model, tok, text, dev):
+    """config.num_samples continuations of text, each streamed to stdout as it is generated."""
+    ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
+    generator = torch.Generator(device=dev).manual_seed(config.seed)
+    for i in range(config.num_samples):
         # tokens may end inside a multi-byte character: decode the byte stream incrementally
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(text)
-        for token in model.generate(ids, config["max_new_tokens"], temperature=config["temperature"],
-                                    top_k=config["top_k"] or None, top_p=config["top_p"], generator=generator):
+        for token in model.generate(ids, config.max_new_tokens, temperature=config.temperature,
+                                    top_k=config.top_k or None, top_p=config.top_p, generator=generator):
             sys.stdout.write(decoder.decode(tok.decode_bytes([token.item()])))
             sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
-        if i < config["num_samples"] - 1:
+        if i < config.num_samples - 1:
             print("-" * 40)
 
 
@@ -324,16 +325,15 @@ def serve_http(config, path, model, tok, info, dev):
     """Answer HTTP requests until SIGTERM or Ctrl-C (then exit 0)."""
     cfg = model.config
     ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, lock=threading.Lock(), stopping=threading.Event(),
-                          max_tokens=config["serve_max_tokens"], max_prompt=cfg.block_size - 1)
+                          max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1)
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
                     device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
                                              "body_bytes": MAX_BODY_BYTES})
     try:
-        server = http.server.ThreadingHTTPServer((config["host"], config["port"]), Handler)
+        server = http.server.ThreadingHTTPServer((config.host, config.port), Handler)
     except OSError as e:
-        print(f"error: cannot listen on {config['host']}:{config['port']} ({first_line(e)}): "
-              "pick another --port (0: any free one) or --host", file=sys.stderr)
-        raise SystemExit(1) from None
+        fail(f"cannot listen on {config.host}:{config.port} ({first_line(e)}): "
+             "pick another --port (0: any free one) or --host")
     # the exit waits for every request's thread (a thread killed inside torch aborts the process);
     # ctx.stopping makes a generation end at its next token
     server.daemon_threads = False
@@ -351,4 +351,4 @@ def serve_http(config, path, model, tok, info, dev):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

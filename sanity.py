@@ -12,12 +12,12 @@ The checks, in order:
 - environment: python, torch, CUDA and driver, the GPUs (name, capability, memory), NCCL;
   disk: free space where out_dir is;
 - attention:*: each attention backend of model.py (ATTENTION_BACKENDS, sdpa, and the one auto
-  picks here), forward and backward against a float64 reference, at the configured head layout,
-  in the run's dtype; a backend that cannot run here is skipped, saying why. attention:doc_mask:
-  the dense document mask against attending each document on its own;
+  picks here), forward and backward against model.py's float64 reference, at the configured head
+  layout, in the run's dtype; a backend that cannot run here is skipped, saying why.
+  attention:doc_mask: the dense document mask against the reference within documents;
 - train_step, kv_cache, checkpoint: a 2-layer model of the configured head layout takes a
   step in the run's dtype with finite loss and gradients, gives the same logits with the
-  KV cache as without, and reads back bit for bit through train.py's checkpoint code;
+  KV cache as without, and reads back bit for bit through checkpoint.py's save and load;
 - dataset: data_dir's manifest and shards agree with the config (once prepare.py ran);
 - compile: torch.compile's forward and backward match eager (compile=True only);
 - allreduce: under torchrun, the sum on every rank and the bus bandwidth;
@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,11 +44,12 @@ import torch
 import torch.distributed as dist
 
 import configurator
-from model import (ATTENTION_BACKENDS, GPT, GPTConfig, KVCache, attention, backend_unavailable, flops_per_token,
-                   memory_estimate, param_counts, resolve_backend)
-from data import load_manifest, read_header
-from train import CKPT_FORMAT, MEMORY_USABLE, exit_worker, load_checkpoint, make_optimizer, save_checkpoint
-from util import first_line, resolve_device, setup, torchrun_env
+from checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
+from data import Loader, check_prepared, load_manifest
+from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable,
+                   flops_per_token, make_optimizer, param_counts, parity_errors, resolve_backend)
+from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
+from util import Error, autocast, compute_dtype, driver_version, dtype_name, fail, first_line, run_main, setup
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
@@ -82,30 +82,16 @@ world_size = 0                  # GPUs to plan for; 0: WORLD_SIZE under torchrun
 gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (on CPU: no verdict)
 # --- end config
 
-# largest error over largest value, per compute dtype. Measured on CPU: SDPA kernels against float64
-# 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32; compiled against eager 8e-3 in bf16. A wrong kernel
-# (scale, mask, GQA mapping) is off by ~1.
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 # (json key, label, sharded, activation checkpointing); the configured run's layout comes first
 LAYOUTS = (("ddp", "DDP", False, "none"), ("ddp_act_ckpt", "DDP + act. ckpt", False, "full"),
            ("sharded", "sharded", True, "none"), ("sharded_act_ckpt", "sharded + act. ckpt", True, "full"))
-MAX_MICRO_BATCH = 1024          # the micro-batch search stops here
 ALLREDUCE_ITERS = 5             # timed all_reduces, after 2 warm-up ones (NCCL builds its rings on the first)
+# the probe models' AdamW: any hyperparameters do (the checks look at its state's files and memory, not at training)
+PROBE_OPTIMIZER = dict(learning_rate=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 # -----------------------------------------------------------------------------
 # helpers
-
-def compute_dtype(name, dev):
-    """train.py's compute dtype: dtype=auto is bfloat16 on a GPU that has it, else float32."""
-    if name == "auto":
-        name = "bfloat16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    return getattr(torch, name)
-
-
-def autocast(dev, dt):
-    return torch.autocast(dev.type, dtype=dt, enabled=dt != torch.float32)
-
 
 def rel_error(a, b):
     """Largest absolute difference over the largest absolute value of b; inf when anything is not finite."""
@@ -145,20 +131,6 @@ def same(a, b):
     return a == b
 
 
-def driver_version():
-    """The NVIDIA driver's version, which torch does not report, from nvidia-smi."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=60).stdout
-        return out.split()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown (no nvidia-smi)"
-
-
-def dtype_name(dt):
-    return str(dt).removeprefix("torch.")
-
-
 def gb(n):
     return round(n / 1e9, 3)
 
@@ -193,72 +165,24 @@ def check_disk(path, min_gb):
     return ("pass" if free >= min_gb else "fail"), f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb:g})"
 
 
-def reference_attention(q, k, v):
-    """Causal attention in float64, written out: the yardstick for every kernel. Query head h
-    reads key/value head h // (n_head / n_kv_head), as SDPA's enable_gqa does."""
-    rep = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
-    T = q.size(2)
-    future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
-
-
-def reference_documents(q, k, v, doc_ids):
-    """reference_attention within documents: each document of each row attended on its own."""
-    out = torch.empty_like(q)
-    for b in range(q.size(0)):
-        for doc in doc_ids[b].unique():
-            t = (doc_ids[b] == doc).nonzero().flatten()  # a document's tokens are consecutive
-            out[b:b + 1, :, t] = reference_attention(q[b:b + 1, :, t], k[b:b + 1, :, t], v[b:b + 1, :, t])
-    return out
-
-
-def compare_attention(fn, cfg, dev, dt, doc_ids=None):
-    """fn(q, k, v) -> (B, heads, T, head_dim), causal (within the documents of doc_ids (2, T), when
-    given), against the float64 reference: the output and the gradients of q, k and v. The inputs are
-    rounded to dt first, so only the kernel's error counts."""
+def check_attention(name, cfg, dev, dt, doc_mask=False):
+    """A backend of model.py, or the one auto picks here (saying why), against model.py's float64
+    reference at the configured head layout: the output and the gradients of q, k and v
+    (model.parity_errors; doc_mask: causal within documents). Skipped, saying why, where it cannot run."""
     T, hd = min(cfg["block_size"], 256), cfg["n_embd"] // cfg["n_head"]
-    g = torch.Generator().manual_seed(0)
-    shapes = [(2, cfg["n_head"], T, hd), (2, cfg["n_kv_head"], T, hd), (2, cfg["n_kv_head"], T, hd),
-              (2, cfg["n_head"], T, hd)]
-    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(dev, dt) for s in shapes)
-    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    ref = reference_attention(*ref_in) if doc_ids is None else reference_documents(*ref_in, doc_ids)
-    ref.backward(grad.double())
-    test_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = fn(*test_in)
-    out.backward(grad)
-    errors = {"output": rel_error(out, ref)}
-    errors.update({f"d{n}": rel_error(t.grad, r.grad) for n, t, r in zip("qkv", test_in, ref_in, strict=True)})
-    worst = max(errors, key=errors.get)
-    tol = TOLERANCE[dt]
-    ok = errors[worst] <= tol
-    return ("pass" if ok else "fail"), (f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/"
-                                        f"{cfg['n_kv_head']} of {hd}: largest error {errors[worst]:.1e} ({worst}) "
-                                        f"{'within' if ok else 'OVER'} {tol:g} of the largest value")
-
-
-def check_attention_backend(name, cfg, dev, dt):
-    """A backend of model.py through model.attention(), as the blocks call it; skipped, saying why,
-    where it cannot run. auto: the backend model.py picks here, and why."""
-    hd = cfg["n_embd"] // cfg["n_head"]
-    why = None if name == "auto" else backend_unavailable(name, dev, dt, hd)
-    if why:
+    note = ""
+    if name == "auto":
+        name, note = resolve_backend(name, dev, dt, hd, doc_mask)
+        note = f"; {note}"
+    elif why := backend_unavailable(name, dev, dt, hd, doc_mask):
         return "skip", why
-    status, detail = compare_attention(lambda q, k, v: attention(name, q, k, v, True), cfg, dev, dt)
-    return status, detail + (f"; {resolve_backend(name, dev, dt, hd)[1]}" if name == "auto" else "")
-
-
-def check_doc_mask(cfg, dev, dt):
-    """doc_mask's dense path (SDPA with a boolean mask, what math/efficient/sdpa run) against
-    attending each document on its own; the rows break into documents at different places."""
-    T = min(cfg["block_size"], 256)
-    doc_ids = torch.zeros(2, T, dtype=torch.long, device=dev)
-    doc_ids[0, T // 3:] += 1
-    doc_ids[0, T // 2 + 1:] += 1
-    doc_ids[1, T // 5:] += 1
-    return compare_attention(lambda q, k, v: attention("sdpa", q, k, v, True, doc_ids), cfg, dev, dt, doc_ids)
+    errors = parity_errors(name, dev, dt, hd, doc_mask, cfg["n_head"], cfg["n_kv_head"], T)
+    worst = max(errors, key=errors.get)
+    tol = PARITY_TOLERANCE[dt]
+    ok = errors[worst] <= tol
+    return ("pass" if ok else "fail"), (f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/{cfg['n_kv_head']} of {hd}: "
+                                        f"largest error {errors[worst]:.1e} ({worst}) "
+                                        f"{'within' if ok else 'OVER'} {tol:g} of the largest value{note}")
 
 
 def check_train_step(cfg, dev, dt):
@@ -283,17 +207,17 @@ def check_kv_cache(cfg, dev):
         cache = KVCache(model.config, 2, n, dev, torch.float32)
         pieces = [(0, n // 4), (n // 4, n // 2)] + [(t, t + 1) for t in range(n // 2, n)]
         cached = torch.cat([model(x[:, a:b], cache=cache)[0] for a, b in pieces], 1)
-    err, tol = rel_error(cached, full), TOLERANCE[torch.float32]
+    err, tol = rel_error(cached, full), PARITY_TOLERANCE[torch.float32]
     return ("pass" if err <= tol else "fail"), (f"{n} tokens fed as {n // 4} + {n // 4} + {n - n // 2} x 1: logits "
                                                 f"differ from a full forward pass by {err:.1e} of the largest "
                                                 f"(tolerance {tol:g})")
 
 
 def check_checkpoint(cfg, dev):
-    """train.py's save_checkpoint / load_checkpoint on a model and its AdamW state after one step,
+    """checkpoint.py's save_checkpoint / load_checkpoint on a model and its AdamW state after one step,
     in a scratch folder under out_dir that is removed afterwards. Small at any width: this checks the files."""
     model = probe_model(cfg, dev, full_width=False)
-    optimizer = make_optimizer(model, fused=dev.type == "cuda")
+    optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=dev.type == "cuda")
     loss_and_grads(model, torch.randint(0, 256, (2, 16), device=dev), dev, torch.float32)
     optimizer.step()
     files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
@@ -314,33 +238,20 @@ def check_checkpoint(cfg, dev):
 
 
 def check_dataset(cfg):
+    """data_dir's manifest, files and shards agree with the config, as train.py checks them when it opens the data."""
     data = cfg["data_dir"]
     if not os.path.isfile(os.path.join(data, "manifest.json")):
         return "skip", f"no manifest.json in {data}: not prepared yet (python prepare.py --data_dir={data})"
     manifest = load_manifest(data)
-    vocab = manifest["vocab_size"]
-    if cfg["vocab_size"] is not None and cfg["vocab_size"] != vocab:
-        return "fail", (f"vocab_size={cfg['vocab_size']} but {data} was tokenized with {manifest['tokenizer']} "
-                        f"({vocab} tokens): set vocab_size=None or prepare matching data")
-    for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
-        if not os.path.isfile(os.path.join(data, name)):
-            return "fail", f"{data} has no {name}, which its manifest.json lists: rebuild it with prepare.py --force"
-    tokens = {}
-    for split in ("train", "val"):
-        longest = 0
-        for shard in manifest["splits"][split]["shards"]:
-            header = read_header(os.path.join(data, shard["file"]))  # a ValueError names the shard
-            if header["vocab_size"] != vocab:
-                return "fail", (f"{data}/{shard['file']}: vocab_size {header['vocab_size']} in its header, {vocab} in "
-                                f"manifest.json: rebuild the data with prepare.py --force")
-            longest = max(longest, header["n_tokens"])
-        if longest < cfg["block_size"] + 1:  # train.py's windows never cross a shard
-            return "fail", (f"the {split} split of {data} has no shard of block_size+1 = {cfg['block_size'] + 1} "
-                            f"tokens: lower block_size or prepare more data")
-        tokens[split] = manifest["splits"][split]["tokens"]
-    return "pass", (f"{data}: {manifest['tokenizer']}, {vocab} tokens, {tokens['train'] / 1e6:.1f}M train and "
-                    f"{tokens['val'] / 1e6:.2f}M val tokens; every shard's header agrees; block_size "
-                    f"{cfg['block_size']} fits both splits")
+    check_prepared(data, manifest, cfg["vocab_size"])
+    if cfg["vocab_size"] is not None and cfg["vocab_size"] != manifest["vocab_size"]:  # larger: a preflight block
+        return "fail", (f"vocab_size={cfg['vocab_size']} but {data} holds {manifest['vocab_size']} tokens: "
+                        f"set vocab_size=None or prepare matching data (train.py's tokenizer_vocab gate blocks it)")
+    windows = {split: Loader(data, split, manifest, cfg["block_size"], 0).n for split in ("train", "val")}
+    return "pass", (f"{data}: {manifest['tokenizer']}, {manifest['vocab_size']} tokens, "
+                    f"{manifest['splits']['train']['tokens'] / 1e6:.1f}M train and "
+                    f"{manifest['splits']['val']['tokens'] / 1e6:.2f}M val tokens; every shard's header agrees; "
+                    f"block_size {cfg['block_size']} gives {windows['train']:,} train and {windows['val']:,} val windows")
 
 
 def check_compile(cfg, dev, dt):
@@ -350,7 +261,8 @@ def check_compile(cfg, dev, dt):
     x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
     eager = [t.clone() for t in loss_and_grads(model, x, dev, dt)]
     compiled = loss_and_grads(torch.compile(model), x, dev, dt)
-    err, tol = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True)), TOLERANCE[dt]
+    # held to the kernels' bound against float64 (measured on CPU: 8e-3 in bf16)
+    err, tol = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True)), PARITY_TOLERANCE[dt]
     ok = err <= tol
     return ("pass" if ok else "fail"), (f"{dtype_name(dt)} loss and gradients: compiled differs "
                                         f"from eager by {err:.1e} of the largest value (tolerance {tol:g})")
@@ -386,30 +298,6 @@ def check_allreduce(dev, megabytes):
 
 # capacity: the plan from model.py's arithmetic, and on a GPU the measurement
 
-def plan_vocab(cfg):
-    """(vocabulary, where it came from): vocab_size, else the prepared data's, else plan_vocab_size."""
-    if cfg["vocab_size"]:
-        return cfg["vocab_size"], "vocab_size"
-    if os.path.isfile(os.path.join(cfg["data_dir"], "manifest.json")):
-        return load_manifest(cfg["data_dir"])["vocab_size"], f"{cfg['data_dir']}/manifest.json"
-    if cfg["plan_vocab_size"]:
-        return cfg["plan_vocab_size"], "plan_vocab_size"
-    raise ValueError(f"no vocabulary to plan with: {cfg['data_dir']} is not prepared; set plan_vocab_size")
-
-
-def largest_fitting(fits, known, limit):
-    """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
-    known): double until it does not, then bisect. Memory grows with the micro-batch, so one boundary."""
-    lo, hi, limit = known, max(2 * known, 1), max(limit, known)
-    while hi <= limit and fits(hi):
-        lo, hi = hi, 2 * hi
-    hi = min(hi, limit + 1)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
 def step_peak(model, optimizer, mb, dev, dt):
     """Peak bytes allocated by one forward/backward/AdamW step of mb sequences, or None when out of memory."""
     gc.collect()
@@ -434,38 +322,21 @@ def measure_capacity(mconfig, mb, dev, dt, ddp_buckets):
     moments) and the largest micro-batch that fits, eager, on this GPU."""
     with torch.device(dev):  # built in place: a 1B model initialised on the CPU first would take a minute
         model = GPT(mconfig)
-    optimizer = make_optimizer(model, fused=True)
+    optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=True)
     # one process stands in for a DDP rank: hold aside DDP's fp32 copy of the gradients (its buckets)
     reserve = torch.empty(ddp_buckets, dtype=torch.uint8, device=dev)
     first = step_peak(model, optimizer, mb, dev, dt)  # allocates AdamW's moments: the second step is the steady state
     peak = step_peak(model, optimizer, mb, dev, dt) if first else None
-    largest = largest_fitting(lambda m: step_peak(model, optimizer, m, dev, dt) is not None,
-                              mb if peak else 0, MAX_MICRO_BATCH)
+    largest = largest_fitting(lambda m: step_peak(model, optimizer, m, dev, dt) is not None, mb if peak else 0)
     del reserve  # held until the search is done
     return peak, largest
-
-
-def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
-    """model.memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
-    largest micro-batch that would."""
-    estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded, activation_checkpointing=ckpt,
-                       compute_bytes=cbytes)
-    parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # params is a count, not bytes
-    return dict(sharded=sharded, activation_checkpointing=ckpt, bytes=parts, gb={k: gb(v) for k, v in parts.items()},
-                fits=parts["total"] <= budget if budget else None,
-                largest_micro_batch=largest_fitting(lambda m: estimate(m)["total"] <= budget, 0, MAX_MICRO_BATCH)
-                if budget else None)
 
 
 def check_capacity(cfg, dev, dt, world, out):
     """Fills `out` with the plan (and measurement) that goes to sanity.json under "capacity"."""
     if not cfg["capacity"]:
         return "skip", "capacity=False (--capacity plans, and on a GPU measures, the memory per GPU)"
-    vocab, vocab_from = plan_vocab(cfg)
-    mconfig = GPTConfig(vocab_size=vocab, block_size=cfg["block_size"], n_layer=cfg["n_layer"], n_head=cfg["n_head"],
-                        n_kv_head=cfg["n_kv_head"], n_embd=cfg["n_embd"], ffn_hidden=cfg["ffn_hidden"],
-                        tie_embeddings=cfg["tie_embeddings"], vocab_multiple=cfg["vocab_multiple"],
-                        grad_ckpt=cfg["grad_ckpt"], loss_chunk=cfg["loss_chunk"])
+    mconfig, vocab_from = model_config(cfg), plan_vocab(cfg)[1]
     mb = cfg["micro_batch_size"]
     # dtype=auto planned from a CPU is the GPU's bfloat16
     plan_dt = torch.bfloat16 if cfg["dtype"] == "auto" and dev.type != "cuda" else dt
@@ -482,8 +353,7 @@ def check_capacity(cfg, dev, dt, world, out):
                gpu_mem_bytes=memory or None, gpu_mem_gb=gb(memory) if memory else None,
                usable_bytes=budget, usable_share=MEMORY_USABLE, layouts={}, measured=None)
     fsdp = cfg["dist_mode"] == "fsdp"
-    run_label = ("FSDP" if fsdp else "DDP") + ("" if cfg["grad_ckpt"] == "none" else f" + grad_ckpt={cfg['grad_ckpt']}")
-    out["layouts"]["run"] = dict(label=f"this run: {run_label}",
+    out["layouts"]["run"] = dict(label=f"this run: {layout_label(cfg)}",
                                  **plan_layout(mconfig, mb, world, fsdp, cfg["grad_ckpt"], cbytes, budget))
     for key, label, sharded, ckpt in LAYOUTS:
         out["layouts"][key] = dict(label=label, **plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget))
@@ -561,7 +431,7 @@ def run_check(name, fn):
     try:
         status, detail = fn()
     except Exception as e:  # a check that crashes is a failed check, reported in one line like the others
-        status, detail = "fail", first_line(e)
+        status, detail = "fail", str(e) if isinstance(e, Error) else first_line(e)  # podgpt's own: one line already
     return dict(name=name, status=status, seconds=round(time.perf_counter() - t0, 3), detail=detail)
 
 
@@ -585,32 +455,27 @@ def write_reports(path, report):
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
-    if cfg["dtype"] not in ("auto", "float32", "bfloat16", "float16"):
-        print(f"error: dtype={cfg['dtype']!r} is not one of auto, float32, bfloat16, float16", file=sys.stderr)
-        raise SystemExit(1)
-    # train.py's device; one that cannot be had (CUDA asked for but absent): the CPU, so that the other
+    # the run's device; one that cannot be had (CUDA asked for but absent): the CPU, so that the other
     # checks still run and the environment check fails with the reason
-    env, device_error = torchrun_env(), None
+    device_error = None
     try:
-        resolve_device(cfg["device"], env[1] if env else None)
-    except ValueError as e:
-        device_error = str(e)
-    proc = setup("cpu" if device_error else cfg["device"])
+        proc = setup(cfg["device"])
+    except Error as e:
+        proc, device_error = setup("cpu"), str(e)
     dev, rank, ddp = proc.dev, proc.rank, proc.distributed
     dt = compute_dtype(cfg["dtype"], dev)
     world = cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"] or 1
     try:
         os.makedirs(cfg["out_dir"], exist_ok=True)
     except OSError as e:  # nowhere to write the report
-        print(f"error: out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir",
-              file=sys.stderr)
-        raise SystemExit(1) from None
+        fail(f"out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir")
     capacity_report = {}
     checks = [("environment", partial(check_environment, cfg, dev, dt, device_error)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
-    checks += [(f"attention:{name}", partial(check_attention_backend, name, cfg, dev, dt))
+    checks += [(f"attention:{name}", partial(check_attention, name, cfg, dev, dt))
                for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
-    checks += [("attention:doc_mask", partial(check_doc_mask, cfg, dev, dt))]
+    # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
+    checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, doc_mask=True))]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),
@@ -645,4 +510,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    exit_worker(main(sys.argv[1:]))
+    run_main(main, sys.argv[1:])

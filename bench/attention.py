@@ -21,7 +21,7 @@ import common
 import torch
 
 import model
-from sanity import dtype_name
+from util import dtype_name, fail, first_line, run_main
 
 # --- config
 seq_lens = ""                   # comma-separated sequence lengths T; "": 1024,2048,4096 on a GPU, 64,128 on a CPU
@@ -72,7 +72,7 @@ def measure(backend, q, k, v, grad, docs, dev, dt, cfg):
     except torch.cuda.OutOfMemoryError:
         return dict(status="oom")
     except Exception as e:  # a kernel that fails at this shape is reported, and the sweep goes on
-        return dict(status="error", reason=model.first_line(e))
+        return dict(status="error", reason=first_line(e))
     B, H, T, D = q.shape
     forward = 4 * B * H * T * T * D / 2
     useful = 4 * H * D * attended_pairs(docs.ids.cpu()) if docs is not None else forward
@@ -92,12 +92,12 @@ def main(argv):
     names = [b.strip() for b in cfg["backends"].split(",") if b.strip()] or offered
     unknown = [b for b in names if b not in offered]
     if unknown:
-        common.fail(f"backends: {', '.join(unknown)} not offered by model.py: choose among {', '.join(offered)}")
+        fail(f"backends: {', '.join(unknown)} not offered by model.py: choose among {', '.join(offered)}")
     for D in dims:
         if width % D or (width // D) % cfg["gqa"]:
-            common.fail(f"width={width} must be a multiple of each head dim ({D}) times gqa={cfg['gqa']}")
+            fail(f"width={width} must be a multiple of each head dim ({D}) times gqa={cfg['gqa']}")
     if cfg["docs_per_row"] < 1 or cfg["docs_per_row"] > min(lens):
-        common.fail(f"docs_per_row={cfg['docs_per_row']} must be between 1 and the shortest sequence ({min(lens)})")
+        fail(f"docs_per_row={cfg['docs_per_row']} must be between 1 and the shortest sequence ({min(lens)})")
     torch.manual_seed(cfg["seed"])
     print(f"{common.device_name(dev)}, {dtype_name(dt)}, causal forward+backward, {tokens_per_batch} tokens per batch, "
           f"width {width}, gqa {cfg['gqa']}")
@@ -129,4 +129,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

@@ -16,24 +16,20 @@ import platform
 import shlex
 import sys
 import time
-from dataclasses import fields
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py, train.py
+sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py, preflight.py, data.py
 
 # after the path: these are the repo's modules
 import torch
 import torch.nn.functional as F
 
 import configurator
-from model import GPT, GRAD_CKPT, GPTConfig
-from sanity import autocast, compute_dtype, driver_version, plan_vocab
-from train import make_optimizer, peak_memory_gb
-from util import fail, setup
+from model import GPT, GRAD_CKPT, make_optimizer
+from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
-TRAIN = os.path.join(ROOT, "train.py")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
 
 
 # -----------------------------------------------------------------------------
@@ -80,9 +76,7 @@ def check_counts(cfg, *keys):
 
 def pick_device(name, dtype):
     """(device, compute dtype) as train.py picks them (util.setup: under torchrun this rank's GPU, and
-    the process group joined); dtype auto is bfloat16 on CUDA (autocast), float32 on a CPU."""
-    if dtype not in DTYPES:
-        fail(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    the process group joined; util.compute_dtype: auto is bfloat16 on CUDA, float32 on a CPU)."""
     dev = setup(name).dev
     return dev, compute_dtype(dtype, dev)
 
@@ -138,25 +132,6 @@ def free_memory(dev):
 # -----------------------------------------------------------------------------
 # the training step of a run
 
-def model_config(run, **overrides):
-    """model.GPTConfig of the run as train.py builds it: every GPTConfig field that is also a train.py
-    key comes from the run (so a field the model gains, with its train.py key, passes through), the
-    vocabulary from vocab_size, the prepared data or plan_vocab_size (sanity.plan_vocab), BOS as
-    prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top. Stops with one line
-    when the vocabulary or the shape cannot be had."""
-    kwargs = {f.name: run[f.name] for f in fields(GPTConfig) if f.init and f.name in run}
-    try:
-        kwargs["vocab_size"] = plan_vocab(run)[0]
-    except ValueError as e:
-        fail(f"{e} (or give --vocab_size=N)")
-    if kwargs.get("bos_id") is None:
-        kwargs["bos_id"] = kwargs["vocab_size"] - 1
-    try:
-        return GPTConfig(**dict(kwargs, **overrides))
-    except ValueError as e:
-        fail(f"{e}: change the model shape")
-
-
 def ckpt_settings(key, text):
     """A comma-separated list of activation-checkpointing settings (model.GRAD_CKPT); anything else stops."""
     settings = [s.strip() for s in text.split(",") if s.strip()]
@@ -165,12 +140,18 @@ def ckpt_settings(key, text):
     return settings
 
 
-def build(mconfig, dev):
+def build(mconfig, run, dev):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
-    and train.py's AdamW for it (fused on CUDA, as in training)."""
+    and the run's AdamW for it (fused on CUDA, as in training)."""
     with torch.device(dev):
         model = GPT(mconfig)
-    return model, make_optimizer(model, fused=dev.type == "cuda")
+    return model, run_optimizer(model, run, dev)
+
+
+def run_optimizer(model, run, dev):
+    """model.make_optimizer with the run's hyperparameters, as train.py makes it."""
+    return make_optimizer(model, run["learning_rate"], (run["beta1"], run["beta2"]), run["weight_decay"],
+                          fused=dev.type == "cuda")
 
 
 def compiled(model, run):
@@ -202,7 +183,7 @@ def train_step(model, optimizer, x, y, amp, loss_of):
 def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, warmup, iters, loss_of=our_loss):
     """Step time, tokens/s and peak memory of training steps on random tokens (the compute does not depend
     on them), or oom=True when the micro-batch does not fit. Peak memory: torch.cuda.max_memory_allocated
-    on a GPU; on a CPU the process's peak RSS (train.peak_memory_gb), which counts everything the process
+    on a GPU; on a CPU the process's peak RSS (util.peak_memory_gb), which counts everything the process
     ever held."""
     free_memory(dev)
     row = dict(micro_batch=micro_batch, tokens=micro_batch * block_size)

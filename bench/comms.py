@@ -19,8 +19,7 @@ import common
 import torch
 import torch.distributed as dist
 
-from sanity import dtype_name
-from train import exit_worker
+from util import dtype_name, fail, run_main
 
 # --- config
 sizes = ""                      # message sizes in bytes, comma-separated; "": 1 KiB..1 GiB (GPU), ..4 MiB (CPU)
@@ -46,8 +45,8 @@ def main(argv):
     cfg, _ = common.configure(__file__, argv)
     common.check_counts(cfg, "warmup", "iters")
     if "RANK" not in os.environ:
-        common.fail("comms.py measures all-reduce between processes: run it under torchrun, e.g. "
-                    "python -m torch.distributed.run --standalone --nproc_per_node=2 bench/comms.py")
+        fail("comms.py measures all-reduce between processes: run it under torchrun, e.g. "
+             "python -m torch.distributed.run --standalone --nproc_per_node=2 bench/comms.py")
     dev, dt = common.pick_device(cfg["device"], cfg["dtype"])  # and the process group: NCCL on GPUs, gloo on CPUs
     sizes = common.int_list("sizes", cfg["sizes"]) if cfg["sizes"] else GPU_SIZES if dev.type == "cuda" else CPU_SIZES
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -79,4 +78,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    exit_worker(main(sys.argv[1:]))
+    run_main(main, sys.argv[1:])

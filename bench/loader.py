@@ -21,6 +21,7 @@ import sys
 import common
 
 from data import Loader, load_manifest
+from util import fail, run_main
 
 # --- config
 gpu_tokens_per_sec = 0.0        # tokens/s one GPU consumes (bench/mfu.py); 0: no comparison
@@ -37,7 +38,7 @@ def main(argv):
     try:
         manifest = load_manifest(run["data_dir"])
     except ValueError as e:
-        common.fail(str(e))
+        fail(str(e))
     loader = Loader(run["data_dir"], "train", manifest, run["block_size"], run["seed"])
     mb, block = run["micro_batch_size"], run["block_size"]
     first = itertools.count(0, mb)  # each batch continues the training order where the last one stopped
@@ -58,4 +59,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

@@ -16,8 +16,7 @@ import common
 import torch
 
 from model import peak_flops
-from sanity import dtype_name
-from util import fail
+from util import dtype_name, fail, run_main
 
 # --- config
 sizes = ""                      # comma-separated N (N x N @ N x N) or MxKxN ((M, K) @ (K, N)); "": the defaults below
@@ -79,4 +78,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

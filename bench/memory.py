@@ -20,7 +20,8 @@ import common
 import torch
 
 from model import memory_estimate
-from sanity import dtype_name
+from preflight import model_config
+from util import dtype_name, run_main
 
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)
@@ -35,9 +36,9 @@ def predict(mconfig, setting, micro_batch, compute_bytes):
     return {k: v / 1e9 for k, v in parts.items() if k != "params"}  # params is a count, not bytes
 
 
-def measure(mconfig, micro_batches, dev, dt):
+def measure(mconfig, run, micro_batches, dev, dt):
     """{micro_batch: peak GB, None when out of memory} of two real training steps on this GPU."""
-    model, optimizer = common.build(mconfig, dev)
+    model, optimizer = common.build(mconfig, run, dev)
     peaks = {}
     for mb in micro_batches:
         row = common.measure_steps(model, optimizer, mb, mconfig.block_size, mconfig.vocab_size, dev, dt, 1, 1)
@@ -60,9 +61,9 @@ def main(argv):
           f"against measured{'' if dev.type == 'cuda' else ' (not on a GPU: predicted only)'}")
     rows = []
     for setting in settings:
-        mconfig = common.model_config(run, grad_ckpt=setting)
+        mconfig = model_config(run, grad_ckpt=setting)
         try:
-            measured = measure(mconfig, micro_batches, dev, dt) if dev.type == "cuda" else {}
+            measured = measure(mconfig, run, micro_batches, dev, dt) if dev.type == "cuda" else {}
         except torch.cuda.OutOfMemoryError:  # the weights and optimizer alone do not fit
             measured = dict.fromkeys(micro_batches)
         for mb in micro_batches:
@@ -76,9 +77,9 @@ def main(argv):
                   f"measured {'OOM' if r['oom'] else common.fmt(r['measured_gb'], '.3f')} GB  "
                   f"ratio {common.fmt(r['ratio'])}")
     common.write_result("memory", cfg["out"], dev, dict(
-        config=[a for a in argv if not a.startswith("--")], model=asdict(common.model_config(run)),
+        config=[a for a in argv if not a.startswith("--")], model=asdict(model_config(run)),
         dtype=dtype_name(plan_dt), compute_bytes=compute_bytes, rows=rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

@@ -28,7 +28,8 @@ import torch
 
 import configurator
 from model import flops_per_token, param_counts, peak_flops
-from sanity import dtype_name
+from preflight import model_config
+from util import dtype_name, fail, run_main
 
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)
@@ -43,9 +44,9 @@ out = ""                        # JSONL file the result line is appended to; "":
 def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
     """One row per micro-batch for a model of `depth` layers with activation checkpointing `setting`."""
     base = dict(grad_ckpt=setting, n_layer=depth)
-    mconfig = common.model_config(run, n_layer=depth, grad_ckpt=setting)
+    mconfig = model_config(run, n_layer=depth, grad_ckpt=setting)
     try:
-        model, optimizer = common.build(mconfig, dev)
+        model, optimizer = common.build(mconfig, run, dev)
     except torch.cuda.OutOfMemoryError:  # the weights alone do not fit
         return [dict(base, micro_batch=mb, oom=True) for mb in micro_batches]
     step = common.compiled(model, run)
@@ -92,13 +93,13 @@ def main(argv):
     micro_batches = common.int_list("micro_batches", cfg["micro_batches"])
     settings = common.ckpt_settings("grad_ckpts", cfg["grad_ckpts"])
     if run["compile"] and cfg["warmup"] < 1:
-        common.fail("compile=True needs warmup >= 1: the first step compiles")
+        fail("compile=True needs warmup >= 1: the first step compiles")
     dev, dt = common.run_device(run)
     # the config file's own depth (what --n_layer slices): the config files without the command line's keys
     full = configurator.configure(common.TRAIN, [a for a in argv if not a.startswith("--")])["n_layer"]
     depth = run["n_layer"]
     depths = [depth, min(2 * depth, full)] if depth < full else [depth]
-    full_config = common.model_config(run, n_layer=max(full, depth))
+    full_config = model_config(run, n_layer=max(full, depth))
     name = common.device_name(dev)
     peak = peak_flops(name) if dev.type == "cuda" else None
     ceiling = cfg["ceiling_tflops"] * 1e12 or None
@@ -108,7 +109,7 @@ def main(argv):
     rows = []
     for setting in settings:
         for d in depths:
-            fpt = flops_per_token(common.model_config(run, n_layer=d))
+            fpt = flops_per_token(model_config(run, n_layer=d))
             for row in sweep(run, setting, d, micro_batches, dev, dt, cfg):
                 rows.append(add_mfu(row, fpt, peak, ceiling))
                 print(f"  grad_ckpt={setting:9s} n_layer={d:<3} micro_batch={row['micro_batch']:<4} "
@@ -138,4 +139,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

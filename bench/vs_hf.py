@@ -23,8 +23,8 @@ import common
 import torch
 
 from export import hf_config
-from sanity import dtype_name
-from train import make_optimizer
+from preflight import model_config
+from util import dtype_name, fail, run_main
 
 # --- config
 windows = 4                     # timing windows per model, alternating ours / HF
@@ -34,13 +34,13 @@ out = ""                        # JSONL file the result line is appended to; "":
 # --- end config
 
 
-def hf_model(transformers, mconfig, dev):
+def hf_model(transformers, mconfig, run, dev):
     """LlamaForCausalLM of our model's shape, fp32 weights, SDPA attention, no KV cache (training)."""
     config = transformers.LlamaConfig(**dict(hf_config(mconfig, "float32"), use_cache=False),
                                       attn_implementation="sdpa")
     with torch.device(dev):
         model = transformers.LlamaForCausalLM(config)
-    return model, make_optimizer(model, fused=dev.type == "cuda")
+    return model, common.run_optimizer(model, run, dev)
 
 
 def hf_loss(model, x, y):
@@ -51,18 +51,18 @@ def main(argv):
     cfg, run = common.configure(__file__, argv, run=True)
     common.check_counts(cfg, "warmup", "iters")
     if cfg["windows"] < 1:
-        common.fail(f"windows={cfg['windows']} must be positive")
+        fail(f"windows={cfg['windows']} must be positive")
     try:
         import transformers  # optional: only this probe needs it
     except ImportError:
-        common.fail("vs_hf.py compares against transformers, which is not installed: pip install transformers")
+        fail("vs_hf.py compares against transformers, which is not installed: pip install transformers")
     dev, dt = common.run_device(run)
     # our side as HF's: SDPA attention; no activation checkpointing or document masking, which HF's model lacks
-    mconfig = common.model_config(run, attn_backend="sdpa", grad_ckpt="none", doc_mask=False)
+    mconfig = model_config(run, attn_backend="sdpa", grad_ckpt="none", doc_mask=False)
     mb, block = run["micro_batch_size"], mconfig.block_size
     sides, params = {}, {}
-    for side, (model, optimizer), loss_of in (("ours", common.build(mconfig, dev), common.our_loss),
-                                              ("hf", hf_model(transformers, mconfig, dev), hf_loss)):
+    for side, (model, optimizer), loss_of in (("ours", common.build(mconfig, run, dev), common.our_loss),
+                                              ("hf", hf_model(transformers, mconfig, run, dev), hf_loss)):
         sides[side] = (common.compiled(model, run), optimizer, loss_of)
         params[side] = sum(p.numel() for p in model.parameters())  # equal when the mapping is right
 
@@ -70,8 +70,7 @@ def main(argv):
         step, optimizer, loss_of = sides[side]
         row = common.measure_steps(step, optimizer, mb, block, mconfig.vocab_size, dev, dt, warm, timed, loss_of)
         if row.get("oom"):
-            common.fail(f"out of memory at micro_batch_size={mb} with both models on one device: "
-                        f"lower micro_batch_size")
+            fail(f"out of memory at micro_batch_size={mb} with both models on one device: lower micro_batch_size")
         return row["tokens_per_sec"]
 
     print(f"{common.device_name(dev)}, {dtype_name(dt)}, compile={run['compile']}, micro-batch {mb} x {block}: "
@@ -96,4 +95,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main, sys.argv[1:])

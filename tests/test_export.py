@@ -13,8 +13,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import export  # noqa: E402
+from checkpoint import find_checkpoint, load_model  # noqa: E402
 from prepare import load_tokenizer  # noqa: E402
-from train import find_checkpoint, load_model  # noqa: E402
+from util import Error  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
             "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}
@@ -155,11 +156,13 @@ def test_refusals_leave_nothing(runs, tmp_path):
     assert r.returncode == 1 and "--out" in r.stderr
     # an architecture Llama cannot express
     ours, cfg = load_model(find_checkpoint(runs["gqa_tied"], "best"))
-    with pytest.raises(export.ExportError, match="qk_norm.*Llama cannot express"):
+    with pytest.raises(Error, match="qk_norm.*Llama cannot express") as e:
         export.check_llama(dict(cfg["model"], qk_norm=True), ours.state_dict())
+    assert e.value.code == 1
     state = dict(ours.state_dict(), **{"layers.0.self_attn.q_proj.bias": torch.zeros(32)})
-    with pytest.raises(export.ExportError, match="Llama's layout"):
+    with pytest.raises(Error, match="Llama's layout") as e:
         export.check_llama(cfg["model"], state)
+    assert e.value.code == 1
     # a folder that is not an export is never overwritten
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import sample
+from checkpoint import find_checkpoint
 from conftest import ROOT, TINY_MODEL, run, shared
 from prepare import load_tokenizer
-from train import find_checkpoint
 
 MAX_TOKENS = 1000  # the server's serve_max_tokens in these tests (not the default: the flag must take)
 
