@@ -47,7 +47,7 @@ def main(argv):
     tps = mb * block / seconds
     gpu = cfg["gpu_tokens_per_sec"] or None
     headroom = tps / gpu if gpu else None
-    print(f"train.Loader on {run['data_dir']} ({manifest['tokenizer']}, {loader.n} windows of {block}): "
+    print(f"data.Loader on {run['data_dir']} ({manifest['tokenizer']}, {loader.n} windows of {block}): "
           f"{mb} x {block} tokens to {dev} in {seconds * 1e3:.2f} ms, {tps:,.0f} tokens/s"
           + (f"; the GPU consumes {gpu:,.0f}: headroom {headroom:.1f}x" if gpu else ""))
     if headroom is not None and headroom < 1:
