@@ -448,7 +448,6 @@ class Checkpoints:
             return None
         check_compatible(path, ckpt["config"], config, allow_mismatch, data_dir)
         self.restore(ckpt, state)
-        self.saved_step = state.step
         return path
 
     def state_dicts(self):
@@ -458,7 +457,7 @@ class Checkpoints:
 
     def restore(self, ckpt, state):
         """Model, optimizer, the loop's state and this rank's RNGs from a loaded checkpoint, whichever
-        mode and world size wrote it."""
+        mode and world size wrote it. The run now stands at a step that is on disk: no save is owed."""
         model, optimizer, proc = self.model, self.optimizer, self.proc
         if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
             from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -482,6 +481,7 @@ class Checkpoints:
             set_rng_state(trainer["rng"][proc.rank])
         else:  # training uses no randomness; only the per-rank RNGs restart
             warn(f"world size {len(trainer['rng'])} -> {proc.world}: same batches, per-rank RNG states re-seeded")
+        self.pending, self.saved_step = False, state.step
 
     def due(self, step, last_step, new_best, stopping, bad_in_a_row):
         """Whether to save now: every `every` steps and at the last one, but held back while bad steps

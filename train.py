@@ -471,7 +471,6 @@ class Trainer:
         bad_at = st.step
         self.ckpts.restore(ckpt, st)
         vars(st).update(keep, bad_in_a_row=0)
-        self.ckpts.pending, self.ckpts.saved_step = False, st.step
         self.t_log, self.step_at_log = time.time(), st.step
         self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
                    f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 
 # torch is imported inside the functions that use it: configurator.py and report.py import util for the
-# error type and atomic writes, and start in 0.1 s instead of torch's 1.6 s (measured on a 2-core CPU,
+# error type and atomic writes, and import in 0.04 s instead of torch's 1.6 s (measured on a 2-core CPU,
 # torch 2.13; run.sh reads out_dir through configurator.py at every start)
 DEVICES = "auto, cpu, cuda, cuda:N"
 
