@@ -6,13 +6,20 @@ raises, ...), runs the script, and checks the contract: exit status 2 for config
 mistakes (configurator.py) and 1 for the rest, one "error: ..." line on stderr naming
 the problem and the fix (after "warning: ..." lines where a row expects them), no
 traceback, and not one file or folder under tmp_path added, removed or modified.
+
+A row runs the script's main through util.run_main in the test's own process, as its
+`python script.py` line does: the same code from the command line on, without the ~2 s
+of an interpreter and torch starting, which for 60 rows is most of a minute on 2 cores.
 """
 import hashlib
+import importlib
 import json
 import os
 import re
 import shutil
+import signal
 import sys
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,6 +27,7 @@ import pytest
 
 from conftest import TINY_MODEL, run, shared
 from test_preflight import contaminate
+from util import run_main
 
 TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128"]
 CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
@@ -306,19 +314,40 @@ def snapshot(root):
     return snap
 
 
-@pytest.mark.parametrize("setup, status, message, warnings", [(*r[1:4], r[4] if len(r) > 4 else []) for r in ROWS],
+def run_script(args, capfd):
+    """`python script.py argv...` as run_main(script.main, argv) in this process: its exit status, and what
+    it wrote to file descriptors 1 and 2 (torch's C++ and logging output too). A Python warning counts as a
+    line of stderr, as it would be one there (pytest would otherwise collect it, once per place). The
+    signal handlers a script sets (train.py's preemption notices) are put back."""
+    script, *argv = map(str, args)
+    module = importlib.import_module(script.removesuffix(".py"))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as e:
+            warnings.simplefilter("always")
+            run_main(module.main, argv)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    out, err = capfd.readouterr()
+    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
+
+
+@pytest.mark.parametrize("setup, status, message, warns", [(*r[1:4], r[4] if len(r) > 4 else []) for r in ROWS],
                          ids=[r[0] for r in ROWS])
-def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, status, message, warnings):
+def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, status, message, warns, capfd):
     ctx = SimpleNamespace(tmp=tmp_path, stdlib_data=stdlib_data, finished_run=finished_run)
     args = setup(ctx)
     before = snapshot(tmp_path)
-    r = run([sys.executable, *map(str, args)], check=False)
+    capfd.readouterr()  # what the setup printed
+    r = run_script(args, capfd)
     shown = f"exit {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr, shown
     assert r.returncode == status, shown
     lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == len(warnings) + 1, shown
-    for line, warning in zip(lines, warnings):
+    assert len(lines) == len(warns) + 1, shown
+    for line, warning in zip(lines, warns):
         assert says(line, "warning: ", warning, ctx), shown
     assert says(lines[-1], "error: ", message, ctx), shown
     after = snapshot(tmp_path)
