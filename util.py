@@ -8,9 +8,11 @@ otherwise, or the CPU. device=cpu means the CPU all the way down, also on a mach
 gloo for the process group, a CPU mesh for FSDP, and no call into CUDA at all.
 """
 
+import itertools
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -40,13 +42,16 @@ def fail(message, code=1):
 
 
 def run_main(main, argv):
-    """A script's top level: run main(argv), print podgpt's Error as one line, exit with main's
-    status (None: 0) or the error's."""
+    """A script's top level: run main(argv), print podgpt's Error (or a Ctrl-C) as one line, exit with
+    main's status (None: 0), the error's, or 130 after Ctrl-C."""
     try:
         code = main(argv)
     except Error as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = e.code
+    except KeyboardInterrupt:  # Ctrl-C (a second one, for train.py): what was cleaned up on the way out is done
+        print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        code = 130  # the shell's status for a process ended by SIGINT
     exit_worker(code or 0)
 
 
@@ -97,6 +102,47 @@ def write_atomic(path, text):
 
 def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=1))
+
+
+# the file inside every temporary folder podgpt makes: a folder is removed only when it holds one, so a
+# user's folder that happens to sit where podgpt wants its own is refused, never deleted
+SCRATCH_MARK = "PODGPT_SCRATCH"
+
+
+def check_apart(**folders):
+    """Stop with one line when two of the named folders (key: the setting's name) are the same folder
+    or one lies inside the other: one script's files would land among, and over, the other's (a run's
+    report over the data's manifest.json, a rebuild of the data over a run). Call it before writing."""
+    real = {name: os.path.realpath(path) for name, path in folders.items()}
+    for (a, pa), (b, pb) in itertools.combinations(real.items(), 2):
+        if pa == pb:
+            fail(f"{a}={folders[a]} and {b}={folders[b]} are the same folder: give each its own folder, side by side")
+        if os.path.commonpath([pa, pb]) in (pa, pb):
+            (inner, outer) = (a, b) if len(pa) > len(pb) else (b, a)
+            fail(f"{inner}={folders[inner]} lies inside {outer}={folders[outer]}: give each its own folder, "
+                 "side by side")
+
+
+def make_scratch(path):
+    """The empty folder `path` for podgpt's temporary files, with the marker file that proves podgpt
+    made it. What an interrupted run left there (marked) is removed first; anything else is refused."""
+    remove_scratch(path)
+    os.makedirs(path)
+    with open(os.path.join(path, SCRATCH_MARK), "w") as f:
+        f.write(f"made by podgpt ({os.path.basename(sys.argv[0])}, pid {os.getpid()}) for its temporary files; "
+                "safe to delete\n")
+    return path
+
+
+def remove_scratch(path):
+    """Remove a folder make_scratch made (nothing there: nothing to do); a folder or file there without
+    the marker is not podgpt's: one line, and it stays."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isfile(os.path.join(path, SCRATCH_MARK)):
+        fail(f"{path} is in podgpt's way and podgpt did not make it (it holds no {SCRATCH_MARK} file): "
+             "move or rename it, then rerun")
+    shutil.rmtree(path)
 
 
 def compute_dtype(name, dev):
