@@ -11,7 +11,8 @@ Sources (comma-separated ones are concatenated in order):
 - a file or folder (walked recursively, sorted by relative path): .txt/.md/.py one
   document per file (or per paragraph with split_paragraphs: one big text file), .jsonl
   one per line (field `text_field`), .parquet one per row (column `text_field`);
-- an http(s) URL: downloaded into download_dir (resumable, retried), then read as a file;
+- an http(s) URL: downloaded into download_dir (resumable; retried on timeouts, dropped
+  connections and server errors), then read as a file;
 - a preset: tinyshakespeare, fineweb-edu-10bt, climbmix (HF_ENDPOINT picks a mirror).
 
 Tokenizers: byte (256 bytes), char (the corpus' characters), gpt2 (tiktoken; offline, set
@@ -19,7 +20,9 @@ PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken ranks file), bpe:N (trained here on the 
 documents with rustbpe, run with tiktoken). BOS is always
 the last id (bos_id = vocab_size - 1) and every document is stored as [BOS] + tokens.
 
-Output in data_dir, built in data_dir.tmp and swapped into place when complete:
+Output in data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place
+when complete, manifest.json last. prepare.py writes only into a data_dir that holds nothing
+but these files (so download_dir lies elsewhere):
 - tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): load_tokenizer()
 - {train,val}_{i:06d}.bin: header of 128 little-endian int64
   [MAGIC, VERSION, token itemsize (2 or 4), n_tokens, vocab_size, n_docs, bos_id, 0...]
@@ -41,16 +44,19 @@ workers, and duplicate documents always land in the same split.
 import array
 import base64
 import collections
+import contextlib
 import difflib
 import hashlib
 import heapq
+import http.client
 import json
 import math
 import multiprocessing
 import os
 import platform
 import re
-import shutil
+import signal
+import socket
 import sys
 import sysconfig
 import time
@@ -61,11 +67,11 @@ import numpy as np
 import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents, token_dtype,
                   token_hash)
-from util import fail, run_main
+from util import check_apart, fail, first_line, make_scratch, remove_scratch, run_main
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
-data_dir = "data"  # output folder: shards, manifest, tokenizer files
+data_dir = "data/default"  # output folder: shards, manifest, tokenizer files (data/ holds one folder per dataset)
 tokenizer = "byte"  # gpt2 | byte | char | bpe:N
 text_field = "text"  # field of .jsonl lines / column of .parquet files
 val_fraction = 0.005  # fraction of documents held out for validation (whole documents); 0: no validation
@@ -76,7 +82,7 @@ min_chars = 0  # drop documents shorter than this many characters
 split_paragraphs = False  # .txt/.md/.py: one document per blank-line separated paragraph, not per file
 shard_tokens = 100_000_000  # target tokens per shard file
 workers = 0  # tokenizer processes (0: all cores)
-download_dir = "data/downloads"  # cache for downloaded files
+download_dir = "downloads"  # cache for downloaded files: beside data_dir, never inside it
 sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
 force = False  # rebuild even if data_dir already holds this exact result
@@ -89,6 +95,13 @@ OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tok
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
 BATCH_CHARS = 1 << 20  # characters of text sent to a tokenizer process at once
+
+SCRATCH = ".podgpt-prepare"  # the build's folder inside data_dir: a name no user picks, renames on one filesystem
+MANIFEST = "manifest.json"
+# the other files prepare.py writes into data_dir, and write_shard's temporary ones (a crash may leave one):
+# with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
+OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
+                      r"|train_counts\.npy")
 
 RETRIES = 5  # download attempts per file
 BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
@@ -355,12 +368,16 @@ def read_documents(path, text_field, split_paragraphs):
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".jsonl":
-            with open(path, encoding="utf-8", errors="replace") as f:
+            # utf-8-sig: a byte order mark (Windows editors write one) is not part of the first line's JSON
+            with open(path, encoding="utf-8-sig", errors="replace") as f:
                 for line_no, line in enumerate(f, 1):
                     if not line.strip():
                         continue
                     try:
                         text = json.loads(line)[text_field]
+                    except RecursionError:  # json.loads recurses once per level of nesting
+                        fail(f"{path}:{line_no}: JSON nested too deeply to read (a damaged line?): "
+                             "fix or remove that line")
                     except (ValueError, KeyError, TypeError):
                         fail(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
                              "(set --text_field)")
@@ -386,15 +403,21 @@ def read_parquet(path, text_field):
         import pyarrow.parquet as pq
     except ImportError:
         fail("pyarrow is needed for .parquet sources: pip install pyarrow")
+    # pyarrow reports a corrupt file as ArrowInvalid, OSError (with a message of several lines),
+    # UnicodeDecodeError or others; a damaged page only when its row group is read
     try:
         pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow reports a corrupt file as ArrowInvalid, OSError or others
-        fail(f"cannot read {path} as parquet: {e}")
+    except Exception as e:
+        fail(f"cannot read {path} as parquet: {first_line(e)}")
     if text_field not in pf.schema_arrow.names:
         fail(f"{path} has no column '{text_field}' (columns: {', '.join(pf.schema_arrow.names)}; "
              "set --text_field)")
     for i in range(pf.num_row_groups):  # a row group at a time: shards can be bigger than memory
-        for text in pf.read_row_group(i, columns=[text_field]).column(0).to_pylist():
+        try:
+            texts = pf.read_row_group(i, columns=[text_field]).column(0).to_pylist()
+        except Exception as e:
+            fail(f"cannot read {path} as parquet (row group {i + 1} of {pf.num_row_groups}): {first_line(e)}")
+        for text in texts:
             if text is None:
                 continue
             if not isinstance(text, str):
@@ -444,6 +467,29 @@ class SmallestHashes:
 
 
 # -----------------------------------------------------------------------------
+# Folders a run makes, and removes again when it fails
+
+
+def make_folders(path):
+    """os.makedirs(path); returns the folders it created, innermost first, for remove_empty."""
+    made, folder = [], path
+    while folder and not os.path.lexists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def remove_empty(made):
+    """Remove the folders make_folders made, as far as they are empty again."""
+    for folder in made:
+        try:
+            os.rmdir(folder)
+        except OSError:  # something is in it now: not ours to remove, nor are the folders around it
+            return
+
+
+# -----------------------------------------------------------------------------
 # Downloads
 
 
@@ -475,40 +521,91 @@ def fetch(url, part):
                 bar.update(len(chunk))
 
 
-def download(url, download_dir, sha256=""):
-    """The local copy of url in download_dir: reused if complete, else fetched with retries."""
+def wrapped(e):
+    """e and every exception inside it: requests wraps urllib3's, which wraps the socket's (in args,
+    .reason and __cause__)."""
+    found, todo = [], [e]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, BaseException) and all(x is not f for f in found):
+            found.append(x)
+            todo += [*x.args, getattr(x, "reason", None), x.__cause__, x.__context__]
+    return found
+
+
+def failure(e):
+    """Why a request failed, in a few words, and whether trying again may help: after a timeout, a dropped
+    connection or a server error (5xx) it may; after a refused connection, an unknown host or a 4xx it will not."""
     import requests
 
+    if isinstance(e, requests.HTTPError):
+        status = e.response.status_code
+        # also retried: 408 (the server timed the request out) and 429 (a rate limit, which Hugging Face sets
+        # on downloads: waiting, as the backoff does, is what it asks for); and 416, after which fetch dropped
+        # a .part that is not a prefix of the file, so the retry starts over
+        return f"HTTP {status}", status >= 500 or status in (408, 416, 429)
+    inner = wrapped(e)
+
+    def has(*types):
+        return any(isinstance(x, types) for x in inner)
+
+    if has(ConnectionRefusedError):
+        return "connection refused", False
+    if has(socket.gaierror):
+        return "cannot resolve the host name", False
+    if isinstance(e, requests.Timeout) or has(TimeoutError):
+        return "timed out", True
+    if isinstance(e, requests.exceptions.ChunkedEncodingError) or has(
+            ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead):
+        return "connection dropped", True
+    return first_line(e), False
+
+
+def fetch_retrying(url, part):
+    """fetch(url, part), tried again after a failure that may pass, waiting twice as long each time."""
+    import requests
+
+    for attempt in range(1, RETRIES + 1):
+        try:
+            return fetch(url, part)
+        except requests.RequestException as e:
+            reason, transient = failure(e)
+            if not transient:
+                fail(f"cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks the Hugging Face mirror)")
+            if attempt == RETRIES:
+                kept = os.path.getsize(part) if os.path.exists(part) else 0
+                fail(f"cannot download {url} after {RETRIES} attempts ({reason}): check the network and rerun"
+                     + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
+            wait = BACKOFF * 2 ** (attempt - 1)
+            print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s", file=sys.stderr)
+            time.sleep(wait)
+
+
+def download(url, download_dir, sha256=""):
+    """The local copy of url in download_dir: reused if complete, else fetched with retries. A failed
+    download leaves nothing behind (the folders it made, an empty .part) but a .part with bytes in it,
+    which the rerun resumes."""
     path = cache_path(url, download_dir)
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        for attempt in range(1, RETRIES + 1):
-            try:
-                fetch(url, path + ".part")
-                break
-            except requests.RequestException as e:
-                status = e.response.status_code if e.response is not None else None
-                reason = f"HTTP {status}" if status else type(e).__name__
-                if status is not None and status < 500 and status not in (408, 416, 429):
-                    fail(f"cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks "
-                         "the Hugging Face mirror)")
-                if attempt == RETRIES:
-                    fail(f"cannot download {url} after {RETRIES} attempts ({reason}): check the "
-                         "network and rerun, it resumes")
-                wait = BACKOFF * 2 ** (attempt - 1)
-                print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s",
-                      file=sys.stderr)
-                time.sleep(wait)
-        os.replace(path + ".part", path)
-    if sha256:
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-                digest.update(block)
-        actual = digest.hexdigest()
-        if actual != sha256.lower():
-            os.remove(path)
-            fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
+    part = path + ".part"
+    made = make_folders(os.path.dirname(path))
+    try:
+        if not os.path.exists(path):
+            fetch_retrying(url, part)
+            os.replace(part, path)
+        if sha256:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
+                    digest.update(block)
+            actual = digest.hexdigest()
+            if actual != sha256.lower():
+                os.remove(path)
+                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
+    except BaseException:
+        if os.path.isfile(part) and os.path.getsize(part) == 0:
+            os.remove(part)
+        remove_empty(made)
+        raise
     return path
 
 
@@ -518,8 +615,27 @@ def download(url, download_dir, sha256=""):
 worker_tok = None  # set in each worker process by init_worker
 
 
+@contextlib.contextmanager
+def signals_held(*signals):
+    """Run the block with these signals (Ctrl-C's SIGINT, SIGTERM) held back, then act on those that came.
+    Not signal.pthread_sigmask: it blocks the calling thread only, and numpy's BLAS threads then take the
+    signal and Python runs its handler in the main thread all the same (measured)."""
+    came = []
+    handlers = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for s in came:
+            signal.raise_signal(s)
+
+
 def init_worker(tok_dir):
     global worker_tok
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints one line;
+    # a worker of its own would print a KeyboardInterrupt traceback
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
 
 
@@ -550,8 +666,12 @@ def encode_all(docs, n_workers, tok_dir):
     """encode_batch's results for every document, in order, from a pool of processes."""
     from tqdm import tqdm
 
-    with multiprocessing.Pool(n_workers, init_worker, (tok_dir,)) as pool, \
-            tqdm(unit="B", unit_scale=True, desc="tokenizing") as bar:
+    with contextlib.ExitStack() as stack:
+        # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
+        # stops the pool, already in the stack, before the scratch folder the workers read goes
+        with signals_held(signal.SIGINT):
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir,)))
+        bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
         pending = collections.deque()
@@ -615,49 +735,66 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
 # The data_dir as a whole
 
 
+def listed_files(manifest):
+    """The files a manifest lists besides itself: the tokenizer's, the counts, the shards and their indexes."""
+    shards = [shard for split in manifest["splits"].values() for shard in split["shards"]]
+    return (manifest["tokenizer_files"] + [manifest["token_counts"]]
+            + [shard[key] for shard in shards for key in ("file", "docs_file")])
+
+
 def is_complete(data_dir, args):
-    """Whether data_dir holds a finished build of exactly these arguments, every file of the right size."""
+    """Whether data_dir holds a finished build of exactly these arguments, every file there and each shard
+    of its size. A damaged manifest (a key missing, a value of the wrong type) is none: it is rebuilt."""
     try:
         manifest = load_manifest(data_dir)
-    except ValueError:
+        if manifest.get("prepare_args") != args:
+            return False
+        itemsize = np.dtype(manifest["token_dtype"]).itemsize
+        sizes = {shard["file"]: HEADER_BYTES + shard["tokens"] * itemsize
+                 for split in manifest["splits"].values() for shard in split["shards"]}
+        return (all(os.path.isfile(os.path.join(data_dir, f)) for f in listed_files(manifest))
+                and all(os.path.getsize(os.path.join(data_dir, f)) == size for f, size in sizes.items()))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return False
-    if manifest.get("prepare_args") != args:
-        return False
-    itemsize = np.dtype(manifest["token_dtype"]).itemsize
-    for split in manifest["splits"].values():
-        for shard in split["shards"]:
-            path = os.path.join(data_dir, shard["file"])
-            if not os.path.isfile(path) or os.path.getsize(path) != HEADER_BYTES + shard["tokens"] * itemsize:
-                return False
-            if not os.path.isfile(os.path.join(data_dir, shard["docs_file"])):
-                return False
-    files = manifest["tokenizer_files"] + [manifest["token_counts"]]
-    return all(os.path.isfile(os.path.join(data_dir, f)) for f in files)
 
 
-def check_replaceable(data_dir, download_dir):
-    """Refuse to replace a folder that prepare.py did not write (a download cache inside it is kept)."""
-    if not os.path.exists(data_dir) or os.path.isfile(os.path.join(data_dir, "manifest.json")):
+def own_file(entry):
+    """Whether an entry of data_dir is a file prepare.py writes there (by its name: a damaged manifest
+    cannot tell, and a hand-edited one could name a user's file)."""
+    return entry.is_file(follow_symlinks=False) and (entry.name == MANIFEST or OWN_FILE.fullmatch(entry.name))
+
+
+def check_own(data_dir):
+    """Fail, before anything is written, when data_dir holds anything prepare.py did not write: a rebuild
+    replaces prepare.py's files there, and a user's file or folder among them (notes, a run) must stay
+    as it is. Its scratch folder counts as prepare.py's here; make_scratch checks that it is."""
+    if not os.path.lexists(data_dir):
         return
-    cache = os.path.relpath(download_dir, data_dir).split(os.sep)[0]
-    if cache == ".":
-        fail("download_dir must differ from data_dir, which is replaced as a whole")
-    if not os.path.isdir(data_dir) or set(os.listdir(data_dir)) - {cache}:
-        fail(f"{data_dir} exists and holds no manifest.json: not replacing it; choose another --data_dir or remove it")
+    if not os.path.isdir(data_dir):
+        fail(f"data_dir={data_dir} is not a folder: choose another --data_dir")
+    with os.scandir(data_dir) as entries:
+        foreign = sorted(e.name + "/" * e.is_dir() for e in entries if e.name != SCRATCH and not own_file(e))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        fail(f"{data_dir} holds what prepare.py did not write ({', '.join(foreign[:3])}{more}): "
+             "move that out of it, or choose another --data_dir")
 
 
-def swap_into_place(tmp, data_dir, download_dir):
-    """tmp becomes data_dir; the old data_dir is removed only once the new one is in place."""
-    old = data_dir + ".old"
-    shutil.rmtree(old, ignore_errors=True)
-    if os.path.isdir(data_dir):
-        cache = os.path.relpath(download_dir, data_dir)
-        if not cache.startswith(os.pardir) and os.path.isdir(download_dir):  # the cache lives inside: keep it
-            os.makedirs(os.path.dirname(os.path.join(tmp, cache)), exist_ok=True)
-            os.rename(download_dir, os.path.join(tmp, cache))
-        os.replace(data_dir, old)
-    os.replace(tmp, data_dir)
-    shutil.rmtree(old, ignore_errors=True)
+def swap_into_place(scratch, data_dir, manifest):
+    """Move the new build from scratch into data_dir, then remove the old files the new manifest does not
+    list. The old manifest.json goes first and the new one comes last: a crash in between leaves a data_dir
+    without one, which the next run rebuilds, never a manifest beside files that are not its own. A Ctrl-C
+    waits until the renames are done (milliseconds)."""
+    keep = listed_files(manifest) + [MANIFEST]
+    with signals_held(signal.SIGINT, signal.SIGTERM):
+        if os.path.lexists(os.path.join(data_dir, MANIFEST)):
+            os.remove(os.path.join(data_dir, MANIFEST))
+        for name in keep:
+            os.replace(os.path.join(scratch, name), os.path.join(data_dir, name))
+        with os.scandir(data_dir) as entries:
+            old = [e.name for e in entries if own_file(e) and e.name not in keep]
+        for name in old:
+            os.remove(os.path.join(data_dir, name))
 
 
 def fingerprint(out_dir, tokenizer_files, splits):
@@ -671,10 +808,10 @@ def fingerprint(out_dir, tokenizer_files, splits):
     return digest.hexdigest()
 
 
-def tokenize_corpus(tmp, cfg, inputs):
-    """Train the tokenizer and write the shards into tmp, holding out at least min_val_tokens where the
-    corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram counts and
-    contamination."""
+def tokenize_corpus(scratch, cfg, inputs):
+    """Train the tokenizer and write the shards into the scratch folder, holding out at least min_val_tokens
+    where the corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram counts
+    and contamination."""
 
     def docs():
         return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256)
@@ -684,20 +821,21 @@ def tokenize_corpus(tmp, cfg, inputs):
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
         meta, ranks = train_tokenizer(cfg.tokenizer, docs, threshold, cfg.bpe_train_chars)
-        tokenizer_files = save_tokenizer(tmp, cfg.tokenizer, meta, ranks)
-        tok = load_tokenizer(tmp)  # what the workers and train.py will use, from the files
+        tokenizer_files = save_tokenizer(scratch, cfg.tokenizer, meta, ranks)
+        tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)
-        splits, counts, contamination = write_shards(tmp, encode_all(docs(), n_workers, tmp), tok, cfg.shard_tokens,
-                                                     threshold, smallest)
+        # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
+        # and the progress bar ends before the error line is printed
+        with contextlib.closing(encode_all(docs(), n_workers, scratch)) as encoded:
+            splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest)
         val = splits["val"]
         if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
             break
         print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
               f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes) and tokenizing again")
         threshold = smallest.threshold()
+        make_scratch(scratch)  # the next pass starts from an empty folder
     check_split(cfg, splits, raised=threshold > base_threshold)
     return tok, tokenizer_files, splits, counts, contamination
 
@@ -723,26 +861,43 @@ def check_split(cfg, splits, raised):
              "(--val_fraction=0 trains without validation)")
 
 
+def check_args(cfg):
+    """Fail on settings that cannot work, before anything is read or written."""
+    for key, example in (("data_dir", "data/default"), ("download_dir", "downloads")):
+        if not cfg[key]:
+            fail(f"{key} is empty: name a folder (e.g. --{key}={example})")
+    parse_spec(cfg.tokenizer)
+    if not 0 <= cfg.val_fraction < 1:
+        fail(f"val_fraction={cfg.val_fraction} must be in [0, 1)")
+    for key, zero in (("min_val_tokens", "no minimum"), ("max_docs", "all"), ("max_shards", "all"),
+                      ("min_chars", "keep all"), ("workers", "one per core")):
+        if cfg[key] < 0:
+            fail(f"{key}={cfg[key]} must be >= 0 (0: {zero})")
+    for key in ("shard_tokens", "bpe_train_chars"):
+        if cfg[key] <= 0:
+            fail(f"{key}={cfg[key]} must be positive")
+    # side by side: a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among
+    # its downloads (a local source needs no download_dir, but checking always is simpler)
+    check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
+
+
 def build(cfg):
-    """Prepare cfg.data_dir: reused when it holds this exact result, else built in data_dir.tmp and
-    swapped into place."""
+    """Prepare cfg.data_dir: reused when it holds this exact result, else built in its scratch folder and
+    moved into place. What data_dir held that prepare.py did not write stops it before it writes."""
     t0 = time.time()
+    check_args(cfg)
     out_dir = os.path.normpath(cfg.data_dir)
     args = {key: cfg[key] for key in OUTPUT_KEYS}
-    parse_spec(cfg.tokenizer)  # fail on a bad spec before reading anything
-    if not 0 <= cfg.val_fraction < 1:
-        fail(f"val_fraction must be in [0, 1), got {cfg.val_fraction}")
-    if cfg.min_val_tokens < 0:
-        fail(f"min_val_tokens must be >= 0, got {cfg.min_val_tokens}")
     if not cfg.force and is_complete(out_dir, args):
         print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
         return
-    check_replaceable(out_dir, cfg.download_dir)
+    check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
-    tmp = out_dir + ".tmp"
+    made = make_folders(out_dir)
+    scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
     try:
-        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(tmp, cfg, inputs)
-        with open(os.path.join(tmp, "train_counts.npy"), "wb") as f:
+        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(scratch, cfg, inputs)
+        with open(os.path.join(scratch, "train_counts.npy"), "wb") as f:
             np.save(f, counts)
         manifest = {
             "format_version": VERSION,
@@ -756,15 +911,15 @@ def build(cfg):
             "source": description,
             "prepare_args": args,
             "contamination": contamination,  # not in the fingerprint: that is of the tokenizer and shards alone
-            "fingerprint": fingerprint(tmp, tokenizer_files, splits),
+            "fingerprint": fingerprint(scratch, tokenizer_files, splits),
         }
-        with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(scratch, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
-        swap_into_place(tmp, out_dir, cfg.download_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-built folder behind
-        raise
+        swap_into_place(scratch, out_dir, manifest)
+    finally:  # done or failed, the scratch folder goes, and a data_dir this run made if it is left empty
+        remove_scratch(scratch)
+        remove_empty(made)
     train, val = splits["train"], splits["val"]
     n_tokens = train["tokens"] + val["tokens"]
     print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, shards: {len(train['shards'])}")

@@ -6,10 +6,13 @@ import http.server
 import io
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +69,19 @@ def error_line(err):
     assert "Traceback" not in err and lines[-1].startswith("error:"), err
     assert sum(line.startswith("error:") for line in lines) == 1, err
     return lines[-1]
+
+
+def tree(root):
+    """{path under root: "folder" or the file's sha256}: every byte a user had there, to compare after a run."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(folder, name), root)] = "folder"
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+    return found
 
 
 def doc_hash(text):
@@ -417,9 +433,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         srv = self.server
         srv.log.append((self.path, self.headers.get("Range")))
+        time.sleep(srv.stall)
         if srv.failures > 0:
             srv.failures -= 1
-            return self.send_error(503)
+            return self.send_error(srv.status)
         body = srv.files.get(self.path)
         if body is None:
             return self.send_error(404)
@@ -432,9 +449,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
-        if srv.cut:  # send only part of the promised body, then drop the connection
+        if srv.cuts > 0:  # send only srv.cut bytes of the promised body, then drop the connection
+            srv.cuts -= 1
             self.wfile.write(body[start:start + srv.cut])
-            srv.cut = 0
             self.close_connection = True
             return
         self.wfile.write(body[start:])
@@ -443,11 +460,20 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+class Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up mid-answer is no error here
+            super().handle_error(request, client_address)
+
+
 @pytest.fixture
 def server(monkeypatch):
     monkeypatch.setattr(prepare, "BACKOFF", 0.01)
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.files, srv.log, srv.failures, srv.honor_range, srv.cut = {}, [], 0, True, 0
+    srv = Server(("127.0.0.1", 0), Handler)
+    srv.files, srv.log, srv.honor_range = {}, [], True
+    srv.failures, srv.status = 0, 503  # the next `failures` requests are answered with `status`
+    srv.cut, srv.cuts = 0, 0  # the next `cuts` responses end after `cut` bytes
+    srv.stall = 0  # seconds before each answer
     srv.url = f"http://127.0.0.1:{srv.server_port}"
     threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     yield srv
@@ -470,7 +496,7 @@ def test_download_resumes_a_partial_file(server, tmp_path):
 
 def test_download_resumes_after_a_dropped_connection(server, tmp_path):
     body = os.urandom(3 << 20)
-    server.files["/x.txt"], server.cut = body, 5 << 19  # dropped after 2.5 MB
+    server.files["/x.txt"], server.cut, server.cuts = body, 5 << 19, 1  # dropped after 2.5 MB
     path = prepare.download(server.url + "/x.txt", str(tmp_path))
     assert open(path, "rb").read() == body
     (first, no_range), (second, resumed) = server.log
@@ -509,7 +535,7 @@ def test_url_source_with_sha256(server, tmp_path, capsys):
     assert run(*common, "--sha256=" + "0" * 64) == 1
     assert "sha256" in error_line(capsys.readouterr().err)
     assert not out.exists() and not Path(f"{out}.tmp").exists()
-    assert not os.path.exists(prepare.cache_path(f"{server.url}/doc.txt", str(cache)))  # bad download deleted
+    assert not cache.exists()  # the bad download deleted, and the folders made for it
     assert run(*common, "--sha256=" + hashlib.sha256(body).hexdigest()) == 0
     assert decode_split(out, "train") == [body.decode()]  # a .txt URL is one document
 
@@ -518,7 +544,7 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     rows = [f"fineweb row {i}: educational text ✓" for i in range(40)]
     server.files["/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT/000_00000.parquet"] = parquet_bytes(rows)
     monkeypatch.setenv("HF_ENDPOINT", server.url)
-    out, cache = tmp_path / "fw", tmp_path / "fw" / "downloads"  # a download cache inside data_dir
+    out, cache = tmp_path / "fw", tmp_path / "downloads"
     args = ["--source=fineweb-edu-10bt", "--max_shards=1", f"--data_dir={out}", f"--download_dir={cache}",
             "--val_fraction=0.2", "--min_val_tokens=0"]
     assert run(*args) == 0
@@ -536,6 +562,225 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     assert run("--source=tinyshakespeare", "--tokenizer=char", f"--data_dir={out}", f"--download_dir={cache}",
                "--val_fraction=0") == 0
     assert decode_split(out, "train") == speeches[:-1] + [speeches[-1] + "\n"]
+
+
+def refused_url():
+    """A URL on a port of 127.0.0.1 where nothing listens: the connection is refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/corpus.txt"
+
+
+@pytest.mark.parametrize("case", ["refused", "404"])
+def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, server, tmp_path, capsys):
+    url, reason = (refused_url(), "connection refused") if case == "refused" else (server.url + "/no.txt", "HTTP 404")
+    (tmp_path / "mine.txt").write_text("the user's")
+    before = tree(tmp_path)
+    assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={tmp_path / 'downloads'}",
+               "--workers=1") == 1
+    err = capsys.readouterr().err
+    assert error_line(err) == (f"error: cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks the "
+                               "Hugging Face mirror)")
+    assert "retry" not in err and len(server.log) == (case == "404")
+    assert tree(tmp_path) == before  # no data_dir, no download folders
+
+
+@pytest.mark.parametrize("case", ["503", "429", "dropped", "timeout"])
+def test_a_download_that_keeps_failing_is_retried_then_leaves_nothing(case, server, tmp_path, capsys, monkeypatch):
+    """5xx, 429 (a rate limit), a dropped connection and a timeout may pass: retried. What arrived is
+    nothing (a dropped answer's first bytes are less than a chunk), so nothing stays behind."""
+    monkeypatch.setattr(prepare, "RETRIES", 2)
+    server.files["/corpus.txt"] = b"text\n" * 1000
+    reason = {"503": "HTTP 503", "429": "HTTP 429", "dropped": "connection dropped", "timeout": "timed out"}[case]
+    if case in ("503", "429"):
+        server.failures, server.status = 2, int(case)
+    if case == "dropped":
+        server.cut, server.cuts = 10, 2
+    if case == "timeout":
+        server.stall = 0.3
+        monkeypatch.setattr(prepare, "TIMEOUT", (5, 0.1))
+    url = server.url + "/corpus.txt"
+    before = tree(tmp_path)
+    assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={tmp_path / 'downloads'}",
+               "--workers=1") == 1
+    err = capsys.readouterr().err
+    assert error_line(err) == f"error: cannot download {url} after 2 attempts ({reason}): check the network and rerun"
+    assert f"download of {url} failed ({reason}); retry 1/1 in 0.01s" in err and len(server.log) == 2
+    assert tree(tmp_path) == before
+
+
+def test_a_partial_download_is_kept_for_the_rerun_to_resume(server, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare, "RETRIES", 2)
+    body = b"some words " * 250_000  # 2.75 MB; each answer dropped after 1.25 MB, of which a 1 MB chunk is written
+    server.files["/big.txt"], server.cut, server.cuts = body, 5 << 18, 2
+    url, cache = server.url + "/big.txt", tmp_path / "downloads"
+    part = prepare.cache_path(url, str(cache)) + ".part"
+    assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={cache}", "--workers=1") == 1
+    kept = os.path.getsize(part)
+    assert error_line(capsys.readouterr().err) == (
+        f"error: cannot download {url} after 2 attempts (connection dropped): check the network and rerun; "
+        f"the {kept:,} bytes so far are kept in {part}, and the rerun resumes them")
+    assert kept > 0 and os.listdir(os.path.dirname(part)) == ["big.txt.part"] and not (tmp_path / "data").exists()
+    assert open(prepare.download(url, str(cache)), "rb").read() == body
+    assert server.log[-1] == ("/big.txt", f"bytes={kept}-")
+
+
+# -----------------------------------------------------------------------------
+# data_dir: prepare.py deletes or overwrites only what it can prove it wrote
+
+
+def prepared(corpus, out, *args):
+    """prepare.py on the small corpus into out (byte tokens, no validation split, one worker), then args."""
+    return run(f"--source={corpus}", f"--data_dir={out}", "--val_fraction=0", "--workers=1", *args)
+
+
+@pytest.mark.parametrize("outcome", ["built", "failed"])
+def test_folders_named_like_the_old_temporaries_survive(outcome, corpus, tmp_path, capsys):
+    """prepare.py once built in data_dir.tmp and swapped through data_dir.old, deleting what it found at
+    those names: a user's folders there now stay, whether a build (and a rebuild) completes or fails."""
+    out = tmp_path / "data"
+    for name in ("data.tmp", "data.old"):
+        (tmp_path / name / "run").mkdir(parents=True)
+        (tmp_path / name / "run" / "ckpt.pt").write_bytes(os.urandom(1000))
+    before = tree(tmp_path)
+    if outcome == "built":
+        assert prepared(corpus, out) == 0 and prepared(corpus, out, "--force") == 0
+        assert {path: digest for path, digest in tree(tmp_path).items() if not path.startswith("data/")} == {
+            "data": "folder", **before}
+    else:
+        assert prepared(corpus, out, "--val_fraction=0.1", "--min_val_tokens=1000000") == 1
+        assert "too little data" in error_line(capsys.readouterr().err)
+        assert tree(tmp_path) == before
+
+
+def test_a_rebuild_over_a_users_files_is_refused_and_keeps_them(corpus, tmp_path, capsys):
+    out = tmp_path / "data"
+    out.mkdir()  # an empty folder is fine to build into
+    assert prepared(corpus, out) == 0
+    (out / "run").mkdir()
+    (out / "run" / "ckpt.pt").write_bytes(os.urandom(1000))
+    (out / "notes.txt").write_text("mine")
+    before = tree(tmp_path)
+    capsys.readouterr()
+    assert prepared(corpus, out, "--force") == 1
+    assert error_line(capsys.readouterr().err) == (f"error: {out} holds what prepare.py did not write (notes.txt, "
+                                                   "run/): move that out of it, or choose another --data_dir")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("entries, named", [
+    (["notes.txt"], "notes.txt"),
+    (["train_000000.bin", "tokenizer.json", "run/ckpt.pt"], "run/"),  # podgpt's names are not named
+    (["a.jsonl", "notes.txt", "run/x", "zz.txt", "zz/y"], "a.jsonl, notes.txt, run/ and 2 more"),
+    (["manifest.json/x"], "manifest.json/"),  # a folder by the name of one of podgpt's files is not podgpt's
+])
+def test_a_data_dir_holding_what_prepare_did_not_write_is_refused(entries, named, corpus, tmp_path, capsys):
+    out = tmp_path / "data"
+    for entry in entries:
+        (out / entry).parent.mkdir(parents=True, exist_ok=True)
+        (out / entry).write_text("the user's")
+    before = tree(tmp_path)
+    assert prepared(corpus, out) == 1
+    assert error_line(capsys.readouterr().err) == (f"error: {out} holds what prepare.py did not write ({named}): "
+                                                   "move that out of it, or choose another --data_dir")
+    assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("marked", [False, True])
+def test_a_folder_at_the_scratch_path_is_removed_only_when_podgpt_made_it(marked, corpus, tmp_path, capsys):
+    out = tmp_path / "data"
+    assert prepared(corpus, out) == 0
+    data_files = tree(out)
+    scratch = out / prepare.SCRATCH
+    scratch.mkdir()
+    (scratch / "work.txt").write_text("whose?")
+    if marked:  # what a killed run leaves
+        (scratch / util.SCRATCH_MARK).write_text("made by podgpt")
+        assert prepared(corpus, out, "--force") == 0
+        assert tree(out) == data_files  # the same build again, and no scratch folder
+        return
+    before = tree(tmp_path)
+    assert prepared(corpus, out, "--force") == 1
+    assert error_line(capsys.readouterr().err) == (
+        f"error: {scratch} is in podgpt's way and podgpt did not make it (it holds no {util.SCRATCH_MARK} file): "
+        "move or rename it, then rerun")
+    assert tree(tmp_path) == before
+
+
+def test_a_rebuild_leaves_only_its_own_new_files(corpus, tmp_path):
+    """The old build's files the new manifest does not list go (more shards, tokenizer.tiktoken, a crash's
+    leftover of write_shard), the listed ones are replaced."""
+    out = tmp_path / "data"
+    assert prepared(corpus, out, "--tokenizer=bpe:300", "--shard_tokens=200") == 0
+    (out / "train_000099.bin.tmp").write_bytes(b"half a shard")
+    assert len(list(out.glob("train_*.bin"))) > 1 and (out / "tokenizer.tiktoken").exists()
+    assert prepared(corpus, out) == 0
+    manifest = data.load_manifest(out)
+    assert sorted(os.listdir(out)) == sorted(prepare.listed_files(manifest) + ["manifest.json"])
+    assert len(manifest["splits"]["train"]["shards"]) == 1 and manifest["tokenizer"] == "byte"
+
+
+DAMAGES = {
+    "a key missing": lambda m: m.pop("token_dtype"),
+    "splits null": lambda m: m.update(splits=None),
+    "text for a list": lambda m: m.update(tokenizer_files="tokenizer.json"),
+    "text for a count": lambda m: m["splits"]["train"]["shards"][0].update(tokens="many"),
+    "an unknown dtype": lambda m: m.update(token_dtype="uint7"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_a_damaged_manifest_is_rebuilt(damage, corpus, tmp_path, capsys):
+    out = tmp_path / "data"
+    assert prepared(corpus, out) == 0
+    good = (out / "manifest.json").read_text()
+    manifest = json.loads(good)
+    DAMAGES[damage](manifest)
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert not prepare.is_complete(str(out), json.loads(good)["prepare_args"])
+    capsys.readouterr()
+    assert prepared(corpus, out) == 0
+    assert "reusing" not in capsys.readouterr().out and (out / "manifest.json").read_text() == good
+
+
+def test_a_ctrl_c_during_the_swap_waits_until_it_is_done():
+    """signals_held, which the swap runs under: a Ctrl-C that comes meanwhile is acted on after the block, also
+    while numpy's threads run (signal.pthread_sigmask would not hold it: one of them would take the signal)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever pytest set
+    steps = []
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with prepare.signals_held(signal.SIGINT, signal.SIGTERM):
+                os.kill(os.getpid(), signal.SIGINT)
+                np.ones((300, 300)) @ np.ones((300, 300))
+                steps.append("done")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert steps == ["done"]
+
+
+def test_ctrl_c_stops_in_one_line_and_keeps_the_previous_data(corpus, tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, workers too) while a rebuild tokenizes: no worker's
+    traceback, the scratch folder removed, exit 130, the previous data there byte for byte."""
+    out = tmp_path / "data"
+    assert prepared(corpus, out) == 0
+    before = tree(out)
+    big = tmp_path / "big.jsonl"  # ~40 MB: seconds of tokenizing, in 40 shards
+    big.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 160}) + "\n" for i in range(40_000)))
+    proc = subprocess.Popen([sys.executable, "prepare.py", f"--source={big}", f"--data_dir={out}", "--force",
+                             "--val_fraction=0", "--shard_tokens=1000000", "--workers=2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first_shard = out / prepare.SCRATCH / "train_000000.bin"  # in the scratch folder: mid-tokenizing
+    deadline = time.time() + 60
+    while not first_shard.exists():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert error_line(err) == "error: interrupted (Ctrl-C)" and "tokenizing" in err
+    assert tree(out) == before
 
 
 # -----------------------------------------------------------------------------
@@ -575,4 +820,79 @@ def test_bad_files_and_splits_are_errors(tmp_path, capsys):
     out.mkdir()
     (out / "precious.txt").write_text("not prepare's")
     assert run(f"--source={few}", f"--data_dir={out}", "--val_fraction=0") == 1
-    assert "holds no manifest.json" in error_line(capsys.readouterr().err) and (out / "precious.txt").exists()
+    assert error_line(capsys.readouterr().err) == (f"error: {out} holds what prepare.py did not write (precious.txt): "
+                                                   "move that out of it, or choose another --data_dir")
+    assert (out / "precious.txt").read_text() == "not prepare's"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workers=-1"], "workers=-1 must be >= 0 (0: one per core)"),
+    (["--max_docs=-5"], "max_docs=-5 must be >= 0 (0: all)"),
+    (["--max_shards=-1"], "max_shards=-1 must be >= 0 (0: all)"),
+    (["--min_chars=-1"], "min_chars=-1 must be >= 0 (0: keep all)"),
+    (["--min_val_tokens=-1"], "min_val_tokens=-1 must be >= 0 (0: no minimum)"),
+    (["--shard_tokens=0"], "shard_tokens=0 must be positive"),
+    (["--bpe_train_chars=-1"], "bpe_train_chars=-1 must be positive"),
+    (["--val_fraction=1.0"], "val_fraction=1.0 must be in [0, 1)"),
+    (["--data_dir="], "data_dir is empty: name a folder (e.g. --data_dir=data/default)"),
+    (["--download_dir="], "download_dir is empty: name a folder (e.g. --download_dir=downloads)"),
+    (["--data_dir={tmp}/afile"], "data_dir={tmp}/afile is not a folder: choose another --data_dir"),
+    (["--download_dir={tmp}/data"],
+     "data_dir={tmp}/data and download_dir={tmp}/data are the same folder: give each its own folder, side by side"),
+    (["--download_dir={tmp}/data/downloads"],
+     "download_dir={tmp}/data/downloads lies inside data_dir={tmp}/data: give each its own folder, side by side"),
+    (["--download_dir={tmp}"],
+     "data_dir={tmp}/data lies inside download_dir={tmp}: give each its own folder, side by side"),
+])
+def test_bad_settings_are_one_line_before_anything_is_written(args, message, tmp_path, capsys):
+    (tmp_path / "afile").write_text("a file, not a folder")
+    before = tree(tmp_path)
+    assert run(f"--source={tmp_path / 'corpus.txt'}", f"--data_dir={tmp_path / 'data'}",
+               *(a.format(tmp=tmp_path) for a in args)) == 1
+    assert capsys.readouterr().err == f"error: {message.format(tmp=tmp_path)}\n"
+    assert tree(tmp_path) == before
+
+
+def damaged_parquet(where):
+    """A parquet file whose dictionary page (the distinct values of a dictionary-encoded column) is damaged
+    in its header, its values or the UTF-8 of one value: pyarrow opens it, and fails reading the row group."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"text": [f"row {i % 3} text" for i in range(30)]}), buf, use_dictionary=True,
+                   compression="NONE")
+    raw = bytearray(buf.getvalue())
+    column = pq.ParquetFile(io.BytesIO(bytes(raw))).metadata.row_group(0).column(0)
+    start, end = column.dictionary_page_offset, column.data_page_offset  # the dictionary page is what lies between
+    if where == "header":
+        raw[start:start + 4] = b"\xff" * 4
+    if where == "values":
+        raw[end - 12:end] = bytes(b ^ 0xff for b in raw[end - 12:end])
+    if where == "utf-8":
+        raw[raw.index(b"row 1", start) + 4] = 0xff
+    return bytes(raw)
+
+
+@pytest.mark.parametrize("case", ["deep.jsonl", "header.parquet", "values.parquet", "utf-8.parquet"])
+def test_a_damaged_source_file_is_one_line(case, tmp_path, capsys):
+    source = tmp_path / case
+    if case == "deep.jsonl":  # json.loads raises RecursionError
+        source.write_bytes(b'{"text": "fine"}\n' + b"[" * 100_000 + b"]" * 100_000 + b"\n")
+    else:
+        source.write_bytes(damaged_parquet(case.removesuffix(".parquet")))
+    before = tree(tmp_path)
+    assert run(f"--source={source}", f"--data_dir={tmp_path / 'data'}", "--workers=1") == 1
+    line = error_line(capsys.readouterr().err)
+    if case == "deep.jsonl":
+        assert line == f"error: {source}:2: JSON nested too deeply to read (a damaged line?): fix or remove that line"
+    else:  # the rest is pyarrow's words, which differ between its versions
+        assert line.startswith(f"error: cannot read {source} as parquet (row group 1 of 1): ") and len(line) > 80
+    assert tree(tmp_path) == before
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
+    source = tmp_path / "bom.jsonl"
+    source.write_bytes(b"\xef\xbb\xbf" + b'{"text": "first"}\n{"text": "second \xef\xbb\xbf stays"}\n')
+    out = tmp_path / "data"
+    assert run(f"--source={source}", f"--data_dir={out}", "--val_fraction=0", "--workers=1") == 0
+    assert decode_split(out, "train") == ["first", "second \ufeff stays"]
