@@ -26,12 +26,21 @@ A completion ends at max_tokens (finish_reason "length"), at a stop string (left
 text) or where the model emits BOS, which ends a training document (both "stop"). With
 "stream": true the text comes as server-sent events, one `data: {chunk}` per token that adds
 text, then `data: [DONE]`. A bad request gets HTTP 400 and {"error": {"message", "type", "param"}}.
+
+What one request may carry is bounded (/info lists it under "limits"), so that no request holds
+the model, or a thread, for long: max_tokens up to serve_max_tokens; a prompt the context holds
+(block_size - 1 tokens after BOS); at most 4 stop strings (OpenAI's limit) of at most 256
+characters each; a body of at most 1 MB (413), sent with a Content-Length (411 without one), whole
+within serve_read_timeout seconds (408). Generation stops when the client closes its connection.
+SIGTERM or Ctrl-C ends the server within a few seconds, exit 0, whatever the clients are doing.
 """
 
 import codecs
 import http.server
+import io
 import json
 import os
+import select
 import signal
 import sys
 import threading
@@ -65,9 +74,15 @@ serve = False                   # True: answer HTTP (POST /v1/completions, GET /
 host = "127.0.0.1"              # address to listen on; 0.0.0.0 opens it to the network (there is no authentication)
 port = 8000                     # port to listen on; 0: any free one (the start line names it)
 serve_max_tokens = 1024         # the most max_tokens one request may ask for: bounds how long it holds the model
+serve_read_timeout = 30.0       # seconds a client has to send its whole request (headers and body): then 408
 # --- end config
 
 MAX_BODY_BYTES = 1 << 20        # a request body larger than this is refused unread
+MAX_STOPS = 4                   # stop strings per request, as OpenAI allows
+# a stop string marks where a completion ends (a blank line, a closing tag, a role name): 256 characters is far
+# more than any such marker needs, and bounds the text a request can make the server hold back and match
+MAX_STOP_CHARS = 256
+STOP_SECONDS = 3                # at SIGTERM or Ctrl-C, how long the running generation gets to reach its next token
 
 
 def main(argv):
@@ -80,10 +95,15 @@ def main(argv):
     if path is None:
         fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
     if config.serve:
-        if not 0 <= config.port <= 65535 or config.serve_max_tokens < 1:
-            fail("need 0 <= port <= 65535 and serve_max_tokens >= 1", code=2)
-    elif config.max_new_tokens < 0 or config.num_samples < 1 or config.temperature < 0:
-        fail("need max_new_tokens >= 0, num_samples >= 1 and temperature >= 0", code=2)
+        check_ranges(config, port=(lambda v: 0 <= v <= 65535, "0 to 65535 (0: any free port)"),
+                     serve_max_tokens=(lambda v: v >= 1, "an integer >= 1"),
+                     serve_read_timeout=(lambda v: v > 0, "a number of seconds above 0"))
+    else:
+        check_ranges(config, max_new_tokens=(lambda v: v >= 0, "an integer >= 0"),
+                     num_samples=(lambda v: v >= 1, "an integer >= 1"),
+                     temperature=(lambda v: v >= 0, "a number >= 0 (0: greedy)"),
+                     top_k=(lambda v: v >= 0, "an integer >= 0 (0: all tokens)"),
+                     top_p=(lambda v: 0 < v <= 1, "a number above 0 and at most 1"))
     text = read_prompt(config.prompt, config.prompt_file)
 
     dev = setup(config.device).dev
@@ -95,8 +115,17 @@ def main(argv):
     tok = load_tokenizer(tokenizer_dir(path))
     if config.serve:
         return serve_http(config, path, model, tok, info, dev)
+    ids = encode_prompt(tok, text)
     print(f"# {path}", file=sys.stderr)
-    print_samples(config, model, tok, text, dev)
+    print_samples(config, model, tok, text, ids, dev)
+
+
+def check_ranges(config, **rules):
+    """Stop (exit 2) at the first setting outside its range; rules: key=(valid(value), the range in words)."""
+    for key, (valid, rule) in rules.items():
+        value = config[key]
+        if not isinstance(value, (int, float)) or not valid(value):  # None passes the configurator: refuse it here
+            fail(f"{key}={value!r} is out of range: use {rule}", code=2)
 
 
 def read_prompt(prompt, prompt_file):
@@ -110,9 +139,25 @@ def read_prompt(prompt, prompt_file):
         fail(f"cannot read prompt_file {prompt_file} ({first_line(e)}): give a UTF-8 text file or --prompt=TEXT")
 
 
-def print_samples(config, model, tok, text, dev):
-    """config.num_samples continuations of text, each streamed to stdout as it is generated."""
-    ids = torch.tensor([[tok.bos_id] + tok.encode(text)], device=dev)
+def encode_prompt(tok, text):
+    """The prompt's token ids, or one line (exit 2) naming the part of it the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # argv's bytes that are not UTF-8 arrive as lone surrogates
+        fail(f"the prompt holds bytes that are not UTF-8 (at character {e.start}): write it as UTF-8 text "
+             "to a file and pass --prompt_file=FILE", code=2)
+    try:
+        return tok.encode(text)
+    except ValueError:  # the char tokenizer knows only the characters of the corpus it was made from
+        known = set(tok.chars)
+        at, char = next((i, c) for i, c in enumerate(text) if c not in known)
+        fail(f"the prompt's character {char!r} (at position {at}) is not in the vocabulary of this char "
+             "tokenizer, which knows only its corpus' characters: leave it out of the prompt", code=2)
+
+
+def print_samples(config, model, tok, text, ids, dev):
+    """config.num_samples continuations of text (token ids: ids), each streamed to stdout as it is generated."""
+    ids = torch.tensor([[tok.bos_id] + ids], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config.seed)
     for i in range(config.num_samples):
         # tokens may end inside a multi-byte character: decode the byte stream incrementally
@@ -154,6 +199,12 @@ class RequestError(Exception):
         self.param, self.status = param, status
 
 
+def shown(value, width=40):
+    """A client's value as JSON for an error message, cut short: a request must not make the reply (or the log) huge."""
+    text = json.dumps(value)
+    return text if len(text) <= width else f"{text[:width]}... ({len(text)} characters)"
+
+
 def field(req, name, default, kinds, valid, rule):
     """req[name] (default if absent or null) if it has one of `kinds` (a bool is not a number) and passes valid();
     else RequestError."""
@@ -161,8 +212,24 @@ def field(req, name, default, kinds, valid, rule):
     if value is None:
         return default
     if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds) or not valid(value):
-        raise RequestError(f"{name}={json.dumps(value)} is invalid: {rule}", name)
+        raise RequestError(f"{name}={shown(value)} is invalid: {rule}", name)
     return value
+
+
+def stop_strings(value):
+    """The stop strings of a request's "stop" (null, a string or a list of strings), within the limits;
+    else RequestError."""
+    stops = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop={shown(value)} is invalid: use a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"stop holds {len(stops)} strings, above the limit of {MAX_STOPS}: send at most {MAX_STOPS}",
+                           "stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise RequestError(f"stop holds a string of {longest} characters, above the limit of {MAX_STOP_CHARS}: "
+                           "send shorter ones", "stop")
+    return stops
 
 
 def parse_completion(body, ctx):
@@ -171,6 +238,8 @@ def parse_completion(body, ctx):
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
         raise RequestError('the body is not JSON: send an object such as {"prompt": "def main(", "max_tokens": 16}')
+    except RecursionError:  # arrays or objects nested thousands deep
+        raise RequestError('the body nests JSON too deeply to read: send a flat object such as {"prompt": "def main("}')
     if not isinstance(req, dict):
         raise RequestError(f'the body is a JSON {type(req).__name__}, not an object: send {{"prompt": "..."}}')
     if not isinstance(req.get("prompt"), str):
@@ -185,12 +254,9 @@ def parse_completion(body, ctx):
         top_k=field(req, "top_k", None, (int,), lambda v: v >= 0, "use an integer >= 0 (0: all tokens)"),
         seed=field(req, "seed", None, (int,), lambda v: 0 <= v < 2**63, "use an integer from 0 to 2**63 - 1"),
         stream=field(req, "stream", False, (bool,), lambda v: True, "use true or false"),
-        stop=field(req, "stop", None, (str, list), lambda v: all(isinstance(s, str) and s for s in
-                                                                 ([v] if isinstance(v, str) else v)),
-                   "use a non-empty string or a list of them"),
+        stop=stop_strings(req.get("stop")),
     )
     field(req, "n", 1, (int,), lambda v: v == 1, "use 1: this server returns one completion per request")
-    p["stop"] = [p["stop"]] if isinstance(p["stop"], str) else p["stop"] or []
     try:
         ids = ctx.tok.encode(req["prompt"])
     except ValueError as e:  # the char tokenizer knows only its corpus' characters
@@ -201,13 +267,52 @@ def parse_completion(body, ctx):
     return p, ids
 
 
-def held_back(text, stops):
-    """How many characters at the end of text could begin a stop string: they wait for the next token."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+def kmp_table(s):
+    """table[k]: the length of the longest proper prefix of s[:k + 1] that is also its suffix (KMP's failure table)."""
+    table, m = [0] * len(s), 0
+    for k in range(1, len(s)):
+        while m and s[k] != s[m]:
+            m = table[m - 1]
+        if s[k] == s[m]:
+            m += 1
+        table[k] = m
+    return table
 
 
-def complete(ctx, p, ids):
-    """Yields (new text, finish_reason or None, tokens generated so far); the last has a finish_reason.
+class StopStrings:
+    """Finds a request's stop strings in text that comes a piece at a time, in time linear in the text: a KMP
+    automaton per stop string, advanced one character at a time (matching each new token against the whole text
+    would be quadratic, and a long stop string would hold the model for seconds per token)."""
+
+    def __init__(self, stops):
+        self.stops, self.tables = stops, [kmp_table(s) for s in stops]
+        self.matched = [0] * len(stops)  # per stop string: the longest prefix of it that ends the text so far
+
+    def find(self, text):
+        """Reads the next piece of text: (where in it the first stop string to complete ends, its length), or None."""
+        for end, c in enumerate(text, 1):
+            found = 0
+            for i, s in enumerate(self.stops):
+                m = self.matched[i]
+                while m and s[m] != c:  # fall back to the longest shorter prefix that still ends the text
+                    m = self.tables[i][m - 1]
+                m += s[m] == c
+                self.matched[i] = m
+                if m == len(s):
+                    found = max(found, m)  # of two that end here, the longer one begins first
+            if found:
+                return end, found
+        return None
+
+    def held(self):
+        """How many characters at the end of the text could begin a stop string: they wait for more text."""
+        return max(self.matched, default=0)
+
+
+def complete(ctx, p, ids, gone):
+    """Yields (new text, finish_reason or None, tokens generated so far); the last has a finish_reason. The text
+    ends before the first stop string to appear in it; text that could begin one is held back until it cannot.
+    gone(): whether the client has left, which ends the generation with ConnectionAbortedError.
     Call it holding ctx.lock."""
     generator = torch.Generator(device=ctx.dev)
     if p["seed"] is None:
@@ -215,34 +320,74 @@ def complete(ctx, p, ids):
     else:
         generator.manual_seed(p["seed"])
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end inside a character
-    text, sent, n, finish = "", 0, 0, "length"
+    stops = StopStrings(p["stop"])
+    held, n, finish = "", 0, "length"  # held: the text not yielded yet
     x = torch.tensor([[ctx.tok.bos_id] + ids], device=ctx.dev)
     for token in ctx.model.generate(x, p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"] or None,
                                     top_p=p["top_p"], generator=generator):
         if ctx.stopping.is_set():  # SIGTERM or Ctrl-C: end this request so that the process can exit
             raise RequestError("the server is shutting down: send the request again when it is back", status=503)
+        if gone():  # nobody would read the rest: free the model for the next request
+            raise ConnectionAbortedError(f"the client closed its connection: generation stopped after {n} of "
+                                         f"{p['max_tokens']} tokens")
         n += 1
         if token.item() == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
             finish = "stop"
             break
-        text += decoder.decode(ctx.tok.decode_bytes([token.item()]))
-        cut = min((i for i in (text.find(s) for s in p["stop"]) if i >= 0), default=None)
-        if cut is not None:
-            yield text[sent:cut], "stop", n
+        new = decoder.decode(ctx.tok.decode_bytes([token.item()]))
+        found = stops.find(new)
+        if found:
+            end, length = found
+            text = held + new[:end]
+            yield text[:len(text) - length], "stop", n
             return
-        safe = len(text) - held_back(text, p["stop"])
-        if safe > sent:
-            yield text[sent:safe], None, n
-            sent = safe
-    yield text[sent:] + decoder.decode(b"", final=True), finish, n
+        held += new
+        ready = len(held) - stops.held()
+        if ready > 0:
+            yield held[:ready], None, n
+            held = held[ready:]
+    yield held + decoder.decode(b"", final=True), finish, n
+
+
+class DeadlineReader(io.RawIOBase):
+    """A socket's reads, all of them before one deadline: a timeout per read alone starts again at every byte,
+    so a client sending its request a byte at a time could hold a thread for as long as it likes."""
+
+    def __init__(self, sock, seconds):
+        self.sock, self.deadline, self.timeout = sock, time.monotonic() + seconds, sock.gettimeout()
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.timeout)  # the writes keep theirs
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
     """GET /health, GET /info, POST /v1/completions; self.server.ctx holds the model and the settings.
     HTTP/1.0 (http.server's default): one request per connection, so a stream ends when the connection
     closes, and a body left unread is never taken for the next request."""
-    timeout = 60  # seconds a client may stall: a stalled one must not hold a thread (or the model) forever
+    timeout = 60  # seconds a write may wait on a client that stops reading: it must not hold the model forever
     routes = {"/health": "GET", "/info": "GET", "/v1/completions": "POST"}
+
+    def setup(self):
+        super().setup()
+        self.rfile.close()  # the request is read through one deadline instead
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection, self.server.ctx.read_timeout))
+
+    def handle(self):
+        try:
+            super().handle()
+        except ConnectionError as e:  # the client left, even before an error reply: one line, not a traceback
+            self.log_message("%s: the client left before the response ended (%s)",
+                             getattr(self, "requestline", "a request not read yet"), first_line(e))
 
     def do_GET(self):
         self.route()
@@ -271,22 +416,35 @@ class Handler(http.server.BaseHTTPRequestHandler):
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             self.send_json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param}},
                            allow=self.routes[path] if e.status == 405 else None)
-        except (ConnectionError, TimeoutError) as e:  # the client went away or stalled: serve the next one
-            self.log_message("%s %s: the client left before the response ended (%s)", self.command, path,
-                             type(e).__name__)
+        except (ConnectionError, TimeoutError):  # the client left or stalled: handle() or http.server logs it
+            raise
         except Exception as e:  # a bug, or out of memory: say so and keep serving
             print(f"error: {self.command} {path}: {first_line(e)}", file=sys.stderr, flush=True)
             if not self.streaming:
                 self.send_json(500, {"error": {"message": first_line(e), "type": "server_error", "param": None}})
 
     def completions(self, ctx):
-        size = self.headers.get("Content-Length", "0")
-        if not size.isdigit():
-            raise RequestError(f"Content-Length {size!r} is not a size in bytes: send the body's length")
-        if int(size) > MAX_BODY_BYTES:  # refused unread
-            raise RequestError(f"the body is {size} bytes, above this server's limit of {MAX_BODY_BYTES}: "
-                               "send a shorter prompt", status=413)
-        p, ids = parse_completion(self.rfile.read(int(size)), ctx)
+        size = self.headers.get("Content-Length")
+        if size is None or "Transfer-Encoding" in self.headers:
+            raise RequestError("the body has no Content-Length (a chunked body is not read): send it whole, "
+                               "with its length in bytes", status=411)
+        size = size.strip()
+        if not (size.isascii() and size.isdigit()):  # isdigit() alone passes "²", which int() refuses
+            raise RequestError(f"Content-Length {shown(size)} is not a size in bytes: send the body's length")
+        # refused unread; more than 9 digits is over the limit, and int() refuses thousands of them
+        if len(size) > 9 or int(size) > MAX_BODY_BYTES:
+            raise RequestError(f"Content-Length {shown(size)} is above this server's limit of {MAX_BODY_BYTES} "
+                               "bytes: send a shorter prompt", status=413)
+        size = int(size)
+        try:
+            body = self.rfile.read(size)
+        except TimeoutError:
+            raise RequestError(f"the request did not arrive within {ctx.read_timeout} s (serve_read_timeout): "
+                               "send it at once", status=408)
+        if len(body) < size:
+            raise RequestError(f"the body ended after {len(body)} of the {size} bytes its Content-Length "
+                               "promised: send all of it")
+        p, ids = parse_completion(body, ctx)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": ctx.name}
 
@@ -295,15 +453,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
                         usage={"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n})
 
         with ctx.lock:  # one generation at a time: the others wait here
+            parts = complete(ctx, p, ids, self.client_gone)
             if not p["stream"]:
-                parts = list(complete(ctx, p, ids))
+                parts = list(parts)
                 return self.send_json(200, body("".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]))
             self.streaming = True
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Cache-Control", "no-cache")
             self.end_headers()
-            for text, finish, n in complete(ctx, p, ids):
+            for text, finish, n in parts:
                 chunk = body(text, finish, n)
                 if finish is None:
                     del chunk["usage"]  # the last chunk counts the tokens
@@ -320,23 +479,37 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def client_gone(self):
+        """Whether the client has closed its connection: its socket reads as ended (or reset). poll(), unlike
+        select(), takes any descriptor. Bytes sent after the body are dropped, so that they cannot hide the end
+        (one request per connection: nobody would read them). A client that only shuts its sending side (rare
+        over HTTP) counts as gone too."""
+        poller = select.poll()
+        poller.register(self.connection, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        try:
+            return self.connection.recv(1 << 16) == b""
+        except ConnectionError:
+            return True
+
 
 def serve_http(config, path, model, tok, info, dev):
     """Answer HTTP requests until SIGTERM or Ctrl-C (then exit 0)."""
     cfg = model.config
     ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, lock=threading.Lock(), stopping=threading.Event(),
-                          max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1)
+                          max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1,
+                          read_timeout=config.serve_read_timeout)
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
                     device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
-                                             "body_bytes": MAX_BODY_BYTES})
+                                             "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS,
+                                             "stop_chars": MAX_STOP_CHARS, "read_seconds": ctx.read_timeout})
     try:
         server = http.server.ThreadingHTTPServer((config.host, config.port), Handler)
     except OSError as e:
         fail(f"cannot listen on {config.host}:{config.port} ({first_line(e)}): "
              "pick another --port (0: any free one) or --host")
-    # the exit waits for every request's thread (a thread killed inside torch aborts the process);
-    # ctx.stopping makes a generation end at its next token
-    server.daemon_threads = False
+    server.daemon_threads = True  # the exit does not wait for them: a client decides how long its thread reads
     server.ctx = ctx
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     host, bound = server.server_address[:2]
@@ -345,9 +518,17 @@ def serve_http(config, path, model, tok, info, dev):
         server.serve_forever()
     except KeyboardInterrupt:
         print("stopping", file=sys.stderr, flush=True)
-    finally:
-        ctx.stopping.set()
-        server.server_close()
+    server.server_close()  # no new connections
+    ctx.stopping.set()  # a generation ends at its next token, and frees the lock
+    if not ctx.lock.acquire(timeout=STOP_SECONDS):
+        print(f"warning: the generation did not stop within {STOP_SECONDS} s: exiting anyway", file=sys.stderr,
+              flush=True)
+    # End at once, holding the lock so that no generation starts: the threads left may be reading a client's
+    # bytes or encoding a prompt, and the interpreter's teardown would end them inside that call (pthread_exit),
+    # which can abort the process from native code; os._exit ends them all where they are.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
