@@ -19,7 +19,8 @@ then applied left to right:
   that belong to another script are ignored here, a key no script knows is an error;
 - `--key=val` must be a key of this script; val is parsed with ast.literal_eval
   (falling back to the raw string) and checked against the default's type: an int
-  is accepted for a float, true/false for a bool, anything for a None default;
+  is accepted for a float (nan and inf are not), true/false for a bool, anything
+  for a None default;
   `--flag` alone means `--flag=True` for a boolean key;
 - `--help` lists every key with its default and comment.
 
@@ -30,6 +31,7 @@ script's top level prints it, util.run_main).
 import ast
 import difflib
 import io
+import math
 import os
 import tokenize
 
@@ -94,6 +96,8 @@ def coerce(key, value, default):
             return int(value)
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # float("nan") passes every "must be positive" check downstream
+                raise ConfigError(f"{key}={value} is not a finite number: give a number (default {default!r})")
             return float(value)
     elif isinstance(value, kind):
         return value

@@ -75,7 +75,45 @@ def load_manifest(data_dir):
     if version != VERSION:
         raise ValueError(f"{path} has format_version {version}, this code reads {VERSION}: "
                          f"rerun python prepare.py --data_dir={data_dir} --force")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise ValueError(f"{path} {problem}: rerun python prepare.py --data_dir={data_dir} --force")
     return manifest
+
+
+# what the scripts read from a manifest, and the type each must have (a hand-edited one can be anything)
+MANIFEST_FIELDS = {"tokenizer": str, "vocab_size": int, "bos_id": int, "token_dtype": str, "tokenizer_files": list,
+                   "splits": dict, "token_counts": str, "fingerprint": str}
+SHARD_FIELDS = {"file": str, "docs_file": str, "tokens": int, "docs": int}
+JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object",
+              type(None): "null"}
+
+
+def manifest_problem(manifest):
+    """What is wrong in a manifest's fields (as "has ..."), or None."""
+    def wrong(value, kind):
+        return not isinstance(value, kind) or kind is int and isinstance(value, bool)
+
+    for key, kind in MANIFEST_FIELDS.items():
+        if key not in manifest:
+            return f"has no {key!r}"
+        if wrong(manifest[key], kind):
+            return (f"has {key}={json.dumps(manifest[key])}, a JSON {JSON_TYPES[type(manifest[key])]} where "
+                    f"{'an' if kind is int or kind is dict else 'a'} {JSON_TYPES[kind]} belongs")
+    vocab, bos = manifest["vocab_size"], manifest["bos_id"]
+    if not 0 <= bos < vocab:
+        return f"has bos_id={bos}, outside the vocabulary [0, {vocab})"
+    for name in ("train", "val"):
+        split = manifest["splits"].get(name)
+        if not isinstance(split, dict) or not isinstance(split.get("shards"), list) or wrong(split.get("tokens"), int):
+            return f"has no {name} split (a \"shards\" list and a \"tokens\" count)"
+        if any(not isinstance(s, dict) or any(wrong(s.get(k), t) for k, t in SHARD_FIELDS.items())
+               for s in split["shards"]):
+            return f"lists a {name} shard without its {', '.join(SHARD_FIELDS)}"
+        in_shards = sum(s["tokens"] for s in split["shards"])
+        if in_shards != split["tokens"]:
+            return f"counts {split['tokens']:,} {name} tokens, but its {name} shards {in_shards:,}"
+    return None
 
 
 def check_prepared(data_dir, manifest, vocab_size):
@@ -156,9 +194,11 @@ class Loader:
         for s in manifest["splits"][split]["shards"]:
             path = os.path.join(data_dir, s["file"])
             try:
-                if read_header(path)["vocab_size"] != manifest["vocab_size"]:
-                    raise ValueError(f"{path}: vocab_size {read_header(path)['vocab_size']} in its header, "
-                                     f"{manifest['vocab_size']} in manifest.json")
+                header = read_header(path)
+                for key, listed in (("vocab_size", manifest["vocab_size"]), ("bos_id", manifest["bos_id"]),
+                                    ("n_tokens", s["tokens"])):
+                    if header[key] != listed:
+                        raise ValueError(f"{path}: {key} {header[key]} in its header, {listed} in manifest.json")
                 self.shards.append(open_shard(path))
             except ValueError as e:  # read_header's message names the shard; most also name the fix
                 fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
