@@ -19,7 +19,8 @@ The folder holds:
 - podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
   prepare.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
 - podgpt.json: podgpt's model config, where the export came from, its step and validation loss
-  (load_export and sample.py's /info read it);
+  (load_export and sample.py's /info read it), and the export's files: a later export to the same
+  --out replaces the folder only when it holds nothing else;
 - README.md: a model card (recipe, data, tokens, losses, preflight verdict, limitations).
 
 Vocabulary: podgpt pads the embedding and head to a multiple of vocab_multiple. The export keeps the
@@ -46,7 +47,8 @@ from checkpoint import find_checkpoint, load_model
 from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
 from prepare import read_ranks
 from report import read_json, read_metrics
-from util import fail, first_line, run_main, write_atomic, write_json
+from util import (SCRATCH_MARK, check_apart, fail, first_line, make_scratch, remove_scratch, run_main, write_atomic,
+                  write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -302,6 +304,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         fail(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
         fail(f"max_shard_gb={max_shard_gb} must be positive")
+    check_replaceable(out)
     try:  # verified, loaded into model.py as it is; a sharded (fsdp) checkpoint gathered whole
         model, run_cfg = load_model(path, "cpu")
         trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
@@ -309,12 +312,10 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         fail(f"checkpoint {path} cannot be used: {e}")
     state = model.state_dict()
     cfg = check_llama(run_cfg["model"], state)
-    if os.path.exists(out) and not os.path.exists(os.path.join(out, PODGPT_FILE)) and os.listdir(out):
-        fail(f"{out} exists and is not a podgpt export: choose another --out or remove it")
-    tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = os.path.normpath(out)
+    # built beside out, under a name no user picks and marked as podgpt's, then renamed into place
+    tmp = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.podgpt-export"))
     try:
-        os.makedirs(tmp)
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[weight_dtype]
         write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype))
@@ -330,20 +331,41 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         if tokenizer_note:
             print(f"note: no tokenizer.json for transformers: {tokenizer_note}; "
                   f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
-        write_json(os.path.join(tmp, PODGPT_FILE),
-                   {"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
-                    "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
-                    "weights_dtype": weight_dtype})
         out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         write_atomic(os.path.join(tmp, "README.md"),
                      model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
-        if os.path.exists(out):
+        files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [PODGPT_FILE]  # what a later export may replace
+        write_json(os.path.join(tmp, PODGPT_FILE),
+                   {"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
+                    "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
+                    "weights_dtype": weight_dtype, "files": files})
+        if os.path.exists(out):  # an earlier export, nothing but its own files (check_replaceable)
             shutil.rmtree(out)
+        os.remove(os.path.join(tmp, SCRATCH_MARK))
         os.replace(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isfile(os.path.join(tmp, SCRATCH_MARK)):
+            remove_scratch(tmp)
         raise
     return out
+
+
+def check_replaceable(out):
+    """Stop unless `out` is absent, empty, or an earlier export holding only the files its podgpt.json lists:
+    export.py replaces nothing it did not write."""
+    if not os.path.lexists(out):
+        return
+    if not os.path.isdir(out) or os.path.islink(out):
+        fail(f"out={out} is a file, not a folder: give the path of a folder to write (it is created)")
+    entries = set(os.listdir(out))
+    saved = read_json(os.path.join(out, PODGPT_FILE))
+    listed = set(saved.get("files", ())) if isinstance(saved, dict) else set()
+    foreign = sorted(entries - listed)
+    if not foreign:
+        return
+    what = "earlier export" if PODGPT_FILE in entries else "folder"
+    fail(f"out={out} holds what export.py did not write ({', '.join(foreign[:3])}{' ...' * (len(foreign) > 3)}): "
+         f"not replacing this {what}; choose another --out or move those away")
 
 
 # -----------------------------------------------------------------------------
@@ -400,7 +422,11 @@ def main(argv):
     path = find_checkpoint(src, config.which) if os.path.isdir(src) else None
     if path is None:
         fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
-    export(path, config.out, config.dtype, config.max_shard_gb)
+    check_apart(out=config.out, ckpt=src)
+    try:
+        export(path, config.out, config.dtype, config.max_shard_gb)
+    except OSError as e:  # a read-only place, a full disk
+        fail(f"cannot write out={config.out} ({first_line(e)}): choose another --out")
     print(f"exported {path} to {config.out}")
 
 

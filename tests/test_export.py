@@ -149,7 +149,7 @@ def test_sharded_export_writes_index_and_loads(runs, tmp_path):
 def test_refusals_leave_nothing(runs, tmp_path):
     r = do_export(runs["gqa_tied"], tmp_path / "x", "--dtype=float16", check=False)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()
+    assert sorted(os.listdir(tmp_path)) == []
     r = do_export(tmp_path / "nothing", tmp_path / "y", check=False)
     assert r.returncode == 1 and "no checkpoint" in r.stderr
     r = run([sys.executable, "export.py", f"--ckpt={runs['gqa_tied']}"], check=False)
@@ -168,6 +168,28 @@ def test_refusals_leave_nothing(runs, tmp_path):
     (tmp_path / "keep" / "notes.txt").write_text("mine")
     r = do_export(runs["gqa_tied"], tmp_path / "keep", check=False)
     assert r.returncode == 1 and (tmp_path / "keep" / "notes.txt").read_text() == "mine"
+
+
+def test_export_replaces_an_earlier_export_and_nothing_else(runs, tmp_path):
+    """An earlier export at --out is replaced whole (its podgpt.json lists its files); a folder beside it
+    named like export.py's old temporary folder (out.tmp) is the user's and stays; a file of the user's
+    inside an export stops the next one, which leaves it all as it was."""
+    dest, mine = tmp_path / "hf", tmp_path / "hf.tmp"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    path = find_checkpoint(runs["gqa_tied"], "best")
+    export.export(path, str(dest), max_shard_gb=0.00002)
+    sharded = json.load(open(dest / "podgpt.json"))["files"]
+    export.export(path, str(dest))  # over the sharded export: one model.safetensors, no shard left over
+    listed = json.load(open(dest / "podgpt.json"))["files"]
+    assert sorted(os.listdir(dest)) == sorted(listed) and "model.safetensors" in listed
+    assert "model.safetensors.index.json" in sharded and "model.safetensors.index.json" not in listed
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"] and (mine / "notes.txt").read_text() == "mine"
+    (dest / "notes.txt").write_text("mine too")
+    with pytest.raises(Error, match=r"holds what export.py did not write \(notes.txt\): not replacing this earlier"):
+        export.export(path, str(dest))
+    assert sorted(os.listdir(dest)) == sorted(listed + ["notes.txt"])
+    assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"]
 
 
 # ASCII, code, multi-byte characters, and special-token names, which podgpt encodes as plain text
