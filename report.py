@@ -28,7 +28,7 @@ import subprocess
 import sys
 
 import configurator
-from util import run_main, write_atomic, write_json
+from util import fail, run_main, warn, write_atomic, write_json
 
 # --- config
 out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -56,7 +56,7 @@ def read_metrics(path):
             for line in f:
                 try:
                     row = json.loads(line)
-                except ValueError:  # a run killed mid-write leaves half a line
+                except (ValueError, RecursionError):  # a run killed mid-write leaves half a line
                     continue
                 if isinstance(row, dict) and "event" not in row and isinstance(row.get("step"), int):
                     rows.append(row)
@@ -66,17 +66,30 @@ def read_metrics(path):
 
 
 def rewrite_metrics(path, last_step):
-    """On resume: keep only the metrics lines of steps <= last_step (and drop a torn last line)."""
+    """On resume: drop the metrics lines of steps past last_step, which the resumed run writes again, and a
+    torn last line (a run killed mid-write). A line that is not one of podgpt's rows (someone else's, or
+    damaged) is kept as it is, with a warning: podgpt removes only what it wrote."""
     if not os.path.exists(path):
         return
-    kept = []
+    kept, foreign = [], []
     with open(path) as f:
-        for line in f:
+        for line_no, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                continue
             try:
-                if line.endswith("\n") and json.loads(line)["step"] <= last_step:
-                    kept.append(line)
-            except (ValueError, KeyError):
-                pass
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                row = None
+            step = row.get("step") if isinstance(row, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                foreign.append(line_no)
+                kept.append(line)
+            elif step <= last_step:
+                kept.append(line)
+    if foreign:
+        lines = ", ".join(map(str, foreign[:5])) + (" ..." if len(foreign) > 5 else "")
+        warn(f"{path}: {len(foreign)} line(s) not a metrics row (a JSON object with an integer step), "
+             f"line {lines}: kept as they are; the report skips them")
     write_atomic(path, "".join(kept))
 
 
@@ -371,6 +384,8 @@ def write_report(out_dir):
 def main(argv):
     """Exit status 1 when a part of the report could not be written."""
     config = configurator.configure(__file__, argv)
+    if not os.path.isfile(os.path.join(config.out_dir, "metrics.jsonl")):  # its manifest.json would go over another's
+        fail(f"{config.out_dir} holds no metrics.jsonl: not a training run's out_dir; give --out_dir=<a run's folder>")
     problems = write_report(config.out_dir)
     print(f"report in {config.out_dir}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
     return 1 if problems else 0

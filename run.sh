@@ -61,6 +61,10 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-podgpt}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+if [[ ! -f $CONFIG ]]; then
+    echo "run.sh: CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)" >&2
+    exit 2
+fi
 for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
     [[ ${!v} =~ ^[0-9]+$ ]] || { echo "run.sh: $v=${!v} is not a whole number" >&2; exit 2; }
 done

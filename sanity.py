@@ -49,11 +49,12 @@ from data import Loader, check_prepared, load_manifest
 from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable,
                    flops_per_token, make_optimizer, param_counts, parity_errors, resolve_backend)
 from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
-from util import Error, autocast, compute_dtype, driver_version, dtype_name, fail, first_line, run_main, setup
+from util import (Error, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line, run_main,
+                  setup)
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
-data_dir = "data"               # prepared data to check against the model (skipped until prepare.py wrote it)
+data_dir = "data/default"       # prepared data to check against the model (skipped until prepare.py wrote it)
 # the run's model and batch (train.py's keys): --capacity plans this model; the other checks use a
 # 2-layer model with its head layout (and, on a GPU, its width)
 block_size = 1024               # context length in tokens
@@ -457,6 +458,7 @@ def write_reports(path, report):
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
+    check_apart(out_dir=cfg["out_dir"], data_dir=cfg["data_dir"])  # its report would land among the data's files
     # the run's device; one that cannot be had (CUDA asked for but absent): the CPU, so that the other
     # checks still run and the environment check fails with the reason
     device_error = None

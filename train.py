@@ -41,7 +41,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -54,8 +53,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from util import (autocast, compute_dtype, dtype_name, fail, first_line, format_seconds, is_master, log,
-                  mean_over_ranks, peak_memory_gb, run_main, setup, warn, write_json)
+from util import (autocast, check_apart, compute_dtype, dtype_name, fail, first_line, format_seconds, is_master, log,
+                  make_scratch, mean_over_ranks, peak_memory_gb, run_main, setup, warn, write_json)
 from model import GPT, flops_per_token, make_optimizer, param_counts, peak_flops, resolve_backend, shard_model
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
@@ -66,7 +65,7 @@ from report import dryrun_report, rewrite_metrics, write_report
 # --- config
 # I/O
 out_dir = "out"                 # metrics.jsonl, ckpt/, summary.json are written here
-data_dir = "data"               # shards and manifest.json written by prepare.py
+data_dir = "data/default"       # shards and manifest.json written by prepare.py
 resume = "auto"                 # auto: newest good checkpoint in out_dir, if any | never | a checkpoint folder
 allow_resume_mismatch = False   # resume even from a checkpoint trained on other data or another tokenizer
 # model
@@ -153,6 +152,10 @@ STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "b
 
 def check_config(cfg):
     """Refuse settings that cannot work, before anything is read or written."""
+    for key, example in (("out_dir", "out"), ("data_dir", "data/default")):
+        if not cfg[key]:
+            fail(f"{key} is empty: name a folder (e.g. --{key}={example})")
+    check_apart(out_dir=cfg.out_dir, data_dir=cfg.data_dir)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps", "learning_rate",
                 "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
                 "budget_check_minutes"):
@@ -658,9 +661,9 @@ def dryrun(argv, n, root):
     if n < 2:
         fail(f"dryrun_steps={n}: need at least 2 (a checkpoint at half, then the resume)")
     half = n // 2
-    if master:  # the dry run's folders are scratch: each dry run starts from nothing
+    if master:  # the dry run's folders are scratch (marked as podgpt's): each dry run starts from nothing
         for sub in ("first", "resumed"):
-            shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
+            make_scratch(os.path.join(root, sub))
     common = ["--dryrun_steps=0", f"--max_steps={n}", "--log_every=1", f"--eval_every={n}", "--save_best=False",
               "--early_stop_patience=0", f"--keep_last={n}"]
     _, first, activity = train(configure([*argv, *common, f"--out_dir={root}/first", "--resume=never",
@@ -755,6 +758,9 @@ def main(argv):
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir)
+    if cfg.warmup_steps > cfg.max_steps:  # not for a dry run, which runs a long run's config for a few steps
+        warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
+             f"{lr_at(cfg.max_steps - 1, cfg):.3g}, short of learning_rate={cfg.learning_rate:g}")
     return train(cfg)[0]
 
 

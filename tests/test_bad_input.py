@@ -18,18 +18,22 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
+import time
 import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, run, shared
+from checkpoint import verify_checkpoint
+from conftest import ROOT, TINY_MODEL, read_metrics, run, shared
 from test_preflight import contaminate
 from util import run_main
 
-TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128"]
+# warmup within the 1 or 2 steps these runs take (more would add a warning line)
+TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128", "--warmup_steps=1"]
 CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
 
 
@@ -65,6 +69,14 @@ def train_args(ctx, *args, data_dir="data", out_dir="out"):
     """train.py on the tiny model for one step, on ctx.tmp/data_dir into ctx.tmp/out_dir, then args."""
     return ["train.py", f"--data_dir={ctx.tmp / data_dir}", f"--out_dir={ctx.tmp / out_dir}", *TINY_RUN,
             "--max_steps=1", *args]
+
+
+def plain_dirs(data_dir, out_dir):
+    """Good data in ctx.tmp/data, and train.py given these data_dir and out_dir."""
+    def setup(ctx):
+        data(ctx)
+        return train_args(ctx, data_dir=data_dir, out_dir=out_dir)
+    return setup
 
 
 def plain(*args):
@@ -195,6 +207,50 @@ def sample_no_prompt_file(ctx):
             f"--prompt_file={ctx.tmp / 'prompt.txt'}"]
 
 
+def edit_manifest(change):
+    """The dataset with change(manifest) applied to its manifest.json."""
+    def setup(ctx):
+        path = data(ctx) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+        return train_args(ctx)
+    return setup
+
+
+def shard_tokens(manifest, n):
+    """The first training shard listed with n more tokens than it holds, the split's total to match."""
+    manifest["splits"]["train"]["shards"][0]["tokens"] += n
+    manifest["splits"]["train"]["tokens"] += n
+
+
+def dryrun_over_a_folder_of_mine(ctx):
+    """The dry run's scratch folder names (out_dir/first, out_dir/resumed) already hold a user's files."""
+    data(ctx)
+    (ctx.tmp / "out/first").mkdir(parents=True)
+    (ctx.tmp / "out/first/notes.txt").write_text("mine")
+    return train_args(ctx, "--dryrun_steps=2")
+
+
+def export_to(out, ckpt="out"):
+    def setup(ctx):
+        finished(ctx)
+        return ["export.py", f"--ckpt={ctx.tmp / ckpt}", f"--out={ctx.tmp / out}"]
+    return setup
+
+
+def with_file(path, then):
+    """A file (or, ending in /, a folder holding notes.txt) at ctx.tmp/path, then the setup `then`."""
+    def setup(ctx):
+        target = ctx.tmp / path
+        if path.endswith("/"):
+            target.mkdir(parents=True)
+            target = target / "notes.txt"
+        target.write_text("mine")
+        return then(ctx)
+    return setup
+
+
 def prepare_bad_tokenizer(ctx):
     return ["prepare.py", "--tokenizer=wordpiece", f"--data_dir={data(ctx)}"]  # over existing data: kept as is
 
@@ -266,12 +322,43 @@ ROWS = [
     ("checkpoint-of-another-tokenizer", other_tokenizer, 1,
      "checkpoint {tmp}/out/" + CKPT + " was trained with another tokenizer (byte:…) than {tmp}/data (byte:…): "
      "point data_dir at its data, or --allow_resume_mismatch=True"),
+    ("out-dir-is-data-dir", plain_dirs("data", "data"), 1,
+     "out_dir={tmp}/data and data_dir={tmp}/data are the same folder: give each its own folder, side by side"),
+    ("out-dir-inside-data-dir", plain_dirs("data", "data/run"), 1,
+     "out_dir={tmp}/data/run lies inside data_dir={tmp}/data: give each its own folder, side by side"),
+    ("data-dir-inside-out-dir", plain_dirs("out/data", "out"), 1,
+     "data_dir={tmp}/out/data lies inside out_dir={tmp}/out: give each its own folder, side by side"),
+    ("empty-out-dir", plain("--out_dir="), 1, "out_dir is empty: name a folder (e.g. --out_dir=out)"),
+    ("dryrun-over-a-folder-of-mine", dryrun_over_a_folder_of_mine, 1,
+     "{tmp}/out/first is in podgpt's way and podgpt did not make it (it holds no PODGPT_SCRATCH file): "
+     "move or rename it, then rerun"),
+    ("manifest-without-a-key", edit_manifest(lambda m: m.pop("splits")), 1,
+     "{tmp}/data/manifest.json has no 'splits': rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("manifest-splits-null", edit_manifest(lambda m: m.update(splits=None)), 1,
+     "{tmp}/data/manifest.json has splits=null, a JSON null where an object belongs: "
+     "rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("manifest-vocab-size-a-string", edit_manifest(lambda m: m.update(vocab_size="257")), 1,
+     '{tmp}/data/manifest.json has vocab_size="257", a JSON string where an integer belongs: '
+     "rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("manifest-bos-id-out-of-range", edit_manifest(lambda m: m.update(bos_id=300)), 1,
+     "{tmp}/data/manifest.json has bos_id=300, outside the vocabulary [0, 257): "
+     "rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("manifest-split-total-disagrees", edit_manifest(lambda m: m["splits"]["val"].update(tokens=1)), 1,
+     "{tmp}/data/manifest.json counts 1 val tokens, but its val shards …: "
+     "rerun python prepare.py --data_dir={tmp}/data --force"),
+    ("manifest-shard-tokens-disagree", edit_manifest(lambda m: shard_tokens(m, 64)), 1,
+     "{tmp}/data/train_000000.bin: n_tokens … in its header, … in manifest.json: rebuild the data with "
+     "prepare.py --force"),
     ("out-dir-under-a-file", out_dir_under_a_file, 1,
      "out_dir {tmp}/afile/out is not writable (NotADirectoryError: …): choose another out_dir"),
     ("batch-not-divisible", plain("--micro_batch_size=3", "--total_batch_tokens=500"), 1,
      "total_batch_tokens=500 is not a multiple of micro_batch_size*block_size*world_size = 3*64*1 = 192: "
      "use a multiple of 192"),
     ("zero-steps", plain("--max_steps=0"), 1, "max_steps=0 must be positive"),
+    ("infinite-learning-rate", plain("--learning_rate=1e999"), 2,
+     "learning_rate=inf is not a finite number: give a number (default 0.0003)"),
+    ("nan-learning-rate-in-a-config-file", config_file("learning_rate = float('nan')\n"), 2,
+     "learning_rate=nan is not a finite number: give a number (default 0.0003)"),
     ("zero-learning-rate", plain("--learning_rate=0"), 1, "learning_rate=0.0 must be positive"),
     ("negative-learning-rate", plain("--learning_rate=-1e-3"), 1, "learning_rate=-0.001 must be positive"),
     ("zero-micro-batch", plain("--micro_batch_size=0"), 1, "micro_batch_size=0 must be positive"),
@@ -280,17 +367,33 @@ ROWS = [
     ("unknown-dist-mode", plain("--dist_mode=zero3"), 1, "dist_mode='zero3' is not one of ddp, fsdp"),
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+    # sanity.py: exit 1
+    ("sanity-out-dir-is-data-dir", lambda ctx: ["sanity.py", f"--data_dir={data(ctx)}", f"--out_dir={ctx.tmp / 'data'}"],
+     1, "out_dir={tmp}/data and data_dir={tmp}/data are the same folder: give each its own folder, side by side"),
     # sample.py: exit 1
     ("sample-corrupt-checkpoint", sample_damaged, 1,
      "checkpoint {tmp}/out/" + CKPT + " cannot be used: model.pt is corrupt (CRC32 …): pick another "
      "(--ckpt=<folder>, --which=latest)"),
     ("sample-missing-prompt-file", sample_no_prompt_file, 1,
      "cannot read prompt_file {tmp}/prompt.txt (FileNotFoundError: …): give a UTF-8 text file or --prompt=TEXT"),
+    # export.py: exit 1
+    ("export-out-is-a-file", with_file("afile", export_to("afile")), 1,
+     "out={tmp}/afile is a file, not a folder: give the path of a folder to write (it is created)"),
+    ("export-out-under-a-file", with_file("afile", export_to("afile/x")), 1,
+     "cannot write out={tmp}/afile/x (NotADirectoryError: …): choose another --out"),
+    ("export-into-the-run", export_to("out/export"), 1,
+     "out={tmp}/out/export lies inside ckpt={tmp}/out: give each its own folder, side by side"),
+    ("export-over-a-folder-of-mine", with_file("mine/", export_to("mine")), 1,
+     "out={tmp}/mine holds what export.py did not write (notes.txt): not replacing this folder; choose another "
+     "--out or move those away"),
+    ("export-scratch-name-taken", with_file(".x.podgpt-export/", export_to("x")), 1,
+     "{tmp}/.x.podgpt-export is in podgpt's way and podgpt did not make it (it holds no PODGPT_SCRATCH file): "
+     "move or rename it, then rerun"),
     # prepare.py: exit 1
     ("prepare-unknown-tokenizer", prepare_bad_tokenizer, 1,
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
     ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
-     "{tmp}/mine exists and holds no manifest.json: not replacing it; choose another --data_dir or remove it"),
+     "{tmp}/mine holds what prepare.py did not write (notes.txt): move that out of it, or choose another --data_dir"),
 ]
 
 
@@ -354,3 +457,54 @@ def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, statu
     changed = sorted(p for p in before if p in after and before[p] != after[p])
     assert (sorted(set(after) - set(before)), sorted(set(before) - set(after)), changed) == ([], [], []), \
         "(added, removed, changed) under tmp_path"
+
+
+def test_resume_keeps_lines_it_did_not_write_and_warns_of_a_short_warmup(tmp_path, stdlib_data, finished_run, capfd):
+    """Lines of metrics.jsonl that are not podgpt's rows (an array, a string, a row whose step is not an
+    integer) survive a resume, which drops only its own rows past the checkpoint, and are named in one
+    warning; warmup_steps beyond max_steps is a warning too. The run goes on and exits 0."""
+    ctx = SimpleNamespace(tmp=tmp_path, stdlib_data=stdlib_data, finished_run=finished_run)
+    out = finished(ctx)
+    rows = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    foreign = ['[1, 2]\n', '"a string"\n', '{"step": "one"}\n']
+    (out / "metrics.jsonl").write_text("".join(rows + foreign))
+    r = run_script(train_args(ctx, "--max_steps=2", "--warmup_steps=5"), capfd)
+    shown = f"exit {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
+    assert r.returncode == 0 and "Traceback" not in r.stderr, shown
+    n = len(rows)
+    assert [line for line in r.stderr.splitlines() if line.strip()] == [
+        "warning: warmup_steps=5 is more than max_steps=2: the learning rate stops at 0.0004, short of "
+        "learning_rate=0.001",
+        f"warning: {out}/metrics.jsonl: 3 line(s) not a metrics row (a JSON object with an integer step), line "
+        f"{n + 1}, {n + 2}, {n + 3}: kept as they are; the report skips them"], shown
+    after = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert after[:n + 3] == rows + foreign  # the run's own rows of steps 0-1, then the foreign lines, as they were
+    assert [json.loads(line)["step"] for line in after[n + 3:]][-1] == 2
+
+
+def test_a_second_ctrl_c_ends_train_py_at_once_with_one_line(tmp_path, stdlib_data):
+    """The first Ctrl-C asks for a checkpoint at the step's end; a second one right after ends the process
+    there: one line, exit 130, and nothing half-written left where a resume would read it."""
+    out = tmp_path / "out"
+    p = subprocess.Popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN,
+                          "--max_steps=100000", "--log_every=1", "--eval_every=100000", "--ckpt_every=100000"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        deadline = time.time() + 60
+        while not (out / "metrics.jsonl").exists() or not read_metrics(out):
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.3)  # two signals at once are one (they do not queue); the stop (a save, the report) takes longer
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)"
+    assert all(line.endswith("\n") for line in open(out / "metrics.jsonl"))
+    for name in os.listdir(out / "ckpt"):  # a checkpoint folder there is a whole one
+        if name.startswith("step_"):
+            verify_checkpoint(str(out / "ckpt" / name))

@@ -12,6 +12,8 @@ from conftest import TINY_MODEL, run
 from data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from prepare import write_shard
 
+NO_DATA = "--data_dir=/nonexistent/podgpt-data"  # planned before the data exists (and not inside out_dir)
+
 
 def preflight(out, *args, check=False):
     """Preflight planned on this CPU (pinned: a GPU on the machine running the tests changes nothing)."""
@@ -26,7 +28,7 @@ def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path):
     """Seed 001's d64 on 8x H100 80GB: ~12.9B parameters (not the runbook's 4.3B). Its config trains it
     under FSDP with full activation checkpointing, which fits; plain DDP is far over 80 GB per GPU, and
     the gate names the fix."""
-    plan = ["config/h100_d64.py", "--gpu_mem_gb=80", "--expect_world_size=8", f"--data_dir={tmp_path}/none"]
+    plan = ["config/h100_d64.py", "--gpu_mem_gb=80", "--expect_world_size=8", NO_DATA]
     r, report, gates = preflight(tmp_path, *plan)
     assert report["plan"]["params"]["total"] == pytest.approx(12.885e9, rel=1e-3)
     mem = gates["memory_fit"]
@@ -42,7 +44,7 @@ def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path):
 
 
 def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path):
-    r, report, gates = preflight(tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", f"--data_dir={tmp_path}/none",
+    r, report, gates = preflight(tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", NO_DATA,
                                  "--planned_mfu=0.4", "--plan_gpu=H200")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = report["plan"]
@@ -57,11 +59,11 @@ def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path):
 def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path):
     """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so
     the gate says where budget_usd will stop it."""
-    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", f"--data_dir={tmp_path}/none",
+    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100")
     assert report["plan"]["params"]["non_embedding"] == pytest.approx(50.3e6, rel=1e-2)
     assert gates["time_and_cost"]["verdict"] == "warn" and "budget_usd stops it near step" in gates["time_and_cost"]["detail"]
-    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", f"--data_dir={tmp_path}/none",
+    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100", "--gate_profile=release")
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
 

@@ -75,6 +75,10 @@ def test_run_sh_names_the_failing_stage(tmp_path):
     assert r.returncode != 0 and "stage 'prepare' failed" in r.stderr
     r = run(["bash", "run.sh"], env=dict(STAGES="bogus", PYTHON=sys.executable), check=False)
     assert r.returncode == 2 and "unknown stage 'bogus'" in r.stderr
+    for env in ({}, {"OUT_DIR": str(tmp_path / "out")}):  # with OUT_DIR no stage of run.sh reads the config first
+        r = run(["bash", "run.sh"], env=dict(env, CONFIG="/missing.py", PYTHON=sys.executable), check=False)
+        assert (r.returncode, r.stderr, r.stdout) == (2, "run.sh: CONFIG=/missing.py: no such file (give a config "
+                                                         "file, e.g. CONFIG=config/tiny.py)\n", "")
 
 
 def test_run_sh_forwards_a_preemption_signal_and_stops_cleanly(tmp_path, stdlib_data):
