@@ -349,9 +349,9 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
 
 # ----------------------------------------------------------------------------
 
-def write_report(out_dir):
-    """Write summary.md, metrics.csv, manifest.json and plots/ into out_dir. Never raises: a part that fails
-    is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem or None}."""
+def write_report(out_dir, plots=True):
+    """Write summary.md, metrics.csv, manifest.json and (plots=True) plots/ into out_dir. Never raises: a part
+    that fails is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem}."""
     problems = {}
 
     def attempt(name, fn):
@@ -373,9 +373,12 @@ def write_report(out_dir):
     attempt("metrics.csv", lambda: write_csv(os.path.join(out_dir, "metrics.csv"), rows))
     attempt("manifest.json", lambda: write_atomic(os.path.join(out_dir, "manifest.json"),
                                                   json.dumps(manifest(out_dir, config, summary, clock), indent=1) + "\n"))
-    plots = attempt("plots", lambda: write_plots(out_dir, rows))
-    if plots is None:
-        plots = f"plots skipped: {problems.get('plots')}"
+    if not plots:
+        plots = f"plots not drawn (plots=False): python report.py --out_dir={out_dir} draws them"
+    else:
+        plots = attempt("plots", lambda: write_plots(out_dir, rows))
+        if plots is None:
+            plots = f"plots skipped: {problems.get('plots')}"
     attempt("summary.md", lambda: write_atomic(os.path.join(out_dir, "summary.md"),
                                                summary_md(out_dir, summary, clock, preflight, rows, plots)))
     return problems

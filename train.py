@@ -104,6 +104,7 @@ log_every = 10                  # steps between metrics.jsonl lines and console 
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
 keep_last = 3                   # newest checkpoints kept (at least 1), besides the best one
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
+plots = True                    # draw plots/*.png into the run report at the end (matplotlib: ~1 s on a CPU)
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
 # guards: each stops the run before its limit is crossed (checkpoint, summary.json, exit 0)
@@ -637,7 +638,7 @@ class Trainer:
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
         self.metrics.close()
-        write_report(cfg.out_dir)  # summary.md, plots, metrics.csv, manifest.json: never raises
+        write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if status == "completed":
             log(f"done ({reason}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
                 f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f}) | summary in "

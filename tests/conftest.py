@@ -11,9 +11,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs a script as if the machine had GPUs that nothing may touch (a CPU test must pass on a GPU pod too)
 FAKE_CUDA = os.path.join(ROOT, "tests", "fake_cuda.py")
-# a 2-layer model that trains in seconds on a CPU, used by the training tests
+# a 2-layer model that trains in seconds on a CPU, used by the training tests; without the report's plots,
+# ~1 s of matplotlib per run (tests/test_report.py and the run.sh pipeline check them)
 TINY_MODEL = ["--block_size=64", "--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--device=cpu",
-              "--dtype=float32", "--warmup_steps=2", "--learning_rate=1e-3", "--eval_steps=2"]
+              "--dtype=float32", "--warmup_steps=2", "--learning_rate=1e-3", "--eval_steps=2", "--plots=False"]
 
 
 def pytest_xdist_auto_num_workers(config):

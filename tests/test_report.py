@@ -15,7 +15,7 @@ PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.pn
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, stdlib_data):
     def build(out):
-        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
+        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, "--plots=True",
              "--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"])
     return str(shared(tmp_path_factory, "report_run", build))
 
@@ -108,3 +108,15 @@ def test_never_raises_on_an_empty_or_missing_folder(tmp_path):
     md = (tmp_path / "summary.md").read_text()
     assert "No summary.json" in md
     assert report.write_report(str(tmp_path / "missing"))  # a problem returned, nothing raised
+
+
+def test_plots_false_draws_none_and_says_how_to_get_them(trained, tmp_path):
+    """train.py --plots=False (the tests' tiny runs): the report without plots/, and summary.md says how to draw them."""
+    sys.path.insert(0, ROOT)
+    import report
+    for name in ["metrics.jsonl", "summary.json"]:
+        (tmp_path / name).write_text(read(os.path.join(trained, name)))
+    assert report.write_report(str(tmp_path), plots=False) == {}
+    assert not (tmp_path / "plots").exists() and (tmp_path / "metrics.csv").exists()
+    assert f"plots not drawn (plots=False): python report.py --out_dir={tmp_path} draws them" in read(
+        tmp_path / "summary.md")
