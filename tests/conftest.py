@@ -1,12 +1,18 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
 import fcntl
+import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
 
 import pytest
+
+from util import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs a script as if the machine had GPUs that nothing may touch (a CPU test must pass on a GPU pod too)
@@ -52,6 +58,27 @@ def run(args, env=None, check=True, timeout=600):
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(map(str, args))} exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
+
+
+def run_script(args, capfd):
+    """`python script.py argv...` as run_main(script.main, argv) in this process: its exit status, and what
+    it wrote to file descriptors 1 and 2 (torch's C++ and logging output too). A Python warning counts as a
+    line of stderr, as it would be one there (pytest would otherwise collect it, once per place). The
+    signal handlers a script sets (train.py's preemption notices) are put back."""
+    script, *argv = map(str, args)
+    module = importlib.import_module(script.removesuffix(".py"))
+    capfd.readouterr()  # what came before is not the script's
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as e:
+            warnings.simplefilter("always")
+            run_main(module.main, argv)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    out, err = capfd.readouterr()
+    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
 
 
 def read_metrics(out_dir):

@@ -7,12 +7,11 @@ mistakes (configurator.py) and 1 for the rest, one "error: ..." line on stderr n
 the problem and the fix (after "warning: ..." lines where a row expects them), no
 traceback, and not one file or folder under tmp_path added, removed or modified.
 
-A row runs the script's main through util.run_main in the test's own process, as its
+A row runs the script's main in the test's own process (conftest.run_script), as its
 `python script.py` line does: the same code from the command line on, without the ~2 s
 of an interpreter and torch starting, which for 60 rows is most of a minute on 2 cores.
 """
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -21,16 +20,14 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from checkpoint import verify_checkpoint
-from conftest import ROOT, TINY_MODEL, read_metrics, run, shared
+from conftest import ROOT, TINY_MODEL, read_metrics, run, run_script, shared
 from test_preflight import contaminate
-from util import run_main
 
 # warmup within the 1 or 2 steps these runs take (more would add a warning line)
 TINY_RUN = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128", "--warmup_steps=1"]
@@ -417,33 +414,12 @@ def snapshot(root):
     return snap
 
 
-def run_script(args, capfd):
-    """`python script.py argv...` as run_main(script.main, argv) in this process: its exit status, and what
-    it wrote to file descriptors 1 and 2 (torch's C++ and logging output too). A Python warning counts as a
-    line of stderr, as it would be one there (pytest would otherwise collect it, once per place). The
-    signal handlers a script sets (train.py's preemption notices) are put back."""
-    script, *argv = map(str, args)
-    module = importlib.import_module(script.removesuffix(".py"))
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as e:
-            warnings.simplefilter("always")
-            run_main(module.main, argv)
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-    out, err = capfd.readouterr()
-    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
-    return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
-
-
 @pytest.mark.parametrize("setup, status, message, warns", [(*r[1:4], r[4] if len(r) > 4 else []) for r in ROWS],
                          ids=[r[0] for r in ROWS])
 def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, status, message, warns, capfd):
     ctx = SimpleNamespace(tmp=tmp_path, stdlib_data=stdlib_data, finished_run=finished_run)
     args = setup(ctx)
     before = snapshot(tmp_path)
-    capfd.readouterr()  # what the setup printed
     r = run_script(args, capfd)
     shown = f"exit {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr, shown
@@ -487,8 +463,8 @@ def test_a_second_ctrl_c_ends_train_py_at_once_with_one_line(tmp_path, stdlib_da
     there: one line, exit 130, and nothing half-written left where a resume would read it."""
     out = tmp_path / "out"
     p = subprocess.Popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN,
-                          "--max_steps=100000", "--log_every=1", "--eval_every=100000", "--ckpt_every=100000"],
-                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          "--max_steps=100000", "--log_every=1", "--eval_every=100000", "--ckpt_every=100000",
+                          "--plots=True"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         deadline = time.time() + 60
@@ -496,7 +472,9 @@ def test_a_second_ctrl_c_ends_train_py_at_once_with_one_line(tmp_path, stdlib_da
             assert p.poll() is None and time.time() < deadline, p.communicate()
             time.sleep(0.1)
         p.send_signal(signal.SIGINT)
-        time.sleep(0.3)  # two signals at once are one (they do not queue); the stop (a save, the report) takes longer
+        # two signals at once are one (they do not queue): the second comes while the stop is under way (the save,
+        # then the report's plots, ~1 s), not after the process began to exit (a signal then ends it as SIGINT does)
+        time.sleep(0.3)
         p.send_signal(signal.SIGINT)
         stdout, stderr = p.communicate(timeout=30)
     finally:

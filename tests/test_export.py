@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL, run, shared
+from conftest import TINY_MODEL, run, run_script, shared
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -33,8 +33,11 @@ def runs(tmp_path_factory, stdlib_data):
     return {name: str(root / name) for name in VARIANTS}
 
 
-def do_export(out_dir, dest, *args, check=True):
-    return run([sys.executable, "export.py", f"--ckpt={out_dir}", f"--out={dest}", *args], check=check)
+def do_export(capfd, out_dir, dest, *args, check=True):
+    """`python export.py` in this process (conftest.run_script: no second torch and transformers to import)."""
+    r = run_script(["export.py", f"--ckpt={out_dir}", f"--out={dest}", *args], capfd)
+    assert not check or r.returncode == 0, f"export.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
 
 
 def hf_model(folder):
@@ -47,9 +50,9 @@ def random_ids(cfg, batch=2, seed=0):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_logits_match_transformers_and_weights_round_trip(runs, variant, tmp_path):
+def test_logits_match_transformers_and_weights_round_trip(runs, variant, tmp_path, capfd):
     dest = tmp_path / "hf"
-    do_export(runs[variant], dest)
+    do_export(capfd, runs[variant], dest)
     ckpt = find_checkpoint(runs[variant], "best")
     ours, _ = load_model(ckpt)
     cfg = ours.config
@@ -80,10 +83,10 @@ def test_logits_match_transformers_and_weights_round_trip(runs, variant, tmp_pat
         assert torch.equal(t, state[name]), name
 
 
-def test_wrong_rope_layout_is_caught(runs, tmp_path):
+def test_wrong_rope_layout_is_caught(runs, tmp_path, capfd):
     """Negative control: q/k rows permuted as if the checkpoint were interleaved (GPT-J style) break parity."""
     dest = tmp_path / "hf"
-    do_export(runs["gqa_tied"], dest)
+    do_export(capfd, runs["gqa_tied"], dest)
     ours, _ = load_model(find_checkpoint(runs["gqa_tied"], "best"))
     model = hf_model(dest)
     hd = ours.config.head_dim
@@ -98,9 +101,9 @@ def test_wrong_rope_layout_is_caught(runs, tmp_path):
     assert diff > 1e-3, diff
 
 
-def test_greedy_generation_matches_sample_py(runs, tmp_path):
+def test_greedy_generation_matches_sample_py(runs, tmp_path, capfd):
     dest = tmp_path / "hf"
-    do_export(runs["mha_untied"], dest)
+    do_export(capfd, runs["mha_untied"], dest)
     prompt, n = "def main(", 24
     tok = load_tokenizer(export.tokenizer_dir(str(dest)))
     ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
@@ -120,9 +123,9 @@ def test_greedy_generation_matches_sample_py(runs, tmp_path):
     assert r2.stdout == r.stdout
 
 
-def test_sharded_export_writes_index_and_loads(runs, tmp_path):
+def test_sharded_export_writes_index_and_loads(runs, tmp_path, capfd):
     dest = tmp_path / "hf"
-    do_export(runs["gqa_tied"], dest, "--max_shard_gb=0.00002", "--dtype=bfloat16")
+    do_export(capfd, runs["gqa_tied"], dest, "--max_shard_gb=0.00002", "--dtype=bfloat16")
     index = json.load(open(dest / "model.safetensors.index.json"))
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and not (dest / "model.safetensors").exists()
@@ -146,13 +149,13 @@ def test_sharded_export_writes_index_and_loads(runs, tmp_path):
     assert "tokens seen: 768" in card and "preflight verdict" in card
 
 
-def test_refusals_leave_nothing(runs, tmp_path):
-    r = do_export(runs["gqa_tied"], tmp_path / "x", "--dtype=float16", check=False)
+def test_refusals_leave_nothing(runs, tmp_path, capfd):
+    r = do_export(capfd, runs["gqa_tied"], tmp_path / "x", "--dtype=float16", check=False)
     assert r.returncode == 1 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert sorted(os.listdir(tmp_path)) == []
-    r = do_export(tmp_path / "nothing", tmp_path / "y", check=False)
+    r = do_export(capfd, tmp_path / "nothing", tmp_path / "y", check=False)
     assert r.returncode == 1 and "no checkpoint" in r.stderr
-    r = run([sys.executable, "export.py", f"--ckpt={runs['gqa_tied']}"], check=False)
+    r = run_script(["export.py", f"--ckpt={runs['gqa_tied']}"], capfd)
     assert r.returncode == 1 and "--out" in r.stderr
     # an architecture Llama cannot express
     ours, cfg = load_model(find_checkpoint(runs["gqa_tied"], "best"))
@@ -166,7 +169,7 @@ def test_refusals_leave_nothing(runs, tmp_path):
     # a folder that is not an export is never overwritten
     (tmp_path / "keep").mkdir()
     (tmp_path / "keep" / "notes.txt").write_text("mine")
-    r = do_export(runs["gqa_tied"], tmp_path / "keep", check=False)
+    r = do_export(capfd, runs["gqa_tied"], tmp_path / "keep", check=False)
     assert r.returncode == 1 and (tmp_path / "keep" / "notes.txt").read_text() == "mine"
 
 
@@ -220,11 +223,11 @@ def tokenizer_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("spec", ["byte", "bpe:400", "gpt2"])
-def test_transformers_tokenizer_encodes_as_podgpt(spec, runs, tokenizer_run, tmp_path):
+def test_transformers_tokenizer_encodes_as_podgpt(spec, runs, tokenizer_run, tmp_path, capfd):
     if spec == "gpt2" and not os.environ.get("PODGPT_GPT2_TIKTOKEN"):
         pytest.skip("no gpt2 ranks offline: set PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file")
     dest = tmp_path / "hf"
-    r = do_export(runs["gqa_tied"] if spec == "byte" else tokenizer_run(spec), dest)
+    r = do_export(capfd, runs["gqa_tied"] if spec == "byte" else tokenizer_run(spec), dest)
     assert "note:" not in r.stdout
     ours = load_tokenizer(export.tokenizer_dir(str(dest)))
     assert ours.spec == spec
@@ -243,9 +246,9 @@ def test_transformers_tokenizer_encodes_as_podgpt(spec, runs, tokenizer_run, tmp
     assert "encodes exactly as podgpt's tokenizer" in (dest / "README.md").read_text()
 
 
-def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run, tmp_path):
+def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run, tmp_path, capfd):
     dest = tmp_path / "hf"
-    r = do_export(tokenizer_run("char"), dest)
+    r = do_export(capfd, tokenizer_run("char"), dest)
     notes = [line for line in r.stdout.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "char tokenizer" in notes[0] and "Traceback" not in r.stderr, r.stdout
     assert not (dest / "tokenizer.json").exists() and not (dest / "tokenizer_config.json").exists()
