@@ -1,5 +1,6 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
 import fcntl
+import hashlib
 import importlib
 import json
 import os
@@ -79,6 +80,22 @@ def run_script(args, capfd):
     out, err = capfd.readouterr()
     err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
+
+
+def tree(root, stat=False):
+    """{path under root: "folder", or the file's sha256 (stat=True: with its size and mtime)}: every byte a
+    user had there, to compare after a run."""
+    found = {}
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            found[os.path.relpath(os.path.join(folder, name), root)] = "folder"
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            st = os.lstat(path)
+            found[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, digest) if stat else digest
+    return found
 
 
 def read_metrics(out_dir):

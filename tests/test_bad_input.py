@@ -11,7 +11,6 @@ A row runs the script's main in the test's own process (conftest.run_script), as
 `python script.py` line does: the same code from the command line on, without the ~2 s
 of an interpreter and torch starting, which for 60 rows is most of a minute on 2 cores.
 """
-import hashlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import numpy as np
 import pytest
 
 from checkpoint import verify_checkpoint
-from conftest import ROOT, TINY_MODEL, read_metrics, run, run_script, shared
+from conftest import ROOT, TINY_MODEL, read_metrics, run, run_script, shared, tree
 from test_preflight import contaminate
 
 # warmup within the 1 or 2 steps these runs take (more would add a warning line)
@@ -400,26 +399,12 @@ def says(line, prefix, message, ctx):
     return re.fullmatch(pattern, line) is not None
 
 
-def snapshot(root):
-    """{relative path: ("dir",) or (size, mtime_ns, sha256)} of everything under root."""
-    snap = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames:
-            snap[os.path.relpath(os.path.join(dirpath, name), root)] = ("dir",)
-        for name in filenames:
-            path = os.path.join(dirpath, name)
-            st = os.lstat(path)
-            with open(path, "rb") as f:
-                snap[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns, hashlib.sha256(f.read()).hexdigest())
-    return snap
-
-
 @pytest.mark.parametrize("setup, status, message, warns", [(*r[1:4], r[4] if len(r) > 4 else []) for r in ROWS],
                          ids=[r[0] for r in ROWS])
 def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, status, message, warns, capfd):
     ctx = SimpleNamespace(tmp=tmp_path, stdlib_data=stdlib_data, finished_run=finished_run)
     args = setup(ctx)
-    before = snapshot(tmp_path)
+    before = tree(tmp_path, stat=True)
     r = run_script(args, capfd)
     shown = f"exit {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
     assert "Traceback" not in r.stderr, shown
@@ -429,7 +414,7 @@ def test_refused_with_one_line(tmp_path, stdlib_data, finished_run, setup, statu
     for line, warning in zip(lines, warns):
         assert says(line, "warning: ", warning, ctx), shown
     assert says(lines[-1], "error: ", message, ctx), shown
-    after = snapshot(tmp_path)
+    after = tree(tmp_path, stat=True)
     changed = sorted(p for p in before if p in after and before[p] != after[p])
     assert (sorted(set(after) - set(before)), sorted(set(before) - set(after)), changed) == ([], [], []), \
         "(added, removed, changed) under tmp_path"

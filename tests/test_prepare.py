@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import prepare  # noqa: E402
 import util  # noqa: E402
+from conftest import tree  # noqa: E402
 
 # documents with accents, CJK, emoji, \r\n, tabs and special-token text
 JSONL_DOCS = [f"doc {i}: naïve café — 東京 {i * 7} 😀\tend" for i in range(30)] + [
@@ -69,19 +70,6 @@ def error_line(err):
     assert "Traceback" not in err and lines[-1].startswith("error:"), err
     assert sum(line.startswith("error:") for line in lines) == 1, err
     return lines[-1]
-
-
-def tree(root):
-    """{path under root: "folder" or the file's sha256}: every byte a user had there, to compare after a run."""
-    found = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs:
-            found[os.path.relpath(os.path.join(folder, name), root)] = "folder"
-        for name in files:
-            path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                found[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-    return found
 
 
 def doc_hash(text):
