@@ -167,6 +167,13 @@ def help_text(prog, defaults):
     return "\n".join(rows)
 
 
+def changed(config, script_path):
+    """`key=value` for each key whose value is not the script's default: what a start prints, where the
+    whole config would be a screenful."""
+    defaults = read_defaults(script_path)
+    return " ".join(f"{k}={v}" for k, v in config.items() if v != defaults[k][0]) or "the defaults"
+
+
 def configure(script_path, argv):
     """The resolved Config; ConfigError on any mistake (the script's top level prints it: util.run_main),
     SystemExit(0) after --help."""

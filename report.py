@@ -10,8 +10,10 @@ writes into out_dir:
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
 
-train.py calls write_report(out_dir) at the end of a run (and, for a dry run, dryrun_report; on a resume,
-rewrite_metrics drops the metrics lines past the checkpoint). It only reads the small files of the out_dir
+train.py calls write_report(out_dir) after every evaluation (live=True: the run is still going) and at the end
+of a run (and, for a dry run, dryrun_report; on a resume, rewrite_metrics drops the metrics lines past the
+checkpoint); with log_to, Trackers mirrors every metrics line to TensorBoard, Weights & Biases or MLflow as
+the run writes it. It only reads the small files of the out_dir
 (never a model or optimizer state), and every piece is optional: a missing or damaged file leaves its part of
 the report empty rather than raising, because a report must never turn a finished run into a failed one.
 """
@@ -19,16 +21,20 @@ the report empty rather than raising, because a report must never turn a finishe
 import csv
 import hashlib
 import importlib
+import importlib.util
 import io
 import json
 import math
 import os
 import platform
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import configurator
-from util import fail, run_main, warn, write_atomic, write_json
+from util import fail, first_line, run_main, warn, write_atomic, write_json
 
 # --- config
 out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -348,10 +354,173 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
 
 
 # ----------------------------------------------------------------------------
+# trackers: every metrics line mirrored, as the run writes it, to TensorBoard, Weights & Biases or MLflow
 
-def write_report(out_dir, plots=True):
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # each the name of its package, and of its pip install
+
+
+def installed(module):
+    """Whether `module` can be imported, without importing it (wandb and mlflow take seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: in sys.modules without a spec (a stand-in); it is there
+        return sys.modules.get(module) is not None
+
+
+def tracker_names(log_to):
+    """The trackers log_to names ("tensorboard,wandb"), each known and installed; else one line (util.Error)."""
+    names = list(dict.fromkeys(n.strip() for n in log_to.split(",") if n.strip()))
+    for name in names:
+        if name not in TRACKERS:
+            fail(f"log_to={log_to!r}: no tracker named {name!r}; name any of {', '.join(TRACKERS)}, comma-separated", 2)
+    for name in names:
+        if not installed(name):
+            fail(f"log_to={name} needs the {name} package, which is not installed: pip install {name} "
+                 f"(or leave {name} out of log_to)", 2)
+    return names
+
+
+def tracker_values(row):
+    """(step, {name: number}) of a metrics line: a training or validation line's numbers under their
+    metrics.jsonl names; an event line as event/<name> = 1 and its numbers as event/<name>/<field>."""
+    event = row.get("event")
+    values = {f"event/{event}": 1} if event else {}
+    values.update({(f"event/{event}/{k}" if event else k): v for k, v in row.items() if k != "step" and is_number(v)})
+    return row["step"], values
+
+
+class TensorBoard:
+    """Event files in out_dir/tensorboard: `tensorboard --logdir out` shows every run under out/. A resumed
+    run purges the steps past its checkpoint, which it trains again."""
+
+    def __init__(self, out_dir, name, config, tags, run_id, step):
+        from torch.utils.tensorboard import SummaryWriter
+        self.id = None
+        self.writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=step or None, flush_secs=30)
+        self.writer.add_text("run", name + (f" (tags: {', '.join(tags)})" if tags else ""), step)
+        # indented four spaces: TensorBoard's text tab renders markdown, and this keeps the lines apart
+        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in config.items()), step)
+
+    def log(self, step, values):
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, step)
+
+    def close(self, status):
+        self.writer.close()
+
+
+class WandB:
+    """A Weights & Biases run in wandb_project (WANDB_API_KEY or `wandb login`; WANDB_MODE=offline keeps it in
+    out_dir/wandb for a later `wandb sync`). A resumed run continues the same wandb run (its id in
+    trackers.json); podgpt's step is the x axis, which a resume or a rollback may take back over."""
+
+    def __init__(self, out_dir, name, config, tags, run_id, step):
+        import wandb
+        self.run = wandb.init(project=config["wandb_project"], name=name, config=dict(config), tags=tags,
+                              dir=out_dir, id=run_id, resume="allow")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")  # wandb's own step may only grow
+        self.id = self.run.id
+
+    def log(self, step, values):
+        self.run.log(dict(values, step=step))
+
+    def close(self, status):
+        self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
+
+
+class MLflow:
+    """An MLflow run in mlflow_experiment, at MLFLOW_TRACKING_URI (unset: mlflow 3's default, ./mlflow.db).
+    Through MlflowClient and the run's id: mlflow's module-level calls keep their active run per thread,
+    and Trackers logs from its own. A resumed run continues the same MLflow run (its id in trackers.json)."""
+
+    def __init__(self, out_dir, name, config, tags, run_id, step):
+        import mlflow
+        from mlflow.entities import Metric, Param
+        self.client, self.metric = mlflow.MlflowClient(), Metric
+        if run_id:
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name(config["mlflow_experiment"])
+            experiment_id = experiment.experiment_id if experiment else \
+                self.client.create_experiment(config["mlflow_experiment"])
+            run_id = self.client.create_run(experiment_id, run_name=name, tags={t: "true" for t in tags}).info.run_id
+            params = [Param(k, repr(v)) for k, v in config.items()]
+            for i in range(0, len(params), 100):  # the tracking server takes at most 100 params per batch
+                self.client.log_batch(run_id, params=params[i:i + 100])
+        self.id = run_id
+
+    def log(self, step, values):
+        ms = int(time.time() * 1000)
+        self.client.log_batch(self.id, metrics=[self.metric(k, v, ms, step) for k, v in values.items()])
+
+    def close(self, status):
+        self.client.set_terminated(self.id, {"completed": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
+
+
+class Trackers:
+    """Rank 0's mirror of metrics.jsonl to the trackers log_to names. Lines go through a queue to a thread
+    of their own, so a slow or unreachable tracker never holds a step up; a tracker that fails to start or
+    raises gets one warning and training goes on (one that raises is still tried with the next lines: an
+    outage can end). The trackers' run ids go to out_dir/trackers.json, so a resumed run continues them."""
+
+    CLASSES = dict(tensorboard=TensorBoard, wandb=WandB, mlflow=MLflow)
+
+    def __init__(self, names, out_dir, name, config, tags, step):
+        path = os.path.join(out_dir, "trackers.json")
+        ids = (read_json(path) if step else None) or {}  # a run from step 0 is a new run for the trackers too
+        self.live, self.failures = [], {}
+        for tracker in names:
+            try:
+                run_id = ids.get(tracker) if isinstance(ids, dict) else None
+                self.live.append((tracker, self.CLASSES[tracker](out_dir, name, config, tags, run_id, step)))
+            except Exception as e:
+                warn(f"log_to: {tracker} did not start ({first_line(e)}); training goes on without it "
+                     f"(metrics.jsonl has every line)")
+        # a tracker that did not start this time keeps its run for the next
+        write_json(path, dict(ids if isinstance(ids, dict) else {}, **{tracker: t.id for tracker, t in self.live if t.id}))
+        self.queue = queue.Queue()
+        self.thread = threading.Thread(target=self.deliver, name="trackers", daemon=True)
+        self.thread.start()
+
+    def log(self, row):
+        self.queue.put(tracker_values(row))
+
+    def deliver(self):
+        while (item := self.queue.get()) is not None:
+            for tracker, t in self.live:
+                self.attempt(tracker, t.log, *item)
+
+    def attempt(self, tracker, call, *args):
+        try:
+            call(*args)
+        except Exception as e:
+            self.failures[tracker] = self.failures.get(tracker, 0) + 1
+            if self.failures[tracker] == 1:
+                warn(f"log_to: {tracker} failed ({first_line(e)}); training goes on, and so do the attempts "
+                     f"to reach it")
+
+    def close(self, status, wait=60):
+        """Deliver what is queued (waiting at most `wait` seconds) and end the tracker runs."""
+        self.queue.put(None)
+        self.thread.join(wait)
+        if self.thread.is_alive():
+            warn(f"log_to: the trackers took more than {wait} s for their last lines; leaving without them "
+                 f"(metrics.jsonl has every line)")
+            return
+        for tracker, t in self.live:
+            self.attempt(tracker, t.close, status)
+        for tracker, n in self.failures.items():
+            warn(f"log_to: {n} call(s) to {tracker} failed in this run; metrics.jsonl has every line")
+
+
+# ----------------------------------------------------------------------------
+
+def write_report(out_dir, plots=True, live=False):
     """Write summary.md, metrics.csv, manifest.json and (plots=True) plots/ into out_dir. Never raises: a part
-    that fails is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem}."""
+    that fails is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem}.
+    live: the run is still going (train.py, at every evaluation), so a summary.json is a stopped run's, which a
+    resumed run replaces at its end: it is left out."""
     problems = {}
 
     def attempt(name, fn):
@@ -366,7 +535,7 @@ def write_report(out_dir, plots=True):
         print(f"report: {out_dir} is not a folder", file=sys.stderr)
         return {"out_dir": "missing"}
     rows = read_metrics(os.path.join(out_dir, "metrics.jsonl"))
-    summary = read_json(os.path.join(out_dir, "summary.json"))
+    summary = None if live else read_json(os.path.join(out_dir, "summary.json"))
     clock = read_json(os.path.join(out_dir, "clock.json"))
     preflight = read_json(os.path.join(out_dir, "preflight.json"))
     config = attempt("config", lambda: run_config(out_dir))

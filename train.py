@@ -11,9 +11,12 @@ weights, gradients and AdamW state over the GPUs, for models DDP cannot fit).
 
 Config: the globals between the config markers below, overridden by config files and
 --key=val (configurator.py; --help lists them). Everything a run writes goes to out_dir:
-metrics.jsonl (a JSON object per logged step, and one per event: spike, non-finite step,
-rollback, budget warning), ckpt/ (checkpoints; ckpt/latest and ckpt/best name the
-newest and the best complete one), summary.json when the run ends or stops.
+config.json (the resolved config; the console shows the keys that differ from the defaults),
+preflight.json/.md, metrics.jsonl (a JSON object per logged step, and one per event: spike,
+non-finite step, rollback, budget warning), ckpt/ (checkpoints; ckpt/latest and ckpt/best
+name the newest and the best complete one), the run report (summary.md, plots/: refreshed at
+every evaluation), summary.json when the run ends or stops; with log_to, every metrics line
+also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is written.
 
 The batch of optimizer step s is always the same set of sequences, whatever the
 number of GPUs or the micro-batch: the loader walks one global, seeded order of
@@ -60,7 +63,7 @@ from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
                        planned_speed, planning, write_preflight)
-from report import dryrun_report, rewrite_metrics, write_report
+from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 
 # --- config
 # I/O
@@ -104,9 +107,16 @@ log_every = 10                  # steps between metrics.jsonl lines and console 
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
 keep_last = 3                   # newest checkpoints kept (at least 1), besides the best one
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
-plots = True                    # draw plots/*.png into the run report at the end (matplotlib: ~1 s on a CPU)
+plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
+# watching a run: every metrics line mirrored, as it is written, from rank 0 (report.py: Trackers)
+log_to = ""                     # trackers, comma-separated: tensorboard (out_dir/tensorboard) | wandb | mlflow; "": none
+run_name = ""                   # the run's name in the trackers; "": out_dir
+run_tags = ""                   # the run's tags in the trackers, comma-separated
+wandb_project = "podgpt"        # Weights & Biases project (WANDB_API_KEY or `wandb login`; WANDB_MODE=offline)
+mlflow_experiment = "podgpt"    # MLflow experiment, at MLFLOW_TRACKING_URI (unset: mlflow 3's default, ./mlflow.db)
+verbose = False                 # print the long notes too (the attention kernels skipped and why), not just in out_dir
 # guards: each stops the run before its limit is crossed (checkpoint, summary.json, exit 0)
 max_hours = 0.0                 # wall-clock limit, resumed time included; 0: none
 budget_usd = 0.0                # spending cap in dollars; 0: none
@@ -157,6 +167,7 @@ def check_config(cfg):
         if not cfg[key]:
             fail(f"{key} is empty: name a folder (e.g. --{key}={example})")
     check_apart(out_dir=cfg.out_dir, data_dir=cfg.data_dir)
+    tracker_names(cfg.log_to)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps", "learning_rate",
                 "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
                 "budget_check_minutes"):
@@ -253,11 +264,15 @@ def open_data(cfg):
 
 def build_model(cfg, proc, dt, mconfig):
     """The model on this rank's device (its share of it under fsdp), its attention kernel resolved first
-    (before torch.compile traces it) and logged."""
+    (before torch.compile traces it) and logged in one short line (verbose: with the kernels auto skipped and
+    why, which preflight.md always has)."""
     try:
-        log(f"attention: {resolve_backend(cfg.attn_backend, proc.dev, dt, mconfig.head_dim, cfg.doc_mask)[1]}")
+        backend, note = resolve_backend(cfg.attn_backend, proc.dev, dt, mconfig.head_dim, cfg.doc_mask)
     except ValueError as e:
         fail(str(e))
+    log(f"attention: {note}" if cfg.verbose or cfg.attn_backend != "auto" else
+        f"attention: {backend} (auto: the first that passes its parity check here; why not the others: "
+        f"{os.path.join(cfg.out_dir, 'preflight.md')})")
     model = GPT(mconfig).to(proc.dev)
     if cfg.dist_mode == "fsdp":
         shard_model(model, proc.dev, dt)
@@ -280,7 +295,7 @@ def restore_clock(cfg, state):
 
 def check_writable(cfg, proc, report):
     """out_dir takes writes before any step is spent (each rank its own probe: they run at once); then
-    rank 0 writes the preflight report into it."""
+    rank 0 writes the resolved config and the preflight report into it."""
     probe = os.path.join(cfg.out_dir, f".write-test-{proc.rank}")
     try:
         os.makedirs(os.path.join(cfg.out_dir, "ckpt"), exist_ok=True)
@@ -290,6 +305,7 @@ def check_writable(cfg, proc, report):
     except OSError as e:
         fail(f"out_dir {cfg.out_dir} is not writable ({first_line(e)}): choose another out_dir")
     if proc.rank == 0:
+        write_json(os.path.join(cfg.out_dir, "config.json"), cfg)
         write_preflight(cfg.out_dir, report)
     if proc.distributed:
         dist.barrier()
@@ -359,12 +375,18 @@ class Trainer:
         if proc.rank == 0:
             rewrite_metrics(self.metrics_path, state.step)
         self.metrics = open(self.metrics_path, "a") if proc.rank == 0 else None
+        names = tracker_names(cfg.log_to)
+        self.trackers = Trackers(names, cfg.out_dir, cfg.run_name or cfg.out_dir, cfg,
+                                 [t.strip() for t in cfg.run_tags.split(",") if t.strip()], state.step) \
+            if names and proc.rank == 0 else None
 
     def write_metrics(self, row):
         if self.metrics:  # strict JSON: a non-finite value is written as null (its event line says what it was)
             row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            if self.trackers:
+                self.trackers.log(row)
 
     def event(self, name, message, **fields):
         self.write_metrics(dict(step=self.state.step, event=name, **fields))
@@ -576,6 +598,8 @@ class Trainer:
                                 tokens=st.step * self.cfg.total_batch_tokens))
         log(f"step {st.step} | val loss {val_loss:.4f} | val bpb {val_loss * self.bpb_scale:.4f}"
             f"{' (best)' if new_best else ''}", flush=True)
+        if self.metrics:  # the live report: summary.md and plots/ as of this evaluation
+            write_report(self.cfg.out_dir, self.cfg.plots, live=True)
         return val_loss, new_best
 
     def loop(self):
@@ -638,6 +662,8 @@ class Trainer:
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
         self.metrics.close()
+        if self.trackers:
+            self.trackers.close(status)
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if status == "completed":
             log(f"done ({reason}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
@@ -732,7 +758,7 @@ def train(cfg, keep_group=False):
     model = wrap_model(cfg, proc, raw_model)
 
     counts = param_counts(mconfig)
-    log("config: " + json.dumps(cfg))
+    log(f"config: {configurator.changed(cfg, __file__)} (every key: {os.path.join(cfg.out_dir, 'config.json')})")
     log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
         f"{flops_per_token(mconfig) / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train "
         f"and {val_data.n:,} validation windows | world {proc.world} x micro {cfg.micro_batch_size} x accum "

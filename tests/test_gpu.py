@@ -130,9 +130,10 @@ def gpu_name():
 
 
 def logged_config(stdout):
-    """The resolved config train.py prints (the first `config: {...}` line)."""
+    """The resolved config of the first run train.py printed: the config.json its `config: ...` line names."""
     line = next(line for line in stdout.splitlines() if line.startswith("config: "))
-    return json.loads(line[len("config: "):])
+    with open(re.search(r"\(every key: (.+)\)$", line).group(1)) as f:
+        return json.load(f)
 
 
 def assert_on_gpu_in_bf16(stdout):
