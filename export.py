@@ -11,17 +11,20 @@ The folder holds:
   model.safetensors.index.json when the weights pass max_shard_gb; a tied head is stored once
   (as model.embed_tokens.weight: safetensors has no shared tensors, transformers re-ties it);
 - generation_config.json: bos = eos = podgpt's BOS id (every document starts with it, so it also
-  ends the previous one), padding ids suppressed;
+  ends the previous one), padding ids suppressed; no max_length, which transformers' generate would
+  warn about beside every max_new_tokens (config.json's max_position_embeddings holds the context);
 - tokenizer.json, tokenizer_config.json: the tokenizer for transformers (AutoTokenizer), made with
   transformers' tiktoken converter; it encodes exactly as podgpt's and puts BOS first. Written for
   byte, gpt2 and bpe:N; the char tokenizer (ids index characters, not bytes) has none: export.py
   prints a note and the model card says so;
 - podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
   prepare.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
-- podgpt.json: podgpt's model config, where the export came from, its step and validation loss
-  (load_export and sample.py's /info read it), and the export's files: a later export to the same
-  --out replaces the folder only when it holds nothing else;
+- podgpt.json: podgpt's model config, where the export came from (as run/ckpt/checkpoint: no local path
+  in a folder that is made to be shared), its step and validation loss (load_export and sample.py's /info
+  read it), and the export's files: a later export to the same --out replaces the folder only when it
+  holds nothing else;
 - README.md: a model card (recipe, data, tokens, losses, preflight verdict, limitations).
+Every file gets the mode a new file gets (0644 under the usual umask 022), readable by whoever serves it.
 
 Vocabulary: podgpt pads the embedding and head to a multiple of vocab_multiple. The export keeps the
 padded matrices and sets vocab_size = padded_vocab: the weights stay bit for bit the checkpoint's (a
@@ -73,7 +76,7 @@ def require(module):
     try:
         return __import__(module)
     except ImportError:
-        fail(f"{module} is not installed: pip install -r requirements-dev.txt")
+        fail(f"{module} is not installed: pip install {module} (or pip install -r requirements.txt)")
 
 
 def check_llama(model_cfg, state_dict):
@@ -147,8 +150,18 @@ def hf_tensors(cfg, state_dict, dt):
     return tensors
 
 
-def write_weights(folder, tensors, max_shard_bytes):
+def save_safetensors(tensors, path):
+    """safetensors' save_file, then the mode open() gives a new file (0666 less the umask): safetensors 0.8
+    writes through a temporary file of mode 0600 (safetensors issue 782), which would leave the weights
+    readable by their owner alone (a server running as another user could not load them)."""
     from safetensors.torch import save_file
+    save_file(tensors, path, metadata={"format": "pt"})
+    umask = os.umask(0)  # the only way to read it is to set it: put straight back
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
+def write_weights(folder, tensors, max_shard_bytes):
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -159,12 +172,12 @@ def write_weights(folder, tensors, max_shard_bytes):
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(shards[0], os.path.join(folder, "model.safetensors"))
         return ["model.safetensors"]
     names, weight_map = [], {}
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(folder, fname), metadata={"format": "pt"})
+        save_safetensors(shard, os.path.join(folder, fname))
         names.append(fname)
         weight_map.update({k: fname for k in shard})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -192,7 +205,7 @@ def write_hf_tokenizer(src, folder, block_size):
         from tokenizers import processors
         from transformers.convert_slow_tokenizer import TikTokenConverter
     except ImportError:
-        return "transformers is not installed (pip install -r requirements-dev.txt)"
+        return "transformers is not installed (pip install transformers, or pip install -r requirements.txt)"
 
     class Converter(TikTokenConverter):
         def load_tiktoken_bpe(self, _):  # the ranks read above: tiktoken's loader caches files by path
@@ -233,8 +246,9 @@ def card_usage(cfg, tokenizer_note):
                  "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
 
 
-def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
-    """README.md of the export; tokenizer_note: why there is no transformers tokenizer (None: there is one)."""
+def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
+    """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why there is no
+    transformers tokenizer (None: there is one)."""
     summary = read_json(os.path.join(out_dir, "summary.json")) or {}
     if summary.get("checkpoint") and os.path.basename(str(summary["checkpoint"])) != os.path.basename(path):
         summary = {}  # the run went on (or ended) at another checkpoint: its numbers are not this one's
@@ -252,7 +266,7 @@ def model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_not
     lines = [
         "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, podgpt]", "---", "",
         f"# {os.path.basename(os.path.normpath(out_dir)) or 'podgpt'} (podgpt export)", "",
-        f"A Llama-architecture decoder pretrained from scratch with podgpt, exported from `{path}` "
+        f"A Llama-architecture decoder pretrained from scratch with podgpt, exported from `{source}` "
         f"(step {trainer.get('step', 'n/a')}). Weights: {weight_dtype}.", "",
         "## Model", "",
         f"- {p['total']:,} parameters ({p['non_embedding']:,} non-embedding); {cfg.n_layer} layers, d_model "
@@ -320,23 +334,28 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype))
         bos = cfg.vocab_size - 1
-        gen = {"bos_token_id": bos, "eos_token_id": bos, "max_length": cfg.block_size,
+        # no max_length: generate(max_new_tokens=...) would warn that both are set, every time
+        gen = {"bos_token_id": bos, "eos_token_id": bos,
                "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
         write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
         for name in ("tokenizer.json", "tokenizer.tiktoken"):
             if os.path.exists(os.path.join(path, name)):
-                shutil.copy(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
+                # copyfile, not copy: the bytes without the checkpoint file's mode, which may be private
+                shutil.copyfile(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
         tokenizer_note = write_hf_tokenizer(path, tmp, cfg.block_size)
         if tokenizer_note:
             print(f"note: no tokenizer.json for transformers: {tokenizer_note}; "
                   f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
         out_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        # where it came from as run/ckpt/checkpoint, not a local path: an export is made to be shared
+        # (uploaded), and an absolute path names the machine's folders (a home directory, a user name)
+        source = os.path.relpath(os.path.abspath(path), os.path.dirname(out_dir))
         write_atomic(os.path.join(tmp, "README.md"),
-                     model_card(path, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
+                     model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
         files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [PODGPT_FILE]  # what a later export may replace
         write_json(os.path.join(tmp, PODGPT_FILE),
-                   {"model": run_cfg["model"], "source": os.path.abspath(path), "step": trainer.get("step"),
+                   {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),
                     "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
                     "weights_dtype": weight_dtype, "files": files})
         if os.path.exists(out):  # an earlier export, nothing but its own files (check_replaceable)
@@ -386,7 +405,7 @@ def load_export_state(path):
     try:
         from safetensors.torch import load_file
     except ImportError:
-        raise ValueError("safetensors is not installed: pip install -r requirements-dev.txt") from None
+        raise ValueError("safetensors is not installed: pip install safetensors (or pip install -r requirements.txt)") from None
     index = os.path.join(path, "model.safetensors.index.json")
     files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) \
         else ["model.safetensors"]

@@ -1,7 +1,10 @@
 """export.py: the exported folder is a LlamaForCausalLM that computes podgpt's logits, bit-exact weights,
 the same greedy text as sample.py, a transformers tokenizer that encodes as podgpt's, shards, refusals."""
+import contextlib
 import json
+import logging
 import os
+import shutil
 import sys
 
 import pytest
@@ -42,6 +45,20 @@ def do_export(capfd, out_dir, dest, *args, check=True):
 
 def hf_model(folder):
     return transformers.LlamaForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def transformers_warnings():
+    """The records transformers logs at WARNING and above meanwhile (its warnings go through logging)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def random_ids(cfg, batch=2, seed=0):
@@ -108,7 +125,9 @@ def test_greedy_generation_matches_sample_py(runs, tmp_path, capfd):
     tok = load_tokenizer(export.tokenizer_dir(str(dest)))
     ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
     model = hf_model(dest)
-    out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    with transformers_warnings() as warned:  # as the model card's generate(ids, max_new_tokens=64): no warning
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    assert [w.getMessage() for w in warned] == []  # with max_length in generation_config.json: "Both ... set"
     hf_tokens = out[0, ids.size(1):].tolist()
     ours, _ = export.load_export(dest)
     mine = [t.item() for t in ours.generate(ids, n, temperature=0)]
@@ -193,6 +212,31 @@ def test_export_replaces_an_earlier_export_and_nothing_else(runs, tmp_path):
         export.export(path, str(dest))
     assert sorted(os.listdir(dest)) == sorted(listed + ["notes.txt"])
     assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"]
+
+
+def test_exported_files_are_readable_by_all_and_the_checkpoint_is_named_without_its_path(runs, tmp_path):
+    """Every file of an export has the mode a new file gets (0644 under umask 022: safetensors writes 0600,
+    a private checkpoint's tokenizer files are 0600), the weights sharded too; podgpt.json and the card name
+    the checkpoint as run/ckpt/checkpoint, not by the absolute path it was exported from."""
+    ckpt = find_checkpoint(runs["gqa_tied"], "best")
+    path = tmp_path / "myrun" / "ckpt" / os.path.basename(ckpt)
+    shutil.copytree(ckpt, path)
+    for name in os.listdir(path):
+        os.chmod(path / name, 0o600)  # as a umask of 077 writes them
+    dest = tmp_path / "hf"
+    umask = os.umask(0o022)
+    try:
+        export.export(str(path), str(dest), max_shard_gb=0.00002)
+    finally:
+        os.umask(umask)
+    modes = {os.path.relpath(os.path.join(folder, name), dest): os.stat(os.path.join(folder, name)).st_mode & 0o777
+             for folder, dirs, files in os.walk(dest) for name in files + dirs}
+    assert any(name.endswith(".safetensors") for name in modes) and "podgpt_tokenizer/tokenizer.json" in modes
+    assert modes == {name: 0o755 if os.path.isdir(dest / name) else 0o644 for name in modes}
+    source = f"myrun/ckpt/{path.name}"
+    assert json.load(open(dest / "podgpt.json"))["source"] == source
+    assert f"exported from `{source}`" in (dest / "README.md").read_text()
+    assert not any(str(tmp_path) in (dest / name).read_text() for name in ("podgpt.json", "README.md"))  # no local path
 
 
 # ASCII, code, multi-byte characters, and special-token names, which podgpt encodes as plain text

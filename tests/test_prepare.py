@@ -1,11 +1,13 @@
 """Tests of prepare.py: round trips through every tokenizer, the shard format, the split and its
 guaranteed minimum, determinism across workers, reuse, downloads (from a local HTTP server) and CLI errors."""
 
+import errno
 import hashlib
 import http.server
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,6 +64,16 @@ def run(*args):
     with pytest.raises(SystemExit) as stop:
         util.run_main(prepare.main, [str(a) for a in args])
     return stop.value.code
+
+
+@pytest.fixture(autouse=True)
+def no_hugging_face_setup(tmp_path, monkeypatch):
+    """No test sees this machine's Hugging Face token, cache or mirror: HF_HOME is a folder of the test's,
+    absent unless the test makes it."""
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+                 "HF_HUB_OFFLINE", "HF_ENDPOINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
 
 
 def error_line(err):
@@ -421,10 +433,22 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         srv = self.server
         srv.log.append((self.path, self.headers.get("Range")))
+        srv.auth.append((self.path, self.headers.get("Authorization")))
         time.sleep(srv.stall)
         if srv.failures > 0:
             srv.failures -= 1
-            return self.send_error(srv.status)
+            self.send_response(srv.status)
+            for name, value in srv.failure_headers.items():
+                self.send_header(name, value)
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
+        if self.path in srv.gated and self.headers.get("Authorization") != f"Bearer {srv.gated[self.path]}":
+            return self.send_error(401)  # a gated dataset's file
+        if self.path in srv.redirects:  # as the hub sends a download on to its storage host
+            self.send_response(302)
+            self.send_header("Location", srv.redirects[self.path])
+            self.send_header("Content-Length", "0")
+            return self.end_headers()
         body = srv.files.get(self.path)
         if body is None:
             return self.send_error(404)
@@ -460,6 +484,10 @@ def server(monkeypatch):
     srv = Server(("127.0.0.1", 0), Handler)
     srv.files, srv.log, srv.honor_range = {}, [], True
     srv.failures, srv.status = 0, 503  # the next `failures` requests are answered with `status`
+    srv.failure_headers = {}  # and these headers (Retry-After, RateLimit)
+    srv.auth = []  # (path, Authorization header) of every request
+    srv.gated = {}  # path: the token it needs (Authorization: Bearer <token>), else a 401
+    srv.redirects = {}  # path: the URL a 302 sends it to
     srv.cut, srv.cuts = 0, 0  # the next `cuts` responses end after `cut` bytes
     srv.stall = 0  # seconds before each answer
     srv.url = f"http://127.0.0.1:{srv.server_port}"
@@ -560,16 +588,39 @@ def refused_url():
     return f"http://127.0.0.1:{port}/corpus.txt"
 
 
-@pytest.mark.parametrize("case", ["refused", "404"])
-def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, server, tmp_path, capsys):
-    url, reason = (refused_url(), "connection refused") if case == "refused" else (server.url + "/no.txt", "HTTP 404")
+@pytest.mark.parametrize("case", ["refused", "404", "dns", "unreachable"])
+def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, server, tmp_path, capsys, monkeypatch):
+    """A URL that refuses or answers 404, and the hub on an offline pod (its name does not resolve, or there is
+    no network to reach it): one line at once, no retries, nothing left behind. For the hub it names a mirror
+    and the places a copy of the file would be read from."""
+    downloads = tmp_path / "downloads"
+    if case in ("refused", "404"):
+        source = url = refused_url() if case == "refused" else server.url + "/no.txt"
+    else:
+        if case == "dns":
+            def lookup(*args, **kwargs):
+                raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+            monkeypatch.setattr(socket, "getaddrinfo", lookup)
+        else:  # an address needs no lookup; the connection finds no route
+            def connect(self, address):
+                raise OSError(errno.ENETUNREACH, "Network is unreachable")
+            monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1")
+            monkeypatch.setattr(socket.socket, "connect", connect)
+        source, url = "fineweb-edu-10bt", prepare.preset_urls("fineweb-edu-10bt")[0]
+    path = prepare.cache_path(url, str(downloads))
+    expected = {
+        "refused": f"connection refused: offline? put the file at {path}, or check the URL",
+        "404": "HTTP 404: check the URL",
+        "dns": f"cannot resolve the host name: offline? set HF_ENDPOINT to a mirror, or put the file at {path} "
+               f"or in the Hugging Face cache ({tmp_path / 'hf_home' / 'hub'})",
+        "unreachable": f"network unreachable: offline? set HF_ENDPOINT to a mirror, or put the file at {path} "
+                       f"or in the Hugging Face cache ({tmp_path / 'hf_home' / 'hub'})"}[case]
     (tmp_path / "mine.txt").write_text("the user's")
     before = tree(tmp_path)
-    assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={tmp_path / 'downloads'}",
+    assert run(f"--source={source}", "--max_shards=1", f"--data_dir={tmp_path / 'data'}", f"--download_dir={downloads}",
                "--workers=1") == 1
     err = capsys.readouterr().err
-    assert error_line(err) == (f"error: cannot download {url}: {reason} (check the URL; HF_ENDPOINT picks the "
-                               "Hugging Face mirror)")
+    assert error_line(err) == f"error: cannot download {url}: {expected}"
     assert "retry" not in err and len(server.log) == (case == "404")
     assert tree(tmp_path) == before  # no data_dir, no download folders
 
@@ -593,7 +644,8 @@ def test_a_download_that_keeps_failing_is_retried_then_leaves_nothing(case, serv
     assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={tmp_path / 'downloads'}",
                "--workers=1") == 1
     err = capsys.readouterr().err
-    assert error_line(err) == f"error: cannot download {url} after 2 attempts ({reason}): check the network and rerun"
+    rerun = "rate-limited: rerun later" if case == "429" else "check the network and rerun"
+    assert error_line(err) == f"error: cannot download {url} after 2 attempts ({reason}): {rerun}"
     assert f"download of {url} failed ({reason}); retry 1/1 in 0.01s" in err and len(server.log) == 2
     assert tree(tmp_path) == before
 
@@ -612,6 +664,153 @@ def test_a_partial_download_is_kept_for_the_rerun_to_resume(server, tmp_path, ca
     assert kept > 0 and os.listdir(os.path.dirname(part)) == ["big.txt.part"] and not (tmp_path / "data").exists()
     assert open(prepare.download(url, str(cache)), "rb").read() == body
     assert server.log[-1] == ("/big.txt", f"bytes={kept}-")
+
+
+# -----------------------------------------------------------------------------
+# the Hugging Face hub's conventions: HF_TOKEN, the cache, HF_HUB_OFFLINE, rate limits
+
+FINEWEB_FILE = "sample/10BT/000_00000.parquet"
+FINEWEB_PATH = "/datasets/HuggingFaceFW/fineweb-edu/resolve/main/" + FINEWEB_FILE
+
+
+def preset_args(tmp_path, *args):
+    """prepare.py on fineweb-edu-10bt's first file into tmp_path/data, downloads in tmp_path/downloads."""
+    return ["--source=fineweb-edu-10bt", "--max_shards=1", f"--data_dir={tmp_path / 'data'}",
+            f"--download_dir={tmp_path / 'downloads'}", "--val_fraction=0", "--workers=1", *args]
+
+
+def test_hf_token_is_found_where_huggingface_hub_finds_it(tmp_path, monkeypatch):
+    assert prepare.hf_token() is None
+    (tmp_path / "hf_home").mkdir()
+    (tmp_path / "hf_home" / "token").write_text("hf_saved\n")  # what `hf auth login` writes
+    assert prepare.hf_token() == "hf_saved"
+    (tmp_path / "elsewhere").write_text("hf_elsewhere")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "elsewhere"))
+    assert prepare.hf_token() == "hf_elsewhere"
+    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_older_name")
+    assert prepare.hf_token() == "hf_older_name"
+    monkeypatch.setenv("HF_TOKEN", " hf_env\n")
+    assert prepare.hf_token() == "hf_env"
+
+
+def test_a_gated_dataset_takes_hf_token_and_only_the_hub_gets_it(server, tmp_path, capsys, monkeypatch):
+    """Without a token the hub's 401 is one line naming HF_TOKEN; with HF_TOKEN the file comes, and the token
+    goes to the hub alone: not on to the storage host the hub redirects the download to (another host name,
+    as the hub's are), nor to a URL source elsewhere."""
+    rows = [f"gated row {i}" for i in range(20)]
+    storage = f"http://localhost:{server.server_port}"
+    server.gated[FINEWEB_PATH] = "hf_access"
+    server.redirects[FINEWEB_PATH] = storage + "/blobs/000.parquet"
+    server.files["/blobs/000.parquet"] = parquet_bytes(rows)
+    server.files["/notes.txt"] = b"notes from elsewhere\n"
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    assert run(*preset_args(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert error_line(err) == (f"error: cannot download {server.url + FINEWEB_PATH}: HTTP 401: set HF_TOKEN (a "
+                               "token with access to HuggingFaceFW/fineweb-edu; a gated dataset's terms accepted on "
+                               "its page)")
+    assert "retry" not in err
+    monkeypatch.setenv("HF_TOKEN", "hf_access")
+    assert run(*preset_args(tmp_path)) == 0
+    assert decode_split(tmp_path / "data", "train") == rows
+    assert run(f"--source={storage}/notes.txt", f"--data_dir={tmp_path / 'notes'}",
+               f"--download_dir={tmp_path / 'downloads'}", "--val_fraction=0", "--workers=1") == 0
+    assert server.auth == [(FINEWEB_PATH, None), (FINEWEB_PATH, "Bearer hf_access"), ("/blobs/000.parquet", None),
+                           ("/notes.txt", None)]
+
+
+def test_a_rate_limit_waits_as_long_as_the_hub_asks_then_names_hf_token(server, tmp_path, capsys, monkeypatch):
+    """A 429 is retried after the wait its Retry-After or RateLimit header asks for (at most MAX_WAIT), and one
+    that outlasts the retries says that the hub's limits are per token."""
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the waits are read from the lines announcing them
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    server.status = 429
+    for i, (headers, wait) in enumerate([({"Retry-After": "7"}, 7), ({"RateLimit": '"resolvers";r=0;t=42'}, 42),
+                                         ({"Retry-After": "100000"}, prepare.MAX_WAIT), ({}, 0.01)]):
+        url = f"{server.url}/datasets/o/d/resolve/main/{i}.txt"
+        server.files[url.removeprefix(server.url)] = b"rows\n"
+        server.failures, server.failure_headers = 1, headers
+        assert open(prepare.download(url, str(tmp_path)), "rb").read() == b"rows\n"
+        retry = f"download of {url} failed (HTTP 429); retry 1/{prepare.RETRIES - 1} in {wait:g}s"
+        assert retry in capsys.readouterr().err
+    server.failures = prepare.RETRIES
+    with pytest.raises(util.Error) as e:
+        prepare.download(url.replace("3.txt", "4.txt"), str(tmp_path))
+    assert str(e.value) == (f"cannot download {url.replace('3.txt', '4.txt')} after {prepare.RETRIES} attempts "
+                            "(HTTP 429): rate-limited: rerun later with HF_TOKEN set (the hub's rate limits are per "
+                            "token, and lowest without one)")
+
+
+def hub_snapshot(cache, repo, commit, files):
+    """A dataset's snapshot in a Hugging Face cache as huggingface_hub lays one out: each file in blobs/, named by
+    its hash, and a relative link to it at snapshots/<commit>/<path>; returns the dataset's folder."""
+    folder = cache / ("datasets--" + repo.replace("/", "--"))
+    for name, content in files.items():
+        blob = folder / "blobs" / hashlib.sha256(content).hexdigest()
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        blob.write_bytes(content)
+        link = folder / "snapshots" / commit / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return folder
+
+
+def test_the_hugging_face_cache_is_searched_as_huggingface_hub_lays_it_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert prepare.hub_cached("o/d", "main", "f.txt") is None  # no cache at all
+    folder = hub_snapshot(tmp_path / "hub", "o/d", "a" * 40, {"f.txt": b"old", "dir/g.txt": b"old g"})
+    hub_snapshot(tmp_path / "hub", "o/d", "b" * 40, {"f.txt": b"new"})
+
+    def read(revision, file):
+        path = prepare.hub_cached("o/d", revision, file)
+        return path and open(path, "rb").read()
+
+    assert read("main", "f.txt") == b"old"  # no refs/main: the first snapshot that has it
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("b" * 40)
+    assert read("main", "f.txt") == b"new"  # the snapshot refs/main names first
+    assert read("main", "dir/g.txt") == b"old g"  # an unpinned revision takes the file from any snapshot
+    assert read("b" * 40, "dir/g.txt") is None and read("a" * 40, "f.txt") == b"old"  # a commit: its own alone
+    # a URL source on the hub, with --sha256: the cache's copy is checked, and stays when it does not match
+    url, downloads = "https://huggingface.co/datasets/o/d/resolve/main/f.txt", str(tmp_path / "downloads")
+    cached = prepare.hub_cached("o/d", "main", "f.txt")
+    assert prepare.download(url, downloads, hashlib.sha256(b"new").hexdigest()) == cached
+    with pytest.raises(util.Error, match=r"sha256 of its copy in the Hugging Face cache \(.*\) is [0-9a-f]{64}, "):
+        prepare.download(url, downloads, "0" * 64)
+    assert read("main", "f.txt") == b"new" and not os.path.exists(downloads)
+    os.remove(folder / "blobs" / hashlib.sha256(b"old g").hexdigest())
+    assert read("main", "dir/g.txt") is None  # a link to a deleted blob
+    assert read("main", "h.txt") is None and prepare.hub_cached("o/other", "main", "f.txt") is None
+
+
+def test_a_preset_reads_the_hugging_face_cache_and_hf_hub_offline_never_asks_the_hub(tmp_path, capsys, monkeypatch):
+    """A preset's file in the cache (HF_HOME/hub here) is read there, refs/main's version, with no request (the
+    endpoint refuses every one) and nothing in download_dir; under HF_HUB_OFFLINE a missing file stops the run
+    before it tokenizes, in one line naming where it was looked for; download_dir's copy serves offline too."""
+    monkeypatch.setenv("HF_ENDPOINT", refused_url().removesuffix("/corpus.txt"))
+    old, new = [f"old row {i}" for i in range(20)], [f"new row {i}" for i in range(20)]
+    cache, repo = tmp_path / "hf_home" / "hub", "HuggingFaceFW/fineweb-edu"
+    folder = hub_snapshot(cache, repo, "a" * 40, {FINEWEB_FILE: parquet_bytes(old)})
+    hub_snapshot(cache, repo, "b" * 40, {FINEWEB_FILE: parquet_bytes(new)})
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("b" * 40)
+    assert run(*preset_args(tmp_path)) == 0
+    assert decode_split(tmp_path / "data", "train") == new and not (tmp_path / "downloads").exists()
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))  # before HF_HOME/hub
+    url = prepare.preset_urls("fineweb-edu-10bt")[0]
+    path = prepare.cache_path(url, str(tmp_path / "downloads"))
+    before = tree(tmp_path)
+    capsys.readouterr()
+    assert run(*preset_args(tmp_path, "--force")) == 1
+    assert capsys.readouterr().err == (f"error: HF_HUB_OFFLINE is set and {url} is not at {path} nor in the Hugging "
+                                       f"Face cache ({tmp_path / 'empty'}): put the file there, or unset "
+                                       "HF_HUB_OFFLINE to download it\n")
+    assert tree(tmp_path) == before
+    os.makedirs(os.path.dirname(path))
+    shutil.copyfile(folder / "snapshots" / ("a" * 40) / FINEWEB_FILE, path)
+    assert run(*preset_args(tmp_path, "--force")) == 0 and decode_split(tmp_path / "data", "train") == old
 
 
 # -----------------------------------------------------------------------------
