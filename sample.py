@@ -17,15 +17,39 @@ a time, the others wait; no authentication, so keep host=127.0.0.1 or put a prox
 
     GET  /health          {"status": "ok"}
     GET  /info            the checkpoint, its step and validation loss, the model, the tokenizer, the limits
+    GET  /v1/models       OpenAI-style: the one model served; its id is the checkpoint's path
     POST /v1/completions  OpenAI-style: {"prompt": "def main(", "max_tokens": 16, "temperature": 1.0,
-                          "top_p": 1.0, "top_k": null, "stop": null, "seed": null, "stream": false}
+                          "top_p": 1.0, "top_k": null, "stop": null, "seed": null, "stream": false,
+                          "echo": false, "logprobs": null, "model": "any"}
 
     curl -s localhost:8000/v1/completions -d '{"prompt": "def main(", "max_tokens": 32, "temperature": 0}'
 
-A completion ends at max_tokens (finish_reason "length"), at a stop string (left out of the
-text) or where the model emits BOS, which ends a training document (both "stop"). With
-"stream": true the text comes as server-sent events, one `data: {chunk}` per token that adds
+The prompt is a string, a list of token ids, or a list holding one of those (a batch of one, as
+lm-evaluation-harness sends it: one prompt per request). The model reads BOS, then the prompt
+(token ids that begin with BOS get no second one). "model" may name anything, as clients such as
+lm-evaluation-harness put their tokenizer's folder there: the reply's "model" is the id of the
+model that answered. A completion ends at max_tokens (finish_reason "length"), at a stop string
+(left out of the text) or where the model emits BOS, which ends a training document (both "stop").
+With "stream": true the text comes as server-sent events, one `data: {chunk}` per token that adds
 text, then `data: [DONE]`. A bad request gets HTTP 400 and {"error": {"message", "type", "param"}}.
+
+"echo": true puts the prompt before the completion's text. "logprobs": k (0 to 5) adds OpenAI's
+logprobs object, for each generated token and, with echo, each prompt token before them (the first
+prompt token gets null, as at OpenAI): "tokens" (each token's text: "bytes:\\xNN..." for one whose
+bytes are no UTF-8 text alone, such as part of a character; "" for BOS), "token_logprobs",
+"top_logprobs" (the k most likely tokens there) and "text_offset" (where each token's text starts,
+in characters from the prompt's start, echo or not). They are the log-softmax of the model's logits
+in float32: the model's own distribution, before temperature, top_k and top_p (what OpenAI reports),
+so they do not depend on how the tokens were drawn. They cover every generated token that usage
+counts: the BOS that ends a completion, and the tokens whose text a stop string cut off. With echo,
+logprobs and max_tokens 0 a request scores its prompt and generates nothing (lm-evaluation-harness's
+local-completions sends max_tokens 1 and drops the generated token's entry). A stream carries no
+logprobs: asking for both is a 400.
+
+OpenAI's other parameters are not implemented. n and best_of (1), presence_penalty and
+frequency_penalty (0), suffix ("") and logit_bias ({}) are accepted at the value in brackets, which
+changes nothing, and "user" (it names the client's end user) is accepted and ignored; any other
+value, stream_options, and any key this server does not know is a 400 naming it, never ignored.
 
 What one request may carry is bounded (/info lists it under "limits"), so that no request holds
 the model, or a thread, for long: max_tokens up to serve_max_tokens; a prompt the context holds
@@ -36,8 +60,10 @@ SIGTERM or Ctrl-C ends the server within a few seconds, exit 0, whatever the cli
 """
 
 import codecs
+import contextlib
 import http.server
 import io
+import itertools
 import json
 import os
 import select
@@ -82,6 +108,18 @@ MAX_STOPS = 4                   # stop strings per request, as OpenAI allows
 # a stop string marks where a completion ends (a blank line, a closing tag, a role name): 256 characters is far
 # more than any such marker needs, and bounds the text a request can make the server hold back and match
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 5                # the most likely tokens listed per token with logprobs, as OpenAI allows
+# OpenAI's completion parameters that this server does not implement: each is accepted only at the value (or null)
+# that changes nothing, so that a client never gets, without an error, an answer to a question it did not ask
+UNSUPPORTED = {"n": (1, "this server returns one completion per request"),
+               "best_of": (1, "this server generates one completion per request"),
+               "presence_penalty": (0, "this server applies no penalties"),
+               "frequency_penalty": (0, "this server applies no penalties"),
+               "suffix": ("", "this server only continues the prompt, it does not insert"),
+               "logit_bias": ({}, "this server does not bias logits"),
+               "stream_options": (None, "a stream's last chunk carries the usage")}
+SUPPORTED = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "echo", "logprobs",
+             "model", "user")  # the parameters this server reads (model and user only as names)
 STOP_SECONDS = 3                # at SIGTERM or Ctrl-C, how long the running generation gets to reach its next token
 
 
@@ -233,7 +271,7 @@ def stop_strings(value):
 
 
 def parse_completion(body, ctx):
-    """(sampling parameters, prompt token ids) of a /v1/completions body, or RequestError."""
+    """(sampling parameters, prompt token ids, prompt text) of a /v1/completions body, or RequestError."""
     try:
         req = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -242,8 +280,9 @@ def parse_completion(body, ctx):
         raise RequestError('the body nests JSON too deeply to read: send a flat object such as {"prompt": "def main("}')
     if not isinstance(req, dict):
         raise RequestError(f'the body is a JSON {type(req).__name__}, not an object: send {{"prompt": "..."}}')
-    if not isinstance(req.get("prompt"), str):
-        raise RequestError('prompt is missing or not a string: send "prompt": "text" (one string)', "prompt")
+    refuse_unsupported(req)
+    if req.get("prompt") is None:
+        raise RequestError('prompt is missing: send "prompt": "text" (or token ids)', "prompt")
     number = (int, float)
     p = dict(
         max_tokens=field(req, "max_tokens", 16, (int,), lambda v: 0 <= v <= ctx.max_tokens,
@@ -255,16 +294,55 @@ def parse_completion(body, ctx):
         seed=field(req, "seed", None, (int,), lambda v: 0 <= v < 2**63, "use an integer from 0 to 2**63 - 1"),
         stream=field(req, "stream", False, (bool,), lambda v: True, "use true or false"),
         stop=stop_strings(req.get("stop")),
+        echo=field(req, "echo", False, (bool,), lambda v: True, "use true or false"),
+        logprobs=field(req, "logprobs", None, (int,), lambda v: 0 <= v <= MAX_LOGPROBS,
+                       f"use an integer from 0 to {MAX_LOGPROBS} (the most likely tokens listed), or null for none"),
     )
-    field(req, "n", 1, (int,), lambda v: v == 1, "use 1: this server returns one completion per request")
-    try:
-        ids = ctx.tok.encode(req["prompt"])
-    except ValueError as e:  # the char tokenizer knows only its corpus' characters
-        raise RequestError(f"prompt cannot be encoded: {e}: leave those characters out", "prompt")
+    field(req, "model", None, (str,), lambda v: True, "use a string (any: this server answers as the one it serves)")
+    field(req, "user", None, (str,), lambda v: True, "use a string")
+    if p["stream"] and p["logprobs"] is not None:
+        raise RequestError("logprobs cannot be streamed by this server: send stream=false to get them", "logprobs")
+    ids, text = prompt_ids(ctx, req["prompt"])
     if len(ids) > ctx.max_prompt:
         raise RequestError(f"prompt is {len(ids)} tokens, the model's context holds {ctx.max_prompt} after BOS: "
                            "shorten it", "prompt")
-    return p, ids
+    return p, ids, text
+
+
+def refuse_unsupported(req):
+    """RequestError for the first key of req that this server does not read, or that names an OpenAI parameter it
+    does not implement at a value that would change the answer (see UNSUPPORTED)."""
+    for key, value in req.items():
+        if key in UNSUPPORTED:
+            neutral, why = UNSUPPORTED[key]
+            if value is None or (not isinstance(value, bool) and value == neutral):
+                continue
+            instead = "leave it out" if neutral is None else f"leave it out or send {json.dumps(neutral)}"
+            raise RequestError(f"{key}={shown(value)} is not supported: {instead} ({why})", key)
+        if key not in SUPPORTED:
+            name = key if len(key) <= 40 else f"{key[:40]}..."  # the reply must not grow with what the client sent
+            raise RequestError(f"{name} is not a parameter this server knows: leave it out (it reads "
+                               f"{', '.join(SUPPORTED)})", name)
+
+
+def prompt_ids(ctx, value):
+    """(token ids, text) of a request's prompt: a string, token ids, or a list holding one of those (a batch of
+    one, as lm-evaluation-harness sends it); else RequestError."""
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(v, (str, list)) for v in value):
+        raise RequestError(f"prompt holds {len(value)} prompts: this server answers one per request, send them "
+                           "one at a time (lm-evaluation-harness: batch_size=1)", "prompt")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        try:
+            return ctx.tok.encode(value), value
+        except ValueError as e:  # the char tokenizer knows only its corpus' characters
+            raise RequestError(f"prompt cannot be encoded: {e}: leave those characters out", "prompt")
+    vocab = ctx.tok.vocab_size
+    if isinstance(value, list) and value and all(type(i) is int and 0 <= i < vocab for i in value):  # no bools
+        return value, ctx.tok.decode(value)
+    raise RequestError(f"prompt={shown(value)} is invalid: send a string, a non-empty list of token ids from 0 to "
+                       f"{vocab - 1}, or a list holding one of those", "prompt")
 
 
 def kmp_table(s):
@@ -309,10 +387,89 @@ class StopStrings:
         return max(self.matched, default=0)
 
 
-def complete(ctx, p, ids, gone):
+def model_input(ctx, ids):
+    """The tokens the model reads for a prompt: BOS, which begins every training document, then the prompt (token
+    ids that begin with BOS already get no second one: the model never saw two in a row)."""
+    return torch.tensor([ids if ids[:1] == [ctx.tok.bos_id] else [ctx.tok.bos_id] + ids], device=ctx.dev)
+
+
+@contextlib.contextmanager
+def forward_logits(model, on):
+    """A list that gets the last position's logits of each forward the model runs in the with block (if on):
+    generate() yields only tokens, and this is what each was drawn from (after a sliding-window restart of the
+    KV cache too). The hook is gone after the block, however it ends."""
+    logits = []
+    hook = model.register_forward_hook(lambda module, args, out: logits.append(out[0][0, -1])) if on else None
+    try:
+        yield logits
+    finally:
+        if hook:
+            hook.remove()
+
+
+def score(ctx, logits, tokens, k):
+    """(log-probability of the token, its k most likely (token id, log-probability)) for each row of logits (T, V)
+    and token of tokens: the log-softmax in float32 of the model's own distribution (no temperature, top_k, top_p)."""
+    logprobs = logits[:, :ctx.model.config.vocab_size].float().log_softmax(dim=-1)  # padding ids are no tokens
+    top = logprobs.topk(k, dim=-1)
+    chosen = logprobs[torch.arange(len(tokens), device=logprobs.device), tokens].tolist()
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
+def prompt_scores(ctx, ids, k):
+    """(token id, score()) of each prompt token, from one forward over model_input(): each given BOS and the tokens
+    before it. The first gets None, as at OpenAI, though the model read BOS before it (a client that wants it scored
+    sends token ids that begin with BOS: then BOS is the first)."""
+    if not ids:
+        return []
+    x = model_input(ctx, ids)
+    with torch.no_grad():
+        logits = ctx.model(x)[0][0]
+    shift = x.size(1) - len(ids)  # 1 when the server put BOS first: the prediction of ids[j] is at j - 1 + shift
+    return [(ids[0], None)] + list(zip(ids[1:], score(ctx, logits[shift:len(ids) - 1 + shift], ids[1:], k)))
+
+
+def token_text(tok, token):
+    """A token as text, for logprobs: its text when its bytes are UTF-8 on their own, else OpenAI's "bytes:\\xNN..."
+    form (a byte-level token may be part of a character); BOS (no text) is ""."""
+    data = tok.decode_bytes([token])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def logprobs_object(tok, scored, start):
+    """OpenAI's logprobs object of (token id, score() or None) pairs whose text begins at character `start` of the
+    prompt + completion text; each token's offset is where the text decoded before it ends."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = dict(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token, s in scored:
+        out["tokens"].append(token_text(tok, token))
+        out["token_logprobs"].append(None if s is None else s[0])
+        out["top_logprobs"].append(None if s is None else {token_text(tok, i): logprob for i, logprob in s[1]})
+        out["text_offset"].append(start)
+        start += len(decoder.decode(tok.decode_bytes([token])))
+    return out
+
+
+def reply_logprobs(ctx, p, ids, prompt, scored):
+    """A reply's logprobs: None unless asked for, else the object of the generated tokens (scored), after the
+    prompt's tokens with echo. Their text_offset counts from the prompt's start either way, as OpenAI's does."""
+    if scored is None:
+        return None
+    generated = logprobs_object(ctx.tok, scored, len(prompt))
+    if not p["echo"]:
+        return generated
+    echoed = logprobs_object(ctx.tok, prompt_scores(ctx, ids, p["logprobs"]), 0)
+    return {key: echoed[key] + generated[key] for key in echoed}
+
+
+def complete(ctx, p, ids, gone, scored=None):
     """Yields (new text, finish_reason or None, tokens generated so far); the last has a finish_reason. The text
     ends before the first stop string to appear in it; text that could begin one is held back until it cannot.
     gone(): whether the client has left, which ends the generation with ConnectionAbortedError.
+    scored: None, or a list that gets (token id, score() with p["logprobs"] top tokens) of each token generated.
     Call it holding ctx.lock."""
     generator = torch.Generator(device=ctx.dev)
     if p["seed"] is None:
@@ -322,30 +479,32 @@ def complete(ctx, p, ids, gone):
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end inside a character
     stops = StopStrings(p["stop"])
     held, n, finish = "", 0, "length"  # held: the text not yielded yet
-    x = torch.tensor([[ctx.tok.bos_id] + ids], device=ctx.dev)
-    for token in ctx.model.generate(x, p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"] or None,
-                                    top_p=p["top_p"], generator=generator):
-        if ctx.stopping.is_set():  # SIGTERM or Ctrl-C: end this request so that the process can exit
-            raise RequestError("the server is shutting down: send the request again when it is back", status=503)
-        if gone():  # nobody would read the rest: free the model for the next request
-            raise ConnectionAbortedError(f"the client closed its connection: generation stopped after {n} of "
-                                         f"{p['max_tokens']} tokens")
-        n += 1
-        if token.item() == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
-            finish = "stop"
-            break
-        new = decoder.decode(ctx.tok.decode_bytes([token.item()]))
-        found = stops.find(new)
-        if found:
-            end, length = found
-            text = held + new[:end]
-            yield text[:len(text) - length], "stop", n
-            return
-        held += new
-        ready = len(held) - stops.held()
-        if ready > 0:
-            yield held[:ready], None, n
-            held = held[ready:]
+    with forward_logits(ctx.model, scored is not None) as logits:
+        for token in ctx.model.generate(model_input(ctx, ids), p["max_tokens"], temperature=p["temperature"],
+                                        top_k=p["top_k"] or None, top_p=p["top_p"], generator=generator):
+            if ctx.stopping.is_set():  # SIGTERM or Ctrl-C: end this request so that the process can exit
+                raise RequestError("the server is shutting down: send the request again when it is back", status=503)
+            if gone():  # nobody would read the rest: free the model for the next request
+                raise ConnectionAbortedError(f"the client closed its connection: generation stopped after {n} of "
+                                             f"{p['max_tokens']} tokens")
+            n += 1
+            if scored is not None:  # one forward per token: its logits are the ones the token was drawn from
+                scored.append((token.item(), score(ctx, logits.pop()[None], [token.item()], p["logprobs"])[0]))
+            if token.item() == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
+                finish = "stop"
+                break
+            new = decoder.decode(ctx.tok.decode_bytes([token.item()]))
+            found = stops.find(new)
+            if found:
+                end, length = found
+                text = held + new[:end]
+                yield text[:len(text) - length], "stop", n
+                return
+            held += new
+            ready = len(held) - stops.held()
+            if ready > 0:
+                yield held[:ready], None, n
+                held = held[ready:]
     yield held + decoder.decode(b"", final=True), finish, n
 
 
@@ -371,11 +530,11 @@ class DeadlineReader(io.RawIOBase):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """GET /health, GET /info, POST /v1/completions; self.server.ctx holds the model and the settings.
-    HTTP/1.0 (http.server's default): one request per connection, so a stream ends when the connection
+    """GET /health, GET /info, GET /v1/models, POST /v1/completions; self.server.ctx holds the model and the
+    settings. HTTP/1.0 (http.server's default): one request per connection, so a stream ends when the connection
     closes, and a body left unread is never taken for the next request."""
     timeout = 60  # seconds a write may wait on a client that stops reading: it must not hold the model forever
-    routes = {"/health": "GET", "/info": "GET", "/v1/completions": "POST"}
+    routes = {"/health": "GET", "/info": "GET", "/v1/models": "GET", "/v1/completions": "POST"}
 
     def setup(self):
         super().setup()
@@ -399,8 +558,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.streaming = False
         try:
             if path not in self.routes:
-                raise RequestError(f"no such path {path}: use GET /health, GET /info or POST /v1/completions",
-                                   status=404)
+                raise RequestError(f"no such path {path}: use GET /health, GET /info, GET /v1/models or "
+                                   "POST /v1/completions", status=404)
             if self.command != self.routes[path]:
                 raise RequestError(f"{self.command} {path} is not supported: use {self.routes[path]} {path}",
                                    status=405)
@@ -408,6 +567,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.send_json(200, {"status": "ok"})
             elif path == "/info":
                 self.send_json(200, ctx.info)
+            elif path == "/v1/models":
+                self.send_json(200, {"object": "list", "data": [{"id": ctx.name, "object": "model",
+                                                                 "created": ctx.created, "owned_by": "podgpt"}]})
             else:
                 self.completions(ctx)
         except RequestError as e:
@@ -444,19 +606,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if len(body) < size:
             raise RequestError(f"the body ended after {len(body)} of the {size} bytes its Content-Length "
                                "promised: send all of it")
-        p, ids = parse_completion(body, ctx)
+        p, ids, prompt = parse_completion(body, ctx)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": ctx.name}
 
-        def body(text, finish, n):
-            return dict(head, choices=[{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+        def body(text, finish, n, logprobs=None):
+            return dict(head, choices=[{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
                         usage={"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n})
 
         with ctx.lock:  # one generation at a time: the others wait here
-            parts = complete(ctx, p, ids, self.client_gone)
+            scored = None if p["logprobs"] is None else []
+            parts = complete(ctx, p, ids, self.client_gone, scored)
+            if p["echo"]:  # the prompt's text first, streamed or not
+                parts = itertools.chain([(prompt, None, 0)], parts)
             if not p["stream"]:
                 parts = list(parts)
-                return self.send_json(200, body("".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]))
+                text, finish, n = "".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]
+                return self.send_json(200, body(text, finish, n, reply_logprobs(ctx, p, ids, prompt, scored)))
             self.streaming = True
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -497,13 +663,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
 def serve_http(config, path, model, tok, info, dev):
     """Answer HTTP requests until SIGTERM or Ctrl-C (then exit 0)."""
     cfg = model.config
-    ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, lock=threading.Lock(), stopping=threading.Event(),
+    # created (/v1/models): when the checkpoint or export was written
+    ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, created=int(os.path.getmtime(path)),
+                          lock=threading.Lock(), stopping=threading.Event(),
                           max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1,
                           read_timeout=config.serve_read_timeout)
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
                     device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
                                              "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS,
-                                             "stop_chars": MAX_STOP_CHARS, "read_seconds": ctx.read_timeout})
+                                             "stop_chars": MAX_STOP_CHARS, "read_seconds": ctx.read_timeout,
+                                             "logprobs": MAX_LOGPROBS})
     try:
         server = http.server.ThreadingHTTPServer((config.host, config.port), Handler)
     except OSError as e:

@@ -1,8 +1,11 @@
-"""sample.py --serve=True: the HTTP API gives sample.py's text, streams it, refuses bad requests with a JSON
-error naming the field, survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile
+"""sample.py --serve=True: the HTTP API gives sample.py's text, streams it, echoes the prompt and scores tokens
+with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would), lists
+its model, refuses bad requests and parameters it does not implement with a JSON error naming the field,
+survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile
 clients (long stop strings, trickled or malformed requests, clients that leave) cannot hold it up. And
 sample.py's command line refuses bad settings and prompts with one line."""
 import http.client
+import itertools
 import json
 import os
 import random
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 import sample
-from checkpoint import MARKER, file_crc32, find_checkpoint
+from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
 from conftest import ROOT, TINY_MODEL, run, shared
 from prepare import load_tokenizer
 from util import run_main
@@ -158,7 +161,8 @@ def test_health_and_info(server, ckpt):
     weights = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
     assert info["parameters"] == sum(t.numel() for k, t in weights.items() if k != "lm_head.weight")  # tied head
     assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": sample.MAX_BODY_BYTES,
-                              "stop_strings": 4, "stop_chars": sample.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT}
+                              "stop_strings": 4, "stop_chars": sample.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
+                              "logprobs": 5}
     assert info["device"] == "cpu"  # the one setup's device, as text
 
 
@@ -200,6 +204,172 @@ def test_seeded_sampling_is_sample_py_text_and_streams_the_same(server, ckpt):
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+# -----------------------------------------------------------------------------
+# echo and logprobs, /v1/models, and requests as lm-evaluation-harness sends them
+
+
+@pytest.fixture(scope="module")
+def local(ckpt):
+    """The server's checkpoint loaded in this process by the repo's own code: what its answers must match. On one
+    thread, as the server runs: two threads on two cores shared with the server made each forward of this small
+    model ~100x slower (0.2 s)."""
+    model, _ = load_model(ckpt, "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield SimpleNamespace(model=model, tok=load_tokenizer(ckpt))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def model_logprobs(local, ids):
+    """The model's log-softmax (float32) over BOS + ids, computed here: row j is the distribution of ids[j]."""
+    with torch.no_grad():
+        logits = local.model(torch.tensor([[local.tok.bos_id] + ids]))[0][0, :, :local.tok.vocab_size]
+    return logits.float().log_softmax(dim=-1)
+
+
+def byte_id(tok, text):
+    """A byte tokenizer's token id from its text in logprobs: "" is BOS, "bytes:\\xNN" a byte that is no character
+    alone, any other text the one character its byte is."""
+    if text == "":
+        return tok.bos_id
+    data = bytes.fromhex(text[len("bytes:"):].replace("\\x", "")) if text.startswith("bytes:") else text.encode()
+    assert len(data) == 1, text
+    return data[0]
+
+
+def test_echo_and_logprobs_are_the_models_own_distribution(server, local):
+    """An echoed prompt and sampled tokens (temperature 0.5, top_k 5): each token's logprob and its 5 most likely
+    tokens are the model's log-softmax computed here, untouched by temperature and top_k; a character in two byte
+    tokens shows as two bytes: tokens at its offset; asking for logprobs changes nothing that is drawn."""
+    prompt = "x = 'é'\n"
+    ids = local.tok.encode(prompt)
+    body = dict(prompt=prompt, max_tokens=24, temperature=0.5, top_k=5, seed=11)
+    text = complete(server, **body)["choices"][0]["text"]
+    r = complete(server, **body, echo=True, logprobs=5)
+    choice, lp = r["choices"][0], r["choices"][0]["logprobs"]
+    assert choice["text"] == prompt + text and set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert "".join(c["choices"][0]["text"] for c in stream(server, **body, echo=True)) == prompt + text
+    tokens = [byte_id(local.tok, t) for t in lp["tokens"]]
+    assert tokens[:len(ids)] == ids and len(tokens) == len(ids) + r["usage"]["completion_tokens"]
+    assert lp["tokens"][5:7] == ["bytes:\\xc3", "bytes:\\xa9"]
+    assert lp["text_offset"][:len(ids)] == [0, 1, 2, 3, 4, 5, 5, 6, 7]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # the first prompt token, as OpenAI's
+    want = model_logprobs(local, tokens)
+    for j in range(1, len(tokens)):
+        top = lp["top_logprobs"][j]
+        assert lp["token_logprobs"][j] == pytest.approx(want[j, tokens[j]].item(), abs=1e-4), j
+        assert sorted(top.values(), reverse=True) == pytest.approx(want[j].topk(5).values.tolist(), abs=1e-4), j
+        assert all(v == pytest.approx(want[j, byte_id(local.tok, t)].item(), abs=1e-4) for t, v in top.items()), j
+    for token, offset in zip(lp["tokens"], lp["text_offset"]):  # a one-character token is where its offset says
+        if len(token) == 1:
+            assert choice["text"][offset] == token
+    # without echo: the generated tokens' entries alone, their offsets still counted from the prompt's start
+    alone = complete(server, **body, logprobs=1)["choices"][0]["logprobs"]
+    assert all(alone[k] == lp[k][len(ids):] for k in ("tokens", "token_logprobs", "text_offset"))
+    assert [len(top) for top in alone["top_logprobs"]] == [1] * len(alone["tokens"])
+
+
+def test_logprobs_past_the_context_are_of_the_window_the_model_read(local):
+    """In process: 40 tokens after a 55-token prompt pass the 64-token context, where generate() restarts its KV
+    cache from the last 32 tokens (model.py): each token's logprob is of the window the model read for it."""
+    tok = local.tok
+    ctx = SimpleNamespace(model=local.model, tok=tok, dev="cpu", stopping=threading.Event())
+    ids, scored = tok.encode("x" * 55), []
+    p = dict(max_tokens=40, temperature=1.0, top_k=None, top_p=1.0, seed=3, stop=[], logprobs=2)
+    list(sample.complete(ctx, p, ids, lambda: False, scored))
+    seq, start = [tok.bos_id] + ids + [token for token, _ in scored], 0
+    for i, (token, (logprob, _)) in enumerate(scored):
+        end = len(ids) + 1 + i  # the tokens before this one
+        if end - start > 64:  # the window would pass the context: it restarts from the last 32 tokens
+            start = end - 32
+        with torch.no_grad():
+            logits = local.model(torch.tensor([seq[start:end]]))[0][0, -1, :tok.vocab_size]
+        assert logprob == pytest.approx(logits.float().log_softmax(dim=-1)[token].item(), abs=1e-4), i
+    assert len(scored) == 40 and start > 0
+
+
+def test_models_lists_the_one_model_served(server, ckpt):
+    status, _, data = call(server, "GET", "/v1/models")
+    assert status == 200 and json.loads(data) == {"object": "list", "data": [
+        {"id": ckpt, "object": "model", "created": int(os.path.getmtime(ckpt)), "owned_by": "podgpt"}]}
+    assert call(server, "POST", "/v1/models")[0] == 405
+    # a request may name it, or anything else (lm-evaluation-harness names its tokenizer): the reply names it
+    assert complete(server, prompt="x", max_tokens=1, model=ckpt)["model"] == ckpt
+
+
+def test_openai_parameters_at_values_that_change_nothing_are_accepted(server):
+    body = dict(prompt="def main(", max_tokens=8, temperature=1.0, seed=4)
+    neutral = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0.0, suffix="", logit_bias={},
+                   stream_options=None, user="someone", model="any", echo=False, logprobs=None)
+    assert set(sample.UNSUPPORTED) <= set(neutral)
+    assert complete(server, **body, **neutral)["choices"][0]["text"] == complete(server, **body)["choices"][0]["text"]
+
+
+def lm_eval_loglikelihood(server, tok, context, continuation, max_tokens, tokenized=True):
+    """(log-likelihood of continuation after context, is_greedy, context ids, continuation ids), asked and read as
+    lm-evaluation-harness's local-completions model does (0.4.x: TemplateLM.loglikelihood and _encode_pair in
+    lm_eval/api/model.py; _create_payload and parse_logprobs in lm_eval/models/openai_completions.py): the prompt
+    as token ids in a batch of one (tokenized_requests=False: as the text they decode to). It sends max_tokens=1
+    and cuts the one generated token off the end; with max_tokens=0 (its versions before 0.4.3, and other
+    OpenAI-style scorers) there is none to cut."""
+    if context == "":  # an empty context is the prefix token: the export's tokenizer's bos_token
+        context_enc, continuation_enc = [tok.bos_id], tok.encode(continuation)
+    else:  # the context's trailing spaces go to the continuation; the whole is encoded, the context split off
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, context_enc = tok.encode(context + continuation), tok.encode(context)
+        continuation_enc = whole[len(context_enc):]
+    ids = context_enc + continuation_enc
+    r = complete(server, model="export/tiny", prompt=[ids] if tokenized else tok.decode(ids), temperature=0,
+                 max_tokens=max_tokens, logprobs=1, seed=1234, echo=True)
+    choice = sorted(r["choices"], key=lambda c: c["index"])[0]
+    end = -1 if max_tokens == 1 else None
+    logprobs = choice["logprobs"]["token_logprobs"][len(context_enc):end]
+    top = choice["logprobs"]["top_logprobs"][len(context_enc):end]
+    return sum(logprobs), all(lp == max(t.values()) for lp, t in zip(logprobs, top)), context_enc, continuation_enc
+
+
+def model_loglikelihood(local, context_enc, continuation_enc):
+    """(log-likelihood, is_greedy) of the continuation from the model here, after BOS and the context (less the BOS
+    that stands for an empty one): is_greedy by argmax."""
+    context = context_enc[1:] if context_enc[:1] == [local.tok.bos_id] else context_enc
+    want = model_logprobs(local, context + continuation_enc)[len(context):]
+    return (sum(want[i, t].item() for i, t in enumerate(continuation_enc)),
+            all(want[i].argmax().item() == t for i, t in enumerate(continuation_enc)))
+
+
+def test_lm_eval_loglikelihood_requests_get_the_models_answer(server, local):
+    """The model's greedy text here is spaces: the first pair is greedy, the others are not; an empty context and
+    one whose trailing space moves to the continuation are lm-eval's two special cases."""
+    pairs = [("def main(", "    "), ("import os\n", "import sys"), ("", "import"), ("x = 1 ", "+ 2")]
+    greedy = set()
+    for (context, continuation), max_tokens in itertools.product(pairs, (1, 0)):
+        got = lm_eval_loglikelihood(server, local.tok, context, continuation, max_tokens)
+        want = model_loglikelihood(local, *got[2:])
+        assert got[0] == pytest.approx(want[0], abs=1e-4) and got[1] == want[1], (context, continuation, max_tokens)
+        if context:  # tokenized_requests=False: the same (an empty context's BOS has no text)
+            assert lm_eval_loglikelihood(server, local.tok, context, continuation, max_tokens, False) == got
+        greedy.add(got[1])
+    assert greedy == {True, False}
+
+
+def test_lm_eval_generate_until_requests_get_the_greedy_text(server, local):
+    """generate_until as local-completions asks it: the context's token ids, max_gen_toks as max_tokens,
+    temperature 0, the task's until and the tokenizer's EOS text ("<|bos|>": export.py's name for BOS) as stop,
+    seed 1234; the answer is the reply's text, which must be the greedy text here, cut before the first stop."""
+    ids = local.tok.encode("def main():\n")
+    drawn = local.model.generate(torch.tensor([[local.tok.bos_id] + ids]), 8, temperature=0)
+    greedy = local.tok.decode(list(itertools.takewhile(lambda t: t != local.tok.bos_id, (t.item() for t in drawn))))
+    for until in (["\n\n"], ["\n\n", greedy[2:4]]):
+        stop = until + ["<|bos|>"]
+        r = complete(server, prompt=[ids], model="export/tiny", max_tokens=8, temperature=0, stop=stop, seed=1234)
+        cut = min((greedy.find(s) for s in stop if s in greedy), default=len(greedy))
+        assert sorted(r["choices"], key=lambda c: c["index"])[0]["text"] == greedy[:cut], (until, greedy)
+
+
 BAD = [  # (body, param the error names)
     (b"{not json", None),
     (b"[1, 2]", None),
@@ -221,6 +391,31 @@ BAD = [  # (body, param the error names)
     ({"prompt": "x", "stop": ["ok", 3]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),  # OpenAI's limit
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": 1, "stream": True}, "logprobs"),  # a stream carries no logprobs
+    ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": "x", "user": ["a"]}, "user"),
+    ({"prompt": [[1], [2]]}, "prompt"),  # a batch: one prompt per request
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [257]}, "prompt"),  # past the byte tokenizer's 257 ids (BOS is 256)
+    ({"prompt": [1, True]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    # OpenAI's parameters this server does not implement, at a value that would change the answer, and keys it
+    # does not know: never ignored
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": False}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -1}, "frequency_penalty"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "suffix": "\n"}, "suffix"),
+    ({"prompt": "x", "logit_bias": {"50": 100}}, "logit_bias"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "min_p": 0.1}, "min_p"),  # a vLLM extension
+    ({"prompt": "x", "max_new_tokens": 8}, "max_new_tokens"),  # a misspelt max_tokens
+    ({"prompt": "x", "k" * 100: 1}, "k" * 40 + "..."),  # named, cut short
     ({"prompt": "x", "stop": ["a"] * (sample.MAX_STOPS + 1)}, "stop"),
     ({"prompt": "x", "stop": "a" * (sample.MAX_STOP_CHARS + 1)}, "stop"),
     ({"prompt": "x", "stop": "a" * 1_000_000}, "stop"),  # once held the model ~14 s per token
