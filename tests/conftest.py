@@ -62,21 +62,30 @@ def run(args, env=None, check=True, timeout=600):
 
 
 def run_script(args, capfd):
-    """`python script.py argv...` as run_main(script.main, argv) in this process: its exit status, and what
-    it wrote to file descriptors 1 and 2 (torch's C++ and logging output too). A Python warning counts as a
-    line of stderr, as it would be one there (pytest would otherwise collect it, once per place). The
-    signal handlers a script sets (train.py's preemption notices) are put back."""
+    """`python script.py argv...` as run_main(script.main, argv) in this process, as run() would run it: from
+    the repo root, on one torch thread (run's OMP_NUM_THREADS=1: two xdist workers on two cores, each spinning
+    a thread per core, stall each other). Its exit status, and what it wrote to file descriptors 1 and 2
+    (torch's C++ and logging output too). A Python warning counts as a line of stderr, as it would be one
+    there (pytest would otherwise collect it, once per place). The signal handlers a script sets (train.py's
+    preemption notices), the working folder and the thread count are put back."""
+    import torch
+
     script, *argv = map(str, args)
     module = importlib.import_module(script.removesuffix(".py"))
     capfd.readouterr()  # what came before is not the script's
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+    cwd, threads = os.getcwd(), torch.get_num_threads()
     try:
+        os.chdir(ROOT)
+        torch.set_num_threads(1)
         with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as e:
             warnings.simplefilter("always")
             run_main(module.main, argv)
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
     out, err = capfd.readouterr()
     err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)

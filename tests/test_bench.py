@@ -5,7 +5,9 @@ import json
 import os
 import runpy
 import sys
+import warnings
 from datetime import datetime, timezone
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,11 +25,43 @@ FAST = ["--warmup=1", "--iters=2"]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
-def run_probe(tmp_path, name, *args, launch=(sys.executable,), timeout=600):
-    """Run bench/<name>.py into a fresh results file; its one JSON line, checked for the fields every
-    result carries (the device's are the caller's to check: this file's CPU, tests/test_gpu.py's GPU)."""
+def in_this_process(capfd, name, *args):
+    """`python bench/<name>.py args` run in this process, where torch and the repo are already imported, as
+    that command runs it: as __main__ from the repo root, with its sys.argv and sys.orig_argv (the result
+    line records the command from these), on one torch thread (conftest.run's OMP_NUM_THREADS=1: two xdist
+    workers on two cores, each spinning a thread per core, stall each other). Its exit status and what it
+    wrote to file descriptors 1 and 2, a Python warning as a line of stderr (as conftest.run_script)."""
+    script = f"bench/{name}.py"
+    threads = torch.get_num_threads()
+    capfd.readouterr()  # what came before is not the probe's
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(SystemExit) as e:
+        mp.chdir(ROOT)
+        mp.syspath_prepend(os.path.join(ROOT, "bench"))
+        mp.setattr(sys, "argv", [script, *args])
+        mp.setattr(sys, "orig_argv", [sys.executable, script, *args])
+        warnings.simplefilter("always")
+        torch.set_num_threads(1)
+        try:
+            runpy.run_path(os.path.join(ROOT, script), run_name="__main__")
+        finally:
+            torch.set_num_threads(threads)
+    out, err = capfd.readouterr()
+    err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+    return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
+
+
+def run_probe(tmp_path, name, *args, launch=(sys.executable,), timeout=600, capfd=None):
+    """Run bench/<name>.py into a fresh results file (a new process; with capfd, in_this_process); its one
+    JSON line, checked for the fields every result carries (the device's are the caller's to check: this
+    file's CPU, tests/test_gpu.py's GPU)."""
     out = tmp_path / f"{name}.jsonl"
-    r = run([*launch, f"bench/{name}.py", *args, f"--out={out}"], timeout=timeout)
+    if capfd is None:
+        r = run([*launch, f"bench/{name}.py", *args, f"--out={out}"], timeout=timeout)
+    else:
+        assert launch == (sys.executable,), "a launcher (torchrun) runs its own processes"
+        r = in_this_process(capfd, name, *args, f"--out={out}")
+        assert r.returncode == 0, f"bench/{name}.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     lines = out.read_text().splitlines()
     assert len(lines) == 1, lines
     rec = json.loads(lines[0])
@@ -41,8 +75,10 @@ def run_probe(tmp_path, name, *args, launch=(sys.executable,), timeout=600):
     return rec
 
 
-def probe(tmp_path, name, *args, launch=(sys.executable,)):
-    rec = run_probe(tmp_path, name, *args, launch=launch)
+def probe(capfd, tmp_path, name, *args, launch=None):
+    """A CPU result of bench/<name>.py: run in this process, or under launch (torchrun) in processes of its own."""
+    rec = run_probe(tmp_path, name, *args, capfd=capfd) if launch is None else \
+        run_probe(tmp_path, name, *args, launch=launch)
     assert rec["device"].startswith("cpu") and rec["driver"] is None
     return rec
 
@@ -56,8 +92,8 @@ def model_of(rec, **changes):
     return GPTConfig(**{k: v for k, v in rec["model"].items() if k != "padded_vocab"} | changes)
 
 
-def test_matmul(tmp_path):
-    rec = probe(tmp_path, "matmul", "--device=cpu", "--sizes=64,32x48x16", *FAST)
+def test_matmul(tmp_path, capfd):
+    rec = probe(capfd, tmp_path, "matmul", "--device=cpu", "--sizes=64,32x48x16", *FAST)
     assert [(r["m"], r["k"], r["n"]) for r in rec["rows"]] == [(64, 64, 64), (32, 48, 16)]
     assert rec["dtype"] == "float32"
     for r in rec["rows"]:
@@ -66,8 +102,8 @@ def test_matmul(tmp_path):
     assert rec["peak_tflops"] is None and rec["fraction_of_peak"] is None  # no datasheet peak for a CPU
 
 
-def test_attention_every_backend_with_and_without_documents(tmp_path):
-    rec = probe(tmp_path, "attention", "--device=cpu", *FAST)  # the CPU defaults: T 64 and 128, head dim 16
+def test_attention_every_backend_with_and_without_documents(tmp_path, capfd):
+    rec = probe(capfd, tmp_path, "attention", "--device=cpu", *FAST)  # the CPU defaults: T 64 and 128, head dim 16
     import model
     backends = [*model.ATTENTION_BACKENDS, "sdpa"]
     assert rec["backends"] == backends
@@ -87,9 +123,9 @@ def test_attention_every_backend_with_and_without_documents(tmp_path):
     assert any(r["status"] == "ok" and r["doc_mask"] for r in rec["rows"])  # math and sdpa mask documents on a CPU
 
 
-def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path):
+def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path, capfd):
     # a 1-layer slice of tiny.py's 4 layers: measured at 1 and 2 layers, extrapolated to 4
-    rec = probe(tmp_path, "mfu", "config/tiny.py", *SHAPE, "--n_layer=1", "--micro_batches=1,2",
+    rec = probe(capfd, tmp_path, "mfu", "config/tiny.py", *SHAPE, "--n_layer=1", "--micro_batches=1,2",
                 "--grad_ckpts=none,full", "--ceiling_tflops=0.5", *FAST)
     full = model_of(rec)
     assert (full.n_layer, full.n_embd, full.block_size, full.vocab_size) == (4, 64, 64, 256)
@@ -118,8 +154,8 @@ def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path):
     assert rec["best"] in ext["rows"] or rec["best"] is None
 
 
-def test_memory_predicts_what_model_memory_estimate_says(tmp_path):
-    rec = probe(tmp_path, "memory", *TINY, "--micro_batches=1,2", "--grad_ckpts=none,full,selective")
+def test_memory_predicts_what_model_memory_estimate_says(tmp_path, capfd):
+    rec = probe(capfd, tmp_path, "memory", *TINY, "--micro_batches=1,2", "--grad_ckpts=none,full,selective")
     mconfig = model_of(rec)
     assert (mconfig.n_layer, mconfig.n_embd, mconfig.block_size) == (2, 64, 64)
     assert rec["compute_bytes"] == 4 and rec["dtype"] == "float32"  # tiny.py: float32
@@ -133,7 +169,7 @@ def test_memory_predicts_what_model_memory_estimate_says(tmp_path):
 
 
 def test_comms_two_ranks_under_torchrun(tmp_path):
-    rec = probe(tmp_path, "comms", "--device=cpu", "--sizes=1024,65536", *FAST, launch=TORCHRUN)
+    rec = probe(None, tmp_path, "comms", "--device=cpu", "--sizes=1024,65536", *FAST, launch=TORCHRUN)
     assert rec["backend"] == "gloo" and rec["world_size"] == 2 and "--nproc_per_node=2" in rec["command"]
     assert [r["bytes"] for r in rec["rows"]] == [1024, 65536]
     for r in rec["rows"]:
@@ -142,8 +178,8 @@ def test_comms_two_ranks_under_torchrun(tmp_path):
     assert rec["best_busbw_gbps"] == max(r["busbw_gbps"] for r in rec["rows"])
 
 
-def test_loader_against_the_gpu_rate(tmp_path, stdlib_data):
-    rec = probe(tmp_path, "loader", f"--data_dir={stdlib_data}", "--block_size=64", "--micro_batch_size=4",
+def test_loader_against_the_gpu_rate(tmp_path, stdlib_data, capfd):
+    rec = probe(capfd, tmp_path, "loader", f"--data_dir={stdlib_data}", "--block_size=64", "--micro_batch_size=4",
                 "--device=cpu", "--gpu_tokens_per_sec=1000", "--iters=20")
     assert rec["data_dir"] == stdlib_data and rec["tokenizer"] == "byte" and rec["windows"] > 0
     assert (rec["micro_batch"], rec["block_size"]) == (4, 64)
@@ -151,9 +187,9 @@ def test_loader_against_the_gpu_rate(tmp_path, stdlib_data):
     assert close(rec["headroom"], rec["tokens_per_sec"] / 1000)
 
 
-def test_vs_hf_same_shape_both_timed(tmp_path):
+def test_vs_hf_same_shape_both_timed(tmp_path, capfd):
     pytest.importorskip("transformers")
-    rec = probe(tmp_path, "vs_hf", *TINY, "--micro_batch_size=2", "--windows=2", *FAST)
+    rec = probe(capfd, tmp_path, "vs_hf", *TINY, "--micro_batch_size=2", "--windows=2", *FAST)
     assert rec["params_ours"] == rec["params_hf"]  # the Llama mapping builds the same model
     assert rec["model"]["attn_backend"] == "sdpa" and rec["compile"] is False
     assert [len(v) for v in rec["per_window"].values()] == [2, 2]

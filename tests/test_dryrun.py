@@ -3,13 +3,15 @@ that must reproduce steps N/2+1..N; one process and two ranks, and a deliberatel
 import json
 import sys
 
-from conftest import ROOT, TINY_MODEL, run
+import checkpoint
+from conftest import TINY_MODEL, run, run_script
 
 ARGS = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=256", "--dryrun_steps=6"]
 
 
-def test_dry_run_passes_on_one_process(tmp_path, stdlib_data):
-    r = run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", *ARGS])
+def test_dry_run_passes_on_one_process(tmp_path, stdlib_data, capfd):
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", *ARGS], capfd)
+    assert r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     report = json.load(open(tmp_path / "dryrun.json"))
     assert report["ok"] and report["problems"] == [] and "dry run ok: 6 steps on 1 rank(s)" in r.stdout
     assert report["resume_check"]["steps"] == [4, 5, 6] and report["resume_check"]["max_rel_diff"] == 0
@@ -24,21 +26,16 @@ def test_dry_run_passes_on_two_ranks(tmp_path, stdlib_data):
     assert [x["steps"] for x in report["ranks"]] == [6, 6] and report["resume_check"]["max_rel_diff"] == 0
 
 
-def test_dry_run_fails_when_resume_is_broken(tmp_path, stdlib_data):
+def test_dry_run_fails_when_resume_is_broken(tmp_path, stdlib_data, monkeypatch, capfd):
     """A resume that restores the loader one sample off (what a lost loader state looks like) is caught."""
-    wrapper = tmp_path / "broken_resume.py"
-    wrapper.write_text(f"""import sys
-sys.path.insert(0, {ROOT!r})
-import checkpoint, train, util
-load = checkpoint.load_checkpoint
-def off_by_one(path, device):
-    ckpt = load(path, device)
-    ckpt["trainer"]["samples"] += 1
-    return ckpt
-checkpoint.load_checkpoint = off_by_one
-util.run_main(train.main, sys.argv[1:])
-""")
-    r = run([sys.executable, str(wrapper), f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}/out", *ARGS], check=False)
+    load = checkpoint.load_checkpoint
+
+    def off_by_one(path, device):
+        ckpt = load(path, device)
+        ckpt["trainer"]["samples"] += 1
+        return ckpt
+    monkeypatch.setattr(checkpoint, "load_checkpoint", off_by_one)  # train.py's main, in this process, resumes with it
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}/out", *ARGS], capfd)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "error: dry run failed: the resumed run does not reproduce steps 4..6" in r.stderr
     assert json.load(open(tmp_path / "out" / "dryrun.json"))["ok"] is False

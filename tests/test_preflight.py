@@ -3,39 +3,45 @@ from this CPU, no data) and on real data that is contaminated or mismatched."""
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import TINY_MODEL, run
+from conftest import TINY_MODEL, run_script
 from data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from prepare import write_shard
 
 NO_DATA = "--data_dir=/nonexistent/podgpt-data"  # planned before the data exists (and not inside out_dir)
 
 
-def preflight(out, *args, check=False):
+def train_py(capfd, *args, check=True):
+    """`python train.py args` as its main in this process (conftest.run_script: no torch import per run);
+    check: it must exit 0, else its output is shown."""
+    r = run_script(["train.py", *args], capfd)
+    assert not check or r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def preflight(capfd, out, *args, check=False):
     """Preflight planned on this CPU (pinned: a GPU on the machine running the tests changes nothing)."""
-    r = run([sys.executable, "train.py", *args, "--device=cpu", "--preflight_only=True", f"--out_dir={out}"],
-            check=check)
+    r = train_py(capfd, *args, "--device=cpu", "--preflight_only=True", f"--out_dir={out}", check=check)
     report = json.load(open(os.path.join(out, "preflight.json")))
     assert os.path.exists(os.path.join(out, "preflight.md"))
     return r, report, {g["name"]: g for g in report["gates"]}
 
 
-def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path):
+def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path, capfd):
     """Seed 001's d64 on 8x H100 80GB: ~12.9B parameters (not the runbook's 4.3B). Its config trains it
     under FSDP with full activation checkpointing, which fits; plain DDP is far over 80 GB per GPU, and
     the gate names the fix."""
     plan = ["config/h100_d64.py", "--gpu_mem_gb=80", "--expect_world_size=8", NO_DATA]
-    r, report, gates = preflight(tmp_path, *plan)
+    r, report, gates = preflight(capfd, tmp_path, *plan)
     assert report["plan"]["params"]["total"] == pytest.approx(12.885e9, rel=1e-3)
     mem = gates["memory_fit"]
     assert mem["verdict"] == "pass" and mem["value"] < 0.92 * 80e9, mem
     assert mem["detail"].startswith("FSDP + grad_ckpt=full:")
     assert gates["corpus_model_fit"]["verdict"] == "skip"  # no data prepared: said, not guessed
-    r, report, gates = preflight(tmp_path, *plan, "--dist_mode=ddp", "--grad_ckpt=none")
+    r, report, gates = preflight(capfd, tmp_path, *plan, "--dist_mode=ddp", "--grad_ckpt=none")
     assert r.returncode == 1 and report["verdict"] == "block"
     mem = gates["memory_fit"]
     assert mem["verdict"] == "block" and mem["value"] > 80e9 and mem["detail"].startswith("DDP:")
@@ -43,8 +49,8 @@ def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path):
     assert report["plan"]["memory_sharded"]["total"] < 0.92 * 80e9 < report["plan"]["memory_ddp"]["total"]
 
 
-def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path):
-    r, report, gates = preflight(tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", NO_DATA,
+def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path, capfd):
+    r, report, gates = preflight(capfd, tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", NO_DATA,
                                  "--planned_mfu=0.4", "--plan_gpu=H200")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = report["plan"]
@@ -56,14 +62,14 @@ def test_h200_1b_is_20_tokens_per_parameter_and_fits(tmp_path):
                                                             plan["flops_per_token"]) / 3600, rel=1e-6)
 
 
-def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path):
+def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
     """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so
     the gate says where budget_usd will stop it."""
-    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100")
     assert report["plan"]["params"]["non_embedding"] == pytest.approx(50.3e6, rel=1e-2)
     assert gates["time_and_cost"]["verdict"] == "warn" and "budget_usd stops it near step" in gates["time_and_cost"]["detail"]
-    r, report, gates = preflight(tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100", "--gate_profile=release")
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
 
@@ -93,28 +99,28 @@ def contaminate(src, dst):
         json.dump(manifest, f)
 
 
-def test_contamination_blocks_and_allow_unsafe_proceeds(tmp_path, stdlib_data):
+def test_contamination_blocks_and_allow_unsafe_proceeds(tmp_path, stdlib_data, capfd):
     data = tmp_path / "data"
     contaminate(stdlib_data, data)
-    r, report, gates = preflight(tmp_path / "pf", f"--data_dir={data}", *TINY)
+    r, report, gates = preflight(capfd, tmp_path / "pf", f"--data_dir={data}", *TINY)
     assert r.returncode == 1 and gates["contamination"]["verdict"] == "block" and gates["contamination"]["value"] == 1
-    r = run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY], check=False)
+    r = train_py(capfd, f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY, check=False)
     assert r.returncode == 1 and "preflight blocks: contamination" in r.stderr
     assert not os.path.exists(tmp_path / "run" / "ckpt")  # nothing trained, nothing written
-    r = run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY, "--allow_unsafe=True"])
+    r = train_py(capfd, f"--data_dir={data}", f"--out_dir={tmp_path}/run", *TINY, "--allow_unsafe=True")
     assert "warning: preflight gate contamination blocks, allow_unsafe=True goes on" in r.stderr
     assert json.load(open(tmp_path / "run" / "summary.json"))["status"] == "completed"
     assert json.load(open(tmp_path / "run" / "preflight.json"))["verdict"] == "block"
 
 
-def test_vocabulary_mismatch_blocks(tmp_path, stdlib_data):
-    r, report, gates = preflight(tmp_path, f"--data_dir={stdlib_data}", *TINY, "--vocab_size=300")
+def test_vocabulary_mismatch_blocks(tmp_path, stdlib_data, capfd):
+    r, report, gates = preflight(capfd, tmp_path, f"--data_dir={stdlib_data}", *TINY, "--vocab_size=300")
     assert r.returncode == 1 and gates["tokenizer_vocab"]["verdict"] == "block"
     assert "vocab_size=300" in gates["tokenizer_vocab"]["detail"]
 
 
-def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data):
-    r, report, gates = preflight(tmp_path, f"--data_dir={stdlib_data}", *TINY, check=True)
+def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data, capfd):
+    r, report, gates = preflight(capfd, tmp_path, f"--data_dir={stdlib_data}", *TINY, check=True)
     assert report["verdict"] in ("pass", "warn")
     assert gates["contamination"]["verdict"] == "pass" and gates["tokenizer_vocab"]["verdict"] == "pass"
     assert "measured here" in gates["time_and_cost"]["detail"] and gates["time_and_cost"]["value"] > 0

@@ -4,32 +4,57 @@ import json
 import sys
 
 import pytest
+import torch
 
-from conftest import run
+import model
+from conftest import run, run_script
 from model import ATTENTION_BACKENDS, GPTConfig, memory_estimate
 
 CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
           "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce", "capacity"]
 
-# run sanity.main after making model.py's attention wrong, its document mask only causal, or its KV cache crash
-WRAPPER = "import sys, model\n{patch}\nimport sanity\nraise SystemExit(sanity.main(sys.argv[1:]))\n"
-WRONG_SCALE = ("right = model.ATTENTION_KERNELS['math']\n"
-               "model.ATTENTION_KERNELS['math'] = lambda *args: 1.5 * right(*args)")
-NO_DOCUMENTS = ("model.Documents.dense = lambda self: "
-                "model.torch.ones(self.ids.size(1), self.ids.size(1), dtype=model.torch.bool).tril()")
-CRASH = ("def crash(*args):\n    raise RuntimeError('cache exploded\\nsecond line')\n"
-         "model.KVCache.update = crash")
+
+# sanity.main run after making model.py's attention wrong, its document mask only causal, or its KV cache crash
+def wrong_scale(monkeypatch):
+    right = model.ATTENTION_KERNELS["math"]
+    monkeypatch.setitem(model.ATTENTION_KERNELS, "math", lambda *args: 1.5 * right(*args))
 
 
-def sanity(out, *args, script=("sanity.py",), config="config/tiny.py", check=True):
-    r = run([sys.executable, *script, config, f"--out_dir={out}", *args], check=check)
+def no_documents(monkeypatch):
+    monkeypatch.setattr(model.Documents, "dense",
+                        lambda self: torch.ones(self.ids.size(1), self.ids.size(1), dtype=torch.bool).tril())
+
+
+def crash(monkeypatch):
+    def exploded(*args):
+        raise RuntimeError("cache exploded\nsecond line")
+    monkeypatch.setattr(model.KVCache, "update", exploded)
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """sanity.py's main runs in this process (conftest.run_script) with model.py's cache of resolved attention
+    backends empty, as in a new interpreter (its patches above reach what auto resolves, and nothing resolved
+    under them stays)."""
+    monkeypatch.setattr(model, "resolved", {})
+
+
+def read_report(out):
     with open(out / "sanity.json") as f:
         report = json.load(f)
-    return r, report, {c["name"]: c for c in report["checks"]}, (out / "sanity.md").read_text()
+    return report, {c["name"]: c for c in report["checks"]}, (out / "sanity.md").read_text()
 
 
-def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data):
-    r, report, checks, md = sanity(tmp_path, f"--data_dir={stdlib_data}")
+def sanity(capfd, out, *args, config="config/tiny.py", check=True):
+    """`python sanity.py config --out_dir=out args`, as its main in this process: (the run, its report, its
+    checks by name, sanity.md); check: it must exit 0, else its output is shown."""
+    r = run_script(["sanity.py", config, f"--out_dir={out}", *args], capfd)
+    assert not check or r.returncode == 0, f"sanity.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return (r, *read_report(out))
+
+
+def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data, capfd):
+    r, report, checks, md = sanity(capfd, tmp_path, f"--data_dir={stdlib_data}")
     assert r.returncode == 0 and report["passed"] and "sanity passed" in r.stdout
     assert list(checks) == CHECKS
     for c in checks.values():
@@ -48,20 +73,22 @@ def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sanity.json", "sanity.md"]  # no checkpoint scratch left
 
 
-# kind: (arguments, how sanity runs, the check that must fail, what its detail must say)
+# kind: (arguments, the patch model.py runs under, the check that must fail, what its detail must say)
 FAILURES = {
-    "disk": (["--min_free_disk_gb=1e9"], ("sanity.py",), "disk", "(need 1e+09)"),
-    "dataset": (["--vocab_size=50257"], ("sanity.py",), "dataset", "vocab_size=50257 but"),
-    "attention": ([], ("-c", WRAPPER.format(patch=WRONG_SCALE)), "attention:math", "OVER 0.0001"),
-    "doc_mask": ([], ("-c", WRAPPER.format(patch=NO_DOCUMENTS)), "attention:doc_mask", "OVER 0.0001"),
-    "crash": ([], ("-c", WRAPPER.format(patch=CRASH)), "kv_cache", "RuntimeError: cache exploded"),
+    "disk": (["--min_free_disk_gb=1e9"], None, "disk", "(need 1e+09)"),
+    "dataset": (["--vocab_size=50257"], None, "dataset", "vocab_size=50257 but"),
+    "attention": ([], wrong_scale, "attention:math", "OVER 0.0001"),
+    "doc_mask": ([], no_documents, "attention:doc_mask", "OVER 0.0001"),
+    "crash": ([], crash, "kv_cache", "RuntimeError: cache exploded"),
 }
 
 
 @pytest.mark.parametrize("kind", FAILURES)
-def test_each_kind_of_check_can_fail(tmp_path, stdlib_data, kind):
-    args, script, failing, message = FAILURES[kind]
-    r, report, checks, md = sanity(tmp_path, f"--data_dir={stdlib_data}", *args, script=script, check=False)
+def test_each_kind_of_check_can_fail(tmp_path, stdlib_data, kind, monkeypatch, capfd):
+    args, patch, failing, message = FAILURES[kind]
+    if patch:
+        patch(monkeypatch)
+    r, report, checks, md = sanity(capfd, tmp_path, f"--data_dir={stdlib_data}", *args, check=False)
     assert r.returncode == 1 and not report["passed"] and "sanity FAILED" in r.stdout
     assert [n for n, c in checks.items() if c["status"] == "fail"] == [failing]
     assert message in checks[failing]["detail"], checks[failing]
@@ -69,8 +96,8 @@ def test_each_kind_of_check_can_fail(tmp_path, stdlib_data, kind):
     assert md.startswith("# sanity: FAIL") and f"| {failing} | fail |" in md
 
 
-def test_capacity_on_cpu_plans_the_1b_config(tmp_path):
-    r, report, checks, md = sanity(tmp_path, "--capacity", "--compile=False", "--device=cpu", "--gpu_mem_gb=141",
+def test_capacity_on_cpu_plans_the_1b_config(tmp_path, capfd):
+    r, report, checks, md = sanity(capfd, tmp_path, "--capacity", "--compile=False", "--device=cpu", "--gpu_mem_gb=141",
                                    config="config/h200_1b_ddp8.py")
     cap = report["capacity"]
     assert cap["world_size"] == 8  # the config's expect_world_size
@@ -96,25 +123,26 @@ def test_capacity_on_cpu_plans_the_1b_config(tmp_path):
     assert "| fits 0.92 x 141 GB | yes |" in md and "## capacity" in r.stdout  # the table is printed too
 
 
-def test_capacity_follows_the_runs_dist_mode_and_grad_ckpt(tmp_path):
+def test_capacity_follows_the_runs_dist_mode_and_grad_ckpt(tmp_path, capfd):
     """d64 on 8x 80 GB: its config's FSDP + full activation checkpointing fits, plain DDP would not."""
-    r, report, checks, md = sanity(tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
+    r, report, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
                                    config="config/h100_d64.py", check=False)
     cap = report["capacity"]
     run_layout, ddp = cap["layouts"]["run"], cap["layouts"]["ddp"]
     assert run_layout["label"] == "this run: FSDP + grad_ckpt=full" and run_layout["fits"] and not ddp["fits"]
     assert run_layout["bytes"] == cap["layouts"]["sharded_act_ckpt"]["bytes"]
     assert checks["capacity"]["status"] == "pass" and "this run fits gpu_mem_gb=80" in checks["capacity"]["detail"]
-    r, report, checks, md = sanity(tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80", "--dist_mode=ddp",
-                                   "--grad_ckpt=none", config="config/h100_d64.py", check=False)
+    r, report, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
+                                   "--dist_mode=ddp", "--grad_ckpt=none", config="config/h100_d64.py", check=False)
     assert checks["capacity"]["status"] == "fail" and "this run does NOT fit" in checks["capacity"]["detail"]
     assert r.returncode == 1
 
 
 def test_two_ranks_under_torchrun_check_the_all_reduce(tmp_path):
-    r, report, checks, md = sanity(tmp_path, "--allreduce_mb=4",
-                                   script=("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                           "sanity.py"))
+    # torchrun: two processes of their own
+    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "sanity.py",
+             "config/tiny.py", f"--out_dir={tmp_path}", "--allreduce_mb=4"])
+    report, checks, md = read_report(tmp_path)
     assert r.returncode == 0 and report["passed"] and report["world_size"] == 2
     assert checks["allreduce"]["status"] == "pass" and "right on 2/2 ranks" in checks["allreduce"]["detail"]
     assert "busbw" in checks["allreduce"]["detail"]
