@@ -953,8 +953,10 @@ def test_ctrl_c_stops_in_one_line_and_keeps_the_previous_data(corpus, tmp_path):
     out = tmp_path / "data"
     assert prepared(corpus, out) == 0
     before = tree(out)
-    big = tmp_path / "big.jsonl"  # ~40 MB: seconds of tokenizing, in 40 shards
-    big.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 160}) + "\n" for i in range(40_000)))
+    # ~120 MB in 120 shards; the signal follows the first. 40 MB was once tokenized whole on a loaded CI before
+    # this test's polling, starved by the other tests on the cores, sent it: the signal must land mid-build
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 160}) + "\n" for i in range(120_000)))
     proc = subprocess.Popen([sys.executable, "prepare.py", f"--source={big}", f"--data_dir={out}", "--force",
                              "--val_fraction=0", "--shard_tokens=1000000", "--workers=2"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
