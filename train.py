@@ -662,9 +662,9 @@ class Trainer:
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
         self.metrics.close()
-        if self.trackers:
-            self.trackers.close(status)
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
+        if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
+            self.trackers.close(status)
         if status == "completed":
             log(f"done ({reason}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
                 f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f}) | summary in "
