@@ -1,7 +1,9 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
+import contextlib
 import fcntl
 import hashlib
 import importlib
+import io
 import json
 import os
 import shutil
@@ -89,6 +91,28 @@ def run_script(args, capfd):
     out, err = capfd.readouterr()
     err += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
+
+
+class Captured:
+    """capfd's readouterr for run_script in a module-scoped fixture, which cannot take capfd: what Python
+    prints to sys.stdout and sys.stderr inside `with Captured() as captured:`, other threads' too."""
+
+    def __enter__(self):
+        self.out, self.err = io.StringIO(), io.StringIO()
+        self.redirects = contextlib.ExitStack()
+        self.redirects.enter_context(contextlib.redirect_stdout(self.out))
+        self.redirects.enter_context(contextlib.redirect_stderr(self.err))
+        return self
+
+    def __exit__(self, *exc):
+        self.redirects.close()
+
+    def readouterr(self):
+        text = self.out.getvalue(), self.err.getvalue()
+        for f in (self.out, self.err):
+            f.seek(0)
+            f.truncate()
+        return text
 
 
 def tree(root, stat=False):

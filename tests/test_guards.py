@@ -2,8 +2,10 @@
 budget_file), the loss-spike and NaN fire drills, rollback at half the learning rate, early stopping
 with the best checkpoint, and the free-disk check before a checkpoint.
 
-Every test runs train.py as a subprocess, as a user would, and judges it only by what the run leaves
-behind: its exit code, stdout/stderr, metrics.jsonl, summary.json and ckpt/.
+Every test runs train.py as a user would and judges it only by what the run leaves behind: its exit
+code, stdout/stderr, metrics.jsonl, summary.json and ckpt/. A run goes on while the test watches it
+(budget_file written from outside) or under torchrun as a subprocess, any other as its main in this
+process (conftest.run_script: no torch import per run).
 """
 import json
 import math
@@ -15,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, train_losses
+from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run, run_script, train_losses
 
 # ~125 steps/s on one CPU core: guards with limits of seconds stop a run a few hundred steps in
 FAST = ["--micro_batch_size=4", "--total_batch_tokens=256"]
@@ -24,26 +26,16 @@ FAST = ["--micro_batch_size=4", "--total_batch_tokens=256"]
 NO_SAVE_BEFORE_STOP = ["--max_steps=1000000", "--eval_every=1000000", "--ckpt_every=1000000", "--log_every=10"]
 
 
-def train(out, data, *args, nproc=1, check=True):
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
-    return run([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args], check=check)
-
-
-def train_together(data, *runs, check=True):
-    """Independent single-process runs [(out, args), ...] side by side (one core each); the
-    CompletedProcess of each, which must have exited 0 if check."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [(out, args, subprocess.Popen([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}",
-                                           *TINY_MODEL, *args], cwd=ROOT, env=env, text=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-             for out, args in runs]
-    results = []
-    for out, _, p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        assert not check or p.returncode == 0, f"{out}: exit {p.returncode}\n{stdout[-2000:]}\n{stderr[-3000:]}"
-        results.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return results
+def train(capfd, out, data, *args, nproc=1, check=True):
+    """train.py on the tiny model: one process as its main in this process (conftest.run_script), nproc > 1
+    under torchrun; check: it must exit 0, else its output is shown. capfd: pytest's, or a Captured."""
+    args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
+    if nproc > 1:
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    *args], check=check)
+    r = run_script(args, capfd)
+    assert not check or r.returncode == 0, f"{out}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
 
 
 def start(tmp, out, data, *args):
@@ -138,7 +130,7 @@ def load_weights(folder):
 # 1. time and money
 
 
-def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path, stdlib_data):
+def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path, stdlib_data, capfd):
     """max_hours=0.003 (10.8 s, startup included: the first step ends 2.6 s after the start on an idle
     2-core CPU, and more than 3.6 s after it while other tests load the CPU): the run stops by itself,
     saves the step it reached and exits 0, with the time it took (final save included) still within
@@ -146,7 +138,7 @@ def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path,
     it trains no step and says so."""
     limit = 0.003 * 3600
     args = [*FAST, *NO_SAVE_BEFORE_STOP, "--max_hours=0.003"]
-    r = train(tmp_path, stdlib_data, *args)
+    r = train(capfd, tmp_path, stdlib_data, *args)
     summary = assert_stopped_with_checkpoint(tmp_path, "max_hours")
     assert "stopped at step" in r.stdout and "(max_hours)" in r.stdout
     assert summary["steps"] > 20  # it did train until close to the limit
@@ -154,7 +146,7 @@ def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path,
     assert summary["cost_usd"] == 0  # no price set
 
     steps, folders = summary["steps"], step_folders(tmp_path)
-    r = train(tmp_path, stdlib_data, *args)
+    r = train(capfd, tmp_path, stdlib_data, *args)
     assert f"not training: max_hours already reached at step {steps}" in r.stdout
     again = summary_of(tmp_path)
     assert again["status"] == "stopped" and again["stop_reason"] == "max_hours" and again["steps"] == steps
@@ -162,11 +154,11 @@ def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path,
     assert last_step(tmp_path) <= steps
 
 
-def test_budget_usd_stops_before_the_spend_crosses_the_cap(tmp_path, stdlib_data):
+def test_budget_usd_stops_before_the_spend_crosses_the_cap(tmp_path, stdlib_data, capfd):
     """budget_usd=10 at usd_per_gpu_hour=3600 (one dollar per second of one process; $10 leaves seconds
     of training after the start (see above), whatever the guard reserves for its final save): the run
     stops, saves and exits 0 having spent no more than $10, final save included."""
-    r = train(tmp_path, stdlib_data, *FAST, *NO_SAVE_BEFORE_STOP, "--budget_usd=10", "--usd_per_gpu_hour=3600")
+    r = train(capfd, tmp_path, stdlib_data, *FAST, *NO_SAVE_BEFORE_STOP, "--budget_usd=10", "--usd_per_gpu_hour=3600")
     summary = assert_stopped_with_checkpoint(tmp_path, "budget_usd")
     assert "(budget_usd)" in r.stdout
     assert summary["steps"] > 10
@@ -231,9 +223,9 @@ def test_budget_file_spent_over_the_cap_stops_at_once_without_saving(tmp_path, s
     assert "no checkpoint written" in stdout
 
 
-def test_budget_file_missing_at_start(tmp_path, stdlib_data):
+def test_budget_file_missing_at_start(tmp_path, stdlib_data, capfd):
     """A budget_file that does not exist is refused before anything runs: one error line, exit 1."""
-    r = train(tmp_path / "out", stdlib_data, "--max_steps=5", "--budget_usd=10",
+    r = train(capfd, tmp_path / "out", stdlib_data, "--max_steps=5", "--budget_usd=10",
               f"--budget_file={tmp_path / 'nope.json'}", check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(errors(r.stderr)) == 1 and "nope.json does not exist" in errors(r.stderr)[0], r.stderr
@@ -244,13 +236,13 @@ def test_budget_file_missing_at_start(tmp_path, stdlib_data):
 # 2. loss spikes
 
 
-def test_spike_drill_is_detected_and_counted(tmp_path, stdlib_data):
+def test_spike_drill_is_detected_and_counted(tmp_path, stdlib_data, capfd):
     """inject_spike_at_step=100: steps 100..104 train on batches of the rarest tokens. At
     learning_rate=1e-2 the model has learned the common tokens by then, so those batches cost ~3x the
     recent average loss: above spike_factor=2.5, each is logged as a "spike" and counted, measured
     against the average from before the drill (a spike does not feed the average), and the run
     completes normally."""
-    train(tmp_path, stdlib_data, *FAST, "--learning_rate=1e-2", "--max_steps=150", "--inject_spike_at_step=100",
+    train(capfd, tmp_path, stdlib_data, *FAST, "--learning_rate=1e-2", "--max_steps=150", "--inject_spike_at_step=100",
           "--log_every=1")
     assert [e["step"] for e in events(tmp_path, "drill")] == [100, 101, 102, 103, 104]
     assert all(e["drill"] == "spike" for e in events(tmp_path, "drill"))
@@ -269,7 +261,7 @@ def test_spike_drill_is_detected_and_counted(tmp_path, stdlib_data):
 # 3. non-finite steps
 
 
-def test_nan_drill_under_ddp_is_skipped_on_every_rank(tmp_path, stdlib_data):
+def test_nan_drill_under_ddp_is_skipped_on_every_rank(tmp_path, stdlib_data, capfd):
     """torchrun, 2 ranks, inject_nan_at_step=6: steps 6..10 get a NaN loss on the last rank only, so
     NaN gradients reach both ranks through DDP's all-reduce. Every rank must skip those 5 steps:
     - "nonfinite" events at steps 6..10 and summary nonfinite_steps == 5 exactly: had either rank taken
@@ -278,7 +270,7 @@ def test_nan_drill_under_ddp_is_skipped_on_every_rank(tmp_path, stdlib_data):
       average) is bit-identical to the one at step 5;
     - training then goes on: finite losses after the drill, validation loss going down, and a
       final checkpoint with finite weights."""
-    train(tmp_path, stdlib_data, "--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=25",
+    train(capfd, tmp_path, stdlib_data, "--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=25",
           "--inject_nan_at_step=6", "--max_bad_steps=100", "--log_every=1", "--eval_every=5", "--ckpt_every=5",
           nproc=2)
     assert [e["step"] for e in events(tmp_path, "drill")] == [6, 7, 8, 9, 10]
@@ -296,10 +288,10 @@ def test_nan_drill_under_ddp_is_skipped_on_every_rank(tmp_path, stdlib_data):
     assert all(torch.isfinite(w).all() for w in weights.values())
 
 
-def test_nan_drill_single_process_leaves_model_and_optimizer_untouched(tmp_path, stdlib_data):
+def test_nan_drill_single_process_leaves_model_and_optimizer_untouched(tmp_path, stdlib_data, capfd):
     """One process, inject_nan_at_step=6, max_steps=10: the run ends on the last NaN step, so its final
     checkpoint (step 10) must hold exactly the weights and AdamW state of the step-5 checkpoint."""
-    train(tmp_path, stdlib_data, *FAST, "--max_steps=10", "--inject_nan_at_step=6", "--max_bad_steps=100",
+    train(capfd, tmp_path, stdlib_data, *FAST, "--max_steps=10", "--inject_nan_at_step=6", "--max_bad_steps=100",
           "--log_every=1", "--eval_every=5", "--ckpt_every=5")
     assert [e["step"] for e in events(tmp_path, "nonfinite")] == [6, 7, 8, 9, 10]
     summary = summary_of(tmp_path)
@@ -324,13 +316,13 @@ def test_nan_drill_single_process_leaves_model_and_optimizer_untouched(tmp_path,
 ROLLBACK = [*FAST, "--max_steps=20", "--ckpt_every=5", "--log_every=1"]
 
 
-def test_repeated_nans_roll_back_at_half_the_learning_rate(tmp_path, stdlib_data):
+def test_repeated_nans_roll_back_at_half_the_learning_rate(tmp_path, stdlib_data, capfd):
     """The rollback event (from step 13, lr_scale 0.5), then steps 11..20 again from the step-10
     checkpoint, each logging exactly half the learning rate of the same step in an identical run
     without the drill, the replayed step 11 computing exactly that run's loss (same weights, same
     batch); summary rollbacks 1, lr_scale 0.5, and the run completes."""
-    train_together(stdlib_data, (tmp_path / "ref", ROLLBACK),
-                   (tmp_path / "drill", [*ROLLBACK, "--inject_nan_at_step=11", "--max_bad_steps=3"]))
+    train(capfd, tmp_path / "ref", stdlib_data, *ROLLBACK)
+    train(capfd, tmp_path / "drill", stdlib_data, *ROLLBACK, "--inject_nan_at_step=11", "--max_bad_steps=3")
     ref = {m["step"]: m for m in read_metrics(tmp_path / "ref") if "lr" in m}
     rows = read_metrics(tmp_path / "drill")
     [at] = [i for i, m in enumerate(rows) if m.get("event") == "rollback"]
@@ -352,17 +344,16 @@ def test_repeated_nans_roll_back_at_half_the_learning_rate(tmp_path, stdlib_data
     assert summary["status"] == "completed" and summary["steps"] == 20
 
 
-def test_when_no_rollback_is_possible_the_run_fails_with_one_error_line(tmp_path, stdlib_data):
-    """(both runs side by side)
-    max_rollbacks=0: the third bad step in a row ends the run: exit 1, one error line saying it
+def test_when_no_rollback_is_possible_the_run_fails_with_one_error_line(tmp_path, stdlib_data, capfd):
+    """max_rollbacks=0: the third bad step in a row ends the run: exit 1, one error line saying it
     diverges, summary.json with status "failed" and stop_reason "diverged".
     No checkpoint yet: bad steps 3, 4, 5 in a row with nothing to roll back to: exit 1, one error
     line naming the problem."""
     diverged, no_ckpt = tmp_path / "diverged", tmp_path / "no_ckpt"
-    r, r2 = train_together(stdlib_data,
-                           (diverged, [*ROLLBACK, "--inject_nan_at_step=11", "--max_bad_steps=3", "--max_rollbacks=0"]),
-                           (no_ckpt, [*FAST, "--max_steps=20", "--inject_nan_at_step=3", "--max_bad_steps=3"]),
-                           check=False)
+    r = train(capfd, diverged, stdlib_data, *ROLLBACK, "--inject_nan_at_step=11", "--max_bad_steps=3",
+              "--max_rollbacks=0", check=False)
+    r2 = train(capfd, no_ckpt, stdlib_data, *FAST, "--max_steps=20", "--inject_nan_at_step=3", "--max_bad_steps=3",
+               check=False)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert len(errors(r.stderr)) == 1 and "diverg" in errors(r.stderr)[0], r.stderr
     summary = summary_of(diverged)
@@ -395,8 +386,9 @@ def early_stopped(tmp_path_factory, stdlib_data):
     evaluations 4, 6, 8. ckpt_every=3 and keep_last=1 rotate the periodic checkpoints 3 and 6 away,
     but never the best one."""
     out = tmp_path_factory.mktemp("early_stop")
-    r = train(out, stdlib_data, *FAST, "--learning_rate=1e-30", "--min_lr=0", "--max_steps=100", "--eval_every=2",
-              "--early_stop_patience=3", "--ckpt_every=3", "--keep_last=1", "--log_every=1")
+    with Captured() as captured:
+        r = train(captured, out, stdlib_data, *FAST, "--learning_rate=1e-30", "--min_lr=0", "--max_steps=100",
+                  "--eval_every=2", "--early_stop_patience=3", "--ckpt_every=3", "--keep_last=1", "--log_every=1")
     return out, r
 
 
@@ -420,21 +412,17 @@ def test_early_stop_after_patience_evaluations_without_a_new_best(early_stopped)
     assert summary["checkpoint"] == str(out / "ckpt" / "step_0000008")
 
 
-def test_sample_which_best_and_latest(early_stopped):
+def test_sample_which_best_and_latest(early_stopped, capfd):
     """sample.py --which=best (the default) and --which=latest load the two different checkpoints of
     the early-stopped run (steps 2 and 8; frozen, so equal weights: the folder is what is checked);
-    sample.py names the one it loaded on stderr's first line."""
+    sample.py names the one it loaded on stderr's first line (its main in this process: run_script)."""
     out, _ = early_stopped
-    base = [sys.executable, "sample.py", f"--out_dir={out}", "--max_new_tokens=4", "--device=cpu"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = {which: subprocess.Popen(base + ([f"--which={which}"] if which else []), cwd=ROOT, env=env, text=True,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for which in ("best", "latest", None)}
+    base = ["sample.py", f"--out_dir={out}", "--max_new_tokens=4", "--device=cpu"]
     loaded = {}
-    for which, p in procs.items():
-        stdout, stderr = p.communicate(timeout=120)
-        assert p.returncode == 0, f"--which={which}: exit {p.returncode}\n{stderr[-2000:]}"
-        loaded[which] = stderr.splitlines()[0]
+    for which in ("best", "latest", None):
+        r = run_script(base + ([f"--which={which}"] if which else []), capfd)
+        assert r.returncode == 0, f"--which={which}: exit {r.returncode}\n{r.stderr[-2000:]}"
+        loaded[which] = r.stderr.splitlines()[0]
     assert loaded["best"] == f"# {out / 'ckpt' / 'step_0000002'}"
     assert loaded["latest"] == f"# {out / 'ckpt' / 'step_0000008'}"
     assert loaded[None] == loaded["best"]
@@ -444,12 +432,12 @@ def test_sample_which_best_and_latest(early_stopped):
 # 6. free disk
 
 
-def test_checkpoints_skipped_when_the_disk_is_too_full(tmp_path, stdlib_data):
+def test_checkpoints_skipped_when_the_disk_is_too_full(tmp_path, stdlib_data, capfd):
     """ckpt_min_free_gb=1e9: no disk has that, so every checkpoint (periodic, best, final) is skipped
     with a warning naming what it needs and what is free; training still completes (exit 0) and ckpt/
     holds no checkpoint and no half-written .tmp-* folder."""
-    r = train(tmp_path, stdlib_data, *FAST, "--max_steps=10", "--ckpt_every=3", "--eval_every=5", "--log_every=5",
-              "--ckpt_min_free_gb=1e9")
+    r = train(capfd, tmp_path, stdlib_data, *FAST, "--max_steps=10", "--ckpt_every=3", "--eval_every=5",
+              "--log_every=5", "--ckpt_min_free_gb=1e9")
     warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: skipping the step")]
     assert [int(w.split()[4]) for w in warnings] == [3, 5, 6, 9, 10]  # periodic 3, 6, 9; best 5; final 10
     for w in warnings:

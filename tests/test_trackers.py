@@ -2,19 +2,17 @@
 modules that record each call, in place of the packages), a tracker that raises or fails to start never stops
 training, a missing package is one line, a resumed run continues the trackers' runs, and the run report is
 refreshed at every evaluation. train.py runs in this process (conftest.run_script) so the stand-ins are seen."""
-import io
 import json
 import re
 import sys
 import types
 from collections import namedtuple
-from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
 import train
 from configurator import configure
-from conftest import TINY_MODEL, read_metrics, run_script
+from conftest import TINY_MODEL, Captured, read_metrics, run_script
 
 RUN = [*TINY_MODEL, "--micro_batch_size=4", "--total_batch_tokens=256", "--log_every=1", "--eval_every=3",
        "--ckpt_every=3", "--inject_spike_at_step=2", "--log_to=tensorboard,wandb,mlflow", "--run_tags=drill,tiny"]
@@ -148,8 +146,7 @@ def watched(tmp_path_factory, stdlib_data):
                 reports.append((live, f.read()))
             return problems
 
-        captured = Captured()
-        with pytest.MonkeyPatch.context() as mp, redirect_stdout(captured.out), redirect_stderr(captured.err):
+        with pytest.MonkeyPatch.context() as mp, Captured() as captured:
             for name, module in stand_ins(calls, **kw).items():
                 mp.setitem(sys.modules, name, module)
             mp.setattr(train, "write_report", spy)
@@ -157,21 +154,6 @@ def watched(tmp_path_factory, stdlib_data):
                             f"--max_steps={max_steps}"], captured)
         runs.append(types.SimpleNamespace(r=r, calls=calls, reports=reports, rows=read_metrics(out)))
     return str(out), runs
-
-
-class Captured:
-    """capfd's readouterr for a module fixture, which cannot take capfd: what Python printed to sys.stdout
-    and sys.stderr (the tracker thread's warnings too), redirected here."""
-
-    def __init__(self):
-        self.out, self.err = io.StringIO(), io.StringIO()
-
-    def readouterr(self):
-        text = self.out.getvalue(), self.err.getvalue()
-        for f in (self.out, self.err):
-            f.seek(0)
-            f.truncate()
-        return text
 
 
 def test_every_metrics_line_reaches_every_tracker_and_an_outage_does_not_stop_training(watched):

@@ -7,20 +7,26 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL, read_metrics, run, train_losses
+from conftest import TINY_MODEL, read_metrics, run, run_script, train_losses
 
 
-def train(out, data, *args, nproc=1, check=True):
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
-    return run([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args], check=check)
+def train(capfd, out, data, *args, nproc=1, check=True):
+    """train.py on the tiny model: one process as its main in this process (conftest.run_script: no torch
+    import per run), nproc > 1 under torchrun; check: it must exit 0, else its output is shown."""
+    args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
+    if nproc > 1:
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    *args], check=check)
+    r = run_script(args, capfd)
+    assert not check or r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
 
 
-def test_grad_accumulation_equals_a_bigger_micro_batch(tmp_path, stdlib_data):
+def test_grad_accumulation_equals_a_bigger_micro_batch(tmp_path, stdlib_data, capfd):
     # 4 micro-steps of 2 sequences against 1 micro-step of 8: the same 8 sequences, the same step
     common = ["--total_batch_tokens=512", "--max_steps=1", "--log_every=1", "--eval_every=1", "--ckpt_every=1"]
-    train(tmp_path / "accum", stdlib_data, "--micro_batch_size=2", *common)
-    train(tmp_path / "whole", stdlib_data, "--micro_batch_size=8", *common)
+    train(capfd, tmp_path / "accum", stdlib_data, "--micro_batch_size=2", *common)
+    train(capfd, tmp_path / "whole", stdlib_data, "--micro_batch_size=8", *common)
     a, b = read_metrics(tmp_path / "accum")[0], read_metrics(tmp_path / "whole")[0]
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0)
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6, abs=0)
@@ -38,12 +44,12 @@ def test_grad_accumulation_equals_a_bigger_micro_batch(tmp_path, stdlib_data):
         torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=1e-5, msg=name)
 
 
-def test_ddp_two_ranks_match_one_process(tmp_path, stdlib_data):
+def test_ddp_two_ranks_match_one_process(tmp_path, stdlib_data, capfd):
     # the same global batch (2 x 4 sequences): accumulation 2 on one process, 1 on each of two ranks
     common = ["--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=10", "--log_every=1",
               "--eval_every=5", "--ckpt_every=10"]
-    train(tmp_path / "single", stdlib_data, *common)
-    r = train(tmp_path / "ddp", stdlib_data, *common, nproc=2)
+    train(capfd, tmp_path / "single", stdlib_data, *common)
+    r = train(capfd, tmp_path / "ddp", stdlib_data, *common, nproc=2)
     assert "world 2 x micro 4 x accum 1" in r.stdout
     single, ddp = train_losses(tmp_path / "single"), train_losses(tmp_path / "ddp")
     assert sorted(single) == list(range(1, 11)) and sorted(ddp) == list(range(1, 11))
@@ -52,17 +58,17 @@ def test_ddp_two_ranks_match_one_process(tmp_path, stdlib_data):
     assert single[10] < single[1]
 
 
-def test_resume_continues_the_same_run(tmp_path, stdlib_data):
+def test_resume_continues_the_same_run(tmp_path, stdlib_data, capfd):
     common = ["--micro_batch_size=4", "--total_batch_tokens=256", "--max_steps=12", "--log_every=1",
               "--eval_every=6", "--ckpt_every=6", "--keep_last=5"]
     full = tmp_path / "full"
-    train(full, stdlib_data, *common)
+    train(capfd, full, stdlib_data, *common)
     # the same run "interrupted" after its step-6 checkpoint: resume=auto picks it up
     cut = tmp_path / "cut"
     shutil.copytree(full, cut)
     (cut / "ckpt/latest").write_text("step_0000006")
     shutil.rmtree(cut / "ckpt/step_0000012")
-    r = train(cut, stdlib_data, *common)
+    r = train(capfd, cut, stdlib_data, *common)
     assert "resumed from" in r.stdout and "at step 6" in r.stdout
     steps = [m["step"] for m in read_metrics(cut) if "loss" in m]
     assert steps == list(range(1, 13))  # lines past step 6 were dropped, then written again
@@ -73,8 +79,8 @@ def test_resume_continues_the_same_run(tmp_path, stdlib_data):
     assert summary["steps"] == 12 and summary["status"] == "completed"
 
 
-def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data):
-    train(tmp_path, stdlib_data, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=3",
+def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data, capfd):
+    train(capfd, tmp_path, stdlib_data, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=3",
           "--ckpt_every=2", "--keep_last=1")
     ckpts = sorted(os.listdir(tmp_path / "ckpt"))
     # keep_last=1 rotated step 2 away; the final evaluation is the best so far; no temporary folder left
@@ -94,16 +100,16 @@ def test_checkpoint_holds_what_resume_and_sampling_need(tmp_path, stdlib_data):
     assert config["tokenizer_fingerprint"].startswith("byte:")
 
 
-def test_resume_on_other_data_only_with_the_override(tmp_path, stdlib_data):
+def test_resume_on_other_data_only_with_the_override(tmp_path, stdlib_data, capfd):
     """Continuing a run on new data (a second corpus, a fine-tune) is refused unless asked for;
     with allow_resume_mismatch=True it resumes from the checkpoint and trains on the new data."""
     common = ["--micro_batch_size=2", "--total_batch_tokens=128", "--ckpt_every=2", "--log_every=1"]
-    train(tmp_path / "out", stdlib_data, *common, "--max_steps=2")
+    train(capfd, tmp_path / "out", stdlib_data, *common, "--max_steps=2")
     other = tmp_path / "other"
     run([sys.executable, "prepare.py", "--source=stdlib", "--tokenizer=byte", f"--data_dir={other}", "--max_docs=50",
          "--val_fraction=0.2"])
-    r = train(tmp_path / "out", other, *common, "--max_steps=4", check=False)
+    r = train(capfd, tmp_path / "out", other, *common, "--max_steps=4", check=False)
     assert r.returncode == 1 and "was trained on other data" in r.stderr
-    r = train(tmp_path / "out", other, *common, "--max_steps=4", "--allow_resume_mismatch=True")
+    r = train(capfd, tmp_path / "out", other, *common, "--max_steps=4", "--allow_resume_mismatch=True")
     assert "resumed from" in r.stdout and "at step 2" in r.stdout
     assert json.load(open(tmp_path / "out/ckpt/step_0000004/config.json"))["data_dir"] == str(other)
