@@ -93,6 +93,18 @@ def run_script(args, capfd):
     return SimpleNamespace(returncode=e.value.code, stdout=out, stderr=err)
 
 
+def train_tiny(capfd, out, data, *args, nproc=1, check=True):
+    """train.py on TINY_MODEL: one process as its main in this process (run_script: no torch import per run),
+    nproc > 1 under torchrun; check: it must exit 0, else its output is shown. capfd: pytest's, or a Captured."""
+    args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
+    if nproc > 1:
+        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                    *args], check=check)
+    r = run_script(args, capfd)
+    assert not check or r.returncode == 0, f"{out}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
 class Captured:
     """capfd's readouterr for run_script in a module-scoped fixture, which cannot take capfd: what Python
     prints to sys.stdout and sys.stderr inside `with Captured() as captured:`, other threads' too."""

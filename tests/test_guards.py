@@ -17,25 +17,14 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run, run_script, train_losses
+from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run_script, train_losses
+from conftest import train_tiny as train
 
 # ~125 steps/s on one CPU core: guards with limits of seconds stop a run a few hundred steps in
 FAST = ["--micro_batch_size=4", "--total_batch_tokens=256"]
 # no evaluation or periodic checkpoint before a guard stops the run: the final save is the run's first,
 # so the guard has to reserve time for it without having measured one
 NO_SAVE_BEFORE_STOP = ["--max_steps=1000000", "--eval_every=1000000", "--ckpt_every=1000000", "--log_every=10"]
-
-
-def train(capfd, out, data, *args, nproc=1, check=True):
-    """train.py on the tiny model: one process as its main in this process (conftest.run_script), nproc > 1
-    under torchrun; check: it must exit 0, else its output is shown. capfd: pytest's, or a Captured."""
-    args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
-    if nproc > 1:
-        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    *args], check=check)
-    r = run_script(args, capfd)
-    assert not check or r.returncode == 0, f"{out}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return r
 
 
 def start(tmp, out, data, *args):

@@ -7,19 +7,8 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL, read_metrics, run, run_script, train_losses
-
-
-def train(capfd, out, data, *args, nproc=1, check=True):
-    """train.py on the tiny model: one process as its main in this process (conftest.run_script: no torch
-    import per run), nproc > 1 under torchrun; check: it must exit 0, else its output is shown."""
-    args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
-    if nproc > 1:
-        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    *args], check=check)
-    r = run_script(args, capfd)
-    assert not check or r.returncode == 0, f"train.py exited {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return r
+from conftest import read_metrics, run, train_losses
+from conftest import train_tiny as train
 
 
 def test_grad_accumulation_equals_a_bigger_micro_batch(tmp_path, stdlib_data, capfd):
