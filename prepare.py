@@ -54,6 +54,7 @@ import errno
 import hashlib
 import heapq
 import http.client
+import io
 import json
 import math
 import multiprocessing
@@ -153,10 +154,18 @@ def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
             f.write(block)
             digest.update(block)
     os.replace(path + ".tmp", path)
-    with open(path + ".docs.tmp", "wb") as f:
-        np.save(f, doc_starts)
+    save_npy(path + ".docs.tmp", doc_starts)
     os.replace(path + ".docs.tmp", docs_file(path))
     return digest.hexdigest()
+
+
+def save_npy(path, array):
+    """np.save into the file `path`, through bytes: numpy's own file writer (ndarray.tofile) turns a Ctrl-C that
+    lands inside it into a TypeError, a traceback where prepare.py owes one line (seen under load)."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    with open(path, "wb") as f:
+        f.write(buffer.getvalue())
 
 
 # -----------------------------------------------------------------------------
@@ -1052,8 +1061,7 @@ def build(cfg):
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
     try:
         tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(scratch, cfg, inputs)
-        with open(os.path.join(scratch, "train_counts.npy"), "wb") as f:
-            np.save(f, counts)
+        save_npy(os.path.join(scratch, "train_counts.npy"), counts)
         manifest = {
             "format_version": VERSION,
             "tokenizer": cfg.tokenizer,
