@@ -359,22 +359,19 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # each the name of its package, and of its pip install
 
 
-def installed(module):
-    """Whether `module` can be imported, without importing it (wandb and mlflow take seconds)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: in sys.modules without a spec (a stand-in); it is there
-        return sys.modules.get(module) is not None
+def comma_list(text):
+    """The names of a comma-separated setting ("a, b,a" -> ["a", "b"])."""
+    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
 
 
 def tracker_names(log_to):
     """The trackers log_to names ("tensorboard,wandb"), each known and installed; else one line (util.Error)."""
-    names = list(dict.fromkeys(n.strip() for n in log_to.split(",") if n.strip()))
+    names = comma_list(log_to)
     for name in names:
         if name not in TRACKERS:
             fail(f"log_to={log_to!r}: no tracker named {name!r}; name any of {', '.join(TRACKERS)}, comma-separated", 2)
     for name in names:
-        if not installed(name):
+        if importlib.util.find_spec(name) is None:  # without importing it: wandb and mlflow take seconds
             fail(f"log_to={name} needs the {name} package, which is not installed: pip install {name} "
                  f"(or leave {name} out of log_to)", 2)
     return names
@@ -466,19 +463,21 @@ class Trackers:
 
     CLASSES = dict(tensorboard=TensorBoard, wandb=WandB, mlflow=MLflow)
 
-    def __init__(self, names, out_dir, name, config, tags, step):
-        path = os.path.join(out_dir, "trackers.json")
-        ids = (read_json(path) if step else None) or {}  # a run from step 0 is a new run for the trackers too
+    def __init__(self, cfg, step):
+        """cfg: train.py's config (log_to, run_name, run_tags, out_dir); step: the step the run starts at."""
+        path = os.path.join(cfg.out_dir, "trackers.json")
+        ids = read_json(path) if step else None  # a run from step 0 is a new run for the trackers too
+        ids = ids if isinstance(ids, dict) else {}
+        name, tags = cfg.run_name or cfg.out_dir, comma_list(cfg.run_tags)
         self.live, self.failures = [], {}
-        for tracker in names:
+        for tracker in tracker_names(cfg.log_to):
             try:
-                run_id = ids.get(tracker) if isinstance(ids, dict) else None
-                self.live.append((tracker, self.CLASSES[tracker](out_dir, name, config, tags, run_id, step)))
+                self.live.append((tracker, self.CLASSES[tracker](cfg.out_dir, name, cfg, tags, ids.get(tracker), step)))
             except Exception as e:
                 warn(f"log_to: {tracker} did not start ({first_line(e)}); training goes on without it "
                      f"(metrics.jsonl has every line)")
         # a tracker that did not start this time keeps its run for the next
-        write_json(path, dict(ids if isinstance(ids, dict) else {}, **{tracker: t.id for tracker, t in self.live if t.id}))
+        write_json(path, dict(ids, **{tracker: t.id for tracker, t in self.live if t.id}))
         self.queue = queue.Queue()
         self.thread = threading.Thread(target=self.deliver, name="trackers", daemon=True)
         self.thread.start()

@@ -375,10 +375,7 @@ class Trainer:
         if proc.rank == 0:
             rewrite_metrics(self.metrics_path, state.step)
         self.metrics = open(self.metrics_path, "a") if proc.rank == 0 else None
-        names = tracker_names(cfg.log_to)
-        self.trackers = Trackers(names, cfg.out_dir, cfg.run_name or cfg.out_dir, cfg,
-                                 [t.strip() for t in cfg.run_tags.split(",") if t.strip()], state.step) \
-            if names and proc.rank == 0 else None
+        self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
 
     def write_metrics(self, row):
         if self.metrics:  # strict JSON: a non-finite value is written as null (its event line says what it was)

@@ -2,6 +2,7 @@
 modules that record each call, in place of the packages), a tracker that raises or fails to start never stops
 training, a missing package is one line, a resumed run continues the trackers' runs, and the run report is
 refreshed at every evaluation. train.py runs in this process (conftest.run_script) so the stand-ins are seen."""
+import importlib.machinery
 import json
 import re
 import sys
@@ -98,8 +99,11 @@ def stand_ins(calls, mlflow_down=(), wandb_init_fails=False):
             calls["mlflow"].append(("set_terminated", run_id, status))
 
     mlflow.MlflowClient, mlflow.entities = MlflowClient, entities
-    return {"tensorboard": types.ModuleType("tensorboard"), "torch.utils.tensorboard": tb, "wandb": wandb,
-            "mlflow": mlflow, "mlflow.entities": entities}
+    modules = {"tensorboard": types.ModuleType("tensorboard"), "torch.utils.tensorboard": tb, "wandb": wandb,
+               "mlflow": mlflow, "mlflow.entities": entities}
+    for name, module in modules.items():  # a spec, as an imported package has: report.py looks for it
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    return modules
 
 
 def expected_lines(out_dir):
