@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from checkpoint import verify_checkpoint
-from conftest import ROOT, TINY_MODEL, read_metrics, run, run_script, shared, tree
+from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run_script, shared, train_tiny, tree
 from test_preflight import contaminate
 
 # warmup within the 1 or 2 steps these runs take (more would add a warning line)
@@ -37,7 +37,8 @@ CKPT = "ckpt/step_0000001"  # the one checkpoint of the finished run below
 def finished_run(tmp_path_factory, stdlib_data):
     """An out_dir with a completed 1-step run of the tiny model on stdlib_data; rows copy it."""
     def build(out):
-        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN, "--max_steps=1"])
+        with Captured() as captured:  # train_tiny adds TINY_MODEL, which TINY_RUN begins with
+            train_tiny(captured, out, stdlib_data, *TINY_RUN[len(TINY_MODEL):], "--max_steps=1")
     out = shared(tmp_path_factory, "bad_input_run", build)
     assert os.path.isfile(out / CKPT / "complete.json")
     return out

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import TINY_MODEL, run, run_script, shared
+from conftest import Captured, run, run_script, shared, train_tiny
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -29,9 +29,10 @@ def runs(tmp_path_factory, stdlib_data):
     """Two tiny runs of 3 steps, GQA + tied and MHA + untied; {variant: out_dir}."""
     def build(root):
         for name, args in VARIANTS.items():
-            run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={root / name}", *TINY_MODEL,
-                 *args, "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--log_every=1",
-                 "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7"])
+            with Captured() as captured:
+                train_tiny(captured, root / name, stdlib_data, *args, "--total_batch_tokens=256",
+                           "--micro_batch_size=4", "--max_steps=3", "--log_every=1", "--eval_every=3",
+                           "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7")
     root = shared(tmp_path_factory, "export_runs", build)
     return {name: str(root / name) for name in VARIANTS}
 
@@ -258,9 +259,9 @@ def tokenizer_run(tmp_path_factory):
             data, out = root / f"data_{spec}".replace(":", "_"), root / f"run_{spec}".replace(":", "_")
             run([sys.executable, "prepare.py", f"--source={root / 'unicode.txt'},stdlib", f"--tokenizer={spec}",
                  f"--data_dir={data}", "--max_docs=100", "--val_fraction=0.1", "--workers=2"])
-            run([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL,
-                 "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--eval_every=3",
-                 "--ckpt_every=3", "--seed=7"])
+            with Captured() as captured:
+                train_tiny(captured, out, data, "--total_batch_tokens=256", "--micro_batch_size=4",
+                           "--max_steps=3", "--eval_every=3", "--ckpt_every=3", "--seed=7")
             made[spec] = str(out)
         return made[spec]
     return make

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, shared
+from conftest import ROOT, Captured, read_metrics, run, shared, train_tiny
 
 PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png"]
 
@@ -15,8 +15,9 @@ PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.pn
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, stdlib_data):
     def build(out):
-        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL, "--plots=True",
-             "--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"])
+        with Captured() as captured:
+            train_tiny(captured, out, stdlib_data, "--plots=True", "--max_steps=20", "--log_every=2",
+                       "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4")
     return str(shared(tmp_path_factory, "report_run", build))
 
 

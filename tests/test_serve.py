@@ -25,7 +25,7 @@ import torch
 
 import sample
 from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
-from conftest import ROOT, TINY_MODEL, run, shared
+from conftest import ROOT, Captured, run, shared, train_tiny
 from prepare import load_tokenizer
 from util import run_main
 
@@ -38,9 +38,9 @@ READ_TIMEOUT = 3  # the server's serve_read_timeout in these tests: a trickled r
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory, stdlib_data):
     def build(out):
-        run([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
-             "--total_batch_tokens=256", "--micro_batch_size=4", "--max_steps=3", "--eval_every=3", "--ckpt_every=3",
-             "--learning_rate=1e-2", "--seed=7"])
+        with Captured() as captured:
+            train_tiny(captured, out, stdlib_data, "--total_batch_tokens=256", "--micro_batch_size=4",
+                       "--max_steps=3", "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7")
     out = shared(tmp_path_factory, "serve_run", build)
     return find_checkpoint(str(out), "best")
 
