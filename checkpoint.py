@@ -17,8 +17,14 @@ checkpoint written so far is one; DCP files need DCP's reader. What two formats 
 restore path per format (Checkpoints.restore), and load_model's two branches. Sharded runs, which
 cannot gather a 13B model's AdamW state on one rank, are the ones that need DCP.
 
-train.py's loop asks one Checkpoints object: due() (is a save owed now?), save(), resume() at the
-start, and newest() + restore() for a rollback.
+A periodic save holds the loop only while the state is copied into CPU memory (Staging): a
+background thread (Writer) writes, checksums and fsyncs the files, complete.json last, then moves
+the pointers, with exactly the steps above, so a kill during the background write also leaves the
+previous checkpoint as latest. One save at a time: the next save, a rollback and the end of the run
+wait for the one in flight first, and what its write raised is raised to the loop there.
+
+train.py's loop asks one Checkpoints object: due() (is a save owed now?), save(), poll() (has the
+background write ended?), wait(), resume() at the start, and newest() + restore() for a rollback.
 """
 
 import json
@@ -26,6 +32,7 @@ import os
 import random
 import shutil
 import sys
+import threading
 import time
 import warnings
 import zlib
@@ -128,14 +135,15 @@ def room_for(ckpt_root, step, need, min_free_gb):
     return False
 
 
-def write_shards(state_dir, sharded):
-    """This rank's part of the sharded state, written by DCP into state_dir: {file: size and CRC32}."""
+def write_shards(state_dir, sharded, group=None):
+    """This rank's part of the sharded state, written by DCP into state_dir: {file: size and CRC32}.
+    group: the process group of DCP's collectives (None: the default one)."""
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
     # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
     on_cpu = all(t.device.type == "cpu" for t in sharded["model"].values())
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu
-                                                                         else {})))
+                                                                         else {})), process_group=group)
     rank, marker = dist.get_rank(), {}  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
     for f in os.listdir(state_dir):
         if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")):
@@ -194,13 +202,14 @@ def abandon(ckpt_root, tmp, step, error):
     return None
 
 
-def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None):
+def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
     None when the disk could not hold it and keep min_free_gb free (nothing is written then).
 
     sharded (fsdp): {"model": .., "optimizer": ..} state dicts of DTensors. Then every rank calls
     this: each writes its shards into state/ with torch.distributed.checkpoint and checksums
-    them; rank 0 alone writes `files`, the marker, and the pointers."""
+    them; rank 0 alone writes `files`, the marker (once every rank's shards are on disk), and the
+    pointers. group: the process group of those collectives (None: the default one)."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -211,21 +220,21 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         # a DTensor's numel is the global one: the need is the whole checkpoint, as on a shared disk
         go = [room_for(ckpt_root, step, tensor_bytes([list(files.values()), sharded]), min_free_gb)]
     if sharded is not None:
-        dist.broadcast_object_list(go)  # also keeps the other ranks out until the leftovers are gone
+        dist.broadcast_object_list(go, group=group)  # also keeps the other ranks out until the leftovers are gone
     if not go[0]:
         return None
     marker, error = {}, None
     try:
         os.makedirs(tmp, exist_ok=True)
         if sharded is not None:
-            marker.update(write_shards(os.path.join(tmp, STATE_DIR), sharded))
+            marker.update(write_shards(os.path.join(tmp, STATE_DIR), sharded, group))
         if master:
             marker.update(write_files(tmp, files))
     except save_errors(sharded) as e:  # the disk filled up after all, or went away
         error = first_line(e)
     if sharded is not None:
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (marker, error))
+        dist.all_gather_object(gathered, (marker, error), group=group)
         marker = {k: v for m, _ in gathered for k, v in m.items()}
         error = next((e for _, e in gathered if e), None)
     final = None
@@ -234,9 +243,87 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
                                                                            keep_last)
     if sharded is not None:
         result = [final]
-        dist.broadcast_object_list(result)
+        dist.broadcast_object_list(result, group=group)
         final = result[0]
     return final
+
+
+def checkpoint_bytes(path):
+    """The bytes of a checkpoint folder's files, every rank's shards included, as its marker lists them."""
+    with open(os.path.join(path, MARKER)) as f:
+        return sum(m["bytes"] for m in json.load(f)["files"].values())
+
+
+def too_slow_for_preemption(gb, seconds, sharded, world):
+    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change."""
+    fix = f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more (local NVMe, not a " \
+          f"network volume)"
+    if not sharded and world > 1:
+        fix += f", or train with dist_mode=fsdp: each of the {world} ranks then writes 1/{world} of it at once"
+    return (f"{gb:.1f} GB written in {seconds:.0f}s ({gb / seconds:.2f} GB/s): more than the ~30 s torchrun and most "
+            f"clouds leave between SIGTERM and SIGKILL, and a stop also waits for a save in flight, so a preemption "
+            f"would lose the steps since the last checkpoint; {fix}")
+
+
+# -----------------------------------------------------------------------------
+# saving in the background
+
+class Staging:
+    """CPU copies of state dicts: what a background write reads while training changes the originals.
+    The buffers are kept from one save to the next, by their place in the dict: on a GPU they are pinned
+    (page-locked) memory, which the copy from the GPU needs for full speed and which takes seconds to
+    allocate for a 1B model's state, so that happens at the first save only."""
+
+    def __init__(self, dev):
+        self.dev, self.pin, self.buffers = dev, dev.type == "cuda", {}
+
+    def copy(self, obj):
+        """obj with every tensor in it replaced by a CPU copy. Tensors that share memory (tied embeddings)
+        share their copy, which torch.save then writes once, as it would have written the originals."""
+        copied = self._copy(obj, "", {})
+        if self.pin:
+            torch.cuda.synchronize(self.dev)  # the copies from the GPU run asynchronously: the writer needs them whole
+        return copied
+
+    def _copy(self, obj, place, seen):
+        if isinstance(obj, dict):
+            return {k: self._copy(v, f"{place}/{k}", seen) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self._copy(v, f"{place}/{i}", seen) for i, v in enumerate(obj))
+        if not torch.is_tensor(obj):
+            return obj  # numbers, strings, bytes, None: never changed in place
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
+            return obj.to("cpu", copy=True)
+        alias = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
+        if alias not in seen:
+            buf = self.buffers.get(place)
+            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+                buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
+            seen[alias] = buf.copy_(obj, non_blocking=self.pin)
+        return seen[alias]
+
+
+class Writer(threading.Thread):
+    """One save written in the background: write() runs in a daemon thread, so a run that stops on an error
+    exits without finishing it (a save cut short is never taken for a checkpoint); result() waits for it and
+    returns what write() returned, or raises what it raised, on the caller's thread."""
+
+    def __init__(self, write):
+        super().__init__(name="checkpoint-writer", daemon=True)
+        self.write, self.value, self.error = write, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.value = self.write()
+        except BaseException as e:  # handed to the loop's thread by result()
+            self.error = e
+
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
 
 
 # -----------------------------------------------------------------------------
@@ -373,7 +460,10 @@ def optimizer_by_name(model, optimizer, saved):
 def run_record(cfg, mconfig, world, grad_accum, manifest):
     """The files every checkpoint carries besides the weights: config.json (this run's config and model,
     the data and tokenizer it trains on) and the tokenizer, so that the folder is enough to sample from."""
-    saved = dict(cfg, model={k: v for k, v in asdict(mconfig).items() if k != "padded_vocab"}, world_size=world,
+    # padded_vocab follows from vocab_size, and multiple_of only rounded ffn_hidden, which is recorded: so a
+    # checkpoint from before multiple_of existed has the same record, and export meets no unknown field
+    model = {k: v for k, v in asdict(mconfig).items() if k not in ("padded_vocab", "multiple_of")}
+    saved = dict(cfg, model=model, world_size=world,
                  grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
                  tokenizer_fingerprint=tokenizer_fingerprint(cfg.data_dir, manifest))
     files = {"config.json": json.dumps(saved, indent=1).encode()}
@@ -405,20 +495,32 @@ class Checkpoints:
     """out_dir/ckpt of one run: the model and optimizer it saves and restores, when a save is due,
     and the files every checkpoint carries besides them (`files`: config.json, the tokenizer).
 
-    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's."""
+    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's;
+    background: write each save in a background thread (the loop waits only for the copy into CPU
+    memory), else before save() returns. finished() hands the loop the timing of each save that reached
+    the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
 
-    def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best, min_free_gb):
+    def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best, min_free_gb,
+                 background=True):
         self.root = os.path.join(out_dir, "ckpt")
         self.model, self.optimizer, self.proc, self.sharded, self.files = model, optimizer, proc, sharded, files
         self.every, self.keep_last, self.save_best, self.min_free_gb = every, keep_last, save_best, min_free_gb
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
         self.saved_step = -1        # the step the newest checkpoint holds
+        self.staging = Staging(proc.dev) if background else None
+        # fsdp's background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
+        # collectives run: on a process group of their own, gloo, which works on CPU tensors
+        self.group = dist.new_group(backend="gloo") if background and sharded else None
+        self.writer = None          # this rank's save being written in the background (a Writer)
+        self.in_flight = False      # a save started that the ranks have not all waited for yet
+        self.records = []           # saves on disk that finished() has not handed out yet
 
     def has_earlier(self):
         return os.path.isdir(self.root) and any(d.startswith("step_") for d in os.listdir(self.root))
 
     def newest(self):
         """(path, loaded checkpoint) of the newest one that reads back intact, or (None, None)."""
+        self.wait()  # the save in flight may be that one
         return newest_good_checkpoint(self.root, self.proc.dev)
 
     def resume(self, resume, config, allow_mismatch, data_dir, state):
@@ -491,32 +593,83 @@ class Checkpoints:
 
     def save(self, trainer, best):
         """Save the current step, with every rank's RNG state and `trainer` (the loop's state), on rank 0
-        (sharded: every rank writes its shards); the seconds it took."""
+        (sharded: every rank writes its shards). The loop waits for the save in flight, if any (never two
+        at once), and for the copy of the state into CPU memory; the files are then written in the
+        background (background=False: before this returns)."""
         t0, proc = time.time(), self.proc
+        self.wait()
+        t1 = time.time()  # this save's own time starts
         states = [rng_state()]
         if proc.distributed:
             states = [None] * proc.world
             dist.all_gather_object(states, rng_state())
-        files = {}
+        files, sharded = {}, self.state_dicts() if self.sharded else None
         if proc.rank == 0:
             files = dict(self.files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
                                                            world_size=proc.world)})
             if not self.sharded:
                 files.update({"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()})
-        path = None
-        if self.sharded:  # every rank writes its shards
-            path = save_checkpoint(self.root, trainer["step"], files, self.keep_last, best, self.min_free_gb,
-                                   sharded=self.state_dicts())
-        elif proc.rank == 0:
-            path = save_checkpoint(self.root, trainer["step"], files, self.keep_last, best, self.min_free_gb)
-        seconds = time.time() - t0
-        if path:
-            log(f"checkpoint {path} ({seconds:.1f}s)", flush=True)
-        if seconds > PREEMPT_SAVE_SECONDS:
-            warn(f"that save took {seconds:.0f}s: more than the ~30 s torchrun and most clouds leave between "
-                      f"SIGTERM and SIGKILL, so a preemption would lose the steps since the last checkpoint; write "
-                      f"checkpoints to a faster local disk")
-        if proc.distributed:
-            dist.barrier()  # every rank leaves with the checkpoint on disk (a rollback may read it next)
-        self.pending, self.saved_step = False, trainer["step"]
-        return time.time() - t0
+        step = trainer["step"]
+        if self.sharded or proc.rank == 0:
+            if self.staging:
+                files, sharded = self.staging.copy((files, sharded))
+                blocked = time.time() - t0
+                self.writer = Writer(lambda: self.write(step, best, files, sharded, t1, t1 - t0, blocked))
+            else:
+                self.report(self.write(step, best, files, sharded, t1, t1 - t0, None))
+        self.in_flight = True
+        self.pending, self.saved_step = False, step
+        if not self.staging:
+            self.wait()
+
+    def write(self, step, best, files, sharded, t1, waited, blocked):
+        """Write a save that save() prepared (in the background, or at once), and say how long it took, with
+        a warning when it would not fit a preemption's window: its record for finished(), or None when the
+        disk did not take it. blocked: the seconds the loop waited for it (None: all of it)."""
+        path = save_checkpoint(self.root, step, files, self.keep_last, best, self.min_free_gb, sharded, self.group)
+        written = time.time() - t1
+        if path is None:
+            return None
+        blocked = waited + written if blocked is None else blocked
+        gb = checkpoint_bytes(path) / 1e9
+        log(f"checkpoint {path} (blocked {blocked:.2f}s"
+            + (f", {waited:.2f}s of it waiting for the save before" if waited >= 0.01 else "")
+            + f", written in {written:.2f}s)", flush=True)
+        if written > PREEMPT_SAVE_SECONDS:
+            warn(f"the step {step} checkpoint: {too_slow_for_preemption(gb, written, self.sharded, self.proc.world)}")
+        return dict(step=step, path=path, gb=gb, blocked_s=blocked, waited_s=waited, written_s=written)
+
+    @property
+    def writing(self):
+        """Whether this rank has a save being written in the background."""
+        return self.writer is not None
+
+    def poll(self):
+        """Report the background save if its write has ended (what it raised is raised here); never waits."""
+        if self.writer is not None and not self.writer.is_alive():
+            self.collect()
+
+    def wait(self):
+        """Wait for the save in flight on every rank: then it is on disk (or was given up, with a warning)
+        and reported. The next save, a rollback and the end of the run call this first."""
+        if self.writer is not None:
+            self.collect()
+        if self.in_flight and self.proc.distributed:
+            dist.barrier()  # ddp: rank 0 wrote it, the other ranks wait for it here
+        self.in_flight = False
+
+    def collect(self):
+        """The background save's result, once its write has ended, reported; or what the write raised."""
+        writer, self.writer = self.writer, None
+        self.report(writer.result())
+
+    def report(self, record):
+        if record:  # None: the disk did not take it (a warning said so)
+            self.records.append(record)
+
+    def finished(self):
+        """The records of the saves that reached the disk since the last call (the background one too,
+        if its write has ended: what it raised is raised here); never waits."""
+        self.poll()
+        records, self.records = self.records, []
+        return records

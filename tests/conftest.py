@@ -1,6 +1,7 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
 import contextlib
 import fcntl
+import gc
 import hashlib
 import importlib
 import io
@@ -88,6 +89,7 @@ def run_script(args, capfd):
     script, *argv = map(str, args)
     module = importlib.import_module(script.removesuffix(".py"))
     capfd.readouterr()  # what came before is not the script's
+    gc.collect()  # nor are earlier tests' garbage's warnings (an unclosed file's ResourceWarning) at the next collection
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     cwd, threads = os.getcwd(), torch.get_num_threads()
     try:

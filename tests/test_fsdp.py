@@ -1,7 +1,7 @@
 """dist_mode=fsdp: FSDP2 computes what DDP and one process compute, its checkpoints are sharded
-(torch.distributed.checkpoint) and reshard on resume to another world size or dist_mode, a kill in
-the middle of a sharded save leaves the previous checkpoint in charge, and sample/export read
-sharded checkpoints whole. CPU, gloo, fp32."""
+(torch.distributed.checkpoint, written in the background) and reshard on resume to another world size
+or dist_mode, a kill in the middle of a sharded background save leaves the previous checkpoint in
+charge, and sample/export read sharded checkpoints whole. CPU, gloo, fp32."""
 import os
 import sys
 
@@ -79,30 +79,43 @@ def test_a_ddp_checkpoint_resumes_under_fsdp(runs, stdlib_data, tmp_path):
 
 
 KILL_AFTER_SECOND_SHARDED_SAVE = """\
+import threading
 import torch.distributed.checkpoint as dcp
 
-_save = dcp.save
-saves = []
+_save, _train_batch = dcp.save, data.Loader.train_batch
+saves, moved_on = [], threading.Event()
+
+
+def train_batch(self, first_sample, size, device):
+    if step_of(first_sample) > {step}:  # a second step past the checkpoint at {step}: step {step} + 1 is logged
+        moved_on.set()
+    return _train_batch(self, first_sample, size, device)
 
 
 def save(state, **where):
     _save(state, **where)
     saves.append(where)
     if len(saves) == 2 and RANK == 1:  # rank 1's shards of the second checkpoint are on disk
+        moved_on.wait(60)  # written in the background: the loop trains on meanwhile
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+data.Loader.train_batch = train_batch
 dcp.save = save
 """
 
 
 def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint(runs, stdlib_data, tmp_path):
+    """Rank 1 killed in the background write of the step-10 checkpoint, its shards on disk, while the loop
+    trained on: rank 0 never writes the marker, latest stays at step 5, and the same command resumes
+    from there bit-identically."""
     out = tmp_path / "killed"
-    script = wrapper(tmp_path, KILL_AFTER_SECOND_SHARDED_SAVE)
+    script = wrapper(tmp_path, KILL_AFTER_SECOND_SHARDED_SAVE, step=RESUME_AT)
     r = train(out, stdlib_data, *ARGS, *FSDP, script=script, nproc=2, check=False)
     assert r.returncode != 0
     assert (out / "ckpt/latest").read_text() == f"step_{CKPT_EVERY:07d}"
     assert ckpt_steps(out) == [CKPT_EVERY]
+    assert max(train_losses(out)) > RESUME_AT  # the save held the loop only for its copy into memory
     partial = out / f"ckpt/.tmp-step_{RESUME_AT:07d}"
     assert os.path.isdir(partial / STATE_DIR) and not os.path.exists(partial / MARKER)
     train(out, stdlib_data, *ARGS, *FSDP, nproc=2)  # the same command, with train.py

@@ -8,22 +8,28 @@ model.pt and optimizer.pt (and the loop state and RNG states in trainer.pt), fp3
 To stop a run at a chosen moment the tests run train.main from a small wrapper script (written
 into tmp_path) that patches one function: data.Loader.train_batch to SIGKILL the process
 (or raise) when the step it is about to run is the chosen one, or checkpoint.save_file to SIGKILL it while
-a checkpoint's optimizer.pt is half written. The resume is always the plain `train.py` with the
-same arguments: "the same command again".
+a checkpoint's optimizer.pt is half written by the background write, the loop training on meanwhile.
+The resume is always the plain `train.py` with the same arguments: "the same command again".
 """
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import checkpoint
+from checkpoint import Checkpoints, read_pointer
 from conftest import FAKE_CUDA, ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
+from model import GPT, GPTConfig, make_optimizer
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
@@ -46,7 +52,8 @@ def kill_points(rng, n):
 
 
 SINGLE_KILLS = kill_points(random.Random(4), 3)  # [5, 14, 7]
-DDP_KILLS = kill_points(random.Random(6), 2)  # [15, 9]
+# two ranks: just before a checkpoint; right after one, the kill lands in its background write (section 2)
+DDP_KILLS = kill_points(random.Random(6), 2)[1:]  # [9]
 
 WRAPPER = """\
 import os, signal, sys
@@ -69,11 +76,19 @@ run_main(train.main, sys.argv[1:])
 """
 
 KILL_AT_STEP = """\
+import time
+
 _train_batch = data.Loader.train_batch
 
 
 def train_batch(self, first_sample, size, device):
     if RANK == {rank} and step_of(first_sample) == {step}:
+        # the checkpoint before this step may still be written in the background: die once it is on disk,
+        # so the test knows the newest checkpoint (a kill inside a background write is section 2's)
+        deadline = time.time() + 60
+        while checkpoint.read_pointer(os.path.join(CFG.out_dir, "ckpt"), "latest") != "step_{last:07d}" \\
+                and time.time() < deadline:
+            time.sleep(0.01)
         os.kill(os.getpid(), signal.SIGKILL)
     return _train_batch(self, first_sample, size, device)
 
@@ -96,13 +111,20 @@ data.Loader.train_batch = train_batch
 
 KILL_IN_SECOND_SAVE = """\
 import io
+import threading
 import torch
 
-_save_file = checkpoint.save_file
-optimizer_saves = []
+_save_file, _train_batch = checkpoint.save_file, data.Loader.train_batch
+optimizer_saves, moved_on = [], threading.Event()
 
 
-def save_file(obj, path):
+def train_batch(self, first_sample, size, device):
+    if step_of(first_sample) > {step}:  # a second step past the checkpoint at {step}: step {step} + 1 is logged
+        moved_on.set()
+    return _train_batch(self, first_sample, size, device)
+
+
+def save_file(obj, path):  # rank 0 writes
     if os.path.basename(path) == "optimizer.pt":
         optimizer_saves.append(path)
         if len(optimizer_saves) == 2:  # the second checkpoint: half of optimizer.pt on disk, then die
@@ -112,10 +134,12 @@ def save_file(obj, path):
                 f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
                 f.flush()
                 os.fsync(f.fileno())
+            moved_on.wait(60)  # the write is in the background: the loop trains on meanwhile
             os.kill(os.getpid(), signal.SIGKILL)
     return _save_file(obj, path)
 
 
+data.Loader.train_batch = train_batch
 checkpoint.save_file = save_file
 """
 
@@ -248,10 +272,17 @@ def ckpt_steps(out):
     return sorted(int(d[5:]) for d in os.listdir(out / "ckpt") if d.startswith("step_"))
 
 
+def console(out):
+    """Where a shared reference run's stdout is kept: beside its out_dir."""
+    return out.with_name(out.name + ".stdout")
+
+
 @pytest.fixture(scope="module")
 def ref_single(tmp_path_factory, stdlib_data):
     """The uninterrupted one-process run that the interrupted ones must reproduce."""
-    out = shared(tmp_path_factory, "resume_ref_single", lambda out: train(out, stdlib_data, *ARGS))
+    def build(out):
+        console(out).write_text(train(out, stdlib_data, *ARGS).stdout)
+    out = shared(tmp_path_factory, "resume_ref_single", build)
     assert ckpt_steps(out) == [5, 10, 15, 16]
     return out
 
@@ -271,23 +302,28 @@ def ref_ddp(tmp_path_factory, stdlib_data):
 # 1. SIGKILL at any step after the first checkpoint, then the same command: bit-identical
 
 def test_kill_points_cover_both_ends_of_a_checkpoint_interval():
-    # the seeded choice includes the step right after a checkpoint and the one just before the next
-    for kills in (SINGLE_KILLS, DDP_KILLS):
-        assert {0, CKPT_EVERY - 1} <= {k % CKPT_EVERY for k in kills}, kills
+    # the seeded choice includes the step right after a checkpoint and the one just before the next; two
+    # ranks: just before (right after one, their kill lands in its background write: section 2)
+    assert {0, CKPT_EVERY - 1} <= {k % CKPT_EVERY for k in SINGLE_KILLS}, SINGLE_KILLS
+    assert [k % CKPT_EVERY for k in DDP_KILLS] == [CKPT_EVERY - 1], DDP_KILLS
     assert all(CKPT_EVERY <= k < MAX_STEPS for k in SINGLE_KILLS + DDP_KILLS) and len(set(SINGLE_KILLS)) == 3
 
 
-@pytest.mark.parametrize("kill_step", SINGLE_KILLS)
-def test_sigkill_then_resume_is_bit_identical(tmp_path, stdlib_data, ref_single, kill_step):
+# the last kill point saves synchronously (ckpt_async=False), in the killed run and in its resume
+@pytest.mark.parametrize("kill_step,save", [*((k, []) for k in SINGLE_KILLS[:-1]),
+                                            (SINGLE_KILLS[-1], ["--ckpt_async=False"])],
+                         ids=[*map(str, SINGLE_KILLS[:-1]), f"{SINGLE_KILLS[-1]}-sync"])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, stdlib_data, ref_single, kill_step, save):
     """One process SIGKILLed as it starts step kill_step (0-based; kill_step steps done), then
     `train.py` with the same arguments: the same losses, weights and AdamW state as never stopped."""
     out = tmp_path / "out"
-    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=0, step=kill_step), check=False)
+    last = kill_step // CKPT_EVERY * CKPT_EVERY
+    r = train(out, stdlib_data, *ARGS, *save, script=wrapper(tmp_path, KILL_AT_STEP, rank=0, step=kill_step, last=last),
+              check=False)
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
     assert max(train_losses(out)) == kill_step  # it died before logging step kill_step + 1
-    last = kill_step // CKPT_EVERY * CKPT_EVERY
     assert ckpt_steps(out)[-1] == last
-    r = train(out, stdlib_data, *ARGS)
+    r = train(out, stdlib_data, *ARGS, *save)
     assert f"resumed from {out}/ckpt/step_{last:07d} at step {last}" in r.stdout
     assert_same_run(out, ref_single)
 
@@ -297,11 +333,11 @@ def test_ddp_sigkill_of_one_rank_then_resume_is_bit_identical(tmp_path, stdlib_d
     """2 ranks under torchrun (gloo); rank 1 SIGKILLs itself as it starts step kill_step, torchrun
     takes rank 0 down and fails; the same torchrun command with train.py resumes bit-identically."""
     out = tmp_path / "out"
-    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill_step), nproc=2,
-              check=False)
+    last = kill_step // CKPT_EVERY * CKPT_EVERY
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill_step, last=last),
+              nproc=2, check=False)
     assert r.returncode != 0
     assert max(train_losses(out)) == kill_step
-    last = kill_step // CKPT_EVERY * CKPT_EVERY
     assert ckpt_steps(out)[-1] == last
     r = train(out, stdlib_data, *ARGS, nproc=2)
     assert f"resumed from {out}/ckpt/step_{last:07d} at step {last}" in r.stdout
@@ -310,26 +346,136 @@ def test_ddp_sigkill_of_one_rank_then_resume_is_bit_identical(tmp_path, stdlib_d
 
 
 # -----------------------------------------------------------------------------
-# 2. a kill in the middle of writing a checkpoint
+# 2. checkpoints written in the background: a kill in the middle of one, what a save blocks and
+# takes, one save at a time, errors raised to the loop
 
-def test_kill_while_saving_leaves_the_previous_checkpoint(tmp_path, stdlib_data, ref_single):
-    """SIGKILL while optimizer.pt of the second checkpoint (step 10) is half written: only a
-    .tmp-step_0000010 folder is left, resume=auto takes step 5, cleans the leftover, and the
-    run ends bit-identical to one never stopped."""
-    out = tmp_path / "out"
-    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_IN_SECOND_SAVE), check=False)
-    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    second = 2 * CKPT_EVERY
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "ddp"])
+def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path, stdlib_data, request, nproc):
+    """SIGKILL while the background write has optimizer.pt of the second checkpoint (step 10) half
+    written, the loop having trained on to step 11 meanwhile (one process, and rank 0 of two): only a
+    .tmp-step_0000010 folder is left, latest still names step 5; resume=auto takes step 5, cleans the
+    leftover, and the run ends bit-identical to one never stopped."""
+    ref = request.getfixturevalue("ref_single" if nproc == 1 else "ref_ddp")
+    out, second = tmp_path / "out", 2 * CKPT_EVERY
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_IN_SECOND_SAVE, step=second), nproc=nproc,
+              check=False)
+    assert r.returncode == -signal.SIGKILL if nproc == 1 else r.returncode != 0, r.stderr[-2000:]
     assert ".tmp-step_0000010" in os.listdir(out / "ckpt") and ckpt_steps(out) == [CKPT_EVERY]
     leftover = set(os.listdir(out / "ckpt/.tmp-step_0000010"))
     assert {"model.pt", "optimizer.pt"} <= leftover and "complete.json" not in leftover
     assert (out / "ckpt/latest").read_text() == f"step_{CKPT_EVERY:07d}"
-    assert max(train_losses(out)) == second
-    r = train(out, stdlib_data, *ARGS)
+    assert max(train_losses(out)) > second  # the save held the loop only for its copy into memory
+    r = train(out, stdlib_data, *ARGS, nproc=nproc)
     assert f"resumed from {out}/ckpt/step_{CKPT_EVERY:07d} at step {CKPT_EVERY}" in r.stdout
     assert not [d for d in os.listdir(out / "ckpt") if d.startswith(".tmp-")]
     assert ckpt_steps(out) == [5, 10, 15, 16]
-    assert_same_run(out, ref_single)
+    assert_same_run(out, ref)
+
+
+def test_each_save_says_what_it_blocked_and_how_long_it_wrote(ref_single):
+    """Every checkpoint's console line gives the seconds the loop was held and the seconds its write took,
+    and metrics.jsonl the same as a checkpoint event, with the checkpoint's size: the loop was held, for
+    its own save, less than the background write took."""
+    printed = re.findall(r"^checkpoint (\S+) \(blocked (\d+\.\d\d)s(?:, \d+\.\d\ds of it waiting for the save "
+                         r"before)?, written in (\d+\.\d\d)s\)$", console(ref_single).read_text(), re.M)
+    events = [m for m in read_metrics(ref_single) if m.get("event") == "checkpoint"]
+    folders = [ref_single / f"ckpt/step_{s:07d}" for s in (5, 10, 15, 16)]
+    assert [e["step"] for e in events] == [5, 10, 15, 16]
+    assert [p for p, _, _ in printed] == [e["path"] for e in events] == list(map(str, folders))
+    for (_, blocked, written), e, folder in zip(printed, events, folders):
+        assert (blocked, written) == (f"{e['blocked_s']:.2f}", f"{e['written_s']:.2f}")
+        assert 0 <= e["waited_s"] <= e["blocked_s"] and 0 < e["blocked_s"] - e["waited_s"] < e["written_s"]
+        size = sum(os.path.getsize(folder / f) for f in os.listdir(folder) if f != "complete.json")
+        assert e["gb"] == pytest.approx(size / 1e9, rel=1e-12)
+
+
+def tiny_checkpoints(tmp_path, monkeypatch, hold_step=None):
+    """(Checkpoints of a tiny model and its AdamW after one step, in tmp_path/ckpt, one process on the CPU as
+    train.py makes them; the Event that releases a save of hold_step, whose background write waits for it;
+    the count of the writes under way at once, the most of them in `.most_at_once`)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=False)
+    model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()
+    optimizer.step()
+    os.makedirs(tmp_path / "ckpt")
+    proc = SimpleNamespace(dev=torch.device("cpu"), rank=0, world=1, torchrun=False, distributed=False)
+    ckpts = Checkpoints(str(tmp_path), model, optimizer, proc, False, {"config.json": b"{}"}, every=1, keep_last=10,
+                        save_best=False, min_free_gb=0)
+    release, writes = threading.Event(), SimpleNamespace(now=0, most_at_once=0)
+    save_checkpoint = checkpoint.save_checkpoint
+
+    def counted(ckpt_root, step, *args):
+        writes.now += 1
+        writes.most_at_once = max(writes.most_at_once, writes.now)
+        if step == hold_step:
+            release.wait(30)
+        try:
+            return save_checkpoint(ckpt_root, step, *args)
+        finally:
+            writes.now -= 1
+    monkeypatch.setattr(checkpoint, "save_checkpoint", counted)
+    return ckpts, release, writes
+
+
+def test_a_save_waits_for_the_one_in_flight_and_writes_its_own_step(tmp_path, monkeypatch):
+    """The step-1 save's background write is held up until 0.5 s after the weights change, as the
+    steps after a save change them. The step-2 save waits for it: never two writes at once, each
+    reported once, in order; and step 1's files hold the weights it was given, not the changed ones."""
+    ckpts, release, writes = tiny_checkpoints(tmp_path, monkeypatch, hold_step=1)
+    before = {k: v.clone() for k, v in ckpts.model.state_dict().items()}
+    ckpts.save(dict(step=1), best=False)
+    assert ckpts.writing and ckpts.finished() == []  # save() returned while its write waits
+    with torch.no_grad():
+        for p in ckpts.model.parameters():
+            p.add_(1.0)
+    threading.Timer(0.5, release.set).start()
+    ckpts.save(dict(step=2), best=False)
+    first = ckpts.finished()  # the second save found it on disk first
+    ckpts.wait()
+    records = first + ckpts.finished()
+    assert [r["step"] for r in first] == [1] and [r["step"] for r in records] == [1, 2]
+    assert writes.most_at_once == 1 and not ckpts.writing
+    assert records[1]["waited_s"] >= 0.4 and records[1]["blocked_s"] >= records[1]["waited_s"]
+    assert read_pointer(str(tmp_path / "ckpt"), "latest") == "step_0000002"
+    assert_identical(load(tmp_path / "ckpt/step_0000001", "model.pt"), before, "step 1's model.pt")
+    changed = load(tmp_path / "ckpt/step_0000002", "model.pt")
+    assert all(torch.equal(changed[k], v + 1) for k, v in before.items())
+
+
+@pytest.mark.parametrize("error", [OSError, RuntimeError])
+def test_an_error_in_the_background_write_reaches_the_loop(tmp_path, monkeypatch, capsys, error):
+    """optimizer.pt of the step-2 save fails in the background thread. A disk error (OSError) is what
+    it is in a synchronous save: a warning, the partial folder removed, training goes on; any other
+    error is raised on the loop's thread at its next look at the save (poll, or wait), once. Either
+    way latest still names step 1."""
+    ckpts, _, _ = tiny_checkpoints(tmp_path, monkeypatch)
+    ckpts.save(dict(step=1), best=False)
+    ckpts.wait()
+    assert [r["step"] for r in ckpts.finished()] == [1]
+    save_file = checkpoint.save_file
+
+    def failing(obj, path):
+        if os.path.basename(path) == "optimizer.pt":
+            raise error("injected")
+        return save_file(obj, path)
+    monkeypatch.setattr(checkpoint, "save_file", failing)
+    ckpts.save(dict(step=2), best=False)
+    if error is OSError:
+        ckpts.wait()
+        assert "warning: the step 2 checkpoint failed (OSError: injected); training goes on" in capsys.readouterr().err
+        assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step_0000001"]  # the partial folder removed
+    else:
+        deadline = time.time() + 30
+        with pytest.raises(RuntimeError, match="injected"):
+            while time.time() < deadline:
+                ckpts.poll()
+                time.sleep(0.01)
+        assert not ckpts.writing
+        ckpts.wait()  # raised once: nothing in flight any more
+        assert ".tmp-step_0000002" in os.listdir(tmp_path / "ckpt")
+    assert ckpts.finished() == []  # nothing reached the disk
+    assert read_pointer(str(tmp_path / "ckpt"), "latest") == "step_0000001" and ckpt_steps(tmp_path) == [1]
 
 
 # -----------------------------------------------------------------------------
