@@ -4,6 +4,7 @@ lengths and head dims, with and without document masking.
 
     python bench/attention.py                                   # a GPU's defaults (a CPU's: tiny shapes)
     python bench/attention.py --seq_lens=2048,8192 --head_dims=128 --backends=fa3,cudnn,flex
+    python bench/attention.py --backends=fa4,flash                # FlashAttention 4 runs only when named
 
 FLOPs (the FlashAttention papers' count): the forward's two matmuls, QK^T and PV, are
 4*B*H*T*T*D for full attention, half of it causal; the backward is 2.5x the forward (five
@@ -30,7 +31,7 @@ width = 0                       # query heads x head dim (heads = width / D); 0:
 gqa = 1                         # query heads per key/value head (1: multi-head attention)
 tokens = 0                      # tokens per batch (B = tokens / T, at least 1); 0: 16384 on a GPU, 256 on a CPU
 docs_per_row = 4                # documents per sequence in the masked cases, cut at random positions
-backends = ""                   # comma-separated attn_backend names; "": model.ATTENTION_BACKENDS, then sdpa
+backends = ""                   # comma-separated attn_backend names (fa4 too); "": model.ATTENTION_BACKENDS, then sdpa
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 warmup = 3                      # untimed forward+backward per case
@@ -90,9 +91,10 @@ def main(argv):
     width, tokens_per_batch = cfg["width"] or width, cfg["tokens"] or tokens_per_batch
     offered = [*model.ATTENTION_BACKENDS, "sdpa"]  # sdpa: the default attn_backend, SDPA's own kernel choice
     names = [b.strip() for b in cfg["backends"].split(",") if b.strip()] or offered
-    unknown = [b for b in names if b not in offered]
+    known = offered + list(model.OPT_IN_BACKENDS)  # and those that run only when named
+    unknown = [b for b in names if b not in known]
     if unknown:
-        fail(f"backends: {', '.join(unknown)} not offered by model.py: choose among {', '.join(offered)}")
+        fail(f"backends: {', '.join(unknown)} not offered by model.py: choose among {', '.join(known)}")
     for D in dims:
         if width % D or (width // D) % cfg["gqa"]:
             fail(f"width={width} must be a multiple of each head dim ({D}) times gqa={cfg['gqa']}")

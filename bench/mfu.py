@@ -6,6 +6,7 @@ micro-batch sweep and each activation-checkpointing setting.
     python bench/mfu.py config/h200_1b_ddp8.py --device=cuda
     python bench/mfu.py config/h200_1b_ddp8.py --micro_batches=8,16 --compile=True --ceiling_tflops=790
     python bench/mfu.py config/h100_d64.py --n_layer=4 --micro_batches=1,2,4   # a slice, extrapolated to 64 layers
+    python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
 
 Per (grad_ckpt, micro-batch): step time, tokens/s, MFU against the datasheet peak
 (model.peak_flops; null on a CPU or an unknown GPU) and against a measured matmul ceiling
@@ -103,7 +104,8 @@ def main(argv):
     name = common.device_name(dev)
     peak = peak_flops(name) if dev.type == "cuda" else None
     ceiling = cfg["ceiling_tflops"] * 1e12 or None
-    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}: {param_counts(full_config)['total'] / 1e6:.1f}M "
+    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}, fp8={run['fp8']}: "
+          f"{param_counts(full_config)['total'] / 1e6:.1f}M "
           f"parameters at {full_config.n_layer} layers, block_size {full_config.block_size}"
           + (f"; measured as slices of {depths[0]} and {depths[1]} layers" if len(depths) == 2 else ""))
     rows = []
@@ -133,8 +135,8 @@ def main(argv):
     common.write_result("mfu", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(full_config),
         params=param_counts(full_config)["total"], flops_per_token=fpt_full, dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], warmup=cfg["warmup"], iters=cfg["iters"], peak_tflops=peak and peak / 1e12,
-        ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
+        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], warmup=cfg["warmup"], iters=cfg["iters"],
+        peak_tflops=peak and peak / 1e12, ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
         extrapolation=dict(n_layer=full, depths=depths, rows=fits) if fits is not None else None, best=best))
 
 

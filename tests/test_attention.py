@@ -1,6 +1,7 @@
 """model.py's attention backends on CPU: each one that runs here against float64 (forward and backward,
 GQA, document masks), the refusals of the ones that cannot, what auto picks, and FlashAttention's and
 FlexAttention's wrappers (their GPU kernels replaced by a stand-in package, or run forward only)."""
+import importlib.machinery
 import re
 import sys
 import types
@@ -73,6 +74,7 @@ def test_each_backend_that_runs_here_matches_float64(name, doc_mask):
 
 @pytest.mark.parametrize("name, why", [("fa3", "flash_attn_interface is not installed|FlashAttention 3 is CUDA only"),
                                        ("fa2", "pip install flash-attn|FlashAttention 2 is CUDA only"),
+                                       ("fa4", "pip install --pre flash-attn-4|FlashAttention 4 is CUDA only"),
                                        ("cudnn", "CUDA only"), ("efficient", "CUDA only"),
                                        ("flex", "no backward pass on CPU")])
 def test_a_named_backend_that_cannot_run_here_is_refused(name, why):
@@ -99,8 +101,42 @@ def test_document_masks_need_a_backend_that_can_mask():
     q, k, v = inputs()
     with pytest.raises(ValueError, match="pass causal=True"):
         attention("math", q, k, v, False, documents())
-    with pytest.raises(ValueError, match="unknown attention backend 'fa4'"):
-        resolve_backend("fa4", "cpu", F32, 16)
+    with pytest.raises(ValueError, match="unknown attention backend 'fa5'"):
+        resolve_backend("fa5", "cpu", F32, 16)
+
+
+def test_fa4_names_what_it_lacks_in_one_line(monkeypatch):
+    """FlashAttention 4 through SDPA needs torch 2.10+, the flash-attn-4 package, a Hopper or Blackwell GPU,
+    bf16/fp16 and a head_dim its kernels have: each missing piece (stood in for on this CPU) is one line
+    that names the fix."""
+    bf16, cuda = torch.bfloat16, torch.device("cuda")
+    registry = torch.nn.attention
+    monkeypatch.setattr(registry, "list_flash_attention_impls", lambda: [], raising=False)  # torch < 2.10
+    assert backend_unavailable("fa4", cuda, bf16, 128) == (
+        "FlashAttention 4 runs through SDPA from torch 2.10 on (torch.nn.attention.activate_flash_attention_impl); "
+        f"this is torch {torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
+    monkeypatch.setattr(registry, "list_flash_attention_impls", lambda: ["FA4"])
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed: find_spec says None
+    assert backend_unavailable("fa4", cuda, bf16, 128) == \
+        "flash_attn.cute is not installed (FlashAttention 4): pip install --pre flash-attn-4"
+    package = types.ModuleType("flash_attn")  # installed, without flash_attn.cute (FlashAttention 2 alone)
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    assert backend_unavailable("fa4", "cpu", bf16, 128) == "FlashAttention 4 is CUDA only; this is cpu"
+    assert backend_unavailable("fa4", cuda, F32, 128) == "FlashAttention 4 computes in bfloat16 or float16, not float32"
+    for capability, head_dim, why in [
+            ((8, 0), 128, "FlashAttention 4 runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU "
+                          "is 8.0: use fa2 or flash"),
+            ((9, 0), 264, "FlashAttention 4 takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to "
+                          "128, or 256), not 264"),
+            ((10, 0), 192, "FlashAttention 4 takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to "
+                           "128, or 256), not 192")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        assert backend_unavailable("fa4", cuda, bf16, head_dim) == why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # all but the kernels
+    assert re.fullmatch(r"flash_attn\.cute does not import \(ModuleNotFoundError: .*\): pip install --pre flash-attn-4",
+                        backend_unavailable("fa4", cuda, bf16, 192))
+    assert backend_unavailable("fa4", cuda, bf16, 128, doc_mask=True).startswith("fa4 cannot mask documents")
 
 
 def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
@@ -108,6 +144,7 @@ def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
     chosen, note = resolve_backend("auto", "cpu", F32, 16)
     assert chosen == "flash" and note.startswith("auto: flash (largest error ")
     assert "; skipped fa3 (" in note and "; skipped cudnn (the cudnn kernel is CUDA only; this is cpu)" in note
+    assert "fa4" not in note  # it runs only when named
     assert resolve_backend("auto", "cpu", F32, 16) is model.resolved[("auto", "cpu", F32, 16, False)]  # cached
     chosen, note = resolve_backend("auto", "cpu", F32, 16, doc_mask=True)
     assert chosen == "math" and "skipped flash (flash cannot mask documents" in note
