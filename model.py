@@ -2,7 +2,8 @@
 The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
 
 - RMSNorm (pre-norm), rotate-half RoPE with a configurable theta, SwiGLU MLP with a
-  configurable hidden size, grouped-query attention (n_kv_head divides n_head), no
+  configurable hidden size (by default Llama's: 8/3 of the width rounded up to a multiple of
+  256, so its matmuls run on whole tensor-core tiles), grouped-query attention (n_kv_head divides n_head), no
   biases, tied or untied input/output embeddings. The layout (names, RoPE convention)
   is Llama's, so the weights map one to one onto transformers' LlamaForCausalLM.
 - The vocabulary is padded to a multiple of `vocab_multiple` (matmuls with a round
@@ -11,11 +12,13 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
   `config.attn_backend`: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one
   kernel (cudnn, flash, efficient, math) or left to choose ("sdpa"), FlexAttention, or
   "auto", the fastest of them that runs here and agrees with a float64 reference.
+  FlashAttention 4 through SDPA ("fa4") runs only when named: never auto's pick.
 - doc_mask: tokens attend only within their document (documents start at bos_id), so
   packed rows train like separate sequences.
 - Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
   (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
+- fp8 (train.py's key, opt-in): torchao's float8 training for the linear layers, float8_linears.
 - Arithmetic that planning needs without building the model: parameter counts,
   FLOPs per token, bytes per GPU, and the datasheet peak of known GPUs for MFU.
 """
@@ -37,6 +40,9 @@ from util import device_mesh, first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
+# backends that run only when attn_backend names them, never auto's pick: fa4 is a beta package, and turning it
+# on swaps SDPA's flash kernel for the whole process
+OPT_IN_BACKENDS = ("fa4",)
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
 # on them, export has nothing to map them to, and a resumed run may change them
@@ -51,14 +57,18 @@ class GPTConfig:
     n_head: int = 12
     n_kv_head: int = 12           # < n_head: grouped-query attention
     n_embd: int = 768
-    ffn_hidden: int = None        # SwiGLU hidden size; None: floor(8 * n_embd / 3)
+    ffn_hidden: int = None        # SwiGLU hidden size; None: floor(8 * n_embd / 3) rounded up to multiple_of
+    # Llama's rounding of the default hidden size. An odd size runs slowly: on an H100 the 1B shape's
+    # SwiGLU matmuls ran at 125-146 TFLOP/s with hidden 5461 against 704 for its LM head, and the whole
+    # step went from 48.3% to 51.5% MFU at 5632 (bench/results/, 2026-11-22). 1: no rounding
+    multiple_of: int = 256
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
     # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
-    attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks)
+    attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks) | fa4
     doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
     bos_id: int = None            # the BOS token id (prepare.py: vocab_size - 1); doc_mask needs it
     grad_ckpt: str = "none"       # activation checkpointing while training: none | full | selective
@@ -74,9 +84,9 @@ class GPTConfig:
                              f"and n_head by n_kv_head ({self.n_kv_head})")
         if (self.n_embd // self.n_head) % 2:
             raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
-        if self.attn_backend not in ("auto", *ATTENTION_BACKENDS, "sdpa"):
+        if self.attn_backend not in ("auto", *ATTENTION_BACKENDS, *OPT_IN_BACKENDS, "sdpa"):
             raise ValueError(f"attn_backend={self.attn_backend!r}: choose auto, sdpa or one of "
-                             f"{', '.join(ATTENTION_BACKENDS)}")
+                             f"{', '.join(ATTENTION_BACKENDS + OPT_IN_BACKENDS)}")
         if self.grad_ckpt not in GRAD_CKPT:
             raise ValueError(f"grad_ckpt={self.grad_ckpt!r}: choose one of {', '.join(GRAD_CKPT)}")
         if self.doc_mask and self.bos_id is None:
@@ -84,8 +94,11 @@ class GPTConfig:
                              "(prepare.py's manifest: vocab_size - 1)")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk={self.loss_chunk}: tokens per loss chunk, or 0 for no chunking")
+        if self.multiple_of < 1:
+            raise ValueError(f"multiple_of={self.multiple_of}: the SwiGLU hidden size is rounded up to a multiple "
+                             f"of this (1: not rounded)")
         if self.ffn_hidden is None:
-            self.ffn_hidden = 8 * self.n_embd // 3
+            self.ffn_hidden = -(-(8 * self.n_embd // 3) // self.multiple_of) * self.multiple_of
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
@@ -163,6 +176,22 @@ def pinned_sdpa(kernel, q, k, v, causal, docs=None):
         return sdpa_attention(q, k, v, causal, docs)
 
 
+def flash_sdpa(impl, q, k, v, causal, docs=None):
+    """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4", FlashAttention 4
+    (fa4). torch.nn.attention.activate_flash_attention_impl swaps the CUDA implementation for the whole
+    process, so each call puts back the one its backend names: flash and fa4 can both run in one process
+    (bench/attention.py, tests/test_gpu.py). A compiled graph calls whichever is active when it runs: the
+    eager trial call that resolved the backend set it before anything was traced."""
+    if q.is_cuda and not torch.compiler.is_compiling():
+        registry = torch.nn.attention  # before torch 2.10 there is none: PyTorch's own is the only one
+        if getattr(registry, "current_flash_attention_impl", lambda: None)() != impl:
+            if impl is None:
+                registry.restore_flash_attention_impl()
+            else:
+                registry.activate_flash_attention_impl(impl)
+    return pinned_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal, docs)
+
+
 # name: (module, what it is, how to get it)
 FLASH_PACKAGES = {
     "fa3": ("flash_attn_interface", "FlashAttention 3",
@@ -227,8 +256,9 @@ def flex_attention(q, k, v, causal, docs=None):
 ATTENTION_KERNELS = {
     "fa3": partial(flash_attention, "fa3"),
     "fa2": partial(flash_attention, "fa2"),
+    "fa4": partial(flash_sdpa, "FA4"),
     "cudnn": partial(pinned_sdpa, SDPBackend.CUDNN_ATTENTION),
-    "flash": partial(pinned_sdpa, SDPBackend.FLASH_ATTENTION),
+    "flash": partial(flash_sdpa, None),
     "efficient": partial(pinned_sdpa, SDPBackend.EFFICIENT_ATTENTION),
     "flex": flex_attention,
     "math": partial(pinned_sdpa, SDPBackend.MATH),
@@ -289,6 +319,33 @@ def parity_error(name, device, dtype, head_dim, doc_mask=False):
     return max(parity_errors(name, device, dtype, head_dim, doc_mask).values())
 
 
+def fa4_unavailable(device, dtype, head_dim):
+    """Why fa4 cannot run here, or None: PyTorch 2.10+ routes SDPA's flash kernel to flash_attn.cute (the
+    flash-attn-4 package: CuTe DSL kernels, compiled at first use) on Hopper and Blackwell GPUs."""
+    label, install = "FlashAttention 4", "pip install --pre flash-attn-4"
+    if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
+        return (f"{label} runs through SDPA from torch 2.10 on (torch.nn.attention.activate_flash_attention_impl); "
+                f"this is torch {torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
+    if importlib.util.find_spec("flash_attn") is None:
+        return f"flash_attn.cute is not installed ({label}): {install}"
+    if device.type != "cuda":
+        return f"{label} is CUDA only; this is {device.type}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):  # the GPUs PyTorch's FA4 route accepts
+        return (f"{label} runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU is {major}.{minor}: "
+                f"use fa2 or flash")
+    if head_dim % 8 or head_dim > 256 or (major == 10 and 128 < head_dim < 256):
+        return (f"{label} takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to 128, or 256), "
+                f"not {head_dim}")
+    try:  # flash_attn may be FlashAttention 2 alone, without the cute kernels
+        importlib.import_module("flash_attn.cute.interface")
+    except ImportError as e:
+        return f"flash_attn.cute does not import ({first_line(e)}): {install}"
+    return None
+
+
 def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
     """None when attention backend `name` can train here (device, dtype, head_dim, doc_mask), else one
     line saying why not and what would make it run."""
@@ -313,9 +370,15 @@ def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
         if name == "fa2" and major < 8:
             return f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is {major}.{minor}"
         try:
-            importlib.import_module(module)
+            imported = importlib.import_module(module)
         except ImportError as e:
             return f"{module} is installed but does not import ({first_line(e)}): reinstall it for this torch"
+        if not hasattr(imported, "flash_attn_func"):  # flash-attn-4 alone installs flash_attn/cute/, nothing above
+            return f"{module} has no flash_attn_func (flash-attn-4 alone installs only flash_attn.cute): {install}"
+    elif name == "fa4":
+        why = fa4_unavailable(device, dtype, head_dim)
+        if why:
+            return why
     elif name == "flex":
         if device.type != "cuda":
             return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
@@ -514,8 +577,8 @@ class Block(nn.Module):
 # selective checkpointing keeps what is costly to recompute, the outputs of the matmuls and of the
 # attention kernels (with their log-sum-exp), and recomputes the cheap rest in the backward: norms,
 # RoPE, SiLU, the residual adds and autocast's casts. (Kernels that are no torch op, like FlashAttention
-# releases before its custom ops, are recomputed: right, only slower.)
-SAVED_OPS = {"aten::mm", "aten::_scaled_dot_product_flash_attention",
+# releases before its custom ops, are recomputed: right, only slower.) fp8's matmuls are aten::_scaled_mm.
+SAVED_OPS = {"aten::mm", "aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
              "aten::_scaled_dot_product_cudnn_attention", "flex_attention", "flash_attn::_flash_attn_forward",
              "flash_attn::_flash_attn_varlen_forward", "flash_attn_3::_flash_attn_forward"}
@@ -669,53 +732,75 @@ def flops_per_token(config, seq_len=None):
 
 def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
                     compute_bytes=2):
-    """Bytes per GPU of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32.
-    activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None: config.grad_ckpt).
+    """Bytes per GPU at the peak of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4
+    in fp32. activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None:
+    config.grad_ckpt). The parts are what is held at that moment, so they add up to the total.
 
-    - weights, gradients: fp32, 4 bytes/param each; optimizer: AdamW's two fp32 moments, 8 bytes/param.
-      sharded (FSDP): all three divided over world_size, plus two layers gathered at a time.
-    - weight_casts: autocast's compute-dtype copy of every matrix, kept for the backward.
-    - activations: what the backward keeps, per token, as model.py saves it on CPU (tests/test_model.py
-      measures each case; a fused CUDA RMSNorm keeps less, a fused attention kernel no T x T matrix).
-      With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden:
-      a layer keeps 16*d of fp32 (its output, the residual between attention and MLP, each RMSNorm's
-      x * rsqrt), c*(4*d + 2*dkv + 4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's
-      four hidden-wide tensors), 4*n_head of attention log-sum-exp and 8 of norm scales; outside the
-      layers 8*d + c*d + 4 (the embedding, the final norm).
-      full checkpointing: a layer keeps only its 4*d output; the backward rebuilds one layer at a time
-      (all it keeps, but its output).
-      selective: a layer keeps its output and what its matmuls and attention return,
-      4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head; one layer at a time rebuilds the rest, 12*d + c*(3*d + dkv + 2*f) + 8.
-    - logits: the logits, their fp32 copy for the loss and the log-softmax the loss keeps, for loss_chunk
-      tokens at a time (or the whole micro-batch with loss_chunk=0).
+    Always held: weights (fp32, 4 bytes/param), AdamW's two fp32 moments (8), DDP's fp32 gradient buckets (4,
+    world_size > 1). sharded (FSDP): weights, gradients and moments divided over world_size, plus two layers
+    gathered at a time. The rest peaks at one of three moments of the step (memory_phases), whichever is
+    largest: the end of the forward (every weight's compute-dtype cast, which autocast caches until the
+    forward ends; what the forward keeps for the backward; one loss chunk's fp32 logits and log-softmax);
+    the loss's backward (the same, minus the casts checkpointed layers do not keep, plus the fp32 logit
+    gradients and the head's weight gradient); or the end of the backward (every gradient, and the first
+    layer's activations and weight casts).
+
+    Activations kept per token, as model.py saves them on CPU (tests/test_model.py measures each case).
+    With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden: a layer keeps 16*d of
+    fp32 (its output, the residual between attention and MLP, each RMSNorm's x * rsqrt), c*(4*d + 2*dkv +
+    4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's four hidden-wide tensors),
+    4*n_head of attention log-sum-exp and 8 of norm scales; outside the layers 8*d + c*d + 4 (the
+    embedding, the final norm). full checkpointing: a layer keeps only its 4*d output, and the backward
+    rebuilds one layer at a time; selective: a layer keeps its output and what its matmuls and attention
+    return, 4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head, and one layer at a time rebuilds the rest.
+
+    Calibrated against peaks measured on an H100 (bench/results/memory.jsonl; tests/test_model.py holds
+    every row): 1B, 50M and d64-width shapes, each layout, within -1%..+5%. What remains: the kept
+    activations are counted as model.py saves them on a CPU, and CUDA's fused kernels keep a little less
+    (the 1B's measured activations grow 3.5% slower per sequence than counted); cuBLAS workspaces, the
+    allocator's rounding and short-lived temporaries (gradient clipping's norms) are not counted.
     """
+    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing, compute_bytes)
+    peak = max(phases.values(), key=lambda parts: parts["total"])
+    return dict(params=param_counts(config)["total"], **peak)
+
+
+def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
+                  compute_bytes=2):
+    """{moment: {part: bytes, "total": their sum}} for the three moments where a training step can peak:
+    forward_end, loss_backward and backward_end (memory_estimate's docstring says what each holds)."""
     mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
     if mode not in GRAD_CKPT:
         raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: one of {', '.join(GRAD_CKPT)}")
     counts = param_counts(config)
-    n = counts["total"]
+    n, head = counts["total"], config.padded_vocab * config.n_embd
     tokens = micro_batch_size * config.block_size
     L, d, dkv, f, c = config.n_layer, config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
     layer_params = counts["non_embedding"] // L
-    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
-    if mode == "none":
-        per_token = L * layer
-    elif mode == "full":
-        per_token = L * 4 * d + layer - 4 * d
-    else:
-        per_token = L * (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head) + 12 * d + c * (3 * d + dkv + 2 * f) + 8
-    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
     shard = world_size if sharded else 1
-    est = dict(params=n,
-               weights=4 * n // shard + (2 * layer_params * c if sharded else 0),
-               gradients=4 * n // shard + (2 * layer_params * 4 if sharded else 0),
-               optimizer=8 * n // shard,
-               ddp_buckets=4 * n if world_size > 1 and not sharded else 0,  # DDP's all-reduce copy of the gradients
-               weight_casts=0 if c == 4 else c * n // shard + (2 * layer_params * c if sharded else 0),
-               activations=tokens * (per_token + 8 * d + c * d + 4),
-               logits=logit_rows * config.padded_vocab * (c + (4 if c < 4 else 0) + 4))
-    est["total"] = sum(v for k, v in est.items() if k != "params")
-    return est
+    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer while prefetching the next
+    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8  # all a layer keeps without checkpointing
+    # per token: what a layer keeps for the backward, and what the backward rebuilds of it
+    kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
+                           "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
+                                         12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
+    outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
+    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
+    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
+    held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
+                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy of the gradients
+    phases = dict(
+        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * (L * kept_layer + outside),
+                         logits=logit_rows * config.padded_vocab * 8),
+        # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
+        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=casts if mode == "none" or c == 4 else
+                           c * head // shard, activations=tokens * (L * kept_layer + outside),
+                           logits=logit_rows * config.padded_vocab * 12),
+        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
+                          activations=tokens * (kept_layer + rebuilt + outside), logits=0))
+    for parts in phases.values():
+        parts["total"] = sum(parts.values())
+    return phases
 
 
 # dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
@@ -729,6 +814,48 @@ def peak_flops(device_name):
         if key.lower() in device_name.lower():
             return flops
     return None
+
+
+def fp8_unavailable(device, dtype, compiled):
+    """None when fp8=True (float8_linears) can train here: on `device`, the rest in `dtype`, under torch.compile
+    or not; else one line saying why not and what would make it run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"fp8=True trains on a CUDA GPU with float8 tensor cores; this is {device.type}: set fp8=False"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return (f"fp8=True needs float8 tensor cores, compute capability 8.9 or newer (H100, H200, L40S, RTX 4090); "
+                f"{torch.cuda.get_device_name(device)} is {major}.{minor}: set fp8=False")
+    if dtype != torch.bfloat16:
+        return (f"fp8=True computes the rest of the model in bfloat16, not {str(dtype).removeprefix('torch.')}: "
+                f"set dtype=bfloat16")
+    if not compiled:
+        return ("fp8=True needs compile=True: without torch.compile fusing float8's scaling and casts, its matmuls "
+                "are slower than bfloat16's")
+    if importlib.util.find_spec("torchao") is None:
+        return "fp8=True needs torchao (float8 training), which is not installed: pip install torchao"
+    try:
+        importlib.import_module("torchao.float8")
+    except Exception as e:  # a torchao built for another torch fails in its own ways
+        return f"torchao is installed but torchao.float8 does not import ({first_line(e)}): pip install -U torchao"
+    return None
+
+
+def float8_linears(model):
+    """fp8=True: the model's nn.Linear layers become torchao's Float8Linear (float8 matmuls, dynamic tensorwise
+    scales: torchao's default recipe), in place, before FSDP shards them and torch.compile fuses the scaling.
+    Their weights stay the same fp32 parameters, so checkpoints, the optimizer and the tied embedding are as
+    without fp8. Kept in bf16: lm_head (the embedding's tied twin, and the loss reads its logits) and any layer
+    with a dimension that is not a multiple of 16 (float8 matmuls need that). (converted names, kept names)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    kept = [name for name, m in linears if name == "lm_head" or m.in_features % 16 or m.out_features % 16]
+    # enable_fsdp_float8_all_gather stays off: it makes each weight a float8-aware tensor subclass, which
+    # checkpoints, export and sample.py would all have to know (and it wants precompute_float8_dynamic_scale_for_fsdp
+    # after every step); FSDP gathers bf16 weights, and the matmuls still run in float8
+    convert_to_float8_training(model, module_filter_fn=lambda module, name: name not in kept,
+                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return [name for name, _ in linears if name not in kept], kept
 
 
 def shard_model(model, dev, compute_dtype):

@@ -62,7 +62,8 @@ n_layer = 12                    # transformer blocks
 n_head = 12                     # query heads
 n_kv_head = 12                  # key/value heads; fewer than n_head is grouped-query attention
 n_embd = 768                    # model width
-ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3)
+ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3) rounded up to multiple_of
+multiple_of = 256               # Llama's rounding of that default, for whole tensor-core tiles (1: none)
 vocab_size = None               # None: the data's vocabulary (manifest.json); a number must match it
 tie_embeddings = True           # share the input embedding with the output head
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
@@ -108,7 +109,7 @@ def probe_model(cfg, dev, full_width):
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=256, block_size=min(cfg["block_size"], 256 if full_width else 64), n_layer=2,
                          n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
-                         ffn_hidden=cfg["ffn_hidden"] if full_width else None,
+                         ffn_hidden=cfg["ffn_hidden"] if full_width else None, multiple_of=cfg["multiple_of"],
                          tie_embeddings=cfg["tie_embeddings"])).to(dev)
 
 
@@ -309,7 +310,7 @@ def step_peak(model, optimizer, mb, dev, dt):
     try:
         x = torch.randint(0, model.config.vocab_size, (mb, model.config.block_size), device=dev)
         with autocast(dev, dt):
-            _, loss = model(x, x)
+            loss = model(x, x)[1]  # as train.py: the logits (loss_chunk=0) are not held through the backward
         loss.backward()
         optimizer.step()
         torch.cuda.synchronize(dev)
@@ -379,19 +380,21 @@ def check_capacity(cfg, dev, dt, world, out):
         return "fail", (f"{summary}; one GPU's whole weights, gradients and AdamW state need {state / 1e9:.1f} GB, "
                         f"over this GPU's {total / 1e9:.1f}: not measured (bench/mfu.py measures a slice)")
     peak, largest = measure_capacity(mconfig, mb, dev, dt, one["bytes"]["ddp_buckets"])
+    # the search fills the whole GPU, so the prediction to hold it against is for the whole GPU too
+    predicted_largest = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes,
+                                    total)["largest_micro_batch"]
     name = torch.cuda.get_device_name(dev)
     headroom = total - peak if peak else None
     out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total), micro_batch_size=mb,
                            grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak, peak_gb=gb(peak) if peak else None,
                            predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
                            headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
-                           largest_micro_batch=largest)
+                           largest_micro_batch=largest, predicted_largest_micro_batch=predicted_largest)
+    whole = f"the largest that fits is {largest} (predicted {predicted_largest} in the whole {gb(total):.1f} GB)"
     if peak is None:
-        return "fail", (f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); "
-                        f"the largest that fits is {largest}")
+        return "fail", f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); {whole}"
     return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
-                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; "
-                    f"largest micro-batch that fits: {largest}")
+                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; {whole}")
 
 
 def capacity_lines(cap):
@@ -418,12 +421,15 @@ def capacity_lines(cap):
     elif m["peak_bytes"] is None:
         lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch {m['micro_batch_size']} "
                      f"runs out of memory (predicted {m['predicted_gb']:.2f} GB); the largest that fits is "
-                     f"{m['largest_micro_batch']}.")
+                     f"{m['largest_micro_batch']} (predicted {m['predicted_largest_micro_batch']} in the whole "
+                     f"{m['device_gb']:.1f} GB).")
     else:
         lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager, one process holding DDP's buckets "
                      f"aside: peak {m['peak_gb']:.2f} GB allocated against {m['predicted_gb']:.2f} GB predicted "
                      f"(DDP), headroom {m['headroom_gb']:.2f} GB; the largest micro-batch that fits is "
-                     f"{m['largest_micro_batch']} (predicted {lays[0]['largest_micro_batch']}).")
+                     f"{m['largest_micro_batch']} (predicted {m['predicted_largest_micro_batch']} in the whole "
+                     f"{m['device_gb']:.1f} GB, {lays[0]['largest_micro_batch']} within the planned "
+                     f"{cap['usable_share']:g}).")
     return lines
 
 

@@ -13,9 +13,9 @@ Config: the globals between the config markers below, overridden by config files
 --key=val (configurator.py; --help lists them). Everything a run writes goes to out_dir:
 config.json (the resolved config; the console shows the keys that differ from the defaults),
 preflight.json/.md, metrics.jsonl (a JSON object per logged step, and one per event: spike,
-non-finite step, rollback, budget warning), ckpt/ (checkpoints; ckpt/latest and ckpt/best
-name the newest and the best complete one), the run report (summary.md, plots/: refreshed at
-every evaluation), summary.json when the run ends or stops; with log_to, every metrics line
+non-finite step, rollback, budget warning, checkpoint written), ckpt/ (checkpoints, written in
+the background; ckpt/latest and ckpt/best name the newest and the best complete one), the run
+report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops; with log_to, every metrics line
 also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is written.
 
 The batch of optimizer step s is always the same set of sequences, whatever the
@@ -58,7 +58,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import configurator
 from util import (autocast, check_apart, compute_dtype, dtype_name, fail, first_line, format_seconds, is_master, log,
                   make_scratch, mean_over_ranks, peak_memory_gb, run_main, setup, warn, write_json)
-from model import GPT, flops_per_token, make_optimizer, param_counts, peak_flops, resolve_backend, shard_model
+from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
+                   resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
@@ -77,14 +78,15 @@ n_layer = 12                    # transformer blocks
 n_head = 12                     # query heads
 n_kv_head = 12                  # key/value heads; fewer than n_head is grouped-query attention
 n_embd = 768                    # model width
-ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3)
+ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3) rounded up to multiple_of
+multiple_of = 256               # Llama's rounding of that default, for whole tensor-core tiles (1: none)
 vocab_size = None               # None: the data's vocabulary (manifest.json); a number must match it
 tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
 # speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
-attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa
+attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa | fa4 (never auto's pick)
 doc_mask = False                # attention stays inside each document (BOS boundaries); this one does change the model
 grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
 loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
@@ -110,6 +112,7 @@ save_best = True                # also checkpoint at every new best validation l
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
+ckpt_async = True               # write checkpoints in the background: the loop waits only for a copy into CPU memory
 # watching a run: every metrics line mirrored, as it is written, from rank 0 (report.py: Trackers)
 log_to = ""                     # trackers, comma-separated: tensorboard (out_dir/tensorboard) | wandb | mlflow; "": none
 run_name = ""                   # the run's name in the trackers; "": out_dir
@@ -149,6 +152,7 @@ device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu 
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 compile = False                 # torch.compile the model
 compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+fp8 = False                     # float8 matmuls in the linear layers (torchao): a GPU of compute capability 8.9+, compile, bfloat16
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest: true fp32
 # --- end config
 
@@ -265,7 +269,9 @@ def open_data(cfg):
 def build_model(cfg, proc, dt, mconfig):
     """The model on this rank's device (its share of it under fsdp), its attention kernel resolved first
     (before torch.compile traces it) and logged in one short line (verbose: with the kernels auto skipped and
-    why, which preflight.md always has)."""
+    why, which preflight.md always has). fp8: its linear layers in float8, or one line why that cannot run here."""
+    if cfg.fp8 and (why := fp8_unavailable(proc.dev, dt, cfg.compile)):
+        fail(why, 2)
     try:
         backend, note = resolve_backend(cfg.attn_backend, proc.dev, dt, mconfig.head_dim, cfg.doc_mask)
     except ValueError as e:
@@ -274,6 +280,10 @@ def build_model(cfg, proc, dt, mconfig):
         f"attention: {backend} (auto: the first that passes its parity check here; why not the others: "
         f"{os.path.join(cfg.out_dir, 'preflight.md')})")
     model = GPT(mconfig).to(proc.dev)
+    if cfg.fp8:  # before FSDP wraps the layers, and before torch.compile traces them
+        converted, kept = float8_linears(model)
+        log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); kept in bfloat16: "
+            f"{', '.join(kept[:4])}{f' and {len(kept) - 4} more' if len(kept) > 4 else ''}")
     if cfg.dist_mode == "fsdp":
         shard_model(model, proc.dev, dt)
     return model
@@ -368,7 +378,7 @@ class Trainer:
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
         self.step_seconds, self.eval_seconds, self.next_budget_check = 0.0, 0.0, 0.0
-        # until a save is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s
+        # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
@@ -405,7 +415,14 @@ class Trainer:
 
     def checkpoint(self, val_loss, best):
         st = self.state
-        return self.ckpts.save(dict(vars(st), tokens=st.step * self.cfg.total_batch_tokens, val_loss=val_loss), best)
+        self.ckpts.save(dict(vars(st), tokens=st.step * self.cfg.total_batch_tokens, val_loss=val_loss), best)
+
+    def saved(self):
+        """Each save that reached the disk since the last look: what it cost the loop and how long it took to
+        write, as a metrics.jsonl event; the slowest write is what the guards keep back for the final save."""
+        for record in self.ckpts.finished():
+            self.save_seconds = max(self.save_seconds, record["written_s"])
+            self.write_metrics({"step": record["step"], "event": "checkpoint", **record})
 
     # guards: time, money, signals
 
@@ -419,7 +436,8 @@ class Trainer:
         """Rank 0's verdict: the name of the guard that must stop the run now, or None. The
         reserve is what one more step and the final save take, so no limit is crossed."""
         cfg, st = self.cfg, self.state
-        reserve = self.step_seconds + self.eval_seconds + self.save_seconds
+        # a stop while a save is written in the background waits for it, then writes its own
+        reserve = self.step_seconds + self.eval_seconds + self.save_seconds * (2 if self.ckpts.writing else 1)
         if cfg.max_hours and st.elapsed + reserve > cfg.max_hours * 3600:
             return "max_hours"
         if cfg.budget_usd and cfg.usd_per_gpu_hour and st.cost_usd + reserve * self.gpu_rate > cfg.budget_usd:
@@ -530,7 +548,8 @@ class Trainer:
                 self.raw_model.set_requires_gradient_sync(last)
             with nullcontext() if self.sharded or not proc.distributed or last else self.model.no_sync():
                 with self.autocast:
-                    _, micro_loss = self.model(x, y)
+                    # [1] alone: with loss_chunk=0 a name for the logits would hold them through the backward
+                    micro_loss = self.model(x, y)[1]
                 if nan_drill and proc.rank == proc.world - 1:
                     micro_loss = micro_loss * float("nan")
                 self.scaler.scale(micro_loss / self.grad_accum).backward()
@@ -622,10 +641,11 @@ class Trainer:
             # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
             if self.ckpts.due(st.step, cfg.max_steps, new_best, bool(reason), st.bad_in_a_row):
                 self.tick()
-                self.save_seconds = max(self.save_seconds, self.checkpoint(val_loss, new_best))  # the slowest save
+                self.checkpoint(val_loss, new_best)
             if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
                 self.diverged = self.rollback()
                 reason = "diverged" if self.diverged else None
+            self.saved()  # a background save that has ended: reported (or its error raised) now
         return reason or "max_steps", val_loss
 
     def finish(self, reason, val_loss):
@@ -639,6 +659,8 @@ class Trainer:
                     st.best_val_loss, st.best_step = val_loss, st.step
             if self.ckpts.saved_step != st.step:
                 self.checkpoint(val_loss, val_loss <= st.best_val_loss and cfg.save_best)
+        self.ckpts.wait()  # the last save on disk before the summary names it and the run exits
+        self.saved()
         self.tick()
         if self.proc.rank != 0:
             return None
@@ -744,7 +766,7 @@ def train(cfg, keep_group=False):
     saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
     ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
                         files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
-                        cfg.ckpt_min_free_gb)
+                        cfg.ckpt_min_free_gb, cfg.ckpt_async)
     # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
     state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
                             evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,

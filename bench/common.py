@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from model import GPT, GRAD_CKPT, make_optimizer
+from model import GPT, GRAD_CKPT, float8_linears, fp8_unavailable, make_optimizer
 from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
@@ -142,9 +142,14 @@ def ckpt_settings(key, text):
 
 def build(mconfig, run, dev):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
+    its linear layers in float8 with fp8=True as train.py converts them (or one line why that cannot run here),
     and the run's AdamW for it (fused on CUDA, as in training)."""
+    if run["fp8"] and (why := fp8_unavailable(dev, compute_dtype(run["dtype"], dev), run["compile"])):
+        fail(why, 2)
     with torch.device(dev):
         model = GPT(mconfig)
+    if run["fp8"]:
+        float8_linears(model)
     return model, run_optimizer(model, run, dev)
 
 
@@ -169,15 +174,20 @@ def cross_entropy(logits, y):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
 
-def train_step(model, optimizer, x, y, amp, loss_of):
+def train_step(model, optimizer, x, y, amp, loss_of, mark=None):
     """train.py's step for one micro-batch: forward with targets under autocast, backward, gradient
-    clipping, AdamW, gradients dropped."""
+    clipping, AdamW, gradients dropped. mark(phase) is called at the end of each phase ("forward",
+    "backward", "optimizer"), e.g. to read the memory peak of each."""
+    mark = mark or (lambda phase: None)
     with amp:
         loss = loss_of(model, x, y)
+    mark("forward")
     loss.backward()
+    mark("backward")
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
 
 
 def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, warmup, iters, loss_of=our_loss):

@@ -5,8 +5,8 @@ micro-batch sweep, with and without activation checkpointing.
     python bench/memory.py config/h200_1b_ddp8.py --device=cuda --micro_batches=1,2,4,8,16
     python bench/memory.py config/a100_50m.py --plan_vocab_size=50257        # on a CPU: the prediction only
 
-Measured: torch.cuda.max_memory_allocated over two real training steps (the second is the
-steady state: AdamW's moments exist), one process, so no DDP buckets (world_size=1 in the
+Measured: torch.cuda.max_memory_allocated in each phase (forward, backward, optimizer) of the
+second of two real training steps (the steady state: AdamW's moments exist), one process, so no DDP buckets (world_size=1 in the
 prediction too). What the CUDA context and the allocator's cache hold on top is not counted
 on either side. On a CPU the process's RSS is no measure of a GPU step, so measured is null
 and the line holds the prediction alone. The ratio measured / predicted says how far
@@ -21,7 +21,7 @@ import torch
 
 from model import memory_estimate
 from preflight import model_config
-from util import dtype_name, run_main
+from util import autocast, dtype_name, run_main
 
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)
@@ -36,13 +36,33 @@ def predict(mconfig, setting, micro_batch, compute_bytes):
     return {k: v / 1e9 for k, v in parts.items() if k != "params"}  # params is a count, not bytes
 
 
-def measure(mconfig, run, micro_batches, dev, dt):
-    """{micro_batch: peak GB, None when out of memory} of two real training steps on this GPU."""
-    model, optimizer = common.build(mconfig, run, dev)
+def phase_peaks(model, optimizer, mb, mconfig, dev, dt):
+    """{phase: peak GB} of the second of two training steps (the first allocates AdamW's moments), for
+    each of its phases (forward, backward, optimizer), or None when out of memory. Which phase peaks
+    tells which of memory_estimate's terms are held at once."""
+    common.free_memory(dev)
     peaks = {}
-    for mb in micro_batches:
-        row = common.measure_steps(model, optimizer, mb, mconfig.block_size, mconfig.vocab_size, dev, dt, 1, 1)
-        peaks[mb] = row.get("peak_mem_gb")
+
+    def mark(phase):
+        torch.cuda.synchronize(dev)
+        peaks[phase] = torch.cuda.max_memory_allocated(dev) / 1e9
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    try:
+        x = torch.randint(0, mconfig.vocab_size, (mb, mconfig.block_size), device=dev)
+        y = torch.randint(0, mconfig.vocab_size, (mb, mconfig.block_size), device=dev)
+        for _ in range(2):
+            common.train_step(model, optimizer, x, y, autocast(dev, dt), common.our_loss, mark)
+    except torch.cuda.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        return None  # returning drops the traceback, and with it what the failed step held
+    return peaks
+
+
+def measure(mconfig, run, micro_batches, dev, dt):
+    """{micro_batch: {phase: peak GB}, None when out of memory} of real training steps on this GPU."""
+    model, optimizer = common.build(mconfig, run, dev)
+    peaks = {mb: phase_peaks(model, optimizer, mb, mconfig, dev, dt) for mb in micro_batches}
     del model, optimizer
     common.free_memory(dev)
     return peaks
@@ -67,10 +87,10 @@ def main(argv):
         except torch.cuda.OutOfMemoryError:  # the weights and optimizer alone do not fit
             measured = dict.fromkeys(micro_batches)
         for mb in micro_batches:
-            parts, peak = predict(mconfig, setting, mb, compute_bytes), measured.get(mb)
-            predicted = parts["total"]
+            parts, phases = predict(mconfig, setting, mb, compute_bytes), measured.get(mb)
+            predicted, peak = parts["total"], max(phases.values()) if phases else None
             rows.append(dict(grad_ckpt=setting, micro_batch=mb, predicted_gb=predicted, predicted_parts_gb=parts,
-                             measured_gb=peak, oom=dev.type == "cuda" and peak is None,
+                             measured_gb=peak, measured_phases_gb=phases, oom=dev.type == "cuda" and peak is None,
                              ratio=peak / predicted if peak and predicted else None))
             r = rows[-1]
             print(f"  grad_ckpt={setting:5s} micro_batch={mb:<4} predicted {common.fmt(r['predicted_gb'], '.3f')} GB  "

@@ -4,14 +4,15 @@
 #
 # Where the runbook's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
 # - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
-#   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922, which holds the same
-#   8*d^2 parameters per layer as a 4x two-matrix MLP: 12.885B in total.
-# - Mixed-precision AdamW under plain DDP needs ~16 bytes/parameter per GPU (~206 GB),
+#   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922 rounded up to a multiple of
+#   256 (multiple_of): 11008, Llama-7B's, so its matmuls run on whole tiles: 12.953B in
+#   total (12.885B at 10922, the same 8*d^2 parameters per layer as a 4x two-matrix MLP).
+# - Mixed-precision AdamW under plain DDP needs ~16 bytes/parameter per GPU (~207 GB),
 #   far over 80 GB, so the runbook's "~75GB per GPU at batch 4" cannot be. This model
 #   trains only sharded with activation checkpointing (dist_mode and grad_ckpt below);
 #   `train.py config/h100_d64.py --preflight_only=True --gpu_mem_gb=80` prints the
 #   per-GPU estimate of both layouts (memory_fit).
-# - One token costs 83.8 GFLOP: at an optimistic 40% MFU of the H100 PCIe's 756
+# - One token costs 84.2 GFLOP: at an optimistic 40% MFU of the H100 PCIe's 756
 #   TFLOP/s, 8 GPUs process ~29k tokens/s, ~3.2B tokens in 31 hours (not "~12B"),
 #   about 9 passes over the runbook's 350M-token corpus.
 # - $4/GPU-hour x 8 x 31 h = $992, as the runbook says.
@@ -29,12 +30,18 @@ n_layer = 64
 n_head = 32
 n_kv_head = 32
 n_embd = 4096
-ffn_hidden = None          # floor(8 * 4096 / 3) = 10922
+ffn_hidden = None          # floor(8 * 4096 / 3) = 10922 rounded up to a multiple of 256: 11008
 tie_embeddings = True
 
-# training: 524,288 tokens per step = 8 GPUs x 4 sequences x 2048 tokens (no accumulation)
+# training: 524,288 tokens per step = 8 GPUs x 8 sequences x 2048 tokens x accumulation 4.
+# Micro-batch 8 from measured memory: this width at 4 layers (one H100 80GB, eager, full
+# checkpointing, 2026-11-23) peaked at 13.3 GB at micro-batch 1 and 14.8 at 4, within 5% of
+# model.memory_estimate, which puts all 64 layers sharded over 8 GPUs at 42.1 GB per GPU at 8
+# (53% of the usable 0.92 x 80 GB; 16 would be 60.0 GB). The headroom is for what one GPU could
+# not measure: FSDP's collectives at 64 layers. Each micro-step gathers all 13B weights twice,
+# so fewer, larger micro-steps (8 rather than 4) halve that traffic per token.
 out_dir = "out/h100_d64"
-micro_batch_size = 4
+micro_batch_size = 8
 total_batch_tokens = 524288
 max_steps = 22630          # the runbook's 31 checkpoints x 730 steps
 learning_rate = 1.5e-4     # not in the runbook: a conservative AdamW rate for ~13B

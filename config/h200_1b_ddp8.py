@@ -2,13 +2,14 @@
 #   python prepare.py config/h200_1b_ddp8.py
 #   torchrun --standalone --nproc_per_node=8 train.py config/h200_1b_ddp8.py
 #
-# Shape from the runbook: 24 layers x 2048, GQA 16:4, context 2048, SwiGLU hidden
-# floor(8d/3) = 5461, tied 32768 vocabulary: 1.124B parameters (1.057B non-embedding),
-# 7.95 GFLOP/token (model.py; tests/test_model.py checks it). The runbook's ~22.4B
-# planned tokens is ~20 tokens/parameter; with 2^20 tokens per step that is 21,362 steps.
+# Shape from the runbook: 24 layers x 2048, GQA 16:4, context 2048, tied 32768 vocabulary.
+# The runbook's SwiGLU hidden floor(8d/3) = 5461 is not a multiple of 64: on an H100 those
+# matmuls ran at 125-146 TFLOP/s against 704 for the LM head. Here it is rounded up to a
+# multiple of 256 (multiple_of, Llama's rule): 5632, 1.149B parameters (1.082B
+# non-embedding; the runbook's 1.124B), 8.10 GFLOP/token (model.py; tests/test_model.py).
+# The runbook's ~22.4B planned tokens (its ~20 per parameter; 19.5 at 1.149B) with 2^20
+# tokens per step is 21,362 steps.
 # Not in the runbook, chosen here: the batch size, micro-batch and learning rates.
-# The micro-batch that fits is for the capacity probe to measure on the pod.
-
 # data: a BPE vocabulary of 32768 trained on the corpus itself
 source = "climbmix"
 tokenizer = "bpe:32768"
@@ -22,10 +23,16 @@ n_layer = 24
 n_head = 16
 n_kv_head = 4
 n_embd = 2048
-ffn_hidden = None          # floor(8 * 2048 / 3) = 5461
+ffn_hidden = None          # floor(8 * 2048 / 3) = 5461 rounded up to a multiple of 256: 5632
 tie_embeddings = True
 
-# training: 2^20 tokens per step = 8 GPUs x 16 sequences x 2048 tokens x accumulation 4
+# training: 2^20 tokens per step = 8 GPUs x 16 sequences x 2048 tokens x accumulation 4.
+# Micro-batch 16 from measured memory: on one H100 80GB (bench/results/, 2026-11-23) this shape's
+# eager step peaked at 74.6 GB at micro-batch 12 (model.memory_estimate: 76.9) and 13 was the most
+# that fit; compiled, 61.8 GB at 12 and 69.4 at 14, at 55.1% and 56.0% MFU. On a 141 GB H200 the
+# estimate at 16 is 100.6 GB with DDP's buckets, 78% of the usable 0.92 x 141 GB: room for
+# NCCL and fragmentation. 32 would not fit (177 GB). The chunked loss (loss_chunk=8192, the
+# default) cost 0.3% MFU against none at micro-batch 8, and saves 9.7 GB here.
 out_dir = "out/h200_1b_ddp8"
 micro_batch_size = 16
 total_batch_tokens = 1048576

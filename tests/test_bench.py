@@ -14,10 +14,10 @@ import torch
 
 from conftest import ROOT, run
 from configurator import read_defaults
-from model import GPTConfig, flops_per_token, memory_estimate
+from model import GPTConfig, flops_per_token, memory_estimate, param_counts
 
-PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf")
-RUN_PROBES = ("mfu", "memory", "loader", "vs_hf")  # these also take train.py's config files and keys
+PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt")
+RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take train.py's config files and keys
 # config/tiny.py (4 layers, CPU, float32) made smaller still; a vocabulary given, so no data is needed
 SHAPE = ["--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=64", "--vocab_size=256"]
 TINY = ["config/tiny.py", "--n_layer=2", *SHAPE]
@@ -168,6 +168,28 @@ def test_memory_predicts_what_model_memory_estimate_says(tmp_path, capfd):
         assert r["predicted_parts_gb"]["activations"] == want["activations"] / 1e9
 
 
+def test_checkpoint_blocks_for_the_copy_and_writes_in_the_background(tmp_path, capfd):
+    # a 2-layer slice of tiny.py's 4 layers: its times scaled to 4 layers by the parameters
+    scratch = tmp_path / "ckpts"
+    rec = probe(capfd, tmp_path, "ckpt", *TINY, "--device=cpu", "--saves=2", f"--write_dir={scratch}")
+    slice_, full = model_of(rec), model_of(rec, n_layer=4)
+    assert slice_.n_layer == 2 and rec["params"] == param_counts(slice_)["total"]
+    assert [(r["mode"], r["save"]) for r in rec["rows"]] == [("async", 1), ("async", 2), ("sync", 1)]
+    for r in rec["rows"]:
+        # fp32 weights (the tied head once) and AdamW's two moments; config.json, trainer.pt and pickling besides
+        assert 12 * rec["params"] <= r["gb"] * 1e9 <= 1.05 * 12 * rec["params"]
+        if r["mode"] == "async":  # the loop waits for the copy into memory, not for the disk
+            assert 0 < r["blocked_s"] < r["written_s"]
+        else:
+            assert r["blocked_s"] >= r["written_s"] > 0
+    ext, steady = rec["extrapolation"], rec["rows"][1]
+    scale = param_counts(full)["total"] / rec["params"]
+    assert ext["n_layer"] == 4 and ext["params"] == param_counts(full)["total"]
+    assert close(ext["written_s"], steady["written_s"] * scale) and close(ext["blocked_s"], steady["blocked_s"] * scale)
+    assert close(ext["sync_s"], rec["rows"][2]["written_s"] * scale) and close(ext["gb"], steady["gb"] * scale)
+    assert not scratch.exists()  # the probe's checkpoints are removed
+
+
 def test_comms_two_ranks_under_torchrun(tmp_path):
     rec = probe(None, tmp_path, "comms", "--device=cpu", "--sizes=1024,65536", *FAST, launch=TORCHRUN)
     assert rec["backend"] == "gloo" and rec["world_size"] == 2 and "--nproc_per_node=2" in rec["command"]
@@ -224,12 +246,14 @@ def test_help_lists_every_key(monkeypatch, capsys, name):
 @pytest.mark.parametrize("args, says", [
     (["mfu", *TINY, "--micro_batches=1,x"], "micro_batches='1,x' is not a comma-separated list"),
     (["mfu", *TINY, "--grad_ckpts=none,partial"], "grad_ckpts='none,partial'"),
+    (["mfu", *TINY, "--fp8=True"], "fp8=True trains on a CUDA GPU with float8 tensor cores; this is cpu: set fp8=False"),
     (["memory", "config/nonexistent.py"], "config file 'config/nonexistent.py' not found"),
     (["memory", "config/tiny.py", "--micro_batchs=2"], "unknown key 'micro_batchs'"),
     (["matmul", "--sizes=64x64"], "sizes: '64x64' is neither N nor MxKxN"),
-    (["attention", "--backends=fa4"], "backends: fa4 not offered by model.py"),
+    (["attention", "--backends=fa5"], "backends: fa5 not offered by model.py"),
     (["loader", "--data_dir=/nonexistent"], "no manifest.json in /nonexistent"),
-    (["comms"], "run it under torchrun")])
+    (["comms"], "run it under torchrun"),
+    (["ckpt", *TINY, "--saves=0"], "saves=0 must be positive")])
 def test_bad_input_is_one_line_and_a_failure(monkeypatch, capsys, tmp_path, args, says):
     code, _, err = in_process(monkeypatch, capsys, *args, f"--out={tmp_path / 'never.jsonl'}")
     assert code != 0 and err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1, err
