@@ -32,7 +32,6 @@ import os
 import random
 import shutil
 import sys
-import threading
 import time
 import warnings
 import zlib
@@ -44,7 +43,7 @@ import torch.distributed as dist
 
 from data import tokenizer_fingerprint
 from model import GPT, RUNTIME_FIELDS, GPTConfig
-from util import fail, first_line, log, warn
+from util import CutShortThread, fail, first_line, log, warn
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
@@ -303,17 +302,17 @@ class Staging:
         return seen[alias]
 
 
-class Writer(threading.Thread):
+class Writer(CutShortThread):
     """One save written in the background: write() runs in a daemon thread, so a run that stops on an error
     exits without finishing it (a save cut short is never taken for a checkpoint); result() waits for it and
     returns what write() returned, or raises what it raised, on the caller's thread."""
 
     def __init__(self, write):
-        super().__init__(name="checkpoint-writer", daemon=True)
+        super().__init__("checkpoint-writer")
         self.write, self.value, self.error = write, None, None
         self.start()
 
-    def run(self):
+    def work(self):
         try:
             self.value = self.write()
         except BaseException as e:  # handed to the loop's thread by result()

@@ -15,6 +15,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 from contextlib import nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
@@ -55,13 +56,32 @@ def run_main(main, argv):
     exit_worker(code or 0)
 
 
+class CutShortThread(threading.Thread):
+    """A daemon thread running work() that an exit may cut short (checkpoint.py's background save: a save cut
+    short is never taken for a checkpoint). While work() runs, exit_worker skips the interpreter's teardown:
+    a daemon thread still inside torch's C++ code when the interpreter ends aborts the process. `busy` is
+    the thread's own flag because is_alive() turns False when a Ctrl-C interrupts a join() (CPython < 3.13)."""
+
+    def __init__(self, name):
+        super().__init__(name=name, daemon=True)
+        self.busy = True
+
+    def run(self):
+        try:
+            self.work()
+        finally:
+            self.busy = False
+
+
 def exit_worker(code):
-    """Exit with `code`. A torchrun worker skips the interpreter's teardown: destroying the process
-    group's leftover C++ threads there aborts the process now and then ("terminate called without an
-    active exception"), which torchrun reports as a failed job."""
+    """Exit with `code`. A torchrun worker, and a process whose background save is still writing (a second
+    Ctrl-C, an error), skip the interpreter's teardown: destroying the process group's leftover C++ threads
+    there, or ending a thread inside torch.save, aborts the process ("terminate called without an active
+    exception"), which torchrun reports as a failed job. Output is flushed first; the files podgpt appends
+    to are flushed line by line."""
     sys.stdout.flush()
     sys.stderr.flush()
-    if "RANK" in os.environ:
+    if "RANK" in os.environ or any(getattr(t, "busy", False) for t in threading.enumerate()):
         os._exit(code)
     raise SystemExit(code)
 

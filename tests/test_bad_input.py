@@ -458,9 +458,14 @@ def test_a_second_ctrl_c_ends_train_py_at_once_with_one_line(tmp_path, stdlib_da
             assert p.poll() is None and time.time() < deadline, p.communicate()
             time.sleep(0.1)
         p.send_signal(signal.SIGINT)
-        # two signals at once are one (they do not queue): the second comes while the stop is under way (the save,
-        # then the report's plots, ~1 s), not after the process began to exit (a signal then ends it as SIGINT does)
-        time.sleep(0.3)
+        # two signals before Python's handler runs are one (a backward pass is one C call: under load it outlasts
+        # any fixed pause), so the second is sent once the stop is under way: its checkpoint folder exists, and
+        # the save and the report's plots (~1 s) are still ahead, not the process's exit (a signal there ends it
+        # as SIGINT does)
+        deadline = time.time() + 30
+        while not os.listdir(out / "ckpt"):
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.01)
         p.send_signal(signal.SIGINT)
         stdout, stderr = p.communicate(timeout=30)
     finally:
