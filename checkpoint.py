@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from data import tokenizer_fingerprint
-from model import GPT, RUNTIME_FIELDS, GPTConfig
+from model import GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
 from util import CutShortThread, fail, first_line, log, warn
 
 CKPT_FORMAT = 2
@@ -461,7 +461,9 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
     the data and tokenizer it trains on) and the tokenizer, so that the folder is enough to sample from."""
     # padded_vocab follows from vocab_size, and multiple_of only rounded ffn_hidden, which is recorded: so a
     # checkpoint from before multiple_of existed has the same record, and export meets no unknown field
-    model = {k: v for k, v in asdict(mconfig).items() if k not in ("padded_vocab", "multiple_of")}
+    # refine's fields only for a refine model, for the same reason
+    left_out = ("padded_vocab", "multiple_of", *(REFINE_FIELDS if mconfig.objective == "ar" else ()))
+    model = {k: v for k, v in asdict(mconfig).items() if k not in left_out}
     saved = dict(cfg, model=model, world_size=world,
                  grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
                  tokenizer_fingerprint=tokenizer_fingerprint(cfg.data_dir, manifest))
@@ -479,6 +481,10 @@ def check_compatible(path, old, new, allow_mismatch, data_dir):
     if any(old["model"].get(k) != v for k, v in shape.items()):
         diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items() if old["model"].get(k) != v)
         fail(f"checkpoint {path} has another model shape ({diff}): use a new out_dir, or the checkpoint's shape")
+    trained_with = old.get("optimizer", "adamw")  # checkpoints from before optimizer=muon are AdamW's
+    if trained_with != new["optimizer"]:
+        fail(f"checkpoint {path} holds optimizer={trained_with}'s state, which optimizer={new['optimizer']} cannot "
+             f"continue: resume with --optimizer={trained_with}, or use a new out_dir")
     if old["tokenizer_fingerprint"] != new["tokenizer_fingerprint"] and not allow_mismatch:
         fail(f"checkpoint {path} was trained with another tokenizer ({old['tokenizer_fingerprint']}) than "
              f"{data_dir} ({new['tokenizer_fingerprint']}): point data_dir at its data, or --allow_resume_mismatch=True")
@@ -576,8 +582,8 @@ class Checkpoints:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
         trainer = ckpt["trainer"]
-        for key in vars(state):
-            setattr(state, key, trainer[key])
+        for key in vars(state):  # a field the loop gained after this checkpoint was written keeps its start value
+            setattr(state, key, trainer.get(key, getattr(state, key)))
         if len(trainer["rng"]) == proc.world:
             set_rng_state(trainer["rng"][proc.rank])
         else:  # training uses no randomness; only the per-rank RNGs restart

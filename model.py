@@ -18,6 +18,8 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
 - Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
   (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
+- objective="refine" (seed 003): the same weights applied recursively, with a loss after each pass
+  through the layers (deep supervision, GPT.refine); its KV cache has an entry per block application.
 - fp8 (train.py's key, opt-in): torchao's float8 training for the linear layers, float8_linears.
 - Arithmetic that planning needs without building the model: parameter counts,
   FLOPs per token, bytes per GPU, and the datasheet peak of known GPUs for MFU.
@@ -27,6 +29,7 @@ import importlib
 import importlib.util
 import math
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
@@ -47,6 +50,13 @@ GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
 # on them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
+OBJECTIVES = ("ar", "refine")
+# refine's presets (seed 003): (supervision_weight_base, improvement_reward_scale)
+REFINE_PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
+# GPTConfig fields of objective="refine"; an "ar" model's record leaves them out (checkpoint.run_record), so
+# checkpoints from before them resume and export unchanged
+REFINE_FIELDS = ("objective", "n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "refine_preset",
+                 "supervision_weight_base", "improvement_reward_scale", "detach_threshold")
 
 
 @dataclass
@@ -67,6 +77,20 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
+    # objective="refine", seed 003's deep-supervision refinement (GPT.refine): the same weights, each block applied
+    # many times. The embedding x stays; an answer y (from x) and a latent z (from zeros) pass through every
+    # layer: the layer's block updates z n_loops times reading x + y + z, then y once reading y + z (its
+    # pre-norms read the sum, its residual adds to the state it updates), all of it T_recursion times. One pass
+    # through every layer is a supervision step; the head then reads y and the step's cross-entropy is taken
+    objective: str = "ar"         # ar: next-token prediction | refine
+    n_loops: int = 2              # refine: latent updates per layer and repetition (the seed system's default)
+    T_recursion: int = 1          # refine: repetitions per layer; in training all but the last run without gradients
+    n_sup_train: int = 4          # refine: supervision steps per training forward (the seed system's default)
+    n_sup_inference: int = 4      # refine: supervision steps in evaluation and generation
+    refine_preset: str = "aggressive"  # moderate | aggressive | extreme: the next two when they are None
+    supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
+    improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
+    detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the seed's 2)
     # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
     attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks) | fa4
     doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
@@ -97,6 +121,20 @@ class GPTConfig:
         if self.multiple_of < 1:
             raise ValueError(f"multiple_of={self.multiple_of}: the SwiGLU hidden size is rounded up to a multiple "
                              f"of this (1: not rounded)")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.refine_preset not in REFINE_PRESETS:
+            raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of {', '.join(REFINE_PRESETS)}")
+        for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1), ("n_sup_inference", 1),
+                           ("detach_threshold", 0)):
+            if getattr(self, key) < least:
+                raise ValueError(f"{key}={getattr(self, key)} must be at least {least}")
+        base, reward = REFINE_PRESETS[self.refine_preset]
+        self.supervision_weight_base = base if self.supervision_weight_base is None else self.supervision_weight_base
+        self.improvement_reward_scale = reward if self.improvement_reward_scale is None else \
+            self.improvement_reward_scale
+        if self.supervision_weight_base <= 0:
+            raise ValueError(f"supervision_weight_base={self.supervision_weight_base} must be positive")
         if self.ffn_hidden is None:
             self.ffn_hidden = -(-(8 * self.n_embd // 3) // self.multiple_of) * self.multiple_of
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
@@ -104,6 +142,22 @@ class GPTConfig:
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
+
+    def applications(self, training=True):
+        """(supervision steps, block applications per layer and step with gradients, without) of one forward:
+        (1, 1, 0) for "ar"; refine's earlier repetitions run without gradients in training only."""
+        if self.objective == "ar":
+            return 1, 1, 0
+        per_repetition = self.n_loops + 1
+        if not training:
+            return self.n_sup_inference, per_repetition * self.T_recursion, 0
+        return self.n_sup_train, per_repetition, per_repetition * (self.T_recursion - 1)
+
+    @property
+    def cache_slots(self):
+        """KV-cache entries per position: one per block application of an inference forward."""
+        n_sup, per_layer, _ = self.applications(training=False)
+        return n_sup * per_layer * self.n_layer
 
 
 # -----------------------------------------------------------------------------
@@ -493,25 +547,27 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every layer for positions [0, pos), preallocated up to max_len."""
+    """Keys and values of every block application (a layer's, or one of refine's) for positions [0, pos),
+    preallocated up to max_len. Each application has its own slot: refine applies a block to other inputs each
+    time, so each keeps its own keys and values."""
 
     def __init__(self, config, batch_size, max_len, device, dtype):
-        shape = (config.n_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        shape = (config.cache_slots, batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0
 
-    def update(self, layer, k, v):
+    def update(self, slot, k, v):
         end = self.pos + k.size(2)
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.k[slot, :, :, self.pos:end] = k
+        self.v[slot, :, :, self.pos:end] = v
+        return self.k[slot, :, :, :end], self.v[slot, :, :, :end]
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer):
+    def __init__(self, config):
         super().__init__()
-        self.config, self.layer = config, layer
+        self.config = config
         hd = config.head_dim
         self.q_proj = nn.Linear(config.n_embd, config.n_head * hd, bias=False)
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
@@ -524,7 +580,7 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, cache=None, docs=None):
+    def forward(self, x, cache=None, docs=None, slot=None):
         B, T, _ = x.shape
         hd = self.config.head_dim
         start = cache.pos if cache is not None else 0
@@ -534,7 +590,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the new queries come after the cached keys: causal=True aligns them bottom-right
-            k, v = cache.update(self.layer, k, v)
+            k, v = cache.update(slot, k, v)
         y = attention(self.config.attn_backend, q, k, v, True, docs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -551,27 +607,32 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config, layer):
+    def __init__(self, config):
         super().__init__()
         self.grad_ckpt = config.grad_ckpt
         self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, docs=None):
+    def forward(self, x, cache=None, docs=None, slot=None, context=None):
         # Activation checkpointing happens inside the block's own forward, so that hooks on the block (FSDP2's
         # all-gather and input cast) run once, outside the recomputed region: checkpoint, then shard, the
         # order torchtitan wraps in. (torch.compile takes context_fn only spelled out like this.)
-        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":  # keeps only its input
-            return checkpoint(self.body, x, None, docs, use_reentrant=False)
+        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":  # keeps only its inputs
+            return checkpoint(self.body, x, None, docs, None, context, use_reentrant=False)
         if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "selective":
-            return checkpoint(self.body, x, None, docs, use_reentrant=False, context_fn=selective_checkpointing)
-        return self.body(x, cache, docs)
+            return checkpoint(self.body, x, None, docs, None, context, use_reentrant=False,
+                              context_fn=selective_checkpointing)
+        return self.body(x, cache, docs, slot, context)
 
-    def body(self, x, cache, docs):
-        x = x + self.self_attn(self.input_layernorm(x), cache, docs)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def body(self, x, cache, docs, slot, context):
+        """x plus the block's two residual branches. context (refine): the branches read x + context and add
+        to x alone. slot: this application's KV-cache entry."""
+        h = x if context is None else x + context
+        x = x + self.self_attn(self.input_layernorm(h), cache, docs, slot)
+        h = x if context is None else x + context
+        return x + self.mlp(self.post_attention_layernorm(h))
 
 
 # selective checkpointing keeps what is costly to recompute, the outputs of the matmuls and of the
@@ -596,7 +657,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.padded_vocab, config.n_embd)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
         if config.tie_embeddings:
@@ -613,7 +674,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
-        or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits."""
+        or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits.
+        objective="refine" adds a third item, each supervision step's cross-entropy (GPT.refine)."""
         config = self.config
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
@@ -629,11 +691,49 @@ class GPT(nn.Module):
         if doc_mask:
             docs = Documents(torch.cumsum(idx == config.bos_id, dim=1))
             docs.get(DOC_MASK_FORM[backend])  # made once for all layers, not inside a checkpointed one
-        for block in self.layers:
-            x = block(x, cache, docs)
-        x = self.norm(x)
+        if config.objective == "refine":
+            out = self.refine(x, targets, cache, docs)
+        else:
+            for i, block in enumerate(self.layers):
+                x = block(x, cache, docs, i)
+            out = self.head(x, targets)
         if cache is not None:
             cache.pos += T
+        return out
+
+    def refine(self, x, targets, cache, docs):
+        """objective="refine" (GPTConfig says how the states move): (the last step's logits, as head() returns
+        them, the objective refine_objective() makes of the steps' losses, the steps' cross-entropies
+        (detached, shape (steps,)); both None without targets). n_sup_train steps in training, n_sup_inference
+        in eval mode. Reduces to the plain GPT with one step, n_loops=0 and T_recursion=1."""
+        c = self.config
+        n_sup = c.n_sup_train if self.training else c.n_sup_inference
+        y, z, slot, losses, logits = x, None if c.n_loops == 0 else torch.zeros_like(x), 0, [], None
+        for step in range(n_sup):
+            for block in self.layers:
+                for r in range(c.T_recursion):
+                    # TRM's deep recursion: the repetitions before the last move the states without gradients
+                    with torch.no_grad() if r < c.T_recursion - 1 else nullcontext():
+                        xy = x + y  # what every latent update reads besides z
+                        for _ in range(c.n_loops):
+                            z = block(z, cache, docs, slot, context=xy)
+                            slot += 1
+                        y = block(y, cache, docs, slot, context=z)
+                        slot += 1
+            if targets is not None or step == n_sup - 1:
+                logits, loss = self.head(y, targets)
+                losses.append(loss)
+            if c.detach_threshold <= step < n_sup - 1:  # later steps' losses stop reaching back through this one
+                y, z = y.detach(), None if z is None else z.detach()
+        if targets is None:
+            return logits, None, None
+        return (logits, refine_objective(losses, c.supervision_weight_base, c.improvement_reward_scale),
+                torch.stack(losses).detach())
+
+    def head(self, x, targets):
+        """The final norm, the LM head and the loss of forward()'s first two items."""
+        config = self.config
+        x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
         if not config.loss_chunk:
@@ -667,26 +767,88 @@ class GPT(nn.Module):
         cache, feed = None, idx
         for _ in range(max_new_tokens):
             if not use_cache:
-                logits, _ = self(idx[:, -block:])
+                logits = self(idx[:, -block:])[0]
             else:
                 if cache is None or cache.pos + feed.size(1) > block:
                     feed = idx[:, -(block if cache is None else block // 2):]
                     cache = KVCache(self.config, idx.size(0), block, idx.device, param.dtype)
-                logits, _ = self(feed, cache=cache)
+                logits = self(feed, cache=cache)[0]
             token = sample_next(logits[:, -1, :self.config.vocab_size], temperature, top_k, top_p, generator)
             idx = torch.cat([idx, token[:, None]], dim=1)
             feed = token[:, None]
             yield token
 
 
-def make_optimizer(model, learning_rate, betas, weight_decay, fused):
+def refine_objective(losses, base, reward):
+    """Seed 003's training objective from the supervision steps' cross-entropies (0-d tensors, first to
+    last): step i weighs base^i / sum_j base^j, so the last steps count most; from the second step on,
+    reward * (prev - cur) / prev is subtracted, prev detached, so a step gains from improving on the one
+    before it, and the one before is not pushed to be worse. One step: its loss, unchanged."""
+    weights = [base ** i for i in range(len(losses))]
+    objective = sum(w / sum(weights) * loss for w, loss in zip(weights, losses, strict=True))
+    for prev, cur in zip(losses, losses[1:]):
+        objective = objective - reward * (prev.detach() - cur) / prev.detach()
+    return objective
+
+
+class MuonAdamW:
+    """optimizer=muon's two optimizers stepped as one, as train.py's loop, GradScaler and checkpoint.py use an
+    optimizer: param_groups (Muon's, then AdamW's, each with its peak_lr), step, zero_grad, and a state_dict
+    holding both. A resume keeps this run's peaks, as it keeps learning_rate (train.py sets every lr from the
+    config), and takes the rest from the checkpoint as torch's load_state_dict does: momentum buffers, moments,
+    step counts, betas, momentum."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+        self.peaks = [g["peak_lr"] for g in self.param_groups]
+
+    @property
+    def param_groups(self):
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return dict(muon=self.muon.state_dict(), adamw=self.adamw.state_dict())
+
+    def load_state_dict(self, state):
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+        for g, peak in zip(self.param_groups, self.peaks, strict=True):
+            g["peak_lr"] = peak
+
+
+def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02, embedding_lr=4e-3,
+                   momentum=0.95):
     """AdamW over the model's parameters, decaying matrices only: norms (1-D) and the embedding table
-    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA)."""
-    decay, no_decay = [], []
+    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA).
+
+    kind="muon", nanochat's split: torch.optim.Muon (Nesterov, `momentum`) for the blocks' matrices at peak
+    matrix_lr, and that AdamW for the rest (embedding, untied head, norms) at peak embedding_lr: a MuonAdamW,
+    whose groups carry their peak_lr for train.py's schedule (the defaults are train.py's). Under ddp every
+    rank orthogonalizes every matrix, the same all-reduced gradients into the same update."""
+    matrices, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
-        (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
-    groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        if kind == "muon" and name.startswith("layers.") and p.dim() == 2:
+            matrices.append(p)
+        else:
+            (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
+    if kind == "adamw":
+        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+    # no weight decay on Muon's matrices, as in nanochat's Muon setup and Keller Jordan's: torch's Muon would decay
+    # by lr x weight_decay per step, at 0.02 some 70x what AdamW's decay does at 3e-4 with the same weight_decay
+    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr, momentum=momentum,
+                            weight_decay=0.0)
+    groups = [dict(params=decay, weight_decay=weight_decay, peak_lr=embedding_lr),
+              dict(params=no_decay, weight_decay=0.0, peak_lr=embedding_lr)]
+    return MuonAdamW(muon, torch.optim.AdamW(groups, lr=embedding_lr, betas=betas, fused=fused))
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -724,10 +886,15 @@ def param_counts(config):
 
 def flops_per_token(config, seq_len=None):
     """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
-    parameters including the LM head but not the input embedding lookup."""
-    T = seq_len or config.block_size
-    n = param_counts(config)["non_embedding"] + config.padded_vocab * config.n_embd
-    return 6 * n + 12 * config.n_layer * config.n_head * config.head_dim * T
+    parameters including the LM head but not the input embedding lookup. refine counts every block
+    application (and the final norm and head once per supervision step); the ones without gradients
+    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T."""
+    T, L, d = seq_len or config.block_size, config.n_layer, config.n_embd
+    n_sup, with_grad, without = config.applications()
+    layer = (param_counts(config)["non_embedding"] - d) // L  # a block's parameters
+    attention = config.n_head * config.head_dim * T
+    return (6 * (L * with_grad * n_sup * layer + n_sup * (d + config.padded_vocab * d)) + 12 * L * with_grad * n_sup
+            * attention + L * without * n_sup * (2 * layer + 4 * attention))
 
 
 def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
@@ -786,18 +953,25 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activat
                                          12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
     outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
     logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
+    # refine: every application with gradients keeps what a layer keeps, and each step its final norm's share;
+    # under checkpointing a layer's latent updates also keep the x + y they read, and rebuild the sums the
+    # norms read. An unchunked loss keeps each earlier step's log-softmax (4 bytes per logit)
+    n_sup, per_layer, _ = config.applications()
+    sums = 4 * d if config.objective == "refine" and config.n_loops and mode != "none" else 0
+    kept = L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside
+    earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
                 ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy of the gradients
     phases = dict(
-        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * (L * kept_layer + outside),
-                         logits=logit_rows * config.padded_vocab * 8),
+        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * kept,
+                         logits=logit_rows * config.padded_vocab * 8 + earlier_logits),
         # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
         loss_backward=dict(held, gradients=4 * head // shard, weight_casts=casts if mode == "none" or c == 4 else
-                           c * head // shard, activations=tokens * (L * kept_layer + outside),
-                           logits=logit_rows * config.padded_vocab * 12),
+                           c * head // shard, activations=tokens * kept,
+                           logits=logit_rows * config.padded_vocab * 12 + earlier_logits),
         backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
-                          activations=tokens * (kept_layer + rebuilt + outside), logits=0))
+                          activations=tokens * (kept_layer + rebuilt + 2 * sums + outside), logits=0))
     for parts in phases.values():
         parts["total"] = sum(parts.values())
     return phases

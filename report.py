@@ -9,6 +9,7 @@ writes into out_dir:
 - metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
+                (refine: the loss of each supervision step)
 
 train.py calls write_report(out_dir) after every evaluation (live=True: the run is still going) and at the end
 of a run (and, for a dry run, dryrun_report; on a resume, rewrite_metrics drops the metrics lines past the
@@ -255,6 +256,16 @@ FIGURES = [
 ]
 
 
+def figures(rows):
+    """FIGURES, and for a refine run (train.py's sup_loss_<i> fields) the loss of each supervision step."""
+    steps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("sup_loss_")})
+    if not steps:
+        return FIGURES
+    return FIGURES + [("refinement.png", "loss per supervision step", "step",
+                       [(f"{p}sup_loss_{i}", f"{label} step {i}") for p, label in (("", "train"), ("val_", "validation"))
+                        for i in steps], "loss")]
+
+
 def write_plots(out_dir, rows):
     """[(title, relative path)] of the PNGs written, or a string saying why there are none."""
     try:
@@ -265,7 +276,7 @@ def write_plots(out_dir, rows):
         return f"plots skipped: matplotlib is not installed ({type(e).__name__}); pip install matplotlib for them"
     folder = os.path.join(out_dir, PLOTS)
     written = []
-    for name, title, x, ys, ylabel in FIGURES:
+    for name, title, x, ys, ylabel in figures(rows):
         # fixed margins, not tight_layout, which measures every label's text: the six plots at the end of
         # every run take 0.41 s instead of 0.62 (matplotlib imported; 2-core CPU, matplotlib 3.11)
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100, gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
@@ -323,6 +334,8 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
         f"| best val loss | {fmt(s.get('best_val_loss'))} (step {fmt(s.get('best_step'), 'd')}) |",
         f"| final val bits per byte | {fmt(s.get('final_val_bpb', last(rows, 'val_bpb')))} |",
         f"| unigram baseline val loss | {fmt(s.get('unigram_val_loss'))} |",
+        *([f"| refinement (validation, first to last supervision step) | {fmt(refined, '.1f')}% |"]
+          if (refined := s.get("final_val_refinement", last(rows, "val_refinement"))) is not None else []),
         f"| hours | {fmt(elapsed / 3600 if is_number(elapsed) else None, '.3f')} |",
         f"| dollars | {fmt(spent(summary, clock), '.2f')} |",
         # MFU is empty on devices without a known peak (README): say so rather than print 0

@@ -39,6 +39,11 @@ A run survives what a rented pod does to it:
   limit is crossed;
 - a non-finite loss or gradient skips the step on every rank; max_bad_steps spikes or
   non-finite steps in a row roll back to the last checkpoint at half the learning rate.
+
+objective=refine (seed 003) trains the same model recursively with a loss after each supervision
+step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
+step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
+AdamW for the rest, each at its own peak on the one schedule.
 """
 import json
 import math
@@ -85,6 +90,18 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
+# objective: ar (next-token prediction) | refine (seed 003's deep supervision, recursive blocks: model.py's GPTConfig
+# says how y and z move). refine's loss is the objective below; val_loss is the last supervision step's cross-entropy
+objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below
+n_loops = 2                     # refine: latent (z) updates per layer and repetition
+T_recursion = 1                 # refine: repetitions per layer; in training all but the last run without gradients
+n_sup_train = 4                 # refine: supervision steps (a pass through every layer, then a loss) per training forward
+n_sup_inference = 4             # refine: supervision steps in evaluation and generation
+refine_preset = "aggressive"    # refine: moderate (3, 0.5) | aggressive (5, 1.0) | extreme (10, 2.0): the next two
+supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j base^j; None: refine_preset's
+improvement_reward_scale = None  # refine: minus this x (prev - cur) / prev from the second step on; None: the preset's
+detach_threshold = 2            # refine: y and z are detached after each supervision step >= this, but the last
+refine_order_patience = 3       # refine: warn when the validation losses per step are out of order this many evaluations in a row
 # speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
 attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa | fa4 (never auto's pick)
 doc_mask = False                # attention stays inside each document (BOS boundaries); this one does change the model
@@ -95,10 +112,16 @@ micro_batch_size = 8            # sequences per GPU per forward/backward
 total_batch_tokens = 524288     # tokens per optimizer step over all GPUs; grad accumulation is derived from it
 max_steps = 1000                # optimizer steps
 # AdamW and schedule: linear warmup, then cosine from learning_rate down to min_lr at max_steps
-learning_rate = 3e-4            # peak learning rate
+optimizer = "adamw"             # adamw | muon: Muon for the blocks' 2-D matrices, AdamW for the rest (nanochat's split)
+learning_rate = 3e-4            # peak learning rate; muon: the schedule's scale, each group runs at lr x its own peak / this
 min_lr = 3e-5                   # final learning rate
 warmup_steps = 100              # linear warmup steps
-weight_decay = 0.1              # on matrices only, never on norms or embeddings
+matrix_lr = 0.02                # muon: Muon's peak learning rate for the blocks' matrices (nanochat's default)
+embedding_lr = 4e-3             # muon: AdamW's peak learning rate for the embedding, the untied head and the norms
+                                # (nanochat's original head LR, at width 768: a tied table is the head; nanochat scales
+                                # it by sqrt(768/n_embd), e.g. 8e-3 at 192)
+muon_momentum = 0.95            # muon: Muon's Nesterov momentum (torch's default; nanochat's after a 0.85 -> 0.95 warmup)
+weight_decay = 0.1              # AdamW's, on matrices only, never on norms or embeddings (muon: only an untied head)
 beta1 = 0.9                     # AdamW beta1
 beta2 = 0.95                    # AdamW beta2
 grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables
@@ -174,7 +197,7 @@ def check_config(cfg):
     tracker_names(cfg.log_to)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps", "learning_rate",
                 "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
-                "budget_check_minutes"):
+                "budget_check_minutes", "refine_order_patience"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
@@ -188,6 +211,22 @@ def check_config(cfg):
         fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
     if cfg.dist_mode not in ("ddp", "fsdp"):
         fail(f"dist_mode={cfg.dist_mode!r} is not one of ddp, fsdp")
+    if cfg.optimizer not in ("adamw", "muon"):
+        fail(f"optimizer={cfg.optimizer!r} is not one of adamw, muon")
+    if cfg.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):
+            fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
+        # Newton-Schulz multiplies whole matrices, which FSDP2 splits over the ranks: on its DTensor shards torch's
+        # Muon gets the update right (to bf16 rounding) by all-gathering a square matrix 15 times a step (measured,
+        # 2 ranks, torch 2.13), where FSDP's own forward and backward gather it twice
+        if cfg.dist_mode == "fsdp":
+            fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each whole matrix, which "
+                 "FSDP splits over the GPUs; use dist_mode=ddp, or optimizer=adamw")
+        for key in ("matrix_lr", "embedding_lr"):
+            if cfg[key] <= 0:
+                fail(f"{key}={cfg[key]} must be positive")
+        if not 0 <= cfg.muon_momentum < 1:
+            fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
     if cfg.min_lr > cfg.learning_rate:
         fail(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}: the schedule decays from "
              f"learning_rate to min_lr")
@@ -226,6 +265,23 @@ def read_budget_file(path):
 
 # -----------------------------------------------------------------------------
 # the steps of main
+
+def refinement_fields(sups, prefix=""):
+    """refine's metrics of losses per supervision step (first to last): sup_loss_0, sup_loss_1, ... (numbers
+    of their own, so metrics.csv, the trackers and the plots take them as they take the rest), and the
+    refinement, the share of the first step's loss the last one removes, in percent; {} for "ar"."""
+    if not sups:
+        return {}
+    return {**{f"{prefix}sup_loss_{i}": v for i, v in enumerate(sups)},
+            f"{prefix}refinement": 100 * (sups[0] - sups[-1]) / sups[0]}
+
+
+def format_refinement(sups):
+    """The console's view of refinement_fields: " | steps 5.1000 -> 4.9000 -> 4.8000 (5.9% refined)", or ""."""
+    if not sups:
+        return ""
+    return f" | steps {' -> '.join(f'{v:.4f}' for v in sups)} ({refinement_fields(sups)['refinement']:.1f}% refined)"
+
 
 def catch_signals():
     """Preemption notices: noted in the list returned, acted on at the next step boundary by every rank."""
@@ -381,6 +437,7 @@ class Trainer:
         # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
+        self.refine, self.val_sups = raw_model.config.objective == "refine", None
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
         if proc.rank == 0:
             rewrite_metrics(self.metrics_path, state.step)
@@ -400,18 +457,24 @@ class Trainer:
         warn(f"step {self.state.step}: {message}")
 
     def evaluate(self):
-        """The validation loss over eval_steps micro-batches per rank, averaged over the ranks."""
+        """The validation loss over eval_steps micro-batches per rank, averaged over the ranks; refine: the
+        last supervision step's cross-entropy, and each step's in self.val_sups."""
         cfg, proc, val = self.cfg, self.proc, self.val_data
         self.model.eval()
-        total = 0.0
+        # float64, as the Python floats summed before: the same validation loss, without a sync per batch
+        total = torch.zeros(self.raw_model.config.n_sup_inference if self.refine else 1, device=proc.dev,
+                            dtype=torch.float64)
         with torch.no_grad():
             for i in range(cfg.eval_steps):
                 first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
                 x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
                 with self.autocast:
-                    total += self.raw_model(x, y)[1].item()
+                    out = self.raw_model(x, y)
+                total += out[2] if self.refine else out[1]
         self.model.train()
-        return mean_over_ranks(total / cfg.eval_steps, self.proc.distributed, proc.dev)
+        means = [mean_over_ranks(v / cfg.eval_steps, self.proc.distributed, proc.dev) for v in total.tolist()]
+        self.val_sups = means if self.refine else None
+        return means[-1]
 
     def checkpoint(self, val_loss, best):
         st = self.state
@@ -458,17 +521,20 @@ class Trainer:
                            f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
         return None
 
-    def agree(self, loss_sum, finite, guard_reason):
-        """One all-reduce per step: the summed loss, and whether any rank saw a non-finite step,
-        a signal, or (rank 0) a guard. Every rank then takes the same decisions."""
+    def agree(self, loss_sum, finite, guard_reason, sups=None):
+        """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
+        whether any rank saw a non-finite step, a signal, or (rank 0) a guard. Every rank then takes the same
+        decisions. (mean loss, finite, stop reason or None, mean losses per supervision step or None)."""
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
                  float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0]
-        v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.proc.dev)])
+        v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.proc.dev),
+                       *([] if sups is None else [sups.float()])])
         if self.proc.distributed:
             dist.all_reduce(v)
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
-        return v[0] / self.grad_accum / self.proc.world, v[1] == 0, reason
+        n = self.grad_accum * self.proc.world
+        return v[0] / n, v[1] == 0, reason, [s / n for s in v[4:]] if sups is not None else None
 
     # bad steps: drills, spikes, rollbacks
 
@@ -534,11 +600,12 @@ class Trainer:
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
         lr = lr_at(st.step, cfg) * st.lr_scale
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
+        for g in self.optimizer.param_groups:  # optimizer=muon: each group at its own peak_lr, on lr's schedule
+            g["lr"] = lr * g["peak_lr"] / cfg.learning_rate if "peak_lr" in g else lr
         spike_drill, nan_drill = self.injecting("spike", cfg.inject_spike_at_step), \
             self.injecting("nan", cfg.inject_nan_at_step)
         loss_sum = torch.zeros((), device=proc.dev)
+        sups = torch.zeros(self.raw_model.config.n_sup_train, device=proc.dev) if self.refine else None
         batch = self.micro_batch(0, spike_drill)
         for micro in range(self.grad_accum):
             x, y = batch
@@ -548,12 +615,14 @@ class Trainer:
                 self.raw_model.set_requires_gradient_sync(last)
             with nullcontext() if self.sharded or not proc.distributed or last else self.model.no_sync():
                 with self.autocast:
-                    # [1] alone: with loss_chunk=0 a name for the logits would hold them through the backward
-                    micro_loss = self.model(x, y)[1]
+                    # [1:] alone: with loss_chunk=0 a name for the logits would hold them through the backward
+                    micro_loss, *steps = self.model(x, y)[1:]
                 if nan_drill and proc.rank == proc.world - 1:
                     micro_loss = micro_loss * float("nan")
                 self.scaler.scale(micro_loss / self.grad_accum).backward()
             loss_sum += micro_loss.detach()
+            if self.refine:
+                sups += steps[0]
             if not last:  # read and copy the next one while the GPU still works on this one
                 batch = self.micro_batch(micro + 1, spike_drill)
         self.scaler.unscale_(self.optimizer)
@@ -564,7 +633,7 @@ class Trainer:
         # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
         finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
         self.tick()
-        loss, finite, reason = self.agree(loss_sum, finite, self.guard() if proc.rank == 0 else None)
+        loss, finite, reason, sups = self.agree(loss_sum, finite, self.guard() if proc.rank == 0 else None, sups)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -579,12 +648,13 @@ class Trainer:
         took = time.time() - t_step
         self.step_seconds = took if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * took
         if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
-            self.log_step(loss, lr, grad_norm.item())
+            self.log_step(loss, lr, grad_norm.item(), sups)
         self.last_loss = loss
         return reason
 
-    def log_step(self, loss, lr, grad_norm):
-        """A metrics line, clock.json (what the guards resume with), and a console line."""
+    def log_step(self, loss, lr, grad_norm, sups):
+        """A metrics line, clock.json (what the guards resume with), and a console line; refine: with the
+        step's losses per supervision step (sups) and its refinement."""
         cfg, st, now = self.cfg, self.state, time.time()
         tok_s = (st.step - self.step_at_log) * cfg.total_batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / (self.peak * self.proc.world) if self.peak else None
@@ -592,13 +662,13 @@ class Trainer:
         self.t_log, self.step_at_log = now, st.step
         row = dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=st.step * cfg.total_batch_tokens,
                    tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
-                   cost_usd=st.cost_usd)
+                   cost_usd=st.cost_usd, **refinement_fields(sups))
         self.write_metrics(row)
         if self.metrics:
             write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
         log(f"step {st.step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
             f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}", flush=True)
+            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{format_refinement(sups)}", flush=True)
 
     def validate(self):
         """Evaluate now: (validation loss, whether it is a new best), logged."""
@@ -611,12 +681,28 @@ class Trainer:
         else:
             st.evals_since_best += 1
         self.write_metrics(dict(step=st.step, val_loss=val_loss, val_bpb=val_loss * self.bpb_scale,
-                                tokens=st.step * self.cfg.total_batch_tokens))
+                                tokens=st.step * self.cfg.total_batch_tokens,
+                                **refinement_fields(self.val_sups, "val_")))
         log(f"step {st.step} | val loss {val_loss:.4f} | val bpb {val_loss * self.bpb_scale:.4f}"
-            f"{' (best)' if new_best else ''}", flush=True)
+            f"{' (best)' if new_best else ''}{format_refinement(self.val_sups)}", flush=True)
+        if self.refine:
+            self.check_order()
         if self.metrics:  # the live report: summary.md and plots/ as of this evaluation
             write_report(self.cfg.out_dir, self.cfg.plots, live=True)
         return val_loss, new_best
+
+    def check_order(self):
+        """refine: a later supervision step should never do worse than the one before it on validation; a
+        warning (a refinement_order event) when the order has been broken refine_order_patience evaluations
+        in a row, and again at each such run of evaluations."""
+        st, sups, patience = self.state, self.val_sups, self.cfg.refine_order_patience
+        inverted = [i for i in range(1, len(sups)) if sups[i] >= sups[i - 1]]
+        st.order_broken = st.order_broken + 1 if inverted else 0
+        if inverted and st.order_broken % patience == 0:
+            self.event("refinement_order", f"validation loss per supervision step out of order for {st.order_broken} "
+                       f"evaluations in a row (now {' -> '.join(f'{v:.4f}' for v in sups)}; step "
+                       f"{', '.join(map(str, inverted))} no better than the one before): lower learning_rate, or "
+                       f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
 
     def loop(self):
         """Train until max_steps, a stop (signal, guard, early stop) or divergence: (the stop reason, the
@@ -677,7 +763,8 @@ class Trainer:
                        nonfinite_steps=st.nonfinite_steps, rollbacks=st.rollbacks, lr_scale=st.lr_scale,
                        params=param_counts(self.raw_model.config), flops_per_token=self.flops_tok,
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
-                       best_checkpoint=find_checkpoint(cfg.out_dir, "best"))
+                       best_checkpoint=find_checkpoint(cfg.out_dir, "best"),
+                       **refinement_fields(self.val_sups if val_loss is not None else None, "final_val_"))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
         self.metrics.close()
@@ -762,7 +849,8 @@ def train(cfg, keep_group=False):
         return finish_preflight(cfg, report, proc.rank == 0), None, None
 
     optimizer = make_optimizer(raw_model, cfg.learning_rate, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                               fused=proc.dev.type == "cuda")
+                               fused=proc.dev.type == "cuda", kind=cfg.optimizer, matrix_lr=cfg.matrix_lr,
+                               embedding_lr=cfg.embedding_lr, momentum=cfg.muon_momentum)
     saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
     ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
                         files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
@@ -770,7 +858,7 @@ def train(cfg, keep_group=False):
     # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
     state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
                             evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
-                            rollbacks=0, lr_scale=1.0, injected=[])
+                            rollbacks=0, lr_scale=1.0, injected=[], order_broken=0)
     resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
     restore_clock(cfg, state)
     check_writable(cfg, proc, report)

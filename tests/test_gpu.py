@@ -27,7 +27,10 @@ What it covers, in file order (each part shares its training runs through module
    what attn_backend=auto picks on this GPU;
 9. the opt-in speed paths on section 1's 12 compiled steps: fp8=True (torchao's float8 linear layers) and
    attn_backend=fa4 (FlashAttention 4 through SDPA) each train and track the bf16 run, or train.py refuses
-   them with their one line where they cannot run (an A100, no torchao, no flash-attn-4).
+   them with their one line where they cannot run (an A100, no torchao, no flash-attn-4);
+10. objective="refine" (seed 003): config/h100_trm_fast.py at 2 layers (its width, Muon split, full
+   checkpointing, compile, bf16) through train.py's dry run under torchrun, and the refine model's KV-cache
+   generation on CUDA against recomputation.
 
 Torchrun tests use every GPU the machine has (--nproc_per_node=torch.cuda.device_count(); one GPU
 still runs NCCL). Nothing downloads: the data is conftest's stdlib_data (byte tokens).
@@ -717,3 +720,35 @@ def test_fa4_trains_compiled_and_tracks_the_bf16_run_or_is_refused(tmp_path_fact
         pytest.skip(f"fa4 cannot run on {gpu_name()}: {why}")
     assert "attention: fa4: as configured" in fa4.r.stdout, fa4.shown
     assert_tracks_the_bf16_run(fa4, tiny, FA4_TOL, "fa4")
+
+
+# -----------------------------------------------------------------------------
+# 10. objective="refine": seed 003's phase-1 config at 2 layers, and generation through its KV cache
+
+TRM = ["config/h100_trm_fast.py", "--n_layer=2", "--micro_batch_size=2", f"--total_batch_tokens={2 * 2 * 1024 * NPROC}",
+       "--expect_world_size=0", "--eval_steps=2"]
+
+
+def test_trm_fast_dry_run_under_torchrun(tmp_path, data):
+    """The seed's recipe as shipped (refine, Muon split, grad_ckpt=full, compile, bf16) at 2 of its 12
+    layers: every block applied 12 times per forward, each application gathering nothing (DDP) but
+    recomputed in the backward; the dry run's resume must reproduce its steps."""
+    out = tmp_path / "trm"
+    r = gpu_run([*TORCHRUN, "train.py", *TRM, f"--data_dir={data}", f"--out_dir={out}", "--dryrun_steps=4"])
+    assert "dry run ok: 4 steps" in r.stdout, r.stdout[-3000:]
+    rows = [m for m in read_metrics(out / "first") if "loss" in m and "event" not in m]
+    assert all(m["sup_loss_3"] is not None and math.isfinite(m["refinement"]) for m in rows), rows
+
+
+def test_refine_kv_cache_on_cuda_equals_recomputation():
+    """The refine model's cache (one entry per block application) on CUDA in fp32: greedy tokens and
+    logits equal recomputing every position."""
+    from model import GPT, GPTConfig
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
+                       objective="refine", n_loops=2, n_sup_inference=3, T_recursion=2)
+    model = GPT(config).cuda().eval()
+    prompt = torch.randint(0, 256, (2, 8), device="cuda")
+    cached = torch.stack(list(model.generate(prompt, 32, temperature=0)), 1)
+    full = torch.stack(list(model.generate(prompt, 32, temperature=0, use_cache=False)), 1)
+    assert torch.equal(cached, full)

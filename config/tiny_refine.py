@@ -1,0 +1,49 @@
+# Seed 003's refinement recipe on the embedded default's data, CPU-sized: a tiny byte-level model run
+# recursively (model.py: GPT.refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
+# (config/h100_trm_fast.py, config/h100_trm_extreme.py) are for: the validation loss falls from each
+# supervision step to the next (the console's "steps a -> b -> c (x% refined)", metrics.jsonl's
+# val_sup_loss_<i>, plots/refinement.png).
+# Prepare the data as config/tiny.py does (bash run.sh, or python prepare.py config/tiny.py).
+
+# data (prepare.py): config/tiny.py's
+source = "stdlib"
+tokenizer = "byte"
+data_dir = "data/stdlib_byte"
+min_val_tokens = 500_000
+
+# model: one layer, 64 wide, applied (n_loops + 1) x n_sup_train = 6 times per forward. One layer, so that
+# each supervision step adds depth the first one lacks (a second layer's attention composes with the
+# first's: copying a name seen earlier in the file needs both). Measured on this corpus (2026-11-23,
+# 2-core CPU, torch 2.13): with two layers 128 wide the last two steps still crossed at 200 steps (step 2
+# 0.002 above step 1); one layer 128 wide was in order from step 200 on (3.7% refined at 300 steps,
+# 1m19s); 64 wide, as here, from step 100 on, and these 250 steps end at 2.8155 -> 2.6385 -> 2.6200
+# (6.9% refined) in 44 s: the narrower model gains more from the extra passes
+block_size = 128
+n_layer = 1
+n_head = 4
+n_kv_head = 2
+n_embd = 64
+objective = "refine"
+n_loops = 1
+n_sup_train = 3
+n_sup_inference = 3
+refine_preset = "aggressive"   # the seed's phase 1
+
+# training
+out_dir = "out/tiny_refine"
+micro_batch_size = 16
+total_batch_tokens = 2048
+max_steps = 250
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_steps = 20
+eval_every = 50
+eval_steps = 8
+log_every = 10
+ckpt_every = 100
+device = "cpu"
+dtype = "float32"
+
+# sampling (sample.py)
+prompt = "def "
+max_new_tokens = 200
