@@ -12,7 +12,7 @@ import torch
 
 import model as model_module
 from checkpoint import find_checkpoint
-from conftest import Captured, read_metrics, run_script, shared
+from conftest import read_metrics, run_script, train_tiny
 from model import (GPT, GPTConfig, KVCache, flops_per_token, memory_estimate, memory_phases, param_counts,
                    refine_objective)
 from test_fsdp import FSDP, assert_close_losses
@@ -150,30 +150,38 @@ def test_presets_set_both_and_explicit_keys_win():
 
 REFINE = ["--objective=refine", "--n_loops=1", "--n_sup_train=3", "--n_sup_inference=3"]
 TINY_REFINE_STEPS = 250  # config/tiny_refine.py's max_steps
-# the tests of the tiny_refine run go to one xdist worker (pytest.ini: --dist loadgroup), so the other never
-# waits on shared()'s lock for the ~60 s run
-ONE_RUN = pytest.mark.xdist_group("tiny_refine")
 
 
-@pytest.fixture(scope="module")
-def tiny_refine(tmp_path_factory, stdlib_data):
-    """config/tiny_refine.py as shipped, on the tests' stdlib corpus (one session-wide run; ~60 s on one
-    core): (its out_dir, what it printed)."""
-    def build(out):
-        with Captured() as captured:
-            r = run_script(["train.py", "config/tiny_refine.py", f"--data_dir={stdlib_data}", f"--out_dir={out}"],
-                           captured)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        (out / "console.txt").write_text(r.stdout)
-    out = shared(tmp_path_factory, "tiny_refine", build)
-    return out, (out / "console.txt").read_text()
+def test_an_order_broken_for_patience_evaluations_is_a_warning(capfd):
+    """refinement_order: a later supervision step no better than the one before, refine_order_patience
+    evaluations in a row, is one warning (and a metrics event); in order again, the count starts over."""
+    events = []
+    trainer = SimpleNamespace(state=SimpleNamespace(order_broken=0, step=0), cfg=SimpleNamespace(refine_order_patience=2),
+                              event=lambda name, message, **f: events.append((name, message, f)))
+    for step, sups in enumerate([[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0],
+                                 [3.0, 3.0, 2.9], [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]):
+        trainer.state.step, trainer.val_sups = step, sups
+        Trainer.check_order(trainer)
+    assert [(e[2]["evaluations"], e[2]["val_sup_losses"]) for e in events] == [(2, [3.0, 2.9, 2.95]),
+                                                                               (2, [3.0, 3.0, 2.9]),
+                                                                               (4, [2.0, 2.1, 2.2])]
+    assert "step 2 no better than the one before" in events[0][1] and "step 1, 2 no better" in events[2][1]
 
 
-@ONE_RUN
-def test_tiny_refine_refines(tiny_refine):
+def test_tiny_refine_refines_and_the_loop_reports_it(tmp_path, stdlib_data, capfd):
+    """config/tiny_refine.py as shipped, on the tests' stdlib corpus (~60 s on one core; one test, so that
+    no second xdist worker waits for the run): the refinement, the loop's fields, sample.py and export.py."""
+    out = tmp_path / "run"
+    r = run_script(["train.py", "config/tiny_refine.py", f"--data_dir={stdlib_data}", f"--out_dir={out}"], capfd)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    check_refines(out, r.stdout)
+    check_loop_fields(out, r.stdout)
+    check_sample_and_export(out, tmp_path, capfd)
+
+
+def check_refines(out, console):
     """After config/tiny_refine.py's 250 steps the validation loss falls from each supervision step to the
     next, and the refinement is reported: in the console's last validation line and in summary.json."""
-    out, console = tiny_refine
     summary = json.loads((out / "summary.json").read_text())
     sups = [summary[f"final_val_sup_loss_{i}"] for i in range(3)]
     assert sups[0] > sups[1] > sups[2] and summary["final_val_loss"] == sups[2]
@@ -182,12 +190,10 @@ def test_tiny_refine_refines(tiny_refine):
     assert last_val.endswith(f"({summary['final_val_refinement']:.1f}% refined)")
 
 
-@ONE_RUN
-def test_the_loop_logs_each_supervision_steps_loss_and_the_refinement(tiny_refine):
+def check_loop_fields(out, console):
     """metrics.jsonl: each training line has the step's loss per supervision step and the refinement made of
     them; each validation line the same for validation, its val_loss the last step's cross-entropy; the console
     shows them; summary.json and summary.md have the final ones, and the report plots them."""
-    out, console = tiny_refine
     rows = [r for r in read_metrics(out) if "event" not in r]
     train_rows, val_rows = [r for r in rows if "loss" in r], [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in train_rows] == list(range(10, TINY_REFINE_STEPS + 1, 10))
@@ -213,25 +219,8 @@ def test_the_loop_logs_each_supervision_steps_loss_and_the_refinement(tiny_refin
         in (out / "summary.md").read_text()
 
 
-def test_an_order_broken_for_patience_evaluations_is_a_warning(capfd):
-    """refinement_order: a later supervision step no better than the one before, refine_order_patience
-    evaluations in a row, is one warning (and a metrics event); in order again, the count starts over."""
-    events = []
-    trainer = SimpleNamespace(state=SimpleNamespace(order_broken=0, step=0), cfg=SimpleNamespace(refine_order_patience=2),
-                              event=lambda name, message, **f: events.append((name, message, f)))
-    for step, sups in enumerate([[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0],
-                                 [3.0, 3.0, 2.9], [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]):
-        trainer.state.step, trainer.val_sups = step, sups
-        Trainer.check_order(trainer)
-    assert [(e[2]["evaluations"], e[2]["val_sup_losses"]) for e in events] == [(2, [3.0, 2.9, 2.95]),
-                                                                               (2, [3.0, 3.0, 2.9]),
-                                                                               (4, [2.0, 2.1, 2.2])]
-    assert "step 2 no better than the one before" in events[0][1] and "step 1, 2 no better" in events[2][1]
-
-
-@ONE_RUN
-def test_sample_generates_from_a_refine_checkpoint_and_export_refuses_it(tiny_refine, tmp_path, capfd):
-    out, _ = tiny_refine
+def check_sample_and_export(out, tmp_path, capfd):
+    """sample.py generates from the refine checkpoint (its KV cache); export.py refuses it with one line."""
     r = run_script(["sample.py", f"--ckpt={out}", "--prompt=def ", "--max_new_tokens=24", "--temperature=0",
                     "--device=cpu"], capfd)
     assert r.returncode == 0 and r.stdout.startswith("def ") and len(r.stdout) > len("def "), r.stderr
@@ -242,11 +231,11 @@ def test_sample_generates_from_a_refine_checkpoint_and_export_refuses_it(tiny_re
                                              "sample.py runs the checkpoint itself"]
 
 
-def test_refine_under_fsdp_computes_the_steps_of_one_process(tmp_path, stdlib_data):
+def test_refine_under_fsdp_computes_the_steps_of_one_process(tmp_path, stdlib_data, capfd):
     """FSDP2 gathers a block's weights at each of its many applications in a forward and reduces its
     gradient once, with activation checkpointing inside each application: the same steps as one process."""
     steps = ["--max_steps=6", "--ckpt_every=6"]
-    train(tmp_path / "single", stdlib_data, *ARGS, *REFINE, *steps)
+    train_tiny(capfd, tmp_path / "single", stdlib_data, *ARGS, *REFINE, *steps)  # in this process: no start-up
     train(tmp_path / "fsdp", stdlib_data, *ARGS, *REFINE, *FSDP, "--grad_ckpt=full", *steps, nproc=2)
     assert_close_losses(tmp_path / "fsdp", tmp_path / "single", range(1, 7))
 
