@@ -714,10 +714,11 @@ class GPT(nn.Module):
                 for r in range(c.T_recursion):
                     # TRM's deep recursion: the repetitions before the last move the states without gradients
                     with torch.no_grad() if r < c.T_recursion - 1 else nullcontext():
-                        xy = x + y  # what every latent update reads besides z
-                        for _ in range(c.n_loops):
-                            z = block(z, cache, docs, slot, context=xy)
-                            slot += 1
+                        if z is not None:  # n_loops > 0
+                            xy = x + y  # what every latent update reads besides z
+                            for _ in range(c.n_loops):
+                                z = block(z, cache, docs, slot, context=xy)
+                                slot += 1
                         y = block(y, cache, docs, slot, context=z)
                         slot += 1
             if targets is not None or step == n_sup - 1:
