@@ -12,14 +12,14 @@
 source = "fineweb-edu-10bt"
 tokenizer = "gpt2"
 data_dir = "data/fineweb_edu_gpt2"
-val_fraction = 0.001
+val_fraction = 0.001       # not in the seed: 0.1% of FineWeb-EDU is ~10M tokens, ample for eval_steps
 
 # model: the seed's depth 12; the width nanochat gives depth 12 (64 x depth = 768) with its
 # 128-wide heads; the seed system's n_loops=2, n_sup_train=4, T_recursion=1 and detach_threshold=2
 block_size = 1024           # the seed's "standard" sequence length (it suggests 2048 as 2x)
 n_layer = 12
 n_head = 6
-n_kv_head = 6
+n_kv_head = 6              # nanochat at depth 12 has no grouped-query attention
 n_embd = 768
 objective = "refine"
 n_loops = 2
@@ -47,11 +47,11 @@ grad_clip = 1.0                # the seed's troubleshooting: "grad_clip=1.0"
 # checkpointing, 109.7 GB with selective, 27.5 GB with full (of 73.6 usable): full, as the seed's
 # batch of 32 per GPU needs it
 grad_ckpt = "full"
-eval_every = 100
-eval_steps = 20
-log_every = 10
-ckpt_every = 250
+eval_every = 100           # not in the seed: 10 validations, each with the losses per supervision step to watch
+eval_steps = 20            # not in the seed: 20 x 8 ranks x micro-batch x 1024 tokens per validation
+log_every = 10             # not in the seed: the console line with the training losses per step
+ckpt_every = 250           # not in the seed: a preemption loses at most this many steps (saves run in the background)
 dtype = "bfloat16"
 compile = True
-expect_world_size = 8
-plan_vocab_size = 50257
+expect_world_size = 8      # the seed's 8 GPUs: preflight blocks another count (--expect_world_size=0: any)
+plan_vocab_size = 50257    # GPT-2's vocabulary, for planning before the data is prepared
