@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from data import tokenizer_fingerprint
-from model import GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
+from model import DIFFUSION_FIELDS, GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
 from util import CutShortThread, fail, first_line, log, warn
 
 CKPT_FORMAT = 2
@@ -461,8 +461,9 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
     the data and tokenizer it trains on) and the tokenizer, so that the folder is enough to sample from."""
     # padded_vocab follows from vocab_size, and multiple_of only rounded ffn_hidden, which is recorded: so a
     # checkpoint from before multiple_of existed has the same record, and export meets no unknown field
-    # refine's fields only for a refine model, for the same reason
-    left_out = ("padded_vocab", "multiple_of", *(REFINE_FIELDS if mconfig.objective == "ar" else ()))
+    # an objective's fields only for a model of that objective, for the same reason
+    own = dict(ar=(), refine=REFINE_FIELDS, bd3lm=DIFFUSION_FIELDS)[mconfig.objective]
+    left_out = ("padded_vocab", "multiple_of", *(f for f in REFINE_FIELDS + DIFFUSION_FIELDS if f not in own))
     model = {k: v for k, v in asdict(mconfig).items() if k not in left_out}
     saved = dict(cfg, model=model, world_size=world,
                  grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],

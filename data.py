@@ -179,7 +179,8 @@ def unigram_baseline(data_dir, manifest, val):
 # batches
 
 class Loader:
-    """Windows of block_size+1 tokens (input and shifted target) over a split's shards.
+    """Windows of block_size+1 tokens (input and shifted target) over a split's shards; with diffusion
+    (objective="bd3lm"), windows of block_size tokens and each sample's noise draws (diffusion_draws).
 
     Window i of shard s starts at token i*block_size. Training visits all windows in a
     seeded random order per epoch (without replacement), and the order of epoch e is
@@ -188,8 +189,9 @@ class Loader:
     reads windows 0, 1, 2, ... in place.
     """
 
-    def __init__(self, data_dir, split, manifest, block_size, seed):
-        self.block_size, self.seed = block_size, seed
+    def __init__(self, data_dir, split, manifest, block_size, seed, diffusion=False):
+        self.block_size, self.seed, self.diffusion = block_size, seed, diffusion
+        self.span = block_size if diffusion else block_size + 1  # tokens a window reads
         self.shards = []
         for s in manifest["splits"][split]["shards"]:
             path = os.path.join(data_dir, s["file"])
@@ -204,12 +206,12 @@ class Loader:
                 fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
             except OSError as e:
                 fail(f"cannot read shard {path} ({first_line(e)}): rebuild the data with prepare.py --force")
-        counts = [max(0, (len(s) - 1) // block_size) for s in self.shards]
+        counts = [max(0, (len(s) - self.span + block_size) // block_size) for s in self.shards]
         self.starts = np.cumsum([0] + counts)
         self.n = int(self.starts[-1])
         if self.n == 0:
-            fail(f"the {split} split of {data_dir} has fewer than block_size+1 = {block_size + 1} tokens: "
-                 f"lower block_size or prepare more data")
+            fail(f"the {split} split of {data_dir} has fewer than {'block_size' if diffusion else 'block_size+1'} = "
+                 f"{self.span} tokens: lower block_size or prepare more data")
         self._epoch, self._order = None, None
 
     def order(self, epoch):
@@ -221,28 +223,48 @@ class Loader:
     def window(self, i):
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
         start = int(i - self.starts[s]) * self.block_size
-        return self.shards[s][start:start + self.block_size + 1]
+        return self.shards[s][start:start + self.span]
 
-    def batch(self, windows, device):
-        return to_device(np.stack([self.window(int(i)) for i in windows]), device)
+    def batch(self, windows, device, keys=None):
+        """The windows' (inputs, targets); with diffusion (tokens, noise draws), the draws of `keys` (training's
+        sample numbers; None: the windows', as validation reads them)."""
+        rows = np.stack([self.window(int(i)) for i in windows])
+        if not self.diffusion:
+            return to_device(rows, device)
+        return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
+                                                       windows if keys is None else keys, self.block_size))
 
     def train_batch(self, first_sample, size, device):
         samples = np.arange(first_sample, first_sample + size)
         windows = [self.order(k // self.n)[k % self.n] for k in samples]
-        return self.batch(windows, device)
+        return self.batch(windows, device, samples)
 
 
-def to_device(rows, device):
-    """(inputs, targets) from rows of block_size+1 tokens."""
+def diffusion_draws(seed, keys, block_size):
+    """objective="bd3lm"'s noise, (len(keys), 2, block_size) float32 uniform in [0, 1): row j from a generator of
+    (seed, keys[j]) alone, so a sample's noise is the same whatever the world size, the micro-batch or a resume
+    (model.GPT.diffuse reads it: [:, 0] masks tokens, [:, 1] draws each block's t)."""
+    return np.stack([np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32) for k in keys])
+
+
+def to_device(rows, device, draws=None):
+    """(inputs, targets) from rows of block_size+1 tokens; with draws, (rows, draws) (objective="bd3lm")."""
     rows = torch.from_numpy(rows.astype(np.int64))
+    extra = None if draws is None else torch.from_numpy(draws)
     if device.type == "cuda":
         rows = rows.pin_memory().to(device, non_blocking=True)
-    return rows[:, :-1], rows[:, 1:]
+        extra = None if extra is None else extra.pin_memory().to(device, non_blocking=True)
+    return (rows[:, :-1], rows[:, 1:]) if extra is None else (rows, extra)
 
 
-def rare_token_batch(rare, size, block_size, seed, device):
-    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill)."""
-    return to_device(np.random.default_rng(seed).choice(rare, size=(size, block_size + 1)), device)
+def rare_token_batch(rare, size, block_size, seed, device, diffusion=False):
+    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill);
+    diffusion: rows of block_size tokens and their noise draws."""
+    rng = np.random.default_rng(seed)
+    if diffusion:
+        return to_device(rng.choice(rare, size=(size, block_size)), device, rng.random((size, 2, block_size),
+                                                                                    dtype=np.float32))
+    return to_device(rng.choice(rare, size=(size, block_size + 1)), device)
 
 
 def rarest_tokens(counts):

@@ -81,9 +81,12 @@ def require(module):
 
 def check_llama(model_cfg, state_dict):
     """The model's GPTConfig; util.Error unless the model is one LlamaForCausalLM expresses exactly."""
-    if model_cfg.get("objective", "ar") != "ar":
-        fail(f"objective={model_cfg['objective']}: this model applies each block many times per token (recursive "
-             f"refinement), which a Llama folder cannot express: sample.py runs the checkpoint itself")
+    why = dict(refine="applies each block many times per token (recursive refinement)",
+               bd3lm="denoises blocks of [MASK] tokens (block diffusion), which no causal LM generates")
+    objective = model_cfg.get("objective", "ar")
+    if objective != "ar":
+        fail(f"objective={objective}: this model {why[objective]}, which a Llama folder cannot express: sample.py "
+             f"runs the checkpoint itself")
     extra = sorted(set(model_cfg) - LLAMA_FIELDS)
     if extra:
         fail(f"the model config has {', '.join(extra)}, which Llama cannot express: "

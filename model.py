@@ -20,6 +20,9 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
 - objective="refine" (seed 003): the same weights applied recursively, with a loss after each pass
   through the layers (deep supervision, GPT.refine); its KV cache has an entry per block application.
+- objective="bd3lm" (seed 004): block diffusion, BD3-LM's NELBO over a noisy and a clean copy of each row
+  in one pass (GPT.diffuse, BlockDiffusion's mask; HDP's question / plan / execution segments), sampled a
+  block at a time with the earlier blocks in the KV cache (GPT.generate_blocks).
 - fp8 (train.py's key, opt-in): torchao's float8 training for the linear layers, float8_linears.
 - Arithmetic that planning needs without building the model: parameter counts,
   FLOPs per token, bytes per GPU, and the datasheet peak of known GPUs for MFU.
@@ -50,13 +53,18 @@ GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
 # on them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
-OBJECTIVES = ("ar", "refine")
+OBJECTIVES = ("ar", "refine", "bd3lm")
 # refine's presets (seed 003): (supervision_weight_base, improvement_reward_scale)
 REFINE_PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
 # GPTConfig fields of objective="refine"; an "ar" model's record leaves them out (checkpoint.run_record), so
 # checkpoints from before them resume and export unchanged
 REFINE_FIELDS = ("objective", "n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "refine_preset",
                  "supervision_weight_base", "improvement_reward_scale", "detach_threshold")
+# and objective="bd3lm"'s, likewise left out of other models' records
+DIFFUSION_FIELDS = ("objective", "diffusion_block", "noise_schedule", "clip_low", "clip_high", "hdp_segments")
+NOISE_SCHEDULES = ("loglinear", "clipped")
+UNMASKING = ("confidence", "schedule")  # how bd3lm's sampler picks the tokens each denoising pass fills (generate_blocks)
+LOGLINEAR_EPS = 1e-3  # loglinear's t ~ U[eps, 1] (BD3-LM's sampling_eps_min): 1/t stays finite
 
 
 @dataclass
@@ -91,6 +99,18 @@ class GPTConfig:
     supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
     improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
     detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the seed's 2)
+    # objective="bd3lm", seed 004's block diffusion (BD3-LM, Arriola et al. 2025; GPT.diffuse): the sequence is cut
+    # into blocks of diffusion_block tokens; in each, every token is replaced by [MASK] (the vocabulary's last id:
+    # model_config adds it to the data's) with probability t, drawn per block, and the model predicts the clean
+    # tokens from the noisy block and the clean blocks before it (one pass over both copies, BlockDiffusion). The
+    # loss is the NELBO: each masked token's cross-entropy x 1/t, averaged over the tokens
+    diffusion_block: int = 16     # bd3lm: tokens per block (1: the NELBO is the autoregressive loss)
+    noise_schedule: str = "loglinear"  # bd3lm: loglinear, t ~ U[1e-3, 1] | clipped, t ~ U[clip_low, clip_high] in training
+    clip_low: float = 0.3         # bd3lm, clipped: the paper's beta (a lower-variance, biased training loss;
+    clip_high: float = 0.8        # omega: validation always draws t from loglinear's range, so val_loss is the NELBO)
+    # bd3lm, HDP: "128,128,256", question, plan, execution, summing to block_size. The question is never noised
+    # and sees only itself; plan and execution are diffused in blocks, the plan seeing the question, the execution both
+    hdp_segments: str = ""
     # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
     attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks) | fa4
     doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
@@ -123,6 +143,8 @@ class GPTConfig:
                              f"of this (1: not rounded)")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
+        if self.objective == "bd3lm":
+            self.check_diffusion()
         if self.refine_preset not in REFINE_PRESETS:
             raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of {', '.join(REFINE_PRESETS)}")
         for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1), ("n_sup_inference", 1),
@@ -139,19 +161,75 @@ class GPTConfig:
             self.ffn_hidden = -(-(8 * self.n_embd // 3) // self.multiple_of) * self.multiple_of
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
+    def check_diffusion(self):
+        if self.noise_schedule not in NOISE_SCHEDULES:
+            raise ValueError(f"noise_schedule={self.noise_schedule!r}: choose one of {', '.join(NOISE_SCHEDULES)}")
+        if self.noise_schedule == "clipped" and not 0 < self.clip_low < self.clip_high <= 1:
+            raise ValueError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 < clip_low < clip_high <= 1")
+        if self.doc_mask:
+            raise ValueError("doc_mask=True is for objective=ar or refine: bd3lm's attention goes block by block "
+                             "(hdp_segments keeps a question to itself)")
+        if self.diffusion_block < 1:
+            raise ValueError(f"diffusion_block={self.diffusion_block} must be at least 1")
+        diffused = self.segments[1:] if self.hdp_segments else [self.block_size]
+        if any(n % self.diffusion_block for n in diffused):
+            raise ValueError(f"diffusion_block={self.diffusion_block} must divide "
+                             + (f"the plan and execution segments {diffused}" if self.hdp_segments
+                                else f"block_size={self.block_size}"))
+
+    @property
+    def segments(self):
+        """hdp_segments as ints: [question, plan, execution]; [] when empty."""
+        if not self.hdp_segments:
+            return []
+        try:
+            segments = [int(n) for n in self.hdp_segments.split(",")]
+        except ValueError:
+            segments = []
+        if len(segments) != 3 or min(segments) < 1 or sum(segments) != self.block_size:
+            raise ValueError(f"hdp_segments={self.hdp_segments!r}: three positive lengths (question, plan, execution) "
+                             f"that sum to block_size={self.block_size}, e.g. \"128,128,256\" for 512")
+        return segments
+
     @property
     def head_dim(self):
         return self.n_embd // self.n_head
 
+    @property
+    def mask_kind(self):
+        """The kind of Mask training attends under (resolve_backend's `mask`): documents, diffusion, or None."""
+        return "diffusion" if self.objective == "bd3lm" else "documents" if self.doc_mask else None
+
+    @property
+    def mask_id(self):
+        """bd3lm's [MASK] token: the last id of the vocabulary (the data's vocabulary has one id less)."""
+        return self.vocab_size - 1
+
+    @property
+    def noised_from(self):
+        """bd3lm: the first position that is ever noised (after HDP's question), 0 without one."""
+        return self.segments[0] if self.hdp_segments else 0
+
+    def diffusion_blocks(self, device=None):
+        """bd3lm: the block of every position, (block_size,) int64: HDP's question is block 0 whole."""
+        positions = torch.arange(self.block_size, device=device)
+        q = self.noised_from
+        return torch.where(positions < q, 0, (positions - q) // self.diffusion_block + (q > 0))
+
     def applications(self, training=True):
         """(supervision steps, block applications per layer and step with gradients, without) of one forward:
         (1, 1, 0) for "ar"; refine's earlier repetitions run without gradients in training only."""
-        if self.objective == "ar":
+        if self.objective != "refine":
             return 1, 1, 0
         per_repetition = self.n_loops + 1
         if not training:
             return self.n_sup_inference, per_repetition * self.T_recursion, 0
         return self.n_sup_train, per_repetition, per_repetition * (self.T_recursion - 1)
+
+    @property
+    def stream(self):
+        """Positions the blocks run on per token of a row: 2 for bd3lm (the noisy and the clean copy), else 1."""
+        return 2 if self.objective == "bd3lm" else 1
 
     @property
     def cache_slots(self):
@@ -166,21 +244,30 @@ class GPTConfig:
 # `causal`: True for causal, aligned bottom-right when there are more keys than queries (the new
 # queries of the KV cache come after the cached keys); False for no mask; or a boolean tensor
 # (T_q, T_k), True where a query may attend (SDPA kernels only).
-# `docs`: None or a Documents; attention is then causal and within each document.
+# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each document), or
+# BlockDiffusion (bd3lm's 2T rows).
 
-class Documents:
-    """The document of every token, doc_ids (B, T), and the mask each kind of kernel takes, made on
-    first use and kept: GPT.forward makes one per batch before the blocks run, so every layer and
-    every recomputation under activation checkpointing reuses it."""
+class Mask:
+    """An attention mask in the form each kind of kernel takes (FORMS: backend -> form), each made on first use
+    and kept: GPT.forward makes one per batch before the blocks run, so every layer and every recomputation
+    under activation checkpointing reuses it."""
+    FORMS = {}
 
-    def __init__(self, doc_ids):
-        self.ids = doc_ids
+    def __init__(self):
         self.made = {}
 
     def get(self, form):
         if form not in self.made:
             self.made[form] = getattr(self, form)()
         return self.made[form]
+
+
+class Documents(Mask):
+    """Causal attention within documents: doc_ids (B, T) is the document of every token (doc_mask)."""
+
+    def __init__(self, doc_ids):
+        super().__init__()
+        self.ids = doc_ids
 
     def dense(self):
         """(B, 1, T, T) bool for SDPA: causal and the same document."""
@@ -210,27 +297,60 @@ class Documents:
         return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
-def sdpa_attention(q, k, v, causal, docs=None):
+class BlockDiffusion(Mask):
+    """objective="bd3lm"'s attention over a 2T row, the noisy copy of a sequence (positions [0, T)) then its clean
+    copy ([T, 2T)), both at RoPE positions 0..T-1; blocks (T,) numbers the diffusion block of each position,
+    in order. A noisy token sees its own noisy block (both ways) and the clean blocks before it; a clean token
+    sees the clean blocks up to its own (both ways within it); nothing sees a noisy token from elsewhere.
+    BD3-LM's mask (Arriola et al. 2025: block diagonal, offset block causal, block causal); HDP's question is
+    one block that no other block precedes, so it sees only itself."""
+
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = blocks
+        self.positions = torch.arange(blocks.numel(), device=blocks.device).repeat(2)
+
+    def allowed(self, q, kv):
+        T = self.blocks.numel()
+        q_clean, kv_clean = q >= T, kv >= T
+        bq, bkv = self.blocks[q - T * q_clean], self.blocks[kv - T * kv_clean]
+        return ((bq == bkv) & ~q_clean & ~kv_clean  # a noisy token: its own noisy block
+                | (bkv < bq) & ~q_clean & kv_clean  # and the clean blocks before it
+                | (bkv <= bq) & q_clean & kv_clean)  # a clean token: the clean blocks up to its own
+
+    def dense(self):
+        """(1, 1, 2T, 2T) bool for SDPA."""
+        i = torch.arange(2 * self.blocks.numel(), device=self.blocks.device)
+        return self.allowed(i[:, None], i[None, :])[None, None]
+
+    def block(self):
+        """FlexAttention's BlockMask: the noisy copy's tiles outside its own block are skipped, not computed."""
+        from torch.nn.attention.flex_attention import create_block_mask
+        n = 2 * self.blocks.numel()
+        return create_block_mask(lambda b, h, q, kv: self.allowed(q, kv), None, None, n, n, device=self.blocks.device)
+
+
+def sdpa_attention(q, k, v, causal, mask=None):
     """PyTorch's scaled_dot_product_attention, on the kernel it picks (or the one sdpa_kernel pins)."""
-    mask, is_causal = None, False
-    if docs is not None:
-        mask = docs.get("dense")
+    dense, is_causal = None, False
+    if mask is not None:
+        dense = mask.get("dense")
     elif isinstance(causal, torch.Tensor):
-        mask = causal
+        dense = causal
     elif causal and q.size(2) == k.size(2):
         is_causal = True
     elif causal and q.size(2) > 1:  # SDPA's is_causal aligns top-left: spell bottom-right out (one query needs none)
-        mask = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+        dense = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=is_causal,
                                           enable_gqa=k.size(1) != q.size(1))
 
 
-def pinned_sdpa(kernel, q, k, v, causal, docs=None):
+def pinned_sdpa(kernel, q, k, v, causal, mask=None):
     with sdpa_kernel([kernel]):
-        return sdpa_attention(q, k, v, causal, docs)
+        return sdpa_attention(q, k, v, causal, mask)
 
 
-def flash_sdpa(impl, q, k, v, causal, docs=None):
+def flash_sdpa(impl, q, k, v, causal, mask=None):
     """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4", FlashAttention 4
     (fa4). torch.nn.attention.activate_flash_attention_impl swaps the CUDA implementation for the whole
     process, so each call puts back the one its backend names: flash and fa4 can both run in one process
@@ -243,7 +363,7 @@ def flash_sdpa(impl, q, k, v, causal, docs=None):
                 registry.restore_flash_attention_impl()
             else:
                 registry.activate_flash_attention_impl(impl)
-    return pinned_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal, docs)
+    return pinned_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal, mask)
 
 
 # name: (module, what it is, how to get it)
@@ -254,18 +374,18 @@ FLASH_PACKAGES = {
 }
 
 
-def flash_attention(name, q, k, v, causal, docs=None):
+def flash_attention(name, q, k, v, causal, mask=None):
     """FlashAttention 2 or 3: (B, T, heads, head_dim) layout, GQA native, causal aligned bottom-right;
     documents through the varlen kernel, each document its own sequence."""
     if isinstance(causal, torch.Tensor):
         raise ValueError(f"attn_backend={name} takes causal=True or False, not a mask tensor: use an SDPA backend")
     module = importlib.import_module(FLASH_PACKAGES[name][0])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if docs is None:
+    if mask is None:
         out = module.flash_attn_func(q, k, v, causal=causal)
     else:
         B, T = q.shape[:2]
-        cu_seqlens, longest = docs.get("varlen")
+        cu_seqlens, longest = mask.get("varlen")
         out = module.flash_attn_varlen_func(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
                                             v.reshape(B * T, *v.shape[2:]), cu_seqlens_q=cu_seqlens,
                                             cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
@@ -291,7 +411,7 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def flex_attention(q, k, v, causal, docs=None):
+def flex_attention(q, k, v, causal, mask=None):
     """FlexAttention with a block mask. Uncompiled it computes the whole score matrix, so on CUDA
     the training shapes (as many queries as keys) run compiled; the KV cache's changing shapes
     would each compile anew, so they run eagerly (one query row at a time is cheap)."""
@@ -299,8 +419,8 @@ def flex_attention(q, k, v, causal, docs=None):
     if isinstance(causal, torch.Tensor):
         raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an SDPA backend")
     block_mask = None
-    if docs is not None:
-        block_mask = docs.get("block")
+    if mask is not None:
+        block_mask = mask.get("block")
     elif causal and q.size(2) > 1:  # one query (the KV cache's next token) sees every key
         block_mask = causal_block_mask(q.size(2), k.size(2), q.device)
     run = compiled_flex_attention() if q.is_cuda and q.size(2) == k.size(2) else eager
@@ -318,59 +438,75 @@ ATTENTION_KERNELS = {
     "math": partial(pinned_sdpa, SDPBackend.MATH),
     "sdpa": sdpa_attention,
 }
-# the backends that can mask documents, and the form of Documents each takes; SDPA's flash kernel
-# takes no mask on CUDA, and cudnn's support of one varies with the torch release
-DOC_MASK_FORM = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense", "math": "dense",
-                 "sdpa": "dense"}
+# the backends that can take each kind of mask, and the form each takes; SDPA's flash kernel takes no mask on
+# CUDA, and cudnn's support of one varies with the torch release. bd3lm's mask has no varlen form: its blocks
+# see other blocks
+Documents.FORMS = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense", "math": "dense",
+                   "sdpa": "dense"}
+BlockDiffusion.FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}
+MASKS = {"documents": Documents, "diffusion": BlockDiffusion}  # the kinds resolve_backend's `mask` names
 # largest error over largest value against float64, per compute dtype: a right kernel is well inside
 # (measured on CPU: 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32), a wrong one (scale, mask, GQA) is off by ~1
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
-def reference_attention(q, k, v, doc_ids=None):
-    """Causal attention (within documents, with doc_ids) in float64, written out: the yardstick."""
+def reference_attention(q, k, v, mask=None):
+    """Causal attention (or as a Mask says) in float64, written out: the yardstick. Who sees whom is derived
+    here from the mask's own data (document ids, blocks), not taken from the forms the kernels get."""
     rep = q.size(1) // k.size(1)
     q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     T = q.size(2)
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if doc_ids is not None:
-        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    if isinstance(mask, Documents):
+        allowed = allowed & (mask.ids[:, None, :, None] == mask.ids[:, None, None, :])
+    elif isinstance(mask, BlockDiffusion):  # [noisy copy, clean copy]: block of each position, and which copy
+        block, clean = mask.blocks.repeat(2), torch.arange(T, device=q.device) >= T // 2
+        earlier, same = block[None, :] < block[:, None], block[None, :] == block[:, None]
+        allowed = torch.where(clean[:, None], clean[None, :] & (earlier | same),
+                              ~clean[None, :] & same | clean[None, :] & earlier)
     scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-def parity_errors(name, device, dtype, head_dim, doc_mask=False, n_head=4, n_kv_head=2, T=None):
+def example_mask(kind, T, device):
+    """A Mask of `kind` (MASKS) over two rows of T positions, for parity checks and trial calls: three documents
+    in one row and one in the other; or T/2 positions in blocks of 4 (T >= 16) or 16 (T >= 128), both copies."""
+    if kind == "documents":
+        doc_ids = torch.zeros(2, T, dtype=torch.long, device=device)
+        doc_ids[0, T // 3:] += 1
+        doc_ids[0, T // 2 + 5:] += 1
+        return Documents(doc_ids)
+    return BlockDiffusion(torch.arange(T // 2, device=device) // (16 if T >= 128 else 4))
+
+
+def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=2, T=None):
     """Largest error of a kernel's output and of its q/k/v gradients ({output, dq, dk, dv}) against
     reference_attention, relative to the largest value, on random inputs of n_head query and n_kv_head
-    key/value heads (rounded to dtype first, so only the kernel's error counts). T None: 256 on a GPU
-    (past FlexAttention's and FlashAttention's 128-row tiles), 64 on a CPU. sanity.py checks every
-    backend with these at the run's head layout."""
+    key/value heads (rounded to dtype first, so only the kernel's error counts), causal or under an
+    example_mask of kind `mask`. T None: 256 on a GPU (past FlexAttention's and FlashAttention's 128-row
+    tiles), 64 on a CPU. sanity.py checks every backend with these at the run's head layout."""
     device = torch.device(device)
     T = T or (256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(0)
     shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
               (2, n_head, T, head_dim)]
     q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
-    doc_ids = None
-    if doc_mask:  # three documents in one row, one in the other
-        doc_ids = torch.zeros(2, T, dtype=torch.long, device=device)
-        doc_ids[0, T // 3:] += 1
-        doc_ids[0, T // 2 + 5:] += 1
+    example = None if mask is None else example_mask(mask, T, device)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    reference_attention(*ref_in, doc_ids).backward(grad.double())
+    reference_attention(*ref_in, example).backward(grad.double())
     test_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = ATTENTION_KERNELS[name](*test_in, True, Documents(doc_ids) if doc_mask else None)
+    out = ATTENTION_KERNELS[name](*test_in, True, example)
     out.backward(grad)
     with torch.no_grad():
-        ref = reference_attention(*ref_in, doc_ids)
+        ref = reference_attention(*ref_in, example)
         pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip(test_in, ref_in, strict=True)]
         return {part: ((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item()
                 for part, (a, b) in zip(("output", "dq", "dk", "dv"), pairs, strict=True)}
 
 
-def parity_error(name, device, dtype, head_dim, doc_mask=False):
+def parity_error(name, device, dtype, head_dim, mask=None):
     """The largest of parity_errors at the default shapes: what auto holds against PARITY_TOLERANCE."""
-    return max(parity_errors(name, device, dtype, head_dim, doc_mask).values())
+    return max(parity_errors(name, device, dtype, head_dim, mask).values())
 
 
 def fa4_unavailable(device, dtype, head_dim):
@@ -400,14 +536,16 @@ def fa4_unavailable(device, dtype, head_dim):
     return None
 
 
-def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
-    """None when attention backend `name` can train here (device, dtype, head_dim, doc_mask), else one
-    line saying why not and what would make it run."""
+def backend_unavailable(name, device, dtype, head_dim, mask=None):
+    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of kind `mask`:
+    None, or one of MASKS), else one line saying why not and what would make it run."""
     device = torch.device(device)
     if name not in ATTENTION_KERNELS:
         return f"unknown attention backend {name!r}: choose auto or one of {', '.join(ATTENTION_KERNELS)}"
-    if doc_mask and name not in DOC_MASK_FORM:
-        return f"{name} cannot mask documents (doc_mask=True); {', '.join(DOC_MASK_FORM)} can"
+    if mask == "documents" and name not in Documents.FORMS:
+        return f"{name} cannot mask documents (doc_mask=True); {', '.join(Documents.FORMS)} can"
+    if mask == "diffusion" and name not in BlockDiffusion.FORMS:
+        return f"{name} cannot take bd3lm's block-diffusion mask; {', '.join(BlockDiffusion.FORMS)} can"
     if name in FLASH_PACKAGES:
         module, label, install = FLASH_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
@@ -443,19 +581,18 @@ def backend_unavailable(name, device, dtype, head_dim, doc_mask=False):
         return f"the {name} kernel is CUDA only; this is {device.type}"
     elif name in ("math", "sdpa"):
         return None  # PyTorch's math kernel runs everywhere
-    return trial_call(name, device, dtype, head_dim, doc_mask)
+    return trial_call(name, device, dtype, head_dim, mask)
 
 
-def trial_call(name, device, dtype, head_dim, doc_mask):
-    """A tiny causal GQA forward and backward (over two documents with doc_mask): None when it runs,
+def trial_call(name, device, dtype, head_dim, mask):
+    """A tiny causal GQA forward and backward (under an example_mask of kind `mask`): None when it runs,
     else why not. SDPA gives its reasons for refusing a kernel in warnings."""
     g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the model's init
-    q, kv = (torch.randn(1, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (2, 1))
-    docs = Documents(torch.arange(16, device=device)[None] // 8) if doc_mask else None
+    q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (2, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ATTENTION_KERNELS[name](q, kv, kv, True, docs).sum().backward()
+            ATTENTION_KERNELS[name](q, kv, kv, True, mask and example_mask(mask, 16, device)).sum().backward()
             return None
         except Exception as e:  # whatever a kernel raises, it cannot train here
             reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split())
@@ -464,17 +601,20 @@ def trial_call(name, device, dtype, head_dim, doc_mask):
     return f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: {why[:400]}"
 
 
-resolved = {}  # (name, device type, dtype, head_dim, doc_mask) -> (backend, note)
+resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
 
 
-def resolve_backend(name, device, dtype, head_dim, doc_mask=False):
+def resolve_backend(name, device, dtype, head_dim, mask=None):
     """(backend, note): the kernel attn_backend=name runs here, and one line saying why.
 
     "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error within
     PARITY_TOLERANCE); the note says which faster ones were skipped and why. A named backend that
     cannot run here is a ValueError that lists the ones that can: never a silent substitute.
-    Cached per (name, device type, dtype, head_dim, doc_mask)."""
-    key = (name, torch.device(device).type, dtype, head_dim, bool(doc_mask))
+    mask: None (causal), or the kind of Mask it will get (MASKS). Cached per (name, device type, dtype,
+    head_dim, mask)."""
+    if mask not in (None, *MASKS):
+        raise ValueError(f"mask={mask!r}: None or one of {', '.join(MASKS)}")
+    key = (name, torch.device(device).type, dtype, head_dim, mask)
     if key not in resolved:
         # trial and parity runs are eager work, never part of a compiled graph (disabling compilation at
         # import would import torch._dynamo, a second, into every process)
@@ -483,29 +623,31 @@ def resolve_backend(name, device, dtype, head_dim, doc_mask=False):
     return resolved[key]
 
 
-def resolve_uncached(name, device_type, dtype, head_dim, doc_mask):
+def resolve_uncached(name, device_type, dtype, head_dim, mask):
     # they run forward and backward in their own dtypes, whatever the caller's grad and autocast modes
     with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
-        return resolve_in_eager(name, torch.device(device_type), dtype, head_dim, doc_mask)
+        return resolve_in_eager(name, torch.device(device_type), dtype, head_dim, mask)
 
 
-def resolve_in_eager(name, device, dtype, head_dim, doc_mask):
+def resolve_in_eager(name, device, dtype, head_dim, mask):
     if name != "auto":
-        why = backend_unavailable(name, device, dtype, head_dim, doc_mask)
+        why = backend_unavailable(name, device, dtype, head_dim, mask)
         if why is None:
             return name, f"{name}: as configured"
         here = [b for b in ATTENTION_KERNELS if b != name and not backend_unavailable(b, device, dtype, head_dim,
-                                                                                       doc_mask)]
+                                                                                       mask)]
         raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
                          f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
-                         f"{', doc_mask' if doc_mask else ''}): {', '.join(here) or 'none'}")
+                         f"{dict(documents=', doc_mask', diffusion=', bd3lm mask').get(mask, '')}): "
+                         f"{', '.join(here) or 'none'}")
     skipped = []
     tol = PARITY_TOLERANCE.get(dtype, 1e-4)
-    for candidate in ATTENTION_BACKENDS:
-        why = backend_unavailable(candidate, device, dtype, head_dim, doc_mask)
+    # bd3lm's mask leaves most tiles of its 2T x 2T scores empty, and only FlexAttention skips them
+    for candidate in sorted(ATTENTION_BACKENDS, key=lambda b: mask == "diffusion" and b != "flex"):
+        why = backend_unavailable(candidate, device, dtype, head_dim, mask)
         if why is None:
             try:
-                err = parity_error(candidate, device, dtype, head_dim, doc_mask)
+                err = parity_error(candidate, device, dtype, head_dim, mask)
                 why = None if err <= tol else f"largest error {err:.1e} against float64, over {tol:g}"
             except Exception as e:  # a kernel that fails its first real call is skipped, saying how
                 why = f"failed its parity check: {first_line(e)}"
@@ -516,17 +658,19 @@ def resolve_in_eager(name, device, dtype, head_dim, doc_mask):
     raise RuntimeError("attn_backend=auto: no attention backend runs here: " + "; ".join(skipped))
 
 
-def attention(backend, q, k, v, causal, doc_ids=None):
+def attention(backend, q, k, v, causal, mask=None):
     """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T', D) on `backend` (an attn_backend value).
-    causal: True, False, or a bool mask tensor (see above). doc_ids: None, a (B, T) tensor of each
-    token's document, or the Documents made from it; attention is then causal and within documents.
-    The first call for a (backend, device, dtype, head_dim, doc_mask) resolves it, which runs a backward
+    causal: True, False, or a bool mask tensor (see above). mask: None, a Mask, or a (B, T) tensor of each
+    token's document (made into Documents: attention is then causal and within documents).
+    The first call for a (backend, device, dtype, head_dim, kind of mask) resolves it, which runs a backward
     of its own: call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
-    docs = doc_ids if doc_ids is None or isinstance(doc_ids, Documents) else Documents(doc_ids)
-    if docs is not None and causal is not True:
+    if isinstance(mask, torch.Tensor):
+        mask = Documents(mask)
+    if isinstance(mask, Documents) and causal is not True:
         raise ValueError("doc_ids makes attention causal within each document: pass causal=True")
-    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), docs is not None)[0]
-    return ATTENTION_KERNELS[name](q, k, v, causal, docs)
+    kind = next((k for k, cls in MASKS.items() if isinstance(mask, cls)), None)
+    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), kind)[0]
+    return ATTENTION_KERNELS[name](q, k, v, causal, mask)
 
 
 # -----------------------------------------------------------------------------
@@ -580,18 +724,22 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, x, cache=None, docs=None, slot=None):
+    def forward(self, x, cache=None, mask=None, slot=None):
+        """mask: None (causal), False (none: bd3lm's sampler, whose block sees itself and every cached key), or a
+        Mask (Block.forward says more)."""
         B, T, _ = x.shape
         hd = self.config.head_dim
         start = cache.pos if cache is not None else 0
-        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
+        # bd3lm's 2T rows hold two copies of positions 0..T-1
+        at = mask.positions if isinstance(mask, BlockDiffusion) else slice(start, start + T)
+        cos, sin = self.rope_cos[at], self.rope_sin[at]
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the new queries come after the cached keys: causal=True aligns them bottom-right
             k, v = cache.update(slot, k, v)
-        y = attention(self.config.attn_backend, q, k, v, True, docs)
+        y = attention(self.config.attn_backend, q, k, v, mask is not False, mask or None)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -615,22 +763,23 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache=None, docs=None, slot=None, context=None):
+    def forward(self, x, cache=None, mask=None, slot=None, context=None):
         # Activation checkpointing happens inside the block's own forward, so that hooks on the block (FSDP2's
         # all-gather and input cast) run once, outside the recomputed region: checkpoint, then shard, the
         # order torchtitan wraps in. (torch.compile takes context_fn only spelled out like this.)
         if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":  # keeps only its inputs
-            return checkpoint(self.body, x, None, docs, None, context, use_reentrant=False)
+            return checkpoint(self.body, x, None, mask, None, context, use_reentrant=False)
         if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "selective":
-            return checkpoint(self.body, x, None, docs, None, context, use_reentrant=False,
+            return checkpoint(self.body, x, None, mask, None, context, use_reentrant=False,
                               context_fn=selective_checkpointing)
-        return self.body(x, cache, docs, slot, context)
+        return self.body(x, cache, mask, slot, context)
 
-    def body(self, x, cache, docs, slot, context):
-        """x plus the block's two residual branches. context (refine): the branches read x + context and add
-        to x alone. slot: this application's KV-cache entry."""
+    def body(self, x, cache, mask, slot, context):
+        """x plus the block's two residual branches. mask: who sees whom in attention, None for causal (Attention
+        says more). context (refine): the branches read x + context and add to x alone. slot: this application's
+        KV-cache entry."""
         h = x if context is None else x + context
-        x = x + self.self_attn(self.input_layernorm(h), cache, docs, slot)
+        x = x + self.self_attn(self.input_layernorm(h), cache, mask, slot)
         h = x if context is None else x + context
         return x + self.mlp(self.post_attention_layernorm(h))
 
@@ -675,33 +824,75 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
         or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits.
-        objective="refine" adds a third item, each supervision step's cross-entropy (GPT.refine)."""
+        objective="refine" adds a third item, each supervision step's cross-entropy (GPT.refine).
+        objective="bd3lm": with targets, the noise draws (GPT.diffuse), (None, the NELBO per token); without,
+        idx is the next block after the cache's, whole (GPT.denoise), and the cache keeps it."""
         config = self.config
         T = idx.size(1)
         start = cache.pos if cache is not None else 0
         if start + T > config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size={config.block_size}")
+        if config.objective == "bd3lm":
+            out = self.diffuse(idx, targets) if targets is not None else (self.denoise(idx, cache), None)
+            if cache is not None:
+                cache.pos += T
+            return out
         x = self.embed_tokens(idx)
         # the backend is resolved here, before any block runs under checkpoint (auto's parity check runs a
         # backward of its own), as the blocks will ask: in the compute dtype, with documents or not
         doc_mask = config.doc_mask and cache is None  # the KV cache (generation) reads one document at a time
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        backend = resolve_backend(config.attn_backend, x.device, dtype, config.head_dim, doc_mask)[0]
-        docs = None
+        mask = None
         if doc_mask:
-            docs = Documents(torch.cumsum(idx == config.bos_id, dim=1))
-            docs.get(DOC_MASK_FORM[backend])  # made once for all layers, not inside a checkpointed one
+            mask = Documents(torch.cumsum(idx == config.bos_id, dim=1))
+            mask.get(Documents.FORMS[self.backend(x, "documents")])  # made once for all layers, not in a checkpoint
+        else:
+            self.backend(x, None)
         if config.objective == "refine":
-            out = self.refine(x, targets, cache, docs)
+            out = self.refine(x, targets, cache, mask)
         else:
             for i, block in enumerate(self.layers):
-                x = block(x, cache, docs, i)
+                x = block(x, cache, mask, i)
             out = self.head(x, targets)
         if cache is not None:
             cache.pos += T
         return out
 
-    def refine(self, x, targets, cache, docs):
+    def backend(self, x, mask):
+        """The attention backend the blocks will run on x under a mask of kind `mask`, resolved as they will ask:
+        in the compute dtype."""
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return resolve_backend(self.config.attn_backend, x.device, dtype, self.config.head_dim, mask)[0]
+
+    def diffuse(self, x0, draws):
+        """objective="bd3lm"'s loss: (None, the NELBO per token) of the clean tokens x0 (B, T). draws (B, 2, T), uniform
+        in [0, 1) and made by the loader from each sample's index (data.diffusion_draws: the same whatever the world
+        size or a resume): block b's t is drawn from draws[:, 1, b] and token i is masked when draws[:, 0, i] < its
+        block's t. One pass over the noisy copy and the clean copy (2T positions) under BlockDiffusion's mask; the
+        loss is the cross-entropy of the masked tokens, each x 1/t, over the tokens that can be noised."""
+        c = self.config
+        B, T = x0.shape
+        blocks = c.diffusion_blocks(x0.device)[:T]
+        low, high = (c.clip_low, c.clip_high) if self.training and c.noise_schedule == "clipped" else (LOGLINEAR_EPS, 1.0)
+        t = low + (high - low) * draws[:, 1].float().gather(1, blocks.expand(B, T))  # each token's block's t
+        masked = (draws[:, 0] < t) & (torch.arange(T, device=x0.device) >= c.noised_from)
+        x = self.embed_tokens(torch.cat([torch.where(masked, c.mask_id, x0), x0], dim=1))
+        mask = BlockDiffusion(blocks)
+        mask.get(BlockDiffusion.FORMS[self.backend(x, "diffusion")])  # made once for all layers, not in a checkpoint
+        for i, block in enumerate(self.layers):
+            x = block(x, None, mask, i)
+        _, loss = self.head(x[:, :T], x0, masked / t)
+        return None, loss * T / (T - c.noised_from)
+
+    def denoise(self, block, cache=None):
+        """objective="bd3lm": logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) after the clean blocks
+        in the cache, which it sees whole, as it sees itself: what training's noisy copy sees. Its keys and values
+        go into the cache past cache.pos, kept only when forward() runs the finished block again."""
+        x = self.embed_tokens(block)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cache, False, i)
+        return self.head(x, None)[0]
+
+    def refine(self, x, targets, cache, mask):
         """objective="refine" (GPTConfig says how the states move): (the last step's logits, as head() returns
         them, the objective refine_objective() makes of the steps' losses, the steps' cross-entropies
         (detached, shape (steps,)); both None without targets). n_sup_train steps in training, n_sup_inference
@@ -717,9 +908,9 @@ class GPT(nn.Module):
                         if z is not None:  # n_loops > 0
                             xy = x + y  # what every latent update reads besides z
                             for _ in range(c.n_loops):
-                                z = block(z, cache, docs, slot, context=xy)
+                                z = block(z, cache, mask, slot, context=xy)
                                 slot += 1
-                        y = block(y, cache, docs, slot, context=z)
+                        y = block(y, cache, mask, slot, context=z)
                         slot += 1
             if targets is not None or step == n_sup - 1:
                 logits, loss = self.head(y, targets)
@@ -731,38 +922,57 @@ class GPT(nn.Module):
         return (logits, refine_objective(losses, c.supervision_weight_base, c.improvement_reward_scale),
                 torch.stack(losses).detach())
 
-    def head(self, x, targets):
-        """The final norm, the LM head and the loss of forward()'s first two items."""
+    def head(self, x, targets, weights=None):
+        """The final norm, the LM head and the loss of forward()'s first two items. weights (bd3lm, the shape of
+        targets): each token's cross-entropy is weighed, [MASK] is never a prediction, and the loss is the
+        weighted sum over the number of targets."""
         config = self.config
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
         if not config.loss_chunk:
             logits = self.lm_head(x)
+            if weights is not None:
+                return logits, self.loss_sum(x.flatten(0, 1), targets.flatten(), weights.flatten(), logits) / \
+                    targets.numel()
             return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten())
+        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten(), None if weights is None else weights.flatten())
 
-    def chunked_loss(self, x, targets):
-        """The mean cross-entropy over loss_chunk tokens at a time. Each chunk runs under checkpoint, so
+    def chunked_loss(self, x, targets, weights=None):
+        """The mean (weighted) cross-entropy over loss_chunk tokens at a time. Each chunk runs under checkpoint, so
         the forward keeps none of its logits and the backward rebuilds them one chunk at a time."""
-        chunks = zip(x.split(self.config.loss_chunk), targets.split(self.config.loss_chunk), strict=True)
+        n = self.config.loss_chunk
+        xs, ys = x.split(n), targets.split(n)
+        ws = (None,) * len(xs) if weights is None else weights.split(n)
         # a single chunk would be rebuilt while every layer's activations are still held: no saving, only cost
-        rebuild = torch.is_grad_enabled() and x.size(0) > self.config.loss_chunk
-        total = sum(checkpoint(self.loss_sum, xc, yc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc)
-                    for xc, yc in chunks)
+        rebuild = torch.is_grad_enabled() and x.size(0) > n
+        total = sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
+                    for xc, yc, wc in zip(xs, ys, ws, strict=True))
         return total / targets.numel()
 
-    def loss_sum(self, x, targets):
-        return F.cross_entropy(self.lm_head(x).float(), targets, reduction="sum")
+    def loss_sum(self, x, targets, weights=None, logits=None):
+        """The summed cross-entropy of the head's logits for x (N, n_embd), or of `logits` when given, against
+        targets (N,); weights (bd3lm): each token's weighed, the [MASK] id never predicted (BD3-LM's SUBS
+        parameterization: its logit is minus infinity)."""
+        logits = (self.lm_head(x) if logits is None else logits).float().view(targets.numel(), -1)
+        if weights is None:
+            return F.cross_entropy(logits, targets, reduction="sum")
+        logits = logits.index_fill(-1, torch.tensor([self.config.mask_id], device=logits.device), float("-inf"))
+        return (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None,
+                 steps=None, unmask="confidence"):
         """Yields the next token of each row, shape (B,), max_new_tokens times.
 
         With the cache, the prompt runs once and each new token costs one position.
         When the context would pass block_size the cache restarts from the last
         block_size // 2 tokens (a sliding window, amortised over the next half block).
+        objective="bd3lm": block by block (generate_blocks; steps and unmask are its).
         """
+        if self.config.objective == "bd3lm":
+            yield from self.generate_blocks(idx, max_new_tokens, temperature, top_k, top_p, generator, steps, unmask)
+            return
         block = self.config.block_size
         param = next(self.parameters())
         cache, feed = None, idx
@@ -778,6 +988,84 @@ class GPT(nn.Module):
             idx = torch.cat([idx, token[:, None]], dim=1)
             feed = token[:, None]
             yield token
+
+    @torch.no_grad()
+    def generate_blocks(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, steps=None,
+                        unmask="confidence"):
+        """objective="bd3lm"'s sampler: yields the next token of each row, shape (B,), a block at a time.
+
+        The prompt's whole blocks go into the KV cache a block at a time (a clean block sees itself whole and the
+        blocks before it, as in training); the block it ends in is finished around its tokens, which stay. Each
+        block starts all-[MASK] and is unmasked in `steps` denoising passes (None: one token per pass, the block's
+        length; the KV cache holds the blocks before it, so a pass costs one block's positions), then goes into
+        the cache whole and its tokens are yielded. Which masked tokens a pass fills (each with a token drawn from
+        the model, at temperature / top_k / top_p): unmask="confidence", those whose drawn token is most
+        probable, as many as an even share of the passes left asks; "schedule", BD3-LM's own: t falls from 1 to 0
+        in `steps` even steps and each masked token is filled with probability (t - s) / t at the step from t to s.
+        HDP: the prompt is the question, padded with BOS to its segment as prepare.py pads it; then come the plan
+        and the execution. Ends after max_new_tokens, at block_size (no sliding window: a block's tokens are
+        drawn for their positions), or once every row has made BOS, the end of a document (HDP: in the execution,
+        as the plan's padding is BOS too)."""
+        c = self.config
+        if unmask not in UNMASKING:
+            raise ValueError(f"unmask={unmask!r}: choose one of {', '.join(UNMASKING)}")
+        B, device = idx.size(0), idx.device
+        if c.hdp_segments:
+            if idx.size(1) > c.segments[0]:
+                raise ValueError(f"the question is {idx.size(1)} tokens, longer than its segment "
+                                 f"(hdp_segments={c.hdp_segments})")
+            idx = F.pad(idx, (0, c.segments[0] - idx.size(1)), value=c.bos_id)
+        blocks = c.diffusion_blocks(device)
+        bounds = [0, *((blocks[1:] != blocks[:-1]).nonzero().flatten() + 1).tolist(), c.block_size]
+        P = idx.size(1)
+        end, end_from = min(c.block_size, P + max_new_tokens), sum(c.segments[:2]) if c.hdp_segments else P
+        cache = KVCache(c, B, c.block_size, device, next(self.parameters()).dtype)
+        ended = torch.zeros(B, dtype=torch.bool, device=device)
+        for a, b in zip(bounds, bounds[1:]):
+            if a >= end:
+                return
+            if b <= P:
+                self(idx[:, a:b], cache=cache)
+                continue
+            new = b - max(a, P)
+            x = torch.cat([idx[:, a:P], torch.full((B, new), c.mask_id, device=device)], dim=1)
+            x = self.unmask(x, cache, steps or new, unmask, temperature, top_k, top_p, generator)
+            self(x, cache=cache)
+            for i in range(max(a, P), min(b, end)):
+                yield x[:, i - a]
+                ended |= (x[:, i - a] == c.bos_id) & (i >= end_from)
+                if ended.all():
+                    return
+
+    def unmask(self, x, cache, steps, how, temperature, top_k, top_p, generator):
+        """generate_blocks' denoising of one block x (B, L), [MASK] where still open, after the cache's blocks."""
+        c = self.config
+        for step in range(steps):
+            masked = x == c.mask_id
+            if not masked.any():
+                break
+            logits = self.denoise(x, cache)[..., :c.mask_id]  # never [MASK], never a padded id
+            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p, generator).view_as(x)
+            if how == "confidence":
+                confidence = logits.float().softmax(-1).gather(-1, drawn[..., None])[..., 0].masked_fill(~masked, -1.0)
+                share = (masked.sum(1, keepdim=True) + steps - step - 1) // (steps - step)  # ceil: none left at the end
+                fill = masked & (confidence.argsort(1, descending=True).argsort(1) < share)
+            else:
+                t, s = 1 - step / steps, 1 - (step + 1) / steps
+                fill = masked & (torch.rand(x.shape, generator=generator, device=x.device) < (t - s) / t)
+            x = torch.where(fill, drawn, x)
+        return x
+
+
+def random_batch(config, rows, device, seq_len=None):
+    """(inputs, targets) of random tokens as a training step of config's objective takes them, for the probes that
+    time or measure a step (sanity.py's capacity, bench/): the compute does not depend on the tokens. bd3lm's
+    targets are its noise draws (data.diffusion_draws)."""
+    shape = (rows, seq_len or config.block_size)
+    if config.objective == "bd3lm":
+        return (torch.randint(0, config.mask_id, shape, device=device),
+                torch.rand(rows, 2, shape[1], device=device))
+    return tuple(torch.randint(0, config.vocab_size, shape, device=device) for _ in range(2))
 
 
 def refine_objective(losses, base, reward):
@@ -889,13 +1177,15 @@ def flops_per_token(config, seq_len=None):
     """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
     parameters including the LM head but not the input embedding lookup. refine counts every block
     application (and the final norm and head once per supervision step); the ones without gradients
-    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T."""
-    T, L, d = seq_len or config.block_size, config.n_layer, config.n_embd
+    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T. bd3lm runs the blocks over
+    2T positions (config.stream) per T tokens, each attending over 2T, and the head over the T noisy ones."""
+    L, d, stream = config.n_layer, config.n_embd, config.stream
+    T = (seq_len or config.block_size) * stream
     n_sup, with_grad, without = config.applications()
     layer = (param_counts(config)["non_embedding"] - d) // L  # a block's parameters
     attention = config.n_head * config.head_dim * T
-    return (6 * (L * with_grad * n_sup * layer + n_sup * (d + config.padded_vocab * d)) + 12 * L * with_grad * n_sup
-            * attention + L * without * n_sup * (2 * layer + 4 * attention))
+    return (6 * (L * with_grad * n_sup * stream * layer + n_sup * (d + config.padded_vocab * d))
+            + 12 * L * with_grad * n_sup * stream * attention + L * without * n_sup * (2 * layer + 4 * attention))
 
 
 def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
@@ -959,7 +1249,8 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activat
     # norms read. An unchunked loss keeps each earlier step's log-softmax (4 bytes per logit)
     n_sup, per_layer, _ = config.applications()
     sums = 4 * d if config.objective == "refine" and config.n_loops and mode != "none" else 0
-    kept = L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside
+    # bd3lm: the blocks and the embedding run on the noisy and the clean copy (config.stream), the final norm on one
+    kept = config.stream * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (config.stream - 1) * 4 * d
     earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
@@ -972,7 +1263,8 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activat
                            c * head // shard, activations=tokens * kept,
                            logits=logit_rows * config.padded_vocab * 12 + earlier_logits),
         backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
-                          activations=tokens * (kept_layer + rebuilt + 2 * sums + outside), logits=0))
+                          activations=tokens * (config.stream * (kept_layer + rebuilt + 2 * sums + 4 * d) + outside
+                                                - 4 * d), logits=0))
     for parts in phases.values():
         parts["total"] = sum(parts.values())
     return phases

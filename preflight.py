@@ -9,6 +9,7 @@ here. A gate's verdict: pass, warn, block (the run does not start, unless allow_
 (nothing to check it against, said why). Functions take the run's config (configurator.Config).
 """
 
+import math
 import os
 import shutil
 import time
@@ -26,6 +27,7 @@ HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  #
 # epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
 # research only at 100 (past ~16 repetition adds next to nothing: surely a mistake)
 EPOCHS_BLOCK = {"research": 100, "release": 4}
+LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more than this factor off its rule, either way
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
 MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
 MAX_MICRO_BATCH = 1024          # the micro-batch searches stop here
@@ -51,10 +53,12 @@ def plan_vocab(cfg, manifest=None):
 def model_config(cfg, manifest=None, **overrides):
     """model.GPTConfig of a run's config: every GPTConfig field that is also a config key (so a field
     the model gains, with its train.py key, passes through), the vocabulary from plan_vocab, BOS as
-    prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top."""
+    prepare.py numbers it (the last id; doc_mask needs it), and for objective=bd3lm one id more, its [MASK];
+    `overrides` on top."""
     kwargs = {f.name: cfg[f.name] for f in fields(GPTConfig) if f.init and f.name in cfg}
-    kwargs["vocab_size"] = plan_vocab(cfg, manifest)[0]
-    kwargs["bos_id"] = manifest["bos_id"] if manifest else kwargs["vocab_size"] - 1
+    vocab = plan_vocab(cfg, manifest)[0]
+    kwargs["bos_id"] = manifest["bos_id"] if manifest else vocab - 1
+    kwargs["vocab_size"] = vocab + (dict(kwargs, **overrides).get("objective") == "bd3lm")
     try:
         return GPTConfig(**dict(kwargs, **overrides))
     except ValueError as e:
@@ -118,6 +122,27 @@ def horizon_gate(cfg, counts):
                 f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20")
 
 
+def sqrt_scaled_lr(base_lr, base_batch, batch):
+    """Seed 004's rule of thumb: the learning rate grows with the square root of the batch (sequences per step)."""
+    return base_lr * math.sqrt(batch / base_batch)
+
+
+def lr_scaling_gate(cfg):
+    """lr_scaling: learning_rate against sqrt_scaled_lr of lr_base at this run's batch; a warning outside
+    LR_SLACK either way (the seed's own table, 5e-4 at 512 and 7e-4 at 1024, is within 18% of its rule)."""
+    if not cfg.lr_base:
+        return gate("lr_scaling", "skip", cfg.learning_rate, None, "lr_base=0: no rule to hold learning_rate to")
+    batch = cfg.total_batch_tokens // cfg.block_size
+    rule = sqrt_scaled_lr(cfg.lr_base, cfg.lr_base_batch, batch)
+    ratio = cfg.learning_rate / rule
+    far = not 1 / LR_SLACK <= ratio <= LR_SLACK
+    return gate("lr_scaling", "warn" if far else "pass", cfg.learning_rate, rule,
+                f"learning_rate={cfg.learning_rate:g} is {ratio:.2f}x lr_base x sqrt(batch / lr_base_batch) = "
+                f"{cfg.lr_base:g} x sqrt({batch} / {cfg.lr_base_batch}) = {rule:.3g}"
+                + (f": outside 1/{LR_SLACK:g}..{LR_SLACK:g}x, set learning_rate={rule:.3g} (or lr_base=0 to check "
+                   f"nothing)" if far else ""))
+
+
 def data_gates(cfg, manifest):
     """corpus_model_fit (epochs over the unique training tokens), contamination (training documents that
     are also validation documents, as prepare.py counted them) and tokenizer_vocab."""
@@ -126,12 +151,13 @@ def data_gates(cfg, manifest):
                 for name in ("corpus_model_fit", "contamination", "tokenizer_vocab")]
     tokens = cfg.max_steps * cfg.total_batch_tokens
     unique = manifest["splits"]["train"]["tokens"]
-    epochs, limit = tokens / unique, EPOCHS_BLOCK[cfg.gate_profile]
+    epochs, limit = tokens / unique, cfg.max_epochs or EPOCHS_BLOCK[cfg.gate_profile]
     shared, val_docs = contamination(cfg.data_dir, manifest)
     ok = cfg.vocab_size is None or cfg.vocab_size == manifest["vocab_size"]
     return [gate("corpus_model_fit", "block" if epochs > limit else "warn" if epochs > 1 else "pass", epochs, limit,
                  f"{tokens / 1e9:.3g}B planned tokens over {unique / 1e9:.3g}B unique training tokens = {epochs:.2f} "
-                 f"epochs (warn above 1, block above {limit})"),
+                 f"epochs (warn above 1, block above {limit}" + ("" if epochs <= limit else ": fewer max_steps, more "
+                 f"data, or max_epochs={math.ceil(epochs)} where that many passes are the plan") + ")"),
             gate("contamination", "block" if shared else "pass", shared, 0,
                  f"{shared} training documents are also validation documents" if shared else
                  f"no training document among the {val_docs} validation documents"),
@@ -199,7 +225,7 @@ def attention_gate(cfg, mconfig, runtime):
         return gate("attention_backend_runtime", "skip", cfg.attn_backend, None,
                     "planned from another machine: sanity.py on the pod checks the kernels")
     try:
-        chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim, cfg.doc_mask)
+        chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim, mconfig.mask_kind)
         return gate("attention_backend_runtime", "pass", chosen, None, note)
     except ValueError as e:
         return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
@@ -241,7 +267,7 @@ def gates_report(cfg, proc, mconfig, manifest, dt, warn):
                                     if proc.dev.type == "cuda" else 0)
         dtype_bytes = 4 if dt == torch.float32 else 2
         counts = param_counts(mconfig)
-        gates = [horizon_gate(cfg, counts), *data_gates(cfg, manifest)]
+        gates = [horizon_gate(cfg, counts), *data_gates(cfg, manifest), lr_scaling_gate(cfg)]
         gates.append(memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
                      gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
         gates += [disk_gate(cfg, counts, None if planning(cfg, proc) else free_disk(cfg.out_dir)),
@@ -265,6 +291,9 @@ def gates_report(cfg, proc, mconfig, manifest, dt, warn):
              + " (or allow_unsafe=True to train anyway)")
     for g in blocks if cfg.allow_unsafe else []:
         warn(f"preflight gate {g['name']} blocks, allow_unsafe=True goes on: {g['detail']}")
+    for g in report["gates"] if proc.rank == 0 else []:  # a learning rate off its rule is said before any step
+        if g["name"] == "lr_scaling" and g["verdict"] == "warn":
+            warn(f"preflight: {g['detail']}")
     return report
 
 

@@ -13,11 +13,22 @@ Sources (comma-separated ones are concatenated in order):
   one per line (field `text_field`), .parquet one per row (column `text_field`);
 - an http(s) URL: downloaded into download_dir (resumable; retried on timeouts, dropped
   connections and server errors), then read as a file;
-- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix. The last two are Hugging Face datasets, which
+- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets, which
   follow huggingface_hub's conventions: a file already in the Hugging Face cache (HF_HUB_CACHE, else
   HF_HOME/hub) is read from there; HF_ENDPOINT picks a mirror; HF_TOKEN (or the token `hf auth login`
   saved) goes to the hub alone, for gated datasets and the higher rate limits of a token; HF_HUB_OFFLINE=1
   never asks the hub: every file must be in the cache or download_dir.
+  gsm8k (openai/gsm8k, config main) keeps the dataset's own split (train, and test as validation) and
+  makes each row (question, answer) a document as gsm8k_format says: qa, "Question: ...\nAnswer: ..."
+  with the answer as the dataset has it (its <<calculator>> annotations, then "#### <number>"); hdp,
+  three segments for seed 004's plan-then-execute diffusion: the question; the plan, the answer's
+  reasoning lines without their annotations; the execution, the annotated lines and the final
+  "#### <number>" line.
+
+segments (e.g. 512, or 128,128,256 with gsm8k_format=hdp): every document is made exactly that many
+tokens, each segment tokenized on its own (the first after BOS), padded with BOS (which also ends a
+document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
+block_size = the total then hold one document each, from its first token (train.py checks).
 
 Tokenizers: byte (256 bytes), char (the corpus' characters), gpt2 (tiktoken; offline, set
 PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken ranks file), bpe:N (trained here on the training
@@ -71,8 +82,8 @@ import urllib.parse
 import numpy as np
 
 import configurator
-from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents, token_dtype,
-                  token_hash)
+from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
+                  token_dtype, token_hash)
 from util import check_apart, fail, first_line, make_scratch, remove_scratch, run_main
 
 # --- config
@@ -86,6 +97,8 @@ max_docs = 0  # stop after this many documents (0: all)
 max_shards = 0  # for presets: download only the first N files (0: all)
 min_chars = 0  # drop documents shorter than this many characters
 split_paragraphs = False  # .txt/.md/.py: one document per blank-line separated paragraph, not per file
+gsm8k_format = "qa"  # gsm8k preset: qa ("Question: ...\nAnswer: ...") | hdp (question, plan, execution: needs 3 segments)
+segments = ""  # token lengths each document is padded (BOS) or cut to, e.g. "512" or "128,128,256"; "": packed as is
 shard_tokens = 100_000_000  # target tokens per shard file
 workers = 0  # tokenizer processes (0: all cores)
 download_dir = "downloads"  # cache for downloaded files: beside data_dir, never inside it
@@ -97,6 +110,9 @@ force = False  # rebuild even if data_dir already holds this exact result
 # the config keys that determine the output (data_dir, download_dir, workers, force do not)
 OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tokens", "max_docs", "max_shards",
                "min_chars", "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
+
+# output keys added since: in prepare_args only when set, so that data prepared before them is still this exact result
+LATER_KEYS = {"gsm8k_format": "qa", "segments": ""}
 
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
@@ -124,8 +140,13 @@ TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/maste
 HF_PRESETS = {
     "fineweb-edu-10bt": ("HuggingFaceFW/fineweb-edu", [f"sample/10BT/{i:03d}_00000.parquet" for i in range(14)]),
     "climbmix": ("karpathy/climbmix-400b-shuffle", [f"shard_{i:05d}.parquet" for i in range(6543)]),
+    # the dataset's main config: 7,473 training and 1,319 test problems
+    "gsm8k": ("openai/gsm8k", ["main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet"]),
 }
 PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
+GSM8K_SPLITS = ("train", "val")  # the split each gsm8k file's problems go to: its train and its test file
+GSM8K_FORMATS = ("qa", "hdp")
+SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 
@@ -254,14 +275,19 @@ def gpt2_ranks():
     return ranks
 
 
+def in_training(text, split, threshold):
+    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
+    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
+
+
 def bpe_training_texts(docs, threshold, max_chars):
-    """The training documents (never validation ones), cut off after max_chars characters."""
+    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
     n = 0
-    for text in docs:
+    for text, split in docs:
         if n >= max_chars:
             return
-        if doc_hash(text.encode("utf-8")) >= threshold:
-            text = text[: max_chars - n]
+        if in_training(text, split, threshold):
+            text = text.replace(SEGMENT, "\n")[: max_chars - n]
             n += len(text)
             yield text
 
@@ -274,8 +300,8 @@ def train_tokenizer(spec, docs, threshold, bpe_train_chars):
         return {"kind": "byte", "vocab_size": 257}, None
     if kind == "char":
         chars = set()
-        for text in docs():  # every document, validation too, so that all of them encode
-            chars.update(text)
+        for text, _ in docs():  # every document, validation too, so that all of them encode
+            chars.update(text.replace(SEGMENT, ""))
         return {"kind": "char", "vocab_size": len(chars) + 1, "chars": sorted(chars)}, None
     if kind == "gpt2":
         from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as tiktoken has it
@@ -343,37 +369,45 @@ def walk(root, exts, skip_dirs=()):
     return sorted(paths, key=lambda p: os.path.relpath(p, root))
 
 
+class Source(collections.namedtuple("Source", "location paragraphs split form")):
+    """One input: a path or URL; paragraphs: split a text file at blank lines; split: None (by hash) or the split
+    all its documents go to; form: None (documents by file type) or "gsm8k" (question and answer columns)."""
+
+
 def resolve_sources(spec, max_shards, sha256, split_paragraphs):
-    """[(path or URL, split_paragraphs)] for a source spec, and a description of it."""
+    """[Source] for a source spec, and a description of it."""
     inputs, parts = [], []
     for part in (p.strip() for p in spec.split(",")):
         if part == "stdlib":
             files = walk(sysconfig.get_paths()["stdlib"], (".py",), ("site-packages", "dist-packages"))
             parts.append(f"stdlib (Python {platform.python_version()}, {len(files)} files)")
-            inputs += [(f, split_paragraphs) for f in files]
+            inputs += [Source(f, split_paragraphs, None, None) for f in files]
         elif part in PRESETS:
             urls = preset_urls(part)
             chosen = urls[:max_shards] if max_shards > 0 else urls
             parts.append(f"{part} ({len(chosen)} of {len(urls)} files from {os.path.dirname(urls[0])})")
-            # tinyshakespeare is one file: its blank-line separated speeches are the documents
-            inputs += [(url, split_paragraphs or part == "tinyshakespeare") for url in chosen]
+            if part == "gsm8k":  # the dataset's own split, not the hash's
+                inputs += [Source(url, False, split, "gsm8k") for url, split in zip(chosen, GSM8K_SPLITS)]
+            else:  # tinyshakespeare is one file: its blank-line separated speeches are the documents
+                inputs += [Source(url, split_paragraphs or part == "tinyshakespeare", None, None) for url in chosen]
         elif is_url(part):
             parts.append(part)
-            inputs.append((part, split_paragraphs))
+            inputs.append(Source(part, split_paragraphs, None, None))
         elif os.path.isfile(part) or os.path.isdir(part):
             files = walk(part, SOURCE_EXTS) if os.path.isdir(part) else [part]
             if not files:
                 fail(f"no {'/'.join(SOURCE_EXTS)} files under {part}")
             parts.append(f"{part} ({len(files)} files)")
-            inputs += [(f, split_paragraphs) for f in files]
+            inputs += [Source(f, split_paragraphs, None, None) for f in files]
         else:
             close = difflib.get_close_matches(part, PRESETS, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (presets: {', '.join(PRESETS)})"
             fail(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder{hint}")
-    for location, _ in inputs:  # know before any download or tokenizing that every input can be read
+    for source in inputs:  # know before any download or tokenizing that every input can be read
+        location = source.location
         if not (urllib.parse.urlsplit(location).path if is_url(location) else location).lower().endswith(SOURCE_EXTS):
             fail(f"{location}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
-    if sha256 and not (len(inputs) == 1 and is_url(inputs[0][0])):
+    if sha256 and not (len(inputs) == 1 and is_url(inputs[0].location)):
         fail(f"--sha256 checks a single-URL source; this source has {len(inputs)} inputs: "
              "drop --sha256 or give one URL")
     return inputs, " + ".join(parts)
@@ -441,15 +475,73 @@ def read_parquet(path, text_field):
             yield text
 
 
-def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256):
-    """All documents of the inputs in order, downloading URLs when reached."""
+def gsm8k_document(question, answer, form):
+    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..." (the answer as given); hdp, the question,
+    the plan (the reasoning lines without their <<calculator>> annotations) and the execution (the annotated
+    lines and the final "#### <number>"), joined by SEGMENT."""
+    if form == "qa":
+        return f"Question: {question}\nAnswer: {answer}"
+    reasoning, _, final = answer.rpartition("####")
+    plan = re.sub(r"<<[^<>]*>>", "", reasoning).strip()
+    return SEGMENT.join([question.strip(), plan, f"{reasoning.strip()}\n#### {final.strip()}"])
+
+
+def gsm8k_answer(text):
+    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0" dropped; None
+    without one."""
+    found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
+    return found[-1].replace(",", "").removesuffix(".0") if found else None
+
+
+def gsm8k_problems(data_dir, manifest, n):
+    """The first n problems of a gsm8k data_dir's validation split (GSM8K's test problems) as (prompt token ids,
+    the right answer): qa, BOS and the document up to "Answer:"; hdp, its question segment. For train.py's
+    eval_gsm8k_samples."""
+    tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
+    length = sum(segment_lengths(args.get("segments", "")))
+    if not args["source"] == "gsm8k" or not length:
+        raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
+                         f"--segments (config/h200_gsm8k_bd3lm.py)")
+    problems = []
+    for shard in manifest["splits"]["val"]["shards"]:
+        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, length)
+        for row in rows[:n - len(problems)]:
+            if args.get("gsm8k_format", "qa") == "hdp":
+                question = segment_lengths(args["segments"])[0]
+                prompt, answer = row[:question].tolist(), tok.decode(row[question:])
+                while len(prompt) > 1 and prompt[-1] == tok.bos_id:  # the segment's padding: the sampler pads again
+                    prompt.pop()
+            else:
+                head, _, answer = tok.decode(row).partition("\nAnswer:")
+                prompt = [tok.bos_id] + tok.encode(head + "\nAnswer:")
+            problems.append((prompt, gsm8k_answer(answer)))
+    return problems
+
+
+def read_gsm8k(path, form):
+    """The problems of a GSM8K parquet file (columns question and answer), each as gsm8k_document."""
+    questions, answers = (list(read_parquet(path, column)) for column in ("question", "answer"))
+    if len(questions) != len(answers):
+        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one column?): download it again")
+    for question, answer in zip(questions, answers, strict=True):
+        if "####" not in answer:
+            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all have: not GSM8K's main "
+                 f"config? ({answer[:60]!r})")
+        yield gsm8k_document(question, answer, form)
+
+
+def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa"):
+    """All documents of the inputs in order, downloading URLs when reached: (text, the split it must go to or
+    None for the hash's)."""
     n = 0
-    for location, split_paragraphs in inputs:
-        path = download(location, download_dir, sha256) if is_url(location) else location
-        for text in read_documents(path, text_field, split_paragraphs):
+    for source in inputs:
+        path = download(source.location, download_dir, sha256) if is_url(source.location) else source.location
+        texts = read_gsm8k(path, gsm8k_format) if source.form == "gsm8k" else \
+            read_documents(path, text_field, source.paragraphs)
+        for text in texts:
             if len(text) < min_chars:
                 continue
-            yield text
+            yield text, source.split
             n += 1
             if n == max_docs:
                 return
@@ -791,29 +883,47 @@ def signals_held(*signals):
             signal.raise_signal(s)
 
 
-def init_worker(tok_dir):
-    global worker_tok
+def init_worker(tok_dir, lengths):
+    global worker_tok, worker_lengths
     # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints one line;
     # a worker of its own would print a KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
+    worker_tok, worker_lengths = load_tokenizer(tok_dir), lengths  # from the files: nothing pickled
 
 
-def encode_batch(texts):
-    """(doc_hash, n_bytes, [BOS] + tokens) for each document of a batch."""
+def encode_document(tok, text, lengths):
+    """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's SEGMENT-separated parts
+    tokenized one by one, the first after BOS, each padded with BOS or cut to its length."""
+    if not lengths:
+        return [tok.bos_id] + tok.encode(text), False
+    parts = text.split(SEGMENT)
+    if len(parts) == 1:  # a plain document: one segment
+        parts += [""] * (len(lengths) - 1)
+    if len(parts) != len(lengths):
+        raise ValueError(f"a document of {len(parts)} segments for segments of {len(lengths)} lengths")
+    tokens, cut = [], False
+    for i, (part, n) in enumerate(zip(parts, lengths, strict=True)):
+        ids = [tok.bos_id] * (i == 0) + tok.encode(part)
+        cut |= len(ids) > n
+        tokens += ids[:n] + [tok.bos_id] * (n - len(ids))
+    return tokens, cut
+
+
+def encode_batch(docs):
+    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut) for each (text, split) of a batch."""
     dtype = token_dtype(worker_tok.vocab_size)
     out = []
-    for text in texts:
+    for text, split in docs:
         data = text.encode("utf-8")
-        tokens = np.array([worker_tok.bos_id] + worker_tok.encode(text), dtype=dtype)
-        out.append((doc_hash(data), len(data), tokens))
+        tokens, cut = encode_document(worker_tok, text, worker_lengths)
+        out.append((doc_hash(data), len(data), np.array(tokens, dtype=dtype), split, cut))
     return out
 
 
 def batched(docs):
     batch, chars = [], 0
-    for text in docs:
-        batch.append(text)
+    for text, split in docs:
+        batch.append((text, split))
         chars += len(text)
         if chars >= BATCH_CHARS:
             yield batch
@@ -822,7 +932,7 @@ def batched(docs):
         yield batch
 
 
-def encode_all(docs, n_workers, tok_dir):
+def encode_all(docs, n_workers, tok_dir, lengths):
     """encode_batch's results for every document, in order, from a pool of processes."""
     from tqdm import tqdm
 
@@ -830,7 +940,7 @@ def encode_all(docs, n_workers, tok_dir):
         # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
         # stops the pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir,)))
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths)))
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
@@ -851,7 +961,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
     """Pack encoded documents into shards per split (validation: hash below threshold), each also
     added to `smallest`, a SmallestHashes; returns the manifest's splits, train unigram counts and
     contamination. The split keeps duplicate texts together, yet the count is of the tokens written."""
-    splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "shards": []} for name in ("train", "val")}
+    splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []} for name in ("train", "val")}
     # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
     hashes = {name: array.array("Q") for name in splits}
     filling = {name: [] for name in splits}  # documents of the shard being filled
@@ -870,11 +980,13 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], filled[name] = [], 0
 
-    for h, n_bytes, tokens in encoded:
-        smallest.add(h, len(tokens))
-        name = "val" if h < threshold else "train"
+    for h, n_bytes, tokens, forced, cut in encoded:
+        if not forced:  # only the hash's documents can be held out to reach min_val_tokens
+            smallest.add(h, len(tokens))
+        name = forced or ("val" if h < threshold else "train")
         split = splits[name]
         split["docs"] += 1
+        split["cut"] += cut
         split["bytes"] += n_bytes
         split["tokens"] += len(tokens)
         filling[name].append(tokens)
@@ -974,7 +1086,8 @@ def tokenize_corpus(scratch, cfg, inputs):
     and contamination."""
 
     def docs():
-        return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256)
+        return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256,
+                         cfg.gsm8k_format)
 
     n_workers = cfg.workers or os.cpu_count()
     # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
@@ -987,7 +1100,7 @@ def tokenize_corpus(scratch, cfg, inputs):
         smallest = SmallestHashes(cfg.min_val_tokens)
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed
-        with contextlib.closing(encode_all(docs(), n_workers, scratch)) as encoded:
+        with contextlib.closing(encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments))) as encoded:
             splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest)
         val = splits["val"]
         if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
@@ -1021,12 +1134,31 @@ def check_split(cfg, splits, raised):
              "(--val_fraction=0 trains without validation)")
 
 
+def segment_lengths(spec):
+    """The token lengths of --segments ("128,128,256") as ints; [] for ""."""
+    if not spec:
+        return []
+    try:
+        lengths = [int(n) for n in spec.split(",")]
+    except ValueError:
+        lengths = [0]
+    if min(lengths) < 1:
+        fail(f"segments={spec!r}: token lengths separated by commas, each at least 1, e.g. 512 or 128,128,256")
+    return lengths
+
+
 def check_args(cfg):
     """Fail on settings that cannot work, before anything is read or written."""
     for key, example in (("data_dir", "data/default"), ("download_dir", "downloads")):
         if not cfg[key]:
             fail(f"{key} is empty: name a folder (e.g. --{key}={example})")
     parse_spec(cfg.tokenizer)
+    lengths = segment_lengths(cfg.segments)
+    if cfg.gsm8k_format not in GSM8K_FORMATS:
+        fail(f"gsm8k_format={cfg.gsm8k_format!r} is not one of {', '.join(GSM8K_FORMATS)}")
+    if cfg.gsm8k_format == "hdp" and len(lengths) != 3:
+        fail(f"gsm8k_format=hdp makes each problem three segments (question, plan, execution): set segments to their "
+             f"token lengths, e.g. --segments=128,128,256 (got {cfg.segments!r})")
     if not 0 <= cfg.val_fraction < 1:
         fail(f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     for key, zero in (("min_val_tokens", "no minimum"), ("max_docs", "all"), ("max_shards", "all"),
@@ -1047,16 +1179,16 @@ def build(cfg):
     t0 = time.time()
     check_args(cfg)
     out_dir = os.path.normpath(cfg.data_dir)
-    args = {key: cfg[key] for key in OUTPUT_KEYS}
+    args = {key: cfg[key] for key in OUTPUT_KEYS} | {k: cfg[k] for k, default in LATER_KEYS.items() if cfg[k] != default}
     if not cfg.force and is_complete(out_dir, args):
         print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
         return
     check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
     if hub_offline():  # nothing comes from the hub: local_copy fails now, not hours into tokenizing, on a missing file
-        for location, _ in inputs:
-            if is_url(location):
-                local_copy(location, cfg.download_dir)
+        for source in inputs:
+            if is_url(source.location):
+                local_copy(source.location, cfg.download_dir)
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
     try:
@@ -1088,6 +1220,11 @@ def build(cfg):
     print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, shards: {len(train['shards'])}")
     print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens ({val['tokens'] / n_tokens:.1%} of tokens) "
           "held out")
+    if cfg.segments:
+        cut = train["cut"] + val["cut"]
+        print(f"segments {cfg.segments}: every document is {sum(segment_lengths(cfg.segments))} tokens; {cut:,} of "
+              f"{train['docs'] + val['docs']:,} ({cut / (train['docs'] + val['docs']):.1%}) had a segment cut to its "
+              f"length (train {train['cut']:,}, validation {val['cut']:,})")
     print(f"wrote {out_dir}: {cfg.tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
           f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
 

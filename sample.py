@@ -10,7 +10,9 @@ Generate text from a trained checkpoint, streaming it as it comes, or serve it o
 Every checkpoint folder holds the model, its config and the tokenizer files, so
 nothing else (no data folder, no network) is needed. Each sample starts with the
 BOS token that begins every training document, followed by the prompt. --ckpt may
-also name a folder written by export.py.
+also name a folder written by export.py. A block-diffusion model (objective=bd3lm) writes a
+block at a time: diffusion_steps denoising passes per block, filling the tokens unmask picks
+(model.py: GPT.generate_blocks); it is not served.
 
 --serve=True answers HTTP requests instead (standard library only; one generation at
 a time, the others wait; no authentication, so keep host=127.0.0.1 or put a proxy in front):
@@ -79,7 +81,7 @@ import torch
 import configurator
 from checkpoint import find_checkpoint, load_model
 from export import finite, is_export, load_export, tokenizer_dir
-from model import param_counts
+from model import UNMASKING, param_counts
 from prepare import load_tokenizer
 from util import fail, first_line, run_main, setup
 
@@ -95,6 +97,8 @@ temperature = 0.8               # 0: greedy; higher: more random
 top_k = 200                     # sample among the k most likely tokens; 0: all
 top_p = 1.0                     # nucleus sampling: smallest set of tokens with this much probability
 seed = 1337                     # sampling seed
+diffusion_steps = 0             # bd3lm: denoising passes per block; 0: one token per pass (the block's length)
+unmask = "confidence"           # bd3lm: which masked tokens a pass fills: confidence (most probable first) | schedule
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 serve = False                   # True: answer HTTP (POST /v1/completions, GET /health, /info) instead of printing
 host = "127.0.0.1"              # address to listen on; 0.0.0.0 opens it to the network (there is no authentication)
@@ -141,7 +145,10 @@ def main(argv):
                      num_samples=(lambda v: v >= 1, "an integer >= 1"),
                      temperature=(lambda v: v >= 0, "a number >= 0 (0: greedy)"),
                      top_k=(lambda v: v >= 0, "an integer >= 0 (0: all tokens)"),
-                     top_p=(lambda v: 0 < v <= 1, "a number above 0 and at most 1"))
+                     top_p=(lambda v: 0 < v <= 1, "a number above 0 and at most 1"),
+                     diffusion_steps=(lambda v: v >= 0, "an integer >= 0 (0: one token per pass)"))
+        if config.unmask not in UNMASKING:
+            fail(f"unmask={config.unmask!r} is not one of {', '.join(UNMASKING)}", code=2)
     text = read_prompt(config.prompt, config.prompt_file)
 
     dev = setup(config.device).dev
@@ -152,6 +159,10 @@ def main(argv):
         fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
     tok = load_tokenizer(tokenizer_dir(path))
     if config.serve:
+        if model.config.objective == "bd3lm":
+            fail(f"checkpoint {path} is a block-diffusion model (objective=bd3lm): --serve answers with autoregressive "
+                 f"models' token log-probabilities, which it has none of; sample.py without --serve prints its samples",
+                 code=2)
         return serve_http(config, path, model, tok, info, dev)
     ids = encode_prompt(tok, text)
     print(f"# {path}", file=sys.stderr)
@@ -202,7 +213,8 @@ def print_samples(config, model, tok, text, ids, dev):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(text)
         for token in model.generate(ids, config.max_new_tokens, temperature=config.temperature,
-                                    top_k=config.top_k or None, top_p=config.top_p, generator=generator):
+                                    top_k=config.top_k or None, top_p=config.top_p, generator=generator,
+                                    steps=config.diffusion_steps or None, unmask=config.unmask):
             sys.stdout.write(decoder.decode(tok.decode_bytes([token.item()])))
             sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")

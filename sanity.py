@@ -47,7 +47,7 @@ import configurator
 from checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
 from data import Loader, check_prepared, load_manifest
 from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable,
-                   flops_per_token, make_optimizer, param_counts, parity_errors, resolve_backend)
+                   flops_per_token, make_optimizer, param_counts, parity_errors, random_batch, resolve_backend)
 from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
 from util import (Error, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line, run_main,
                   setup)
@@ -71,10 +71,13 @@ micro_batch_size = 8            # sequences per GPU per forward/backward
 dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
 grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
 loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
-objective = "ar"                # ar | refine: --capacity plans refine's recursion (each block applied many times)
+objective = "ar"                # ar | refine | bd3lm: --capacity plans refine's recursion (each block applied many
+                                # times) and bd3lm's two copies of each row; bd3lm also checks its attention mask
 n_loops = 2                     # refine: latent updates per layer and repetition
 T_recursion = 1                 # refine: repetitions per layer (all but the last without gradients)
 n_sup_train = 4                 # refine: supervision steps per training forward
+diffusion_block = 16            # bd3lm: tokens per diffusion block
+hdp_segments = ""               # bd3lm: HDP's question, plan and execution lengths ("": plain)
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 expect_world_size = 0           # ranks this config is written for; 0: any
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
@@ -171,20 +174,20 @@ def check_disk(path, min_gb):
     return ("pass" if free >= min_gb else "fail"), f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb:g})"
 
 
-def check_attention(name, cfg, dev, dt, doc_mask=False):
+def check_attention(name, cfg, dev, dt, mask=None):
     """A backend of model.py, or the one auto picks here (saying why), against model.py's float64
     reference at the configured head layout: the output and the gradients of q, k and v
-    (model.parity_errors; doc_mask: causal within documents). Skipped, saying why, where it cannot run."""
+    (model.parity_errors; mask: None for causal, or a kind of model.MASKS). Skipped, saying why, where it cannot run."""
     # a GPU's kernels work in 128-row tiles: T=256 crosses them; a CPU kernel has none to cross, and T=64 (what
     # model.py's own parity check uses there) keeps a 64-head layout's check at ~0.1 s instead of ~0.7
     T, hd = min(cfg["block_size"], 256 if dev.type == "cuda" else 64), cfg["n_embd"] // cfg["n_head"]
     note = ""
     if name == "auto":
-        name, note = resolve_backend(name, dev, dt, hd, doc_mask)
+        name, note = resolve_backend(name, dev, dt, hd, mask)
         note = f"; {note}"
-    elif why := backend_unavailable(name, dev, dt, hd, doc_mask):
+    elif why := backend_unavailable(name, dev, dt, hd, mask):
         return "skip", why
-    errors = parity_errors(name, dev, dt, hd, doc_mask, cfg["n_head"], cfg["n_kv_head"], T)
+    errors = parity_errors(name, dev, dt, hd, mask, cfg["n_head"], cfg["n_kv_head"], T)
     worst = max(errors, key=errors.get)
     tol = PARITY_TOLERANCE[dt]
     ok = errors[worst] <= tol
@@ -312,9 +315,9 @@ def step_peak(model, optimizer, mb, dev, dt):
     torch.cuda.empty_cache()  # what a failed try left cached would count against the next one
     torch.cuda.reset_peak_memory_stats(dev)
     try:
-        x = torch.randint(0, model.config.vocab_size, (mb, model.config.block_size), device=dev)
+        x, y = random_batch(model.config, mb, dev)
         with autocast(dev, dt):
-            loss = model(x, x)[1]  # as train.py: the logits (loss_chunk=0) are not held through the backward
+            loss = model(x, y)[1]  # as train.py: the logits (loss_chunk=0) are not held through the backward
         loss.backward()
         optimizer.step()
         torch.cuda.synchronize(dev)
@@ -489,7 +492,9 @@ def main(argv):
     checks += [(f"attention:{name}", partial(check_attention, name, cfg, dev, dt))
                for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
     # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
-    checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, doc_mask=True))]
+    checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, "documents"))]
+    if cfg["objective"] == "bd3lm":  # its 2T mask, on the backend auto picks for it here
+        checks += [("attention:diffusion", partial(check_attention, "auto", cfg, dev, dt, "diffusion"))]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),

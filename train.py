@@ -43,7 +43,9 @@ A run survives what a rented pod does to it:
 objective=refine (seed 003) trains the same model recursively with a loss after each supervision
 step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
 step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
-AdamW for the rest, each at its own peak on the one schedule.
+AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (seed 004) trains a block
+diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
+diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
 import json
 import math
@@ -91,8 +93,9 @@ rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
 # objective: ar (next-token prediction) | refine (seed 003's deep supervision, recursive blocks: model.py's GPTConfig
-# says how y and z move). refine's loss is the objective below; val_loss is the last supervision step's cross-entropy
-objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below
+# says how y and z move) | bd3lm (seed 004's block diffusion). refine's loss is the objective below; val_loss is the last
+# supervision step's cross-entropy. bd3lm's loss and val_loss are the NELBO per token (an upper bound on its cross-entropy)
+objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
 n_loops = 2                     # refine: latent (z) updates per layer and repetition
 T_recursion = 1                 # refine: repetitions per layer; in training all but the last run without gradients
 n_sup_train = 4                 # refine: supervision steps (a pass through every layer, then a loss) per training forward
@@ -102,6 +105,13 @@ supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j ba
 improvement_reward_scale = None  # refine: minus this x (prev - cur) / prev from the second step on; None: the preset's
 detach_threshold = 2            # refine: y and z are detached after each supervision step >= this, but the last
 refine_order_patience = 3       # refine: warn when the validation losses per step are out of order this many evaluations in a row
+diffusion_block = 16            # bd3lm: tokens per diffusion block (a block is denoised at once, the blocks in order)
+noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]: the NELBO) | clipped (t ~ U[clip_low, clip_high] in training)
+clip_low = 0.3                  # bd3lm, clipped: lowest mask rate drawn in training (BD3-LM's beta)
+clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation always draws from loglinear
+hdp_segments = ""               # bd3lm: "128,128,256" is HDP (question, plan, execution: prepare.py's hdp format); "": plain
+eval_gsm8k_samples = 0          # gsm8k data: at each evaluation, answer this many test problems (greedy) and log the
+                                # share whose "#### <number>" is right (gsm8k_accuracy); 0: off
 # speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
 attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa | fa4 (never auto's pick)
 doc_mask = False                # attention stays inside each document (BOS boundaries); this one does change the model
@@ -161,6 +171,9 @@ dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+
                                 # checkpoint into out_dir/resumed; dryrun.json; exit 1 if anything is off
 gate_profile = "research"       # research | release: release also blocks too short or too long token horizons
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
+max_epochs = 0                  # corpus_model_fit blocks above this many passes over the training tokens; 0: the profile's
+lr_base = 0.0                   # lr_scaling warns when learning_rate is far from lr_base x sqrt(batch / lr_base_batch); 0: off
+lr_base_batch = 128             # sequences per optimizer step at which lr_base was tuned (seed 004: 3e-4 at 128)
 expect_world_size = 0           # ranks this config is written for; 0: any
 gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (no memory gate on CPU)
 plan_gpu = ""                   # GPU to plan time with when not on it, e.g. "H100 PCIe"; "": the one in use
@@ -197,11 +210,12 @@ def check_config(cfg):
     tracker_names(cfg.log_to)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps", "learning_rate",
                 "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
-                "budget_check_minutes", "refine_order_patience"):
+                "budget_check_minutes", "refine_order_patience", "lr_base_batch"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
-                "max_hours", "budget_usd", "usd_per_gpu_hour", "ckpt_min_free_gb"):
+                "max_hours", "budget_usd", "usd_per_gpu_hour", "ckpt_min_free_gb", "max_epochs", "lr_base",
+                "eval_gsm8k_samples"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -319,7 +333,23 @@ def open_data(cfg):
             return None, None, None
         fail(str(e))
     check_prepared(cfg.data_dir, manifest, cfg.vocab_size)
-    return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed) for split in ("train", "val"))
+    check_segments(cfg, manifest)
+    return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed, cfg.objective == "bd3lm")
+                       for split in ("train", "val"))
+
+
+def check_segments(cfg, manifest):
+    """bd3lm on data of fixed-length documents (prepare.py's segments): a row must be one document from its first
+    token, and HDP's segments must be the data's."""
+    segments = manifest.get("prepare_args", {}).get("segments", "")
+    if cfg.objective != "bd3lm" or not (segments or cfg.hdp_segments):
+        return
+    if cfg.hdp_segments and cfg.hdp_segments != segments:
+        fail(f"hdp_segments={cfg.hdp_segments} but {cfg.data_dir} was prepared with segments={segments or 'none'}: "
+             f"prepare it with --gsm8k_format=hdp --segments={cfg.hdp_segments}, or set hdp_segments to match")
+    if sum(int(n) for n in segments.split(",")) != cfg.block_size:
+        fail(f"block_size={cfg.block_size} but every document of {cfg.data_dir} is {segments.replace(',', '+')} "
+             f"tokens: set block_size to their sum, so that each row is one document")
 
 
 def build_model(cfg, proc, dt, mconfig):
@@ -329,7 +359,7 @@ def build_model(cfg, proc, dt, mconfig):
     if cfg.fp8 and (why := fp8_unavailable(proc.dev, dt, cfg.compile)):
         fail(why, 2)
     try:
-        backend, note = resolve_backend(cfg.attn_backend, proc.dev, dt, mconfig.head_dim, cfg.doc_mask)
+        backend, note = resolve_backend(cfg.attn_backend, proc.dev, dt, mconfig.head_dim, mconfig.mask_kind)
     except ValueError as e:
         fail(str(e))
     log(f"attention: {note}" if cfg.verbose or cfg.attn_backend != "auto" else
@@ -438,6 +468,13 @@ class Trainer:
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
         self.refine, self.val_sups = raw_model.config.objective == "refine", None
+        self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
+        if cfg.eval_gsm8k_samples:
+            from prepare import gsm8k_problems
+            try:
+                self.problems = gsm8k_problems(cfg.data_dir, self.manifest, cfg.eval_gsm8k_samples)
+            except ValueError as e:
+                fail(f"eval_gsm8k_samples={cfg.eval_gsm8k_samples}: {e}")
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
         if proc.rank == 0:
             rewrite_metrics(self.metrics_path, state.step)
@@ -592,7 +629,7 @@ class Trainer:
         first = self.state.samples + (micro * proc.world + proc.rank) * cfg.micro_batch_size
         if spike_drill:
             return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, self.state.step, first],
-                                    proc.dev)
+                                    proc.dev, cfg.objective == "bd3lm")
         return self.train_data.train_batch(first, cfg.micro_batch_size, proc.dev)
 
     def step(self):
@@ -680,16 +717,36 @@ class Trainer:
             st.best_val_loss, st.best_step, st.evals_since_best = val_loss, st.step, 0
         else:
             st.evals_since_best += 1
+        accuracy = self.gsm8k_accuracy() if self.problems else None
         self.write_metrics(dict(step=st.step, val_loss=val_loss, val_bpb=val_loss * self.bpb_scale,
                                 tokens=st.step * self.cfg.total_batch_tokens,
-                                **refinement_fields(self.val_sups, "val_")))
+                                **refinement_fields(self.val_sups, "val_"),
+                                **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
         log(f"step {st.step} | val loss {val_loss:.4f} | val bpb {val_loss * self.bpb_scale:.4f}"
-            f"{' (best)' if new_best else ''}{format_refinement(self.val_sups)}", flush=True)
+            f"{' (best)' if new_best else ''}{format_refinement(self.val_sups)}"
+            + ("" if accuracy is None else f" | gsm8k {100 * accuracy:.1f}% of {len(self.problems)}"), flush=True)
         if self.refine:
             self.check_order()
         if self.metrics:  # the live report: summary.md and plots/ as of this evaluation
             write_report(self.cfg.out_dir, self.cfg.plots, live=True)
         return val_loss, new_best
+
+    def gsm8k_accuracy(self):
+        """The share of self.problems whose greedy answer ends in the right "#### <number>": each rank answers
+        every world-th problem, and one all-reduce sums them."""
+        from prepare import gsm8k_answer, load_tokenizer
+        tok, proc, model = load_tokenizer(self.cfg.data_dir), self.proc, self.raw_model
+        right = torch.zeros((), device=proc.dev)
+        model.eval()
+        with torch.no_grad(), self.autocast:
+            for prompt, answer in self.problems[proc.rank::proc.world]:
+                ids = torch.tensor([prompt], device=proc.dev)
+                tokens = [t.item() for t in model.generate(ids, self.cfg.block_size - len(prompt), temperature=0)]
+                right += gsm8k_answer(tok.decode(tokens)) == answer
+        model.train()
+        if proc.distributed:
+            dist.all_reduce(right)
+        return right.item() / len(self.problems)
 
     def check_order(self):
         """refine: a later supervision step should never do worse than the one before it on validation; a

@@ -60,12 +60,12 @@ def attended_pairs(ids):
 
 def measure(backend, q, k, v, grad, docs, dev, dt, cfg):
     """{status, ms, tflops, useful_tflops} of one backend's causal forward+backward, or why it has none."""
-    reason = model.backend_unavailable(backend, dev, dt, q.size(-1), doc_mask=docs is not None)
+    reason = model.backend_unavailable(backend, dev, dt, q.size(-1), "documents" if docs is not None else None)
     if reason:
         return dict(status="unavailable", reason=reason)
 
     def fwd_bwd():  # autograd.grad: fresh gradients each time, none accumulated into q, k, v
-        torch.autograd.grad(model.attention(backend, q, k, v, True, doc_ids=docs), (q, k, v), grad)
+        torch.autograd.grad(model.attention(backend, q, k, v, True, docs), (q, k, v), grad)
 
     common.free_memory(dev)
     try:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from model import GPT, GRAD_CKPT, float8_linears, fp8_unavailable, make_optimizer
+from model import GPT, GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, make_optimizer, random_batch
 from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
@@ -198,8 +198,10 @@ def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, war
     free_memory(dev)
     row = dict(micro_batch=micro_batch, tokens=micro_batch * block_size)
     try:
-        x = torch.randint(0, vocab, (micro_batch, block_size), device=dev)
-        y = torch.randint(0, vocab, (micro_batch, block_size), device=dev)
+        # podgpt's model takes what its objective trains on (bd3lm: noise draws); transformers' takes token ids
+        config = getattr(model, "config", None)
+        x, y = random_batch(config, micro_batch, dev, block_size) if isinstance(config, GPTConfig) else (
+            torch.randint(0, vocab, (micro_batch, block_size), device=dev) for _ in range(2))
         seconds = seconds_per_call(lambda: train_step(model, optimizer, x, y, autocast(dev, dt), loss_of),
                                    dev, warmup, iters)
     except torch.cuda.OutOfMemoryError:

@@ -19,7 +19,7 @@ from dataclasses import asdict
 import common
 import torch
 
-from model import memory_estimate
+from model import memory_estimate, random_batch
 from preflight import model_config
 from util import autocast, dtype_name, run_main
 
@@ -49,8 +49,7 @@ def phase_peaks(model, optimizer, mb, mconfig, dev, dt):
         torch.cuda.reset_peak_memory_stats(dev)
 
     try:
-        x = torch.randint(0, mconfig.vocab_size, (mb, mconfig.block_size), device=dev)
-        y = torch.randint(0, mconfig.vocab_size, (mb, mconfig.block_size), device=dev)
+        x, y = random_batch(mconfig, mb, dev)
         for _ in range(2):
             common.train_step(model, optimizer, x, y, autocast(dev, dt), common.our_loss, mark)
     except torch.cuda.OutOfMemoryError:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import model
-from model import (ATTENTION_BACKENDS, ATTENTION_KERNELS, DOC_MASK_FORM, Documents, attention, backend_unavailable,
+from model import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
                    resolve_backend)
 
 F32 = torch.float32
@@ -65,7 +65,7 @@ def test_cpu_has_the_sdpa_kernels_and_nothing_cuda_only():
 
 
 @pytest.mark.parametrize("name, doc_mask", [(name, False) for name in HERE]
-                         + [(name, True) for name in HERE if name in DOC_MASK_FORM])
+                         + [(name, True) for name in HERE if name in Documents.FORMS])
 def test_each_backend_that_runs_here_matches_float64(name, doc_mask):
     q, k, v = inputs()
     doc_ids = documents() if doc_mask else None
@@ -93,16 +93,41 @@ def test_a_named_backend_that_cannot_run_here_is_refused(name, why):
 
 def test_document_masks_need_a_backend_that_can_mask():
     for name in ("flash", "cudnn"):
-        assert backend_unavailable(name, "cpu", F32, 16, doc_mask=True) == \
+        assert backend_unavailable(name, "cpu", F32, 16, "documents") == \
             f"{name} cannot mask documents (doc_mask=True); fa3, fa2, flex, efficient, math, sdpa can"
     with pytest.raises(ValueError, match=r"flash cannot mask documents.*Available here \(cpu, float32, head_dim "
                                          r"16, doc_mask\): math, sdpa$"):
-        resolve_backend("flash", "cpu", F32, 16, doc_mask=True)
+        resolve_backend("flash", "cpu", F32, 16, "documents")
     q, k, v = inputs()
     with pytest.raises(ValueError, match="pass causal=True"):
         attention("math", q, k, v, False, documents())
     with pytest.raises(ValueError, match="unknown attention backend 'fa5'"):
         resolve_backend("fa5", "cpu", F32, 16)
+
+
+def test_the_block_diffusion_mask_runs_on_the_backends_that_take_a_mask(monkeypatch):
+    """bd3lm's 2T mask: math and sdpa match a float64 reference under its dense form (rows: 20 noisy then 20
+    clean positions, blocks of 4); flash, which takes no mask, is refused saying which can; auto picks math here
+    and says why not flex, the backend it tries first for this mask."""
+    monkeypatch.setattr(model, "resolved", {})
+    mask = model.BlockDiffusion(torch.arange(20) // 4)
+    for name in ("math", "sdpa"):
+        q, k, v = inputs()
+        out = attention(name, q, k, v, True, mask)
+        ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref = model.reference_attention(*ref_in, mask)
+        grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        ref.backward(grad)
+        out.backward(grad.float())
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        for t, r in zip((q, k, v), ref_in, strict=True):
+            torch.testing.assert_close(t.grad.double(), r.grad, atol=1e-5, rtol=1e-5)
+    assert backend_unavailable("flash", "cpu", F32, 16, "diffusion") == \
+        "flash cannot take bd3lm's block-diffusion mask; flex, efficient, math, sdpa can"
+    with pytest.raises(ValueError, match=r"Available here \(cpu, float32, head_dim 16, bd3lm mask\): math, sdpa$"):
+        resolve_backend("flash", "cpu", F32, 16, "diffusion")
+    chosen, note = resolve_backend("auto", "cpu", F32, 16, "diffusion")
+    assert chosen == "math" and note.split("; skipped ")[1].startswith("flex (FlexAttention has no backward pass on CPU")
 
 
 def test_fa4_names_what_it_lacks_in_one_line(monkeypatch):
@@ -136,7 +161,7 @@ def test_fa4_names_what_it_lacks_in_one_line(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # all but the kernels
     assert re.fullmatch(r"flash_attn\.cute does not import \(ModuleNotFoundError: .*\): pip install --pre flash-attn-4",
                         backend_unavailable("fa4", cuda, bf16, 192))
-    assert backend_unavailable("fa4", cuda, bf16, 128, doc_mask=True).startswith("fa4 cannot mask documents")
+    assert backend_unavailable("fa4", cuda, bf16, 128, "documents").startswith("fa4 cannot mask documents")
 
 
 def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
@@ -145,8 +170,8 @@ def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
     assert chosen == "flash" and note.startswith("auto: flash (largest error ")
     assert "; skipped fa3 (" in note and "; skipped cudnn (the cudnn kernel is CUDA only; this is cpu)" in note
     assert "fa4" not in note  # it runs only when named
-    assert resolve_backend("auto", "cpu", F32, 16) is model.resolved[("auto", "cpu", F32, 16, False)]  # cached
-    chosen, note = resolve_backend("auto", "cpu", F32, 16, doc_mask=True)
+    assert resolve_backend("auto", "cpu", F32, 16) is model.resolved[("auto", "cpu", F32, 16, None)]  # cached
+    chosen, note = resolve_backend("auto", "cpu", F32, 16, "documents")
     assert chosen == "math" and "skipped flash (flash cannot mask documents" in note
     q, k, v = inputs()
     assert_matches_reference(attention("auto", q, k, v, True, documents()), q, k, v, documents())
@@ -158,7 +183,7 @@ def test_resolving_leaves_the_global_rng_alone(monkeypatch):
     monkeypatch.setattr(model, "resolved", {})
     before = torch.get_rng_state()
     for doc_mask in (False, True):  # on this CPU, SDPA's flash kernel gets a trial call
-        resolve_backend("auto", "cpu", F32, 16, doc_mask=doc_mask)
+        resolve_backend("auto", "cpu", F32, 16, "documents" if doc_mask else None)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -176,7 +201,7 @@ def test_the_model_resolves_auto_whatever_mode_it_runs_in(grad_ckpt, monkeypatch
         assert list(model.resolved.values())[0][0] in ("flash", "math")
     monkeypatch.setattr(model, "resolved", {})
     gpt(x, x)[1].backward()
-    assert model.resolved[("auto", "cpu", F32, 16, False)][0] == "flash"
+    assert model.resolved[("auto", "cpu", F32, 16, None)][0] == "flash"
 
 
 def test_auto_skips_a_backend_that_disagrees_with_float64(monkeypatch):

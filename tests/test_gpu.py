@@ -449,7 +449,7 @@ def test_bench_attention(tmp_path):
     assert rec["backends"] == backends and rec["dtype"] == "bfloat16"
     assert [(r["doc_mask"], r["backend"]) for r in rec["rows"]] == [(m, b) for m in (False, True) for b in backends]
     for r in rec["rows"]:
-        reason = backend_unavailable(r["backend"], "cuda", BF16, 128, doc_mask=r["doc_mask"])
+        reason = backend_unavailable(r["backend"], "cuda", BF16, 128, "documents" if r["doc_mask"] else None)
         assert r["status"] == ("unavailable" if reason else "ok"), r
         if reason:  # model.py's reason, not dropped
             assert r["reason"] == reason
@@ -459,7 +459,7 @@ def test_bench_attention(tmp_path):
         assert r["tflops"] > 0 and close(r["tflops"], flops / (r["ms"] / 1e3) / 1e12)
         assert r["useful_tflops"] < r["tflops"] if r["doc_mask"] else r["useful_tflops"] == r["tflops"]
     ok = {(r["backend"], r["doc_mask"]) for r in rec["rows"] if r["status"] == "ok"}
-    assert {(b, False) for b in must_run(False)} | {(b, True) for b in must_run(True)} <= ok, ok
+    assert {(b, False) for b in must_run(None)} | {(b, True) for b in must_run("documents")} <= ok, ok
 
 
 def test_bench_mfu(tmp_path, data):
@@ -629,39 +629,48 @@ def test_export_loads_in_transformers_on_cuda_with_podgpts_logits(big, tmp_path)
 # -----------------------------------------------------------------------------
 # 8. attention backends on this GPU against float64
 
-def must_run(doc_mask):
+def must_run(mask):
     """Backends every CUDA GPU of compute capability 8.0+ runs in bf16 at head dim 128 with GQA (with triton:
-    flex); the others (fa3, fa2: packages; cudnn: the cuDNN build; efficient: no GQA) may not."""
+    flex), causal or under a mask of kind `mask`; the others (fa3, fa2: packages; cudnn: the cuDNN build;
+    efficient: no GQA) may not."""
     if torch.cuda.get_device_capability(0) < (8, 0):
         return set()
     names = {"math", "sdpa"} | ({"flex"} if backend_unavailable("flex", "cuda", BF16, ATTN_HEAD_DIM) is None else set())
-    return names if doc_mask else names | {"flash"}
+    return names if mask else names | {"flash"}
 
 
-@pytest.mark.parametrize("doc_mask", [False, True], ids=["causal", "doc_mask"])
+MASK_KINDS = pytest.mark.parametrize("mask", [None, "documents", "diffusion"], ids=["causal", "doc_mask", "bd3lm"])
+
+
+@MASK_KINDS
 @pytest.mark.parametrize("name", [*ATTENTION_BACKENDS, *OPT_IN_BACKENDS, "sdpa"])
-def test_attention_backend_matches_float64_in_bf16_or_says_why_not(name, doc_mask):
-    why = backend_unavailable(name, "cuda", BF16, ATTN_HEAD_DIM, doc_mask)
+def test_attention_backend_matches_float64_in_bf16_or_says_why_not(name, mask):
+    why = backend_unavailable(name, "cuda", BF16, ATTN_HEAD_DIM, mask)
     if why is not None:
-        assert why.strip() and "\n" not in why and name not in must_run(doc_mask), why
+        assert why.strip() and "\n" not in why and name not in must_run(mask), why
         with pytest.raises(ValueError, match=f"attn_backend={name} cannot run here"):  # never a silent substitute
-            resolve_backend(name, "cuda", BF16, ATTN_HEAD_DIM, doc_mask)
-        pytest.skip(f"{name}{' with doc_mask' if doc_mask else ''} cannot run on {gpu_name()}: {why}")
-    err = parity_error(name, "cuda", BF16, ATTN_HEAD_DIM, doc_mask)
-    print(f"{name}{' doc_mask' if doc_mask else ''}: largest error {err:.2e} against float64")
+            resolve_backend(name, "cuda", BF16, ATTN_HEAD_DIM, mask)
+        pytest.skip(f"{name}{f' with the {mask} mask' if mask else ''} cannot run on {gpu_name()}: {why}")
+    err = parity_error(name, "cuda", BF16, ATTN_HEAD_DIM, mask)
+    print(f"{name}{f' {mask} mask' if mask else ''}: largest error {err:.2e} against float64")
     assert err <= ATTN_TOL, f"{name}: largest error {err:.2e} against float64"
 
 
-@pytest.mark.parametrize("doc_mask", [False, True], ids=["causal", "doc_mask"])
-def test_auto_resolves_to_the_first_backend_that_runs_and_matches(doc_mask):
-    chosen, note = resolve_backend("auto", "cuda", BF16, ATTN_HEAD_DIM, doc_mask)
+@MASK_KINDS
+def test_auto_resolves_to_the_first_backend_that_runs_and_matches(mask):
+    """The first of ATTENTION_BACKENDS that runs and matches; for bd3lm's mask FlexAttention first (it skips the
+    empty tiles)."""
+    chosen, note = resolve_backend("auto", "cuda", BF16, ATTN_HEAD_DIM, mask)
     assert chosen in ATTENTION_BACKENDS and note.startswith(f"auto: {chosen} (largest error "), note
-    assert backend_unavailable(chosen, "cuda", BF16, ATTN_HEAD_DIM, doc_mask) is None
-    assert parity_error(chosen, "cuda", BF16, ATTN_HEAD_DIM, doc_mask) <= ATTN_TOL
-    for faster in ATTENTION_BACKENDS[:ATTENTION_BACKENDS.index(chosen)]:  # each faster one skipped, saying why
+    assert backend_unavailable(chosen, "cuda", BF16, ATTN_HEAD_DIM, mask) is None
+    assert parity_error(chosen, "cuda", BF16, ATTN_HEAD_DIM, mask) <= ATTN_TOL
+    order = sorted(ATTENTION_BACKENDS, key=lambda b: mask == "diffusion" and b != "flex")
+    for faster in order[:order.index(chosen)]:  # each faster one skipped, saying why
         assert f"; skipped {faster} (" in note, note
-    if not doc_mask and must_run(False):
+    if not mask and must_run(None):
         assert chosen != "math", note  # a GPU has a fused kernel: flash at least
+    if mask == "diffusion" and "flex" in must_run(mask):
+        assert chosen == "flex", note
 
 
 def test_fa4_and_flash_each_set_their_own_implementation():

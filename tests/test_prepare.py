@@ -580,6 +580,64 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     assert decode_split(out, "train") == speeches[:-1] + [speeches[-1] + "\n"]
 
 
+GSM8K = [("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
+          "clips did Natalia sell altogether in April and May?",
+          "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in "
+          "April and May.\n#### 72"),
+         ("Weng earns $12 an hour for babysitting. How much did she earn for 50 minutes?",
+          "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10."
+          "\n#### 10")]
+
+
+def gsm8k_parquet(rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(pa.table({"question": [q for q, _ in rows], "answer": [a for _, a in rows]}), buf)
+    return buf.getvalue()
+
+
+def test_gsm8k_preset_keeps_its_split_and_formats_each_objective(server, tmp_path, monkeypatch, capsys):
+    """The gsm8k preset through a local mirror of the hub: its train file's problems are the training split and
+    its test file's the validation split, whatever their hashes. qa: "Question: ...\nAnswer: ..." documents.
+    hdp with segments 128,128,256: every document is 512 tokens, the question after BOS, the plan without the
+    calculator annotations, the execution with them and the final answer, each padded with BOS or cut (the
+    first problem's question is longer than 127 bytes), and prepare.py says how many were cut."""
+    base = "/datasets/openai/gsm8k/resolve/main/main/"
+    server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K * 3)
+    server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
+    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    common = ["--source=gsm8k", f"--download_dir={tmp_path / 'downloads'}", "--min_val_tokens=0", "--workers=1"]
+    assert run(*common, f"--data_dir={tmp_path / 'qa'}") == 0
+    assert decode_split(tmp_path / "qa", "train") == [f"Question: {q}\nAnswer: {a}" for q, a in GSM8K * 3]
+    assert decode_split(tmp_path / "qa", "val") == [f"Question: {q}\nAnswer: {a}" for q, a in GSM8K[1:]]
+    capsys.readouterr()
+    assert run(*common, f"--data_dir={tmp_path / 'hdp'}", "--gsm8k_format=hdp", "--segments=128,128,256") == 0
+    assert ("segments 128,128,256: every document is 512 tokens; 3 of 7 (42.9%) had a segment cut to its length "
+            "(train 3, validation 0)") in capsys.readouterr().out
+    manifest, tok = data.load_manifest(tmp_path / "hdp"), prepare.load_tokenizer(tmp_path / "hdp")
+    rows = {}
+    for split in ("train", "val"):
+        (shard,) = manifest["splits"][split]["shards"]
+        tokens = np.asarray(data.open_shard(os.path.join(tmp_path / "hdp", shard["file"])))
+        assert len(tokens) == 512 * shard["docs"] and (tokens[::512] == tok.bos_id).all()
+        rows[split] = tokens.reshape(-1, 512)
+    assert len(rows["train"]) == 6 and len(rows["val"]) == 1
+
+    def text(segment):
+        return tok.decode_bytes(segment[segment != tok.bos_id]).decode("utf-8", errors="replace")
+
+    (q, a), row = GSM8K[1], rows["val"][0]
+    assert text(row[:128]) == q and row[1 + len(q):128].tolist() == [tok.bos_id] * (127 - len(q))
+    assert text(row[128:256]) == "Weng earns 12/60 = $0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $10."
+    assert text(row[256:]) == a and row[256 + len(a):].tolist() == [tok.bos_id] * (256 - len(a))
+    assert text(rows["train"][0][:128]) == GSM8K[0][0][:127]  # BOS and 127 bytes of the question: cut
+    assert run(*common, f"--data_dir={tmp_path / 'bad'}", "--gsm8k_format=hdp") == 1
+    assert error_line(capsys.readouterr().err) == (
+        "error: gsm8k_format=hdp makes each problem three segments (question, plan, execution): set segments to their "
+        "token lengths, e.g. --segments=128,128,256 (got '')")
+
+
 def refused_url():
     """A URL on a port of 127.0.0.1 where nothing listens: the connection is refused."""
     with socket.socket() as s:

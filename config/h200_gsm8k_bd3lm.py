@@ -1,0 +1,66 @@
+# Seed 004: the BD3-LM baseline on GSM8K on one H200 (141 GB): block discrete diffusion (Arriola et al.,
+# "Block Diffusion", ICLR 2025) over "Question: ...\nAnswer: ..." documents of 512 tokens.
+#   python prepare.py config/h200_gsm8k_bd3lm.py
+#   python train.py config/h200_gsm8k_bd3lm.py
+#   python sample.py config/h200_gsm8k_bd3lm.py --prompt="Question: ...
+#   Answer:"
+#
+# From the seed: the "small" model (768 wide, 12 layers: 85.0M non-embedding parameters, 123.6M with the
+# tied GPT-2 embedding of 50,257 tokens + [MASK]), micro-batch 128, global batch 512 (accumulation 4),
+# LR 5e-4, 50K steps, bf16, compile, FlashAttention where it applies (bd3lm's mask: FlexAttention, which
+# auto picks on a GPU), gradient checkpointing only when memory runs short.
+# model.memory_estimate per H200 at each of the seed's batch presets (bf16, no checkpointing; the seed's
+# expectation in brackets): conservative 64: 37.0 GB [40-50] | recommended 128: 67.2 GB [60-80] |
+# aggressive 192: 97.4 GB [90-110] | extreme 256: 127.6 GB [110-130], 98% of the usable 0.92 x 141 GB:
+# there take grad_ckpt="selective" (72.6 GB). The seed's LR per global batch: 256: 4e-4, 512: 5e-4,
+# 768: none given (its square-root rule: 7.3e-4), 1024: 7e-4; preflight's lr_scaling checks the rule.
+# The seed's num_workers=16 has no counterpart: podgpt's loader reads memory-mapped shards in the
+# training process (bench/loader.py measures its rate against the GPU's).
+# Not in the seed, chosen here: the tokenizer (GPT-2's), the block length, the warmup (the seed's
+# troubleshooting says "instead of 5000"), the evaluation cadence, the early stop and the price.
+
+# data: GSM8K's own split (its 7,473 training problems, and its 1,319 test problems as validation), each
+# problem one document of exactly 512 tokens (BOS-padded; prepare.py prints how many it had to cut)
+source = "gsm8k"
+tokenizer = "gpt2"
+gsm8k_format = "qa"
+segments = "512"
+data_dir = "data/gsm8k_qa_gpt2"
+min_val_tokens = 0
+
+# model
+block_size = 512
+n_layer = 12
+n_head = 12
+n_kv_head = 12
+n_embd = 768
+objective = "bd3lm"
+diffusion_block = 16        # BD3-LM's paper trains blocks of 4, 8 and 16; 16 denoises 16 tokens per pass
+noise_schedule = "loglinear"
+
+# training: 512 problems per step = 128 x 512 tokens x accumulation 4 on one GPU
+out_dir = "out/h200_gsm8k_bd3lm"
+micro_batch_size = 128
+total_batch_tokens = 262144
+max_steps = 50000
+learning_rate = 5e-4
+min_lr = 5e-5
+warmup_steps = 5000
+lr_base = 3e-4              # the seed's rule: 3e-4 at a batch of 128, times sqrt(batch / 128)
+lr_base_batch = 128
+# 50K steps of 512 problems are 3,425 passes over GSM8K's 7,473: the seed's plan, which preflight's
+# corpus_model_fit gate would block (above 100 passes) unless it is said here. The early stop ends the run
+# once the validation loss has not improved for 10 evaluations (10,000 steps)
+max_epochs = 3500
+eval_every = 1000
+eval_steps = 4              # x 128 = 512 of the 1,319 test problems per evaluation
+eval_gsm8k_samples = 64     # and the accuracy of greedy answers to the first 64 of them (each a few hundred passes)
+early_stop_patience = 10
+ckpt_every = 1000
+compile = True
+dtype = "bfloat16"
+usd_per_gpu_hour = 4.5      # the seed's "~$4-5/hour"
+
+# sampling (sample.py): the answer after a question, a block of 16 at a time
+max_new_tokens = 384
+temperature = 0.0
