@@ -63,7 +63,7 @@ REFINE_FIELDS = ("objective", "n_loops", "T_recursion", "n_sup_train", "n_sup_in
 # and objective="bd3lm"'s, likewise left out of other models' records
 DIFFUSION_FIELDS = ("objective", "diffusion_block", "noise_schedule", "clip_low", "clip_high", "hdp_segments")
 NOISE_SCHEDULES = ("loglinear", "clipped")
-UNMASKING = ("confidence", "schedule")  # how bd3lm's sampler picks the tokens each denoising pass fills (generate_blocks)
+UNMASKING = ("schedule", "confidence")  # how bd3lm's sampler picks the tokens each denoising pass fills (generate_blocks)
 LOGLINEAR_EPS = 1e-3  # loglinear's t ~ U[eps, 1] (BD3-LM's sampling_eps_min): 1/t stays finite
 
 
@@ -962,7 +962,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None,
-                 steps=None, unmask="confidence"):
+                 steps=None, unmask="schedule"):
         """Yields the next token of each row, shape (B,), max_new_tokens times.
 
         With the cache, the prompt runs once and each new token costs one position.
@@ -991,7 +991,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_blocks(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, steps=None,
-                        unmask="confidence"):
+                        unmask="schedule"):
         """objective="bd3lm"'s sampler: yields the next token of each row, shape (B,), a block at a time.
 
         The prompt's whole blocks go into the KV cache a block at a time (a clean block sees itself whole and the
@@ -999,9 +999,11 @@ class GPT(nn.Module):
         block starts all-[MASK] and is unmasked in `steps` denoising passes (None: one token per pass, the block's
         length; the KV cache holds the blocks before it, so a pass costs one block's positions), then goes into
         the cache whole and its tokens are yielded. Which masked tokens a pass fills (each with a token drawn from
-        the model, at temperature / top_k / top_p): unmask="confidence", those whose drawn token is most
-        probable, as many as an even share of the passes left asks; "schedule", BD3-LM's own: t falls from 1 to 0
-        in `steps` even steps and each masked token is filled with probability (t - s) / t at the step from t to s.
+        the model, at temperature / top_k / top_p): unmask="schedule", BD3-LM's own, t falls from 1 to 0 in `steps`
+        even steps and each masked token is filled with probability (t - s) / t at the step from t to s, in random
+        order as training masks; "confidence", those whose drawn token is most probable, as many as an even share
+        of the passes left asks (a small model's most probable token is often a space: config/tiny_bd3lm.py's
+        samples were all whitespace this way).
         HDP: the prompt is the question, padded with BOS to its segment as prepare.py pads it; then come the plan
         and the execution. Ends after max_new_tokens, at block_size (no sliding window: a block's tokens are
         drawn for their positions), or once every row has made BOS, the end of a document (HDP: in the execution,

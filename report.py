@@ -257,13 +257,16 @@ FIGURES = [
 
 
 def figures(rows):
-    """FIGURES, and for a refine run (train.py's sup_loss_<i> fields) the loss of each supervision step."""
+    """FIGURES, and for a refine run (train.py's sup_loss_<i> fields) the loss of each supervision step; for a run
+    with eval_gsm8k_samples, the accuracy of its GSM8K answers."""
     steps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("sup_loss_")})
-    if not steps:
-        return FIGURES
-    return FIGURES + [("refinement.png", "loss per supervision step", "step",
-                       [(f"{p}sup_loss_{i}", f"{label} step {i}") for p, label in (("", "train"), ("val_", "validation"))
-                        for i in steps], "loss")]
+    extra = [("refinement.png", "loss per supervision step", "step",
+              [(f"{p}sup_loss_{i}", f"{label} step {i}") for p, label in (("", "train"), ("val_", "validation"))
+               for i in steps], "loss")] if steps else []
+    if any("gsm8k_accuracy" in r for r in rows):
+        extra.append(("gsm8k_accuracy.png", "GSM8K test problems answered right (greedy)", "step",
+                      [("gsm8k_accuracy", "accuracy")], "share right"))
+    return FIGURES + extra
 
 
 def write_plots(out_dir, rows):
@@ -336,6 +339,8 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
         f"| unigram baseline val loss | {fmt(s.get('unigram_val_loss'))} |",
         *([f"| refinement (validation, first to last supervision step) | {fmt(refined, '.1f')}% |"]
           if (refined := s.get("final_val_refinement", last(rows, "val_refinement"))) is not None else []),
+        *([f"| GSM8K accuracy (last evaluation, greedy) | {fmt(100 * accuracy, '.1f')}% |"]
+          if (accuracy := last(rows, "gsm8k_accuracy")) is not None else []),
         f"| hours | {fmt(elapsed / 3600 if is_number(elapsed) else None, '.3f')} |",
         f"| dollars | {fmt(spent(summary, clock), '.2f')} |",
         # MFU is empty on devices without a known peak (README): say so rather than print 0

@@ -60,6 +60,7 @@ ckpt_every = 1000
 compile = True
 dtype = "bfloat16"
 usd_per_gpu_hour = 4.5      # the seed's "~$4-5/hour"
+plan_vocab_size = 50257     # GPT-2's vocabulary, for planning before the data is prepared ([MASK] is added)
 
 # sampling (sample.py): the answer after a question, a block of 16 at a time
 max_new_tokens = 384

@@ -51,6 +51,7 @@ ckpt_every = 1000
 compile = True
 dtype = "bfloat16"
 usd_per_gpu_hour = 4.5
+plan_vocab_size = 50257     # GPT-2's vocabulary, for planning before the data is prepared ([MASK] is added)
 
 # sampling (sample.py): the question is the prompt; then the plan and the execution, 16 tokens at a time
 max_new_tokens = 384

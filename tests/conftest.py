@@ -38,7 +38,7 @@ def pytest_xdist_auto_num_workers(config):
 
 # the files whose tests take longest, first: pytest-xdist hands tests out in collection order, so the other
 # worker works around these instead of idling at the end while one of them runs (test_run's pipeline: ~100 s)
-LONGEST_FIRST = ["test_refine.py", "test_run.py", "test_resume.py", "test_fsdp.py", "test_multinode.py", "test_optimizer.py"]
+LONGEST_FIRST = ["test_refine.py", "test_diffusion.py", "test_run.py", "test_resume.py", "test_fsdp.py", "test_multinode.py", "test_optimizer.py"]
 
 
 def pytest_collection_modifyitems(items):

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import report
 from conftest import read_metrics, run_script, train_tiny
 from data import Loader, diffusion_draws, load_manifest
 from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
@@ -210,7 +211,8 @@ def test_sampler_unmasks_a_block_in_its_passes_then_commits_it():
         block == c.mask_id).any() else ("commit",)) or denoise(block, cache)
     prompt = tokens(1, 6, seed=4)
     out = []
-    for token in model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(0), steps=2):
+    for token in model.generate(prompt, 10, temperature=1.0, generator=torch.Generator().manual_seed(0), steps=2,
+                                unmask="confidence"):
         events.append(("token",))
         out.append(token.item())
     # prompt 6: block [0,4) goes into the cache whole, [4,8) holds 2 prompt tokens and 2 masks, then [8,12), [12,16)
@@ -337,8 +339,27 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     monkeypatch.setattr(model_module.GPT, "generate",
                         lambda self, idx, n, **kw: iter(torch.tensor([t]) for t in right))
     train_tiny(capfd, tmp_path / "out2", data, *args)
-    assert [m["gsm8k_accuracy"] for m in read_metrics(tmp_path / "out2") if "val_loss" in m] == [1.0]
+    rows = read_metrics(tmp_path / "out2")
+    assert [m["gsm8k_accuracy"] for m in rows if "val_loss" in m] == [1.0]
+    assert "| GSM8K accuracy (last evaluation, greedy) | 100.0% |" in (tmp_path / "out2/summary.md").read_text()
+    assert "gsm8k_accuracy.png" in [f[0] for f in report.figures(rows)]
     r = train_tiny(capfd, tmp_path / "out3", data, *args, "--hdp_segments=64,64,192", check=False)
     assert (r.returncode, r.stderr.strip()) == (1, f"error: hdp_segments=64,64,192 but {data} was prepared with "
                                                    f"segments=96,96,128: prepare it with --gsm8k_format=hdp "
                                                    f"--segments=64,64,192, or set hdp_segments to match")
+
+
+def test_sanity_plans_hdp_on_an_h200_and_checks_its_mask(tmp_path, capfd):
+    """sanity.py --capacity on config/h200_hdp_diffusion.py before its data exists: the model's vocabulary is
+    GPT-2's plus [MASK], its FLOPs and memory count both copies of each row (67.2 GB per GPU at micro-batch 128),
+    and attention:diffusion holds the backend auto picks here to float64 under HDP's mask."""
+    from test_sanity import sanity
+    r, rep, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=141",
+                                config="config/h200_hdp_diffusion.py", check=False)
+    cap = rep["capacity"]
+    config = GPTConfig(**{k: v for k, v in cap["model"].items() if k != "padded_vocab"})
+    assert config.objective == "bd3lm" and config.hdp_segments == "128,128,256" and config.vocab_size == 50258
+    assert cap["flops_per_token"] == flops_per_token(config) == 1477734912
+    run_layout = cap["layouts"]["run"]
+    assert run_layout["fits"] and round(run_layout["bytes"]["total"] / 1e9, 1) == 67.2
+    assert checks["attention:diffusion"]["status"] == "pass" and "auto: math" in checks["attention:diffusion"]["detail"]

@@ -761,3 +761,43 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
     cached = torch.stack(list(model.generate(prompt, 32, temperature=0)), 1)
     full = torch.stack(list(model.generate(prompt, 32, temperature=0, use_cache=False)), 1)
     assert torch.equal(cached, full)
+
+
+# -----------------------------------------------------------------------------
+# 11. objective="bd3lm": seed 004's block diffusion on FlexAttention, compiled, and its sampler on CUDA
+
+def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
+    """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the
+    gradients of the dense mask on SDPA's math kernel, within bf16's parity tolerance; HDP's too."""
+    from model import GPT, GPTConfig
+    if backend_unavailable("flex", "cuda", BF16, 64, "diffusion") is not None:
+        pytest.skip(f"flex cannot run on {gpu_name()}")
+    for hdp in ("", "128,128,256"):
+        results = {}
+        for backend in ("flex", "math"):
+            torch.manual_seed(0)
+            config = GPTConfig(vocab_size=50258, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256,
+                               objective="bd3lm", diffusion_block=16, hdp_segments=hdp, attn_backend=backend)
+            model = GPT(config).cuda()
+            g = torch.Generator(device="cuda").manual_seed(1)
+            x = torch.randint(0, 50257, (4, 512), device="cuda", generator=g)
+            draws = torch.rand(4, 2, 512, device="cuda", generator=g)
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(x, draws)[1]
+            loss.backward()
+            results[backend] = (loss.item(), torch.cat([p.grad.flatten().float() for p in model.parameters()]))
+        (flex_loss, flex_grad), (math_loss, math_grad) = results["flex"], results["math"]
+        assert abs(flex_loss - math_loss) <= 1e-2 * math_loss, (hdp, flex_loss, math_loss)
+        assert (flex_grad - math_grad).abs().max() <= ATTN_TOL * math_grad.abs().max(), hdp
+
+
+def test_bd3lm_trains_compiled_and_samples_on_cuda(tmp_path, data):
+    """config/tiny_bd3lm.py on the GPU's path (auto: flex, compile, bf16) for a dry run that reproduces its
+    steps, then sample.py writes blocks from the checkpoint."""
+    out = tmp_path / "bd3lm"
+    r = gpu_run([sys.executable, "train.py", "config/tiny_bd3lm.py", f"--data_dir={data}", f"--out_dir={out}",
+                 "--device=cuda", "--dtype=bfloat16", "--compile=True", "--attn_backend=auto", "--dryrun_steps=4"])
+    assert "dry run ok: 4 steps" in r.stdout, r.stdout[-3000:]
+    assert "attention: flex" in r.stdout or "auto: flex" in (out / "first" / "preflight.md").read_text()
+    r = gpu_run([sys.executable, "sample.py", f"--ckpt={out}/first", "--device=cuda", "--max_new_tokens=64"])
+    assert r.stdout.startswith("def "), r.stdout[-2000:]
