@@ -145,6 +145,8 @@ class GPTConfig:
             raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
         if self.objective == "bd3lm":
             self.check_diffusion()
+        elif self.hdp_segments:
+            raise ValueError(f"hdp_segments={self.hdp_segments!r} is for objective=bd3lm (HDP is block diffusion)")
         if self.refine_preset not in REFINE_PRESETS:
             raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of {', '.join(REFINE_PRESETS)}")
         for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1), ("n_sup_inference", 1),

@@ -732,19 +732,21 @@ class Trainer:
         return val_loss, new_best
 
     def gsm8k_accuracy(self):
-        """The share of self.problems whose greedy answer ends in the right "#### <number>": each rank answers
-        every world-th problem, and one all-reduce sums them."""
+        """The share of self.problems whose greedy answer ends in the right "#### <number>": under ddp each rank
+        answers every world-th problem and one all-reduce sums them; under fsdp every forward gathers weights with
+        every rank, so each answers them all (greedy: the same tokens everywhere)."""
         from prepare import gsm8k_answer, load_tokenizer
         tok, proc, model = load_tokenizer(self.cfg.data_dir), self.proc, self.raw_model
+        split = proc.distributed and not self.sharded
         right = torch.zeros((), device=proc.dev)
         model.eval()
         with torch.no_grad(), self.autocast:
-            for prompt, answer in self.problems[proc.rank::proc.world]:
+            for prompt, answer in self.problems[proc.rank::proc.world] if split else self.problems:
                 ids = torch.tensor([prompt], device=proc.dev)
                 tokens = [t.item() for t in model.generate(ids, self.cfg.block_size - len(prompt), temperature=0)]
                 right += gsm8k_answer(tok.decode(tokens)) == answer
         model.train()
-        if proc.distributed:
+        if split:
             dist.all_reduce(right)
         return right.item() / len(self.problems)
 

@@ -27,6 +27,15 @@ TINY_MODEL = ["--block_size=64", "--n_layer=2", "--n_head=4", "--n_kv_head=2", "
               "--dtype=float32", "--warmup_steps=2", "--learning_rate=1e-3", "--eval_steps=2", "--plots=False"]
 
 
+def pytest_configure(config):
+    """One torch thread in each of pytest-xdist's test processes (one per core): two processes each spinning a
+    thread per core stall each other; a tiny model's 200 forwards took 40 s that way instead of 2. run() and
+    run_script give the scripts they start one thread for the same reason."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+        torch.set_num_threads(1)
+
+
 def pytest_xdist_auto_num_workers(config):
     """pytest.ini's `-n auto`: one test process per CPU core, and one process in all for the GPU tier
     (`-m gpu`), whose tests share the one GPU and time it."""

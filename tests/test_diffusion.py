@@ -3,7 +3,6 @@ objective="bd3lm" (seed 004): block diffusion. The model's loss, masks and sampl
 real forward) against hand-built and slow references, the loader's noise, and the training loop on it.
 """
 import json
-import os
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ from conftest import read_metrics, run_script, train_tiny
 from data import Loader, diffusion_draws, load_manifest
 from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
 from test_model import LiveBytes
+from test_prepare import GSM8K, gsm8k_parquet, server  # noqa: F401  (server: the fixture of a local hub mirror)
 
 SHAPE = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bos_id=95)
 DIFFUSION = ["--objective=bd3lm", "--diffusion_block=8"]
@@ -160,7 +160,8 @@ def test_config_refuses_what_cannot_be_a_diffusion_model():
                        (dict(hdp_segments="8,6,18"), "must divide the plan and execution segments"),
                        (dict(doc_mask=True), "doc_mask=True is for objective=ar or refine"),
                        (dict(noise_schedule="clipped", clip_low=0.9, clip_high=0.5), "need 0 < clip_low < clip_high"),
-                       (dict(noise_schedule="cosine"), "noise_schedule='cosine'")):
+                       (dict(noise_schedule="cosine"), "noise_schedule='cosine'"),
+                       (dict(objective="ar", hdp_segments="8,8,16"), "is for objective=bd3lm")):
         with pytest.raises(ValueError, match=match):
             GPTConfig(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **bad})
 
@@ -309,8 +310,6 @@ def test_tiny_bd3lm_learns_and_samples_block_by_block(tmp_path, stdlib_data, cap
 
 # -----------------------------------------------------------------------------
 # GSM8K: the problems train.py answers at each evaluation
-
-from test_prepare import GSM8K, gsm8k_parquet, server  # noqa: E402,F401  (server: the local hub mirror fixture)
 
 
 def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monkeypatch, capfd):
