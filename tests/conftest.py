@@ -45,8 +45,10 @@ def pytest_xdist_auto_num_workers(config):
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-# the files whose tests take longest, first: pytest-xdist hands tests out in collection order, so the other
-# worker works around these instead of idling at the end while one of them runs (test_run's pipeline: ~100 s)
+# the files whose tests take longest, first: pytest-xdist hands each worker a contiguous share of the collection,
+# and under --dist worksteal (pytest.ini) a worker that runs out takes from the end of another's, so the long
+# tests start early and the short ones fill in at the end. Under --dist load the first worker's share was every
+# long test: it ran 180 s after the other had finished (616 s in all; 568 s with worksteal, same VM and hour)
 LONGEST_FIRST = ["test_refine.py", "test_diffusion.py", "test_run.py", "test_resume.py", "test_fsdp.py", "test_multinode.py", "test_optimizer.py"]
 
 

@@ -306,6 +306,10 @@ def test_tiny_bd3lm_learns_and_samples_block_by_block(tmp_path, stdlib_data, cap
     r = run_script(["export.py", f"--ckpt={out}", f"--out={tmp_path / 'hf'}"], capfd)
     assert r.returncode == 1 and "objective=bd3lm: this model denoises blocks of [MASK] tokens" in r.stderr
     assert not (tmp_path / "hf").exists()
+    r = run_script([*args[:3], f"--out_dir={tmp_path / 'bad'}", *args[4:], "--diffusion_block=5"], capfd)
+    assert (r.returncode, r.stderr.strip()) == (1, "error: diffusion_block=5 must divide block_size=128: change the "
+                                                   "model shape")
+    assert not (tmp_path / "bad").exists()
 
 
 # -----------------------------------------------------------------------------
