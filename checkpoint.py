@@ -629,21 +629,15 @@ class Checkpoints:
             self.wait()
 
     def write(self, step, best, files, sharded, t1, waited, blocked):
-        """Write a save that save() prepared (in the background, or at once), and say how long it took, with
-        a warning when it would not fit a preemption's window: its record for finished(), or None when the
-        disk did not take it. blocked: the seconds the loop waited for it (None: all of it)."""
+        """Write a save that save() prepared (in the background, or at once): its record for report(), or None
+        when the disk did not take it. blocked: the seconds the loop waited for it (None: all of it)."""
         path = save_checkpoint(self.root, step, files, self.keep_last, best, self.min_free_gb, sharded, self.group)
         written = time.time() - t1
         if path is None:
             return None
         blocked = waited + written if blocked is None else blocked
-        gb = checkpoint_bytes(path) / 1e9
-        log(f"checkpoint {path} (blocked {blocked:.2f}s"
-            + (f", {waited:.2f}s of it waiting for the save before" if waited >= 0.01 else "")
-            + f", written in {written:.2f}s)", flush=True)
-        if written > PREEMPT_SAVE_SECONDS:
-            warn(f"the step {step} checkpoint: {too_slow_for_preemption(gb, written, self.sharded, self.proc.world)}")
-        return dict(step=step, path=path, gb=gb, blocked_s=blocked, waited_s=waited, written_s=written)
+        return dict(step=step, path=path, gb=checkpoint_bytes(path) / 1e9, blocked_s=blocked, waited_s=waited,
+                    written_s=written)
 
     @property
     def writing(self):
@@ -670,7 +664,16 @@ class Checkpoints:
         self.report(writer.result())
 
     def report(self, record):
+        """Say on the loop's thread how long a save took, with a warning when it would not fit a preemption's
+        window (printed from the writer's thread, the line could land inside a step's line)."""
         if record:  # None: the disk did not take it (a warning said so)
+            r = record
+            log(f"checkpoint {r['path']} (blocked {r['blocked_s']:.2f}s"
+                + (f", {r['waited_s']:.2f}s of it waiting for the save before" if r["waited_s"] >= 0.01 else "")
+                + f", written in {r['written_s']:.2f}s)", flush=True)
+            if r["written_s"] > PREEMPT_SAVE_SECONDS:
+                warn(f"the step {r['step']} checkpoint: "
+                     f"{too_slow_for_preemption(r['gb'], r['written_s'], self.sharded, self.proc.world)}")
             self.records.append(record)
 
     def finished(self):
