@@ -935,8 +935,7 @@ class GPT(nn.Module):
         if not config.loss_chunk:
             logits = self.lm_head(x)
             if weights is not None:
-                return logits, self.loss_sum(x.flatten(0, 1), targets.flatten(), weights.flatten(), logits) / \
-                    targets.numel()
+                return logits, self.cross_entropy_sum(logits, targets.flatten(), weights.flatten()) / targets.numel()
             return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
         return None, self.chunked_loss(x.flatten(0, 1), targets.flatten(), None if weights is None else weights.flatten())
 
@@ -952,11 +951,14 @@ class GPT(nn.Module):
                     for xc, yc, wc in zip(xs, ys, ws, strict=True))
         return total / targets.numel()
 
-    def loss_sum(self, x, targets, weights=None, logits=None):
-        """The summed cross-entropy of the head's logits for x (N, n_embd), or of `logits` when given, against
-        targets (N,); weights (bd3lm): each token's weighed, the [MASK] id never predicted (BD3-LM's SUBS
-        parameterization: its logit is minus infinity)."""
-        logits = (self.lm_head(x) if logits is None else logits).float().view(targets.numel(), -1)
+    def loss_sum(self, x, targets, weights=None):
+        """The summed cross-entropy of the head's logits for x (N, n_embd) against targets (N,)."""
+        return self.cross_entropy_sum(self.lm_head(x), targets, weights)
+
+    def cross_entropy_sum(self, logits, targets, weights=None):
+        """The summed cross-entropy of logits against targets (N,); weights (bd3lm): each token's weighed, the
+        [MASK] id never predicted (BD3-LM's SUBS parameterization: its logit is minus infinity)."""
+        logits = logits.float().view(targets.numel(), -1)
         if weights is None:
             return F.cross_entropy(logits, targets, reduction="sum")
         logits = logits.index_fill(-1, torch.tensor([self.config.mask_id], device=logits.device), float("-inf"))

@@ -499,7 +499,7 @@ def gsm8k_problems(data_dir, manifest, n):
     eval_gsm8k_samples."""
     tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
     length = sum(segment_lengths(args.get("segments", "")))
-    if not args["source"] == "gsm8k" or not length:
+    if args["source"] != "gsm8k" or not length:
         raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
                          f"--segments (config/h200_gsm8k_bd3lm.py)")
     problems = []
