@@ -940,7 +940,13 @@ def encode_all(docs, n_workers, tok_dir, lengths):
         # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
         # stops the pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths)))
+            pool = multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths))
+            # closed and joined, never terminated (its __exit__): a worker killed while it sends a result
+            # leaves the pool's result thread waiting forever for the rest, and terminate() joins that thread
+            # (a Ctrl-C hung prepare.py so once on CI, and once in 24 tries on a loaded 2-core VM). Left to finish:
+            # the bounded queue below, at most 2 * n_workers + 1 batches: ~1 s after a Ctrl-C on that VM
+            stack.callback(pool.join)
+            stack.callback(pool.close)
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
