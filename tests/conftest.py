@@ -21,6 +21,10 @@ from util import run_main
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs a script as if the machine had GPUs that nothing may touch (a CPU test must pass on a GPU pod too)
 FAKE_CUDA = os.path.join(ROOT, "tests", "fake_cuda.py")
+# 2 ranks in torchrun's environment, forked after one torch import (tests/ranks.py): for the tests of what ranks
+# compute; those of the launch itself (a killed rank, a signal to the job, restarts) use torchrun
+RANKS = [sys.executable, os.path.join(ROOT, "tests", "ranks.py"), "--nproc_per_node=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 # a 2-layer model that trains in seconds on a CPU, used by the training tests; without the report's plots,
 # ~1 s of matplotlib per run (tests/test_report.py and the run.sh pipeline check them)
 TINY_MODEL = ["--block_size=64", "--n_layer=2", "--n_head=4", "--n_kv_head=2", "--n_embd=32", "--device=cpu",
@@ -121,11 +125,11 @@ def run_script(args, capfd):
 
 def train_tiny(capfd, out, data, *args, nproc=1, check=True):
     """train.py on TINY_MODEL: one process as its main in this process (run_script: no torch import per run),
-    nproc > 1 under torchrun; check: it must exit 0, else its output is shown. capfd: pytest's, or a Captured."""
+    nproc=2: two ranks (RANKS); check: it must exit 0, else its output is shown. capfd: pytest's, or a Captured."""
     args = ["train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args]
     if nproc > 1:
-        return run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    *args], check=check)
+        assert nproc == 2, "RANKS launches 2 ranks"
+        return run([*RANKS, *args], check=check)
     r = run_script(args, capfd)
     assert not check or r.returncode == 0, f"{out}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, run
+from conftest import ROOT, TORCHRUN, run
 from configurator import read_defaults
 from model import GPTConfig, flops_per_token, memory_estimate, param_counts
 
@@ -22,7 +22,6 @@ RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take tra
 SHAPE = ["--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=64", "--vocab_size=256"]
 TINY = ["config/tiny.py", "--n_layer=2", *SHAPE]
 FAST = ["--warmup=1", "--iters=2"]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 
 
 def in_this_process(capfd, name, *args):

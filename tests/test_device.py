@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from conftest import FAKE_CUDA, TINY_MODEL, run, shared
+from conftest import FAKE_CUDA, RANKS, TINY_MODEL, run, shared
 from model import GPT, GRAD_CKPT, GPTConfig
 from model import shard_model
 from util import resolve_device, setup
@@ -41,9 +41,10 @@ def test_every_device_is_indexed_or_refused(name, local_rank, gpus, want):
 
 
 def fake_gpu_run(args, gpus=1, nproc=1, check=True, env=None):
-    """Run a script through tests/fake_cuda.py: as on a machine with `gpus` GPUs that nothing may touch."""
-    launch = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                  f"--nproc_per_node={nproc}"]
+    """Run a script through tests/fake_cuda.py: as on a machine with `gpus` GPUs that nothing may touch; nproc=2:
+    as each of two ranks (RANKS)."""
+    assert nproc in (1, 2)
+    launch = [sys.executable] if nproc == 1 else RANKS
     return run([*launch, FAKE_CUDA, *args], env=dict(env or {}, PODGPT_FAKE_GPUS=str(gpus)), check=check,
                timeout=300)
 
@@ -58,7 +59,7 @@ def cpu_run(tmp_path_factory, stdlib_data):
 
 
 def test_device_cpu_makes_no_cuda_call_in_any_script(cpu_run, tmp_path, stdlib_data):
-    """train.py (above; fsdp and ddp under torchrun in test_fsdp.py), sample.py, export.py, sanity.py and
+    """train.py (above; fsdp and ddp on 2 ranks in test_fsdp.py), sample.py, export.py, sanity.py and
     the bench probes, with device=cpu on a machine with a GPU: each finishes, so none called into CUDA."""
     r = fake_gpu_run(["sample.py", f"--out_dir={cpu_run}", "--device=cpu", "--prompt=def ", "--max_new_tokens=8"])
     assert r.stdout.startswith("def ") and len(r.stdout.encode()) > len("def \n")  # the prompt, then the sample

@@ -272,7 +272,7 @@ def test_noise_draws_are_the_samples_own(stdlib_data):
 
 def test_train_resume_and_ranks_give_the_same_steps(tmp_path, stdlib_data, capfd):
     """A bd3lm dry run (8 steps, then 5..8 again from the step-4 checkpoint) reproduces its steps, and the
-    model's vocabulary is the data's plus [MASK]; under torchrun with 2 ranks (gloo, half the micro-steps each)
+    model's vocabulary is the data's plus [MASK]; on 2 ranks (gloo, half the micro-steps each)
     the losses are one process's, step by step: each sample carries its own noise."""
     common = [*DIFFUSION, "--micro_batch_size=4", "--total_batch_tokens=512", "--block_size=64"]
     r = train_tiny(capfd, tmp_path / "one", stdlib_data, *common, "--dryrun_steps=8")

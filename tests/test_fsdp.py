@@ -111,14 +111,14 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint(runs, stdl
     from there bit-identically."""
     out = tmp_path / "killed"
     script = wrapper(tmp_path, KILL_AFTER_SECOND_SHARDED_SAVE, step=RESUME_AT)
-    r = train(out, stdlib_data, *ARGS, *FSDP, script=script, nproc=2, check=False)
+    r = train(out, stdlib_data, *ARGS, *FSDP, script=script, nproc=2, check=False, torchrun=True)
     assert r.returncode != 0
     assert (out / "ckpt/latest").read_text() == f"step_{CKPT_EVERY:07d}"
     assert ckpt_steps(out) == [CKPT_EVERY]
     assert max(train_losses(out)) > RESUME_AT  # the save held the loop only for its copy into memory
     partial = out / f"ckpt/.tmp-step_{RESUME_AT:07d}"
     assert os.path.isdir(partial / STATE_DIR) and not os.path.exists(partial / MARKER)
-    train(out, stdlib_data, *ARGS, *FSDP, nproc=2)  # the same command, with train.py
+    train(out, stdlib_data, *ARGS, *FSDP, nproc=2, torchrun=True)  # the same command, with train.py
     assert not os.path.exists(partial)
     assert train_losses(out) == train_losses(runs["fsdp"])  # same ranks, same mode: bit-identical
     final = f"ckpt/step_{MAX_STEPS:07d}"

@@ -4,7 +4,7 @@ with the best checkpoint, and the free-disk check before a checkpoint.
 
 Every test runs train.py as a user would and judges it only by what the run leaves behind: its exit
 code, stdout/stderr, metrics.jsonl, summary.json and ckpt/. A run goes on while the test watches it
-(budget_file written from outside) or under torchrun as a subprocess, any other as its main in this
+(budget_file written from outside) or on 2 ranks as a subprocess, any other as its main in this
 process (conftest.run_script: no torch import per run).
 """
 import json
@@ -251,7 +251,7 @@ def test_spike_drill_is_detected_and_counted(tmp_path, stdlib_data, capfd):
 
 
 def test_nan_drill_under_ddp_is_skipped_on_every_rank(tmp_path, stdlib_data, capfd):
-    """torchrun, 2 ranks, inject_nan_at_step=6: steps 6..10 get a NaN loss on the last rank only, so
+    """2 ranks (gloo), inject_nan_at_step=6: steps 6..10 get a NaN loss on the last rank only, so
     NaN gradients reach both ranks through DDP's all-reduce. Every rank must skip those 5 steps:
     - "nonfinite" events at steps 6..10 and summary nonfinite_steps == 5 exactly: had either rank taken
       a NaN update, the rank-averaged loss would stay NaN at every later step;

@@ -2,7 +2,7 @@
 NNODES=2 and NODE_RANK=0/1 stand in for two pods, and MAX_RESTARTS lets torchrun re-launch a
 training whose worker was SIGKILLed, which then resumes from its latest checkpoint.
 
-Both compare with one uninterrupted 2-rank run on one node (torchrun --standalone): the same
+Both compare with one uninterrupted 2-rank run on one node (tests/ranks.py): the same
 float for every step's loss in metrics.jsonl. With 2 ranks gloo's all-reduce adds two numbers,
 a + b == b + a, so nothing may differ.
 """
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
+from conftest import RANKS, ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
 from test_resume import children
 
 MAX_STEPS = 10
@@ -32,8 +32,8 @@ TIMEOUT = 150  # seconds for one run.sh; a hang (e.g. a restart stuck in init_pr
 def ref(tmp_path_factory, stdlib_data):
     """The uninterrupted single-node 2-rank run, with run.sh's default config file (which sets min_lr and more)."""
     def build(out):
-        run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-             "config/tiny.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *ARGS], timeout=TIMEOUT)
+        run([*RANKS, "train.py", "config/tiny.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *ARGS],
+            timeout=TIMEOUT)
     out = shared(tmp_path_factory, "multinode_ref", build)
     assert sorted(train_losses(out)) == list(range(1, MAX_STEPS + 1))
     return out

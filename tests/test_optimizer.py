@@ -129,7 +129,7 @@ def test_muon_needs_torch_with_muon(tmp_path, stdlib_data, capfd, monkeypatch):
 @pytest.fixture(scope="module")
 def refs(tmp_path_factory, stdlib_data):
     """The uninterrupted optimizer=muon, objective=refine runs, {nproc: out_dir}: test_resume.py's 16 steps,
-    checkpoints at 5, 10, 15 and 16, on one process (in this one) and on 2 ranks under torchrun (gloo)."""
+    checkpoints at 5, 10, 15 and 16, on one process (in this one) and on 2 ranks (gloo)."""
     def single(out):
         with Captured() as captured:
             train_tiny(captured, out, stdlib_data, *ARGS, *TRM)
@@ -161,7 +161,7 @@ def test_muon_refine_kill_then_resume_is_bit_identical(tmp_path, stdlib_data, re
     out = tmp_path / "out"
     last = KILL_STEP // 5 * 5
     kill = wrapper(tmp_path, KILL_AT_STEP, rank=nproc - 1, step=KILL_STEP, last=last)
-    r = train(out, stdlib_data, *ARGS, *TRM, script=kill, nproc=nproc, check=False)
+    r = train(out, stdlib_data, *ARGS, *TRM, script=kill, nproc=nproc, check=False, torchrun=True)
     assert r.returncode != 0 and ckpt_steps(out)[-1] == last
     momentum = load(out / f"ckpt/step_{last:07d}", "optimizer.pt")["muon"]["state"]
     assert len(momentum) == 2 * len(BLOCK_MATRICES)

@@ -28,10 +28,9 @@ import torch
 
 import checkpoint
 from checkpoint import Checkpoints, read_pointer
-from conftest import FAKE_CUDA, ROOT, TINY_MODEL, read_metrics, run, shared, train_losses
+from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, read_metrics, run, shared, train_losses
 from model import GPT, GPTConfig, make_optimizer
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
 # 8 sequences of 64 tokens per step: accumulation 2 on one process, 1 on each of two ranks;
 # an evaluation only at the end, and every checkpoint kept (the tests below pick older ones)
@@ -151,10 +150,13 @@ def wrapper(tmp_path, body, **fmt):
     return str(path)
 
 
-def train(out, data, *args, script="train.py", nproc=1, check=True, env=None, timeout=300, fake_gpus=0):
-    """Run train.py (or a wrapper of it) on the tiny model: one process, or `nproc` ranks under torchrun.
-    fake_gpus: as if the machine had that many GPUs, which the CPU run must not touch (tests/fake_cuda.py)."""
-    launch = [sys.executable] if nproc == 1 else TORCHRUN
+def train(out, data, *args, script="train.py", nproc=1, check=True, env=None, timeout=300, fake_gpus=0,
+          torchrun=False):
+    """Run train.py (or a wrapper of it) on the tiny model: one process, or 2 ranks (RANKS, or under torchrun for
+    the tests of the launch: a rank that fails, a kill). fake_gpus: as if the machine had that many GPUs, which
+    the CPU run must not touch (tests/fake_cuda.py)."""
+    assert nproc in (1, 2)
+    launch = [sys.executable] if nproc == 1 else TORCHRUN if torchrun else RANKS
     if fake_gpus:
         launch, env = [*launch, FAKE_CUDA], dict(env or {}, PODGPT_FAKE_GPUS=str(fake_gpus))
     return run([*launch, script, f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
@@ -337,11 +339,11 @@ def test_ddp_sigkill_of_one_rank_then_resume_is_bit_identical(tmp_path, stdlib_d
     out = tmp_path / "out"
     last = kill_step // CKPT_EVERY * CKPT_EVERY
     r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill_step, last=last),
-              nproc=2, check=False)
+              nproc=2, check=False, torchrun=True)
     assert r.returncode != 0
     assert max(train_losses(out)) == kill_step
     assert ckpt_steps(out)[-1] == last
-    r = train(out, stdlib_data, *ARGS, nproc=2)
+    r = train(out, stdlib_data, *ARGS, nproc=2, torchrun=True)
     assert f"resumed from {out}/ckpt/step_{last:07d} at step {last}" in r.stdout
     assert_same_run(out, ref_ddp)
     assert len(load(out / f"ckpt/step_{MAX_STEPS:07d}", "trainer.pt")["rng"]) == 2
@@ -360,14 +362,14 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path,
     ref = request.getfixturevalue("ref_single" if nproc == 1 else "ref_ddp")
     out, second = tmp_path / "out", 2 * CKPT_EVERY
     r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_IN_SECOND_SAVE, step=second), nproc=nproc,
-              check=False)
+              check=False, torchrun=True)
     assert r.returncode == -signal.SIGKILL if nproc == 1 else r.returncode != 0, r.stderr[-2000:]
     assert ".tmp-step_0000010" in os.listdir(out / "ckpt") and ckpt_steps(out) == [CKPT_EVERY]
     leftover = set(os.listdir(out / "ckpt/.tmp-step_0000010"))
     assert {"model.pt", "optimizer.pt"} <= leftover and "complete.json" not in leftover
     assert (out / "ckpt/latest").read_text() == f"step_{CKPT_EVERY:07d}"
     assert max(train_losses(out)) > second  # the save held the loop only for its copy into memory
-    r = train(out, stdlib_data, *ARGS, nproc=nproc)
+    r = train(out, stdlib_data, *ARGS, nproc=nproc, torchrun=True)
     assert f"resumed from {out}/ckpt/step_{CKPT_EVERY:07d} at step {CKPT_EVERY}" in r.stdout
     assert not [d for d in os.listdir(out / "ckpt") if d.startswith(".tmp-")]
     assert ckpt_steps(out) == [5, 10, 15, 16]
@@ -567,7 +569,7 @@ def test_sigterm_to_torchrun_stops_saves_and_resumes_exactly(tmp_path, stdlib_da
     assert f"stopped at step {stopped} (signal SIGTERM)" in rank0
 
     total = stopped + 3
-    r = train(out, stdlib_data, *never, f"--max_steps={total}", nproc=2)
+    r = train(out, stdlib_data, *never, f"--max_steps={total}", nproc=2, torchrun=True)
     assert f"resumed from {out}/ckpt/step_{stopped:07d} at step {stopped}" in r.stdout
     ref = tmp_path / "ref"
     train(ref, stdlib_data, *never, f"--max_steps={total}", nproc=2)
@@ -634,7 +636,7 @@ def test_ddp_rank_failure_ends_the_job(tmp_path, stdlib_data):
     torchrun exits non-zero within 60 s and names the failure."""
     t0 = time.time()
     r = train(tmp_path / "out", stdlib_data, *ARGS, script=wrapper(tmp_path, RAISE_AT_STEP, rank=1, step=3), nproc=2,
-              check=False, env={"PODGPT_DDP_TIMEOUT_MINUTES": "0.5"}, timeout=90)
+              check=False, env={"PODGPT_DDP_TIMEOUT_MINUTES": "0.5"}, timeout=90, torchrun=True)
     elapsed = time.time() - t0
     assert r.returncode != 0
     assert elapsed < 60, f"took {elapsed:.0f}s"
