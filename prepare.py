@@ -940,27 +940,36 @@ def encode_all(docs, n_workers, tok_dir, lengths):
         # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
         # stops the pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths))
-            # closed and joined, never terminated (its __exit__): a worker killed while it sends a result
-            # leaves the pool's result thread waiting forever for the rest, and terminate() joins that thread
-            # (a Ctrl-C hung prepare.py so once on CI, and once in 24 tries on a loaded 2-core VM). Left to finish:
-            # the bounded queue below, at most 2 * n_workers + 1 batches: ~1 s after a Ctrl-C on that VM
-            stack.callback(pool.join)
-            stack.callback(pool.close)
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths)))
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
         pending = collections.deque()
+
+        def wait_for_pending(timeout=60):
+            """On the way out (the end, an error, a Ctrl-C), before the pool's __exit__ terminates it: every job
+            sent must have come back. terminate() joins the pool's result thread, which waits forever for the
+            rest of a result whose worker it killed mid-send (a Ctrl-C hung prepare.py so on CI, and once in 24
+            tries on a loaded 2-core VM). At most 2 * n_workers + 1 batches are out: ~1 s. A job whose worker
+            was killed from outside never comes back: it is given up after `timeout` seconds."""
+            deadline = time.monotonic() + timeout
+            for job in pending:
+                job.wait(max(0.0, deadline - time.monotonic()))
+        stack.callback(wait_for_pending)
+
+        def first_results():
+            results = pending[0].get()
+            pending.popleft()  # only once it is back: a Ctrl-C inside get() leaves it for wait_for_pending
+            for result in results:
+                bar.update(result[1])
+                yield result
+
         for batch in batched(docs):
             pending.append(pool.apply_async(encode_batch, (batch,)))
             while len(pending) > 2 * n_workers or (pending and pending[0].ready()):
-                for result in pending.popleft().get():
-                    bar.update(result[1])
-                    yield result
-        for job in pending:
-            for result in job.get():
-                bar.update(result[1])
-                yield result
+                yield from first_results()
+        while pending:
+            yield from first_results()
 
 
 def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
