@@ -1,10 +1,9 @@
 """train.py --dryrun_steps=N: N steps, a checkpoint at N/2, a resume from it in the same invocation
 that must reproduce steps N/2+1..N; one process and two ranks, and a deliberately broken resume."""
 import json
-import sys
 
 import checkpoint
-from conftest import TINY_MODEL, run, run_script
+from conftest import TINY_MODEL, TORCHRUN, run, run_script
 
 ARGS = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=256", "--dryrun_steps=6"]
 
@@ -19,8 +18,7 @@ def test_dry_run_passes_on_one_process(tmp_path, stdlib_data, capfd):
 
 
 def test_dry_run_passes_on_two_ranks(tmp_path, stdlib_data):
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", *ARGS])
+    run([*TORCHRUN, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", *ARGS])
     report = json.load(open(tmp_path / "dryrun.json"))
     assert report["ok"] and report["world_size"] == 2
     assert [x["steps"] for x in report["ranks"]] == [6, 6] and report["resume_check"]["max_rel_diff"] == 0

@@ -1,13 +1,12 @@
 """sanity.py on CPU: every check reported with a status, each kind of check able to fail (exit 1,
 one line saying why), the capacity plan of the 1B config, and two ranks under torchrun."""
 import json
-import sys
 
 import pytest
 import torch
 
 import model
-from conftest import run, run_script
+from conftest import TORCHRUN, run, run_script
 from model import ATTENTION_BACKENDS, GPTConfig, memory_estimate
 
 CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
@@ -140,8 +139,7 @@ def test_capacity_follows_the_runs_dist_mode_and_grad_ckpt(tmp_path, capfd):
 
 def test_two_ranks_under_torchrun_check_the_all_reduce(tmp_path):
     # torchrun: two processes of their own
-    r = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "sanity.py",
-             "config/tiny.py", f"--out_dir={tmp_path}", "--allreduce_mb=4"])
+    r = run([*TORCHRUN, "sanity.py", "config/tiny.py", f"--out_dir={tmp_path}", "--allreduce_mb=4"])
     report, checks, md = read_report(tmp_path)
     assert r.returncode == 0 and report["passed"] and report["world_size"] == 2
     assert checks["allreduce"]["status"] == "pass" and "right on 2/2 ranks" in checks["allreduce"]["detail"]
