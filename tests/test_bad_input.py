@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from checkpoint import verify_checkpoint
-from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run_script, shared, train_tiny, tree
+from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, shared, train_tiny, tree
 from test_preflight import contaminate
 
 # warmup within the 1 or 2 steps these runs take (more would add a warning line)
@@ -448,10 +448,9 @@ def test_a_second_ctrl_c_ends_train_py_at_once_with_one_line(tmp_path, stdlib_da
     """The first Ctrl-C asks for a checkpoint at the step's end; a second one right after ends the process
     there: one line, exit 130, and nothing half-written left where a resume would read it."""
     out = tmp_path / "out"
-    p = subprocess.Popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN,
-                          "--max_steps=100000", "--log_every=1", "--eval_every=100000", "--ckpt_every=100000",
-                          "--plots=True"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN,
+               "--max_steps=100000", "--log_every=1", "--eval_every=100000", "--ckpt_every=100000", "--plots=True"],
+              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     try:
         deadline = time.time() + 60
         while not (out / "metrics.jsonl").exists() or not read_metrics(out):

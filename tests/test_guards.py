@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, Captured, read_metrics, run_script, train_losses
+from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, train_losses
 from conftest import train_tiny as train
 
 # ~125 steps/s on one CPU core: guards with limits of seconds stop a run a few hundred steps in
@@ -30,9 +30,8 @@ NO_SAVE_BEFORE_STOP = ["--max_steps=1000000", "--eval_every=1000000", "--ckpt_ev
 def start(tmp, out, data, *args):
     """train.py in the background (stdout/stderr to files, so a chatty run never blocks on a full pipe)."""
     stdout, stderr = open(tmp / "stdout.txt", "w"), open(tmp / "stderr.txt", "w")
-    proc = subprocess.Popen([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
-                            cwd=ROOT, stdout=stdout, stderr=stderr, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = popen([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
+                 cwd=ROOT, stdout=stdout, stderr=stderr, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     stdout.close(), stderr.close()
     return proc
 

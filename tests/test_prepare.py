@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 import data  # noqa: E402
 import prepare  # noqa: E402
 import util  # noqa: E402
-from conftest import tree  # noqa: E402
+from conftest import popen, tree  # noqa: E402
+from conftest import run as run_command  # noqa: E402
 
 # documents with accents, CJK, emoji, \r\n, tabs and special-token text
 JSONL_DOCS = [f"doc {i}: naïve café — 東京 {i * 7} 😀\tend" for i in range(30)] + [
@@ -300,9 +301,7 @@ def test_embedded_default_holds_out_a_real_validation_set(tmp_path):
     config = {}
     exec((ROOT / "config" / "tiny.py").read_text(), config)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "prepare.py", "config/tiny.py", f"--data_dir={out}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    r = run_command([sys.executable, "prepare.py", "config/tiny.py", f"--data_dir={out}"], timeout=300)
     splits = data.load_manifest(out)["splits"]
     train, val = splits["train"], splits["val"]
     total = train["tokens"] + val["tokens"]
@@ -343,9 +342,8 @@ def test_too_small_a_corpus_for_min_val_tokens_is_refused(corpus, tmp_path):
     total = sum(len(d.encode()) + 1 for d in CORPUS_DOCS)
     out = tmp_path / "out"
     for min_tokens in (total + 1, total * 6 // 10):  # more than all the tokens; more than half of them
-        r = subprocess.run([sys.executable, "prepare.py", f"--source={corpus}", f"--data_dir={out}",
-                            f"--min_val_tokens={min_tokens}", "--workers=2"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120)
+        r = run_command([sys.executable, "prepare.py", f"--source={corpus}", f"--data_dir={out}",
+                         f"--min_val_tokens={min_tokens}", "--workers=2"], check=False, timeout=120)
         line = error_line(r.stderr)
         assert r.returncode == 1 and f"min_val_tokens={min_tokens:,}" in line and f"of the {total:,} tokens" in line
         assert "lower --min_val_tokens" in line and "--max_docs" in line
@@ -1015,9 +1013,9 @@ def test_ctrl_c_stops_in_one_line_and_keeps_the_previous_data(corpus, tmp_path):
     # this test's polling, starved by the other tests on the cores, sent it: the signal must land mid-build
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 160}) + "\n" for i in range(120_000)))
-    proc = subprocess.Popen([sys.executable, "prepare.py", f"--source={big}", f"--data_dir={out}", "--force",
-                             "--val_fraction=0", "--shard_tokens=1000000", "--workers=2"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = popen([sys.executable, "prepare.py", f"--source={big}", f"--data_dir={out}", "--force", "--val_fraction=0",
+                  "--shard_tokens=1000000", "--workers=2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     first_shard = out / prepare.SCRATCH / "train_000000.bin"  # in the scratch folder: mid-tokenizing
     deadline = time.time() + 60
     while not first_shard.exists():
@@ -1070,8 +1068,7 @@ def test_the_tokenizing_pool_is_stopped_only_once_every_job_sent_is_back(tmp_pat
 @pytest.mark.parametrize("args", [["--source=/no/such/folder"], ["--tokenizer=wordpiece"], ["--source=fineweb"]])
 def test_cli_bad_input_is_one_error_line(args, tmp_path):
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "prepare.py", *args, f"--data_dir={out}"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = run_command([sys.executable, "prepare.py", *args, f"--data_dir={out}"], check=False, timeout=60)
     assert result.returncode == 1
     assert result.stderr.startswith("error:") and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr + result.stdout

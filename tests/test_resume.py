@@ -17,7 +17,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ import torch
 
 import checkpoint
 from checkpoint import Checkpoints, read_pointer
-from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, read_metrics, run, shared, train_losses
+from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, popen, read_metrics, run, shared, train_losses
 from model import GPT, GPTConfig, make_optimizer
 
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
@@ -169,8 +168,8 @@ def popen_train(out, data, *args, nproc=1, log_dir=None):
     launch = [sys.executable] if nproc == 1 else TORCHRUN + [f"--log-dir={log_dir}", "--redirects=3"]
     base = str(out) + ".console"
     with open(base + ".out", "w") as stdout, open(base + ".err", "w") as stderr:
-        return subprocess.Popen([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
-                                cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=stdout, stderr=stderr)
+        return popen([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
+                     cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=stdout, stderr=stderr)
 
 
 def logged_steps(out):

@@ -25,7 +25,7 @@ import torch
 
 import sample
 from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
-from conftest import ROOT, Captured, run, shared, train_tiny
+from conftest import ROOT, Captured, popen, run, shared, train_tiny
 from prepare import load_tokenizer
 from util import run_main
 
@@ -48,10 +48,9 @@ def ckpt(tmp_path_factory, stdlib_data):
 def start_server(ckpt, log, read_timeout=READ_TIMEOUT):
     """sample.py --serve=True on a port the OS picks, its stderr into `log`; a namespace with port and proc."""
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "sample.py", f"--ckpt={ckpt}", "--serve=True", "--port=0",
-                                 "--device=cpu", f"--serve_max_tokens={MAX_TOKENS}",
-                                 f"--serve_read_timeout={read_timeout}"], cwd=ROOT, text=True,
-                                stdout=subprocess.PIPE, stderr=f, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        proc = popen([sys.executable, "sample.py", f"--ckpt={ckpt}", "--serve=True", "--port=0", "--device=cpu",
+                      f"--serve_max_tokens={MAX_TOKENS}", f"--serve_read_timeout={read_timeout}"], cwd=ROOT, text=True,
+                     stdout=subprocess.PIPE, stderr=f, env=dict(os.environ, OMP_NUM_THREADS="1"))
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith(f"serving {ckpt} on http://127.0.0.1:"):
