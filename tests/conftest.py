@@ -90,8 +90,9 @@ def shared(tmp_path_factory, name, build):
 
 # `python script.py` commands start as forks of a server that has imported torch (tests/forkserver.py): ~4.7 s
 # of CPU less each. Launchers stay what they are (torchrun, bash run.sh: the tests of a launch). PODGPT_TEST_FORKS=0
-# starts every command as a new interpreter instead, as a user's shell would.
-FORKS = os.environ.get("PODGPT_TEST_FORKS", "1") != "0"
+# starts every command as a new interpreter instead, as a user's shell would; so does any system but Linux
+# (the server's SOCK_SEQPACKET socket).
+FORKS = os.environ.get("PODGPT_TEST_FORKS", "1") != "0" and sys.platform.startswith("linux")
 FORKSERVER = os.path.join(ROOT, "tests", "forkserver.py")
 # what an interpreter, or torch as it loads, reads from the environment before a command's first line: a
 # command is forked only where its environment agrees with the server's on these. Not TORCHINDUCTOR_CACHE_DIR,

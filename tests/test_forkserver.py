@@ -9,7 +9,7 @@ import pytest
 
 from conftest import FORKS, Forked, popen
 
-pytestmark = pytest.mark.skipif(not FORKS, reason="PODGPT_TEST_FORKS=0: every command starts as a new interpreter")
+pytestmark = pytest.mark.skipif(not FORKS, reason="forking is off (PODGPT_TEST_FORKS=0, or not Linux): every command starts anew")
 
 PROBE = """\
 import atexit, os, signal, sys, threading, time
