@@ -163,9 +163,10 @@ class Forked(subprocess.Popen):
 
 
 def popen(args, env=None, **kwargs):
-    """subprocess.Popen(args, env=env, **kwargs), forked (Forked) when args is `python X.py ...` and its
-    environment lets it be."""
-    env = dict(os.environ if env is None else env)
+    """subprocess.Popen(args, **kwargs) on one torch thread (OMP_NUM_THREADS=1: two xdist workers on two cores,
+    each spinning a thread per core, stall each other), with `env` added to this process's environment; forked
+    (Forked) when args is `python X.py ...` and its environment lets it be."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if FORKS and len(args) > 1 and args[0] == sys.executable and str(args[1]).endswith(".py") \
             and startup_env(env) == startup_env(forkserver()[1]):
         return Forked(args, env=env, **kwargs)
@@ -173,8 +174,7 @@ def popen(args, env=None, **kwargs):
 
 
 def run(args, env=None, check=True, timeout=600):
-    """Run a command in the repo root (popen) on one torch thread; on failure show what it printed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    """Run a command in the repo root (popen); on failure show what it printed."""
     with popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
         try:
             out, err = p.communicate(timeout=timeout)

@@ -36,7 +36,7 @@ if mode in ("sigkill", "sigterm"):
 def ended(args, fork, cwd, signum=None):
     """(exit status, stdout, stderr's last line, whether stderr has a traceback) of args with PROBE=x, stdin
     "line", forked (conftest.popen) or as a new interpreter; signum: sent once it has printed its first line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE="x")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PROBE="x")  # all of it for subprocess.Popen, added for popen
     with (popen if fork else subprocess.Popen)(args, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, text=True) as p:
         assert isinstance(p, Forked) == fork
@@ -68,7 +68,8 @@ def test_a_command_whose_environment_the_server_cannot_take_starts_anew(tmp_path
     server's: a command asking for others is a new interpreter, which sees them."""
     script = tmp_path / "env.py"
     script.write_text("import os; print(os.environ['OMP_NUM_THREADS'], os.environ.get('PYTHONPATH'))")
-    for env in (dict(os.environ, OMP_NUM_THREADS="2"), dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="/x")):
-        with popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True) as p:
+    for added in (dict(OMP_NUM_THREADS="2"), dict(PYTHONPATH="/x")):
+        with popen([sys.executable, str(script)], env=added, stdout=subprocess.PIPE, text=True) as p:
             assert not isinstance(p, Forked)
+            env = {**os.environ, "OMP_NUM_THREADS": "1", **added}
             assert p.communicate()[0].strip() == f"{env['OMP_NUM_THREADS']} {env.get('PYTHONPATH')}"

@@ -31,7 +31,7 @@ def start(tmp, out, data, *args):
     """train.py in the background (stdout/stderr to files, so a chatty run never blocks on a full pipe)."""
     stdout, stderr = open(tmp / "stdout.txt", "w"), open(tmp / "stderr.txt", "w")
     proc = popen([sys.executable, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
-                 cwd=ROOT, stdout=stdout, stderr=stderr, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
     stdout.close(), stderr.close()
     return proc
 

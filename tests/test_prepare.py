@@ -1015,7 +1015,7 @@ def test_ctrl_c_stops_in_one_line_and_keeps_the_previous_data(corpus, tmp_path):
     big.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 160}) + "\n" for i in range(120_000)))
     proc = popen([sys.executable, "prepare.py", f"--source={big}", f"--data_dir={out}", "--force", "--val_fraction=0",
                   "--shard_tokens=1000000", "--workers=2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 text=True, start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 text=True, start_new_session=True)
     first_shard = out / prepare.SCRATCH / "train_000000.bin"  # in the scratch folder: mid-tokenizing
     deadline = time.time() + 60
     while not first_shard.exists():

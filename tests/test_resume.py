@@ -169,7 +169,7 @@ def popen_train(out, data, *args, nproc=1, log_dir=None):
     base = str(out) + ".console"
     with open(base + ".out", "w") as stdout, open(base + ".err", "w") as stderr:
         return popen([*launch, "train.py", f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *args],
-                     cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=stdout, stderr=stderr)
+                     cwd=ROOT, stdout=stdout, stderr=stderr)
 
 
 def logged_steps(out):

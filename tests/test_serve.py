@@ -50,7 +50,7 @@ def start_server(ckpt, log, read_timeout=READ_TIMEOUT):
     with open(log, "w") as f:
         proc = popen([sys.executable, "sample.py", f"--ckpt={ckpt}", "--serve=True", "--port=0", "--device=cpu",
                       f"--serve_max_tokens={MAX_TOKENS}", f"--serve_read_timeout={read_timeout}"], cwd=ROOT, text=True,
-                     stdout=subprocess.PIPE, stderr=f, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                     stdout=subprocess.PIPE, stderr=f)
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith(f"serving {ckpt} on http://127.0.0.1:"):
