@@ -343,6 +343,13 @@ def measure_capacity(mconfig, mb, dev, dt, ddp_buckets):
     return peak, largest
 
 
+def largest_fits(measured):
+    """The largest micro-batch the search found, against the plan's: the same words in the check's line and in
+    sanity.md."""
+    return (f"the largest micro-batch that fits is {measured['largest_micro_batch']} (predicted "
+            f"{measured['predicted_largest_micro_batch']} in the whole {measured['device_gb']:.1f} GB)")
+
+
 def check_capacity(cfg, dev, dt, world, out):
     """Fills `out` with the plan (and measurement) that goes to sanity.json under "capacity"."""
     if not cfg["capacity"]:
@@ -397,7 +404,7 @@ def check_capacity(cfg, dev, dt, world, out):
                            predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
                            headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
                            largest_micro_batch=largest, predicted_largest_micro_batch=predicted_largest)
-    whole = f"the largest that fits is {largest} (predicted {predicted_largest} in the whole {gb(total):.1f} GB)"
+    whole = largest_fits(out["measured"])
     if peak is None:
         return "fail", f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); {whole}"
     return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
@@ -427,16 +434,12 @@ def capacity_lines(cap):
                      f"its {cap['meta_params']:,} parameters).")
     elif m["peak_bytes"] is None:
         lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch {m['micro_batch_size']} "
-                     f"runs out of memory (predicted {m['predicted_gb']:.2f} GB); the largest that fits is "
-                     f"{m['largest_micro_batch']} (predicted {m['predicted_largest_micro_batch']} in the whole "
-                     f"{m['device_gb']:.1f} GB).")
+                     f"runs out of memory (predicted {m['predicted_gb']:.2f} GB); {largest_fits(m)}.")
     else:
         lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager, one process holding DDP's buckets "
                      f"aside: peak {m['peak_gb']:.2f} GB allocated against {m['predicted_gb']:.2f} GB predicted "
-                     f"(DDP), headroom {m['headroom_gb']:.2f} GB; the largest micro-batch that fits is "
-                     f"{m['largest_micro_batch']} (predicted {m['predicted_largest_micro_batch']} in the whole "
-                     f"{m['device_gb']:.1f} GB, {lays[0]['largest_micro_batch']} within the planned "
-                     f"{cap['usable_share']:g}).")
+                     f"(DDP), headroom {m['headroom_gb']:.2f} GB; {largest_fits(m)}; "
+                     f"{lays[0]['largest_micro_batch']} within the planned {cap['usable_share']:g} share.")
     return lines
 
 

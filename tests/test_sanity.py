@@ -1,11 +1,14 @@
 """sanity.py on CPU: every check reported with a status, each kind of check able to fail (exit 1,
 one line saying why), the capacity plan of the 1B config, and two ranks under torchrun."""
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import configurator
 import model
+import sanity as sanity_script
 from conftest import TORCHRUN, run, run_script
 from model import ATTENTION_BACKENDS, GPTConfig, memory_estimate
 
@@ -135,6 +138,24 @@ def test_capacity_follows_the_runs_dist_mode_and_grad_ckpt(tmp_path, capfd):
                                    "--dist_mode=ddp", "--grad_ckpt=none", config="config/h100_d64.py", check=False)
     assert checks["capacity"]["status"] == "fail" and "this run does NOT fit" in checks["capacity"]["detail"]
     assert r.returncode == 1
+
+
+def test_measured_capacity_says_the_largest_micro_batch_in_the_same_words_everywhere(monkeypatch):
+    """What a GPU measures, as sanity reports it: the check's line and sanity.md name the largest micro-batch that
+    fits in largest_fits' words, which the GPU tier asserts on a real measurement. The GPU (its memory, its name,
+    and the measurement itself) is stood in for; the plan and both reports are sanity's own code."""
+    cfg = configurator.configure(sanity_script.__file__, ["config/tiny.py", "--capacity=True",
+                                                                "--vocab_size=257"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Test GPU")
+    for peak, largest, status in ((3e9, 900, "pass"), (None, 12, "fail")):  # micro-batch 16 fits, then does not
+        monkeypatch.setattr(sanity_script, "measure_capacity", lambda *args, m=(peak, largest): m)
+        out = {}
+        got, detail = sanity_script.check_capacity(cfg, torch.device("cuda"), torch.bfloat16, 1, out)
+        words = sanity_script.largest_fits(out["measured"])
+        assert got == status and words.startswith(f"the largest micro-batch that fits is {largest} (predicted ")
+        assert words in detail and ("measured on Test GPU" if peak else "does NOT fit on Test GPU") in detail, detail
+        assert words in "\n".join(sanity_script.capacity_lines(out)), sanity_script.capacity_lines(out)
 
 
 def test_two_ranks_under_torchrun_check_the_all_reduce(tmp_path):
