@@ -425,8 +425,13 @@ def flex_attention(q, k, v, causal, mask=None):
         block_mask = mask.get("block")
     elif causal and q.size(2) > 1:  # one query (the KV cache's next token) sees every key
         block_mask = causal_block_mask(q.size(2), k.size(2), q.device)
-    run = compiled_flex_attention() if q.is_cuda and q.size(2) == k.size(2) else eager
-    return run(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+    if q.is_cuda and q.size(2) == k.size(2):
+        return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+    # eager on purpose: torch's warning about it (slow, and "may produce incorrect results", which concerns only its
+    # debug mode) would alarm every sampler run; the sampler's logits equal the math kernel's (tests/test_diffusion.py)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+        return eager(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
 
 
 ATTENTION_KERNELS = {

@@ -9,10 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model as model_module
 import report
 from conftest import read_metrics, run_script, train_tiny
+from checkpoint import find_checkpoint, load_model
 from data import Loader, diffusion_draws, load_manifest
+from export import tokenizer_dir
 from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
+from prepare import load_tokenizer
 from test_model import LiveBytes
 from test_prepare import GSM8K, gsm8k_parquet, server  # noqa: F401  (server: the fixture of a local hub mirror)
 
@@ -224,6 +228,88 @@ def test_sampler_unmasks_a_block_in_its_passes_then_commits_it():
     assert all(t < c.vocab_size - 1 for t in out)
 
 
+def sampler_calls(model, prompt, n, seed):
+    """The tokens (B, n) the block sampler yields after prompt (B, P) at temperature 1, and every model call it makes
+    on the way, as (the block it saw, the cache position it sat at, its logits in float32)."""
+    calls, denoise = [], model.denoise
+    def recorded(block, cache):
+        logits = denoise(block, cache)
+        calls.append((block.clone(), cache.pos, logits.float()))
+        return logits
+    model.denoise = recorded
+    try:
+        generator = torch.Generator(device=prompt.device).manual_seed(seed)
+        out = list(model.generate(prompt, n, temperature=1.0, generator=generator))
+    finally:
+        del model.denoise
+    return torch.stack(out, 1), calls
+
+
+@torch.no_grad()
+def replayed(model, calls):
+    """Each of sampler_calls' calls made again by model, on its own attn_backend: the same blocks at the same cache
+    positions, so each sees the same cached keys."""
+    block = calls[0][0]
+    cache = KVCache(model.config, block.size(0), model.config.block_size, block.device, next(model.parameters()).dtype)
+    logits = []
+    for block, pos, _ in calls:
+        cache.pos = pos
+        logits.append(model.denoise(block, cache).float())
+    return logits
+
+
+def sample_on(model, backend, reference, prompt, n, seed):
+    """The block sampler's tokens on attn_backend=backend, checked as text made a block at a time (every call sees a
+    whole block of diffusion_block tokens at a block's start, the prompt's tokens stay where they are, no [MASK] is
+    yielded), and the largest difference of its logits from reference's on the same calls, relative to the
+    largest logit."""
+    c = model.config
+    c.attn_backend = backend
+    tokens, calls = sampler_calls(model, prompt, n, seed)
+    P = prompt.size(1)
+    for block, pos, _ in calls:
+        assert block.size(1) == c.diffusion_block and pos % c.diffusion_block == 0, (block.shape, pos)
+        kept = prompt[:, pos:pos + c.diffusion_block]
+        assert torch.equal(block[:, :kept.size(1)], kept), pos
+    assert not (tokens == c.mask_id).any() and (tokens.size(1) == n or (tokens[:, -1] == c.bos_id).all())
+    assert len(calls) > (P + n) // c.diffusion_block  # more passes than blocks: each block is denoised, then kept
+    c.attn_backend = reference
+    again = replayed(model, calls)
+    c.attn_backend = backend
+    return tokens, max(((a - b).abs().max() / b.abs().max()).item() for a, (_, _, b) in zip(again, calls, strict=True))
+
+
+def sampled_text(ckpt, device, prompt, n, seed):
+    """What sample.py prints after prompt at temperature 1 (no top-k) for a seed, from the checkpoint's model in
+    this process, checked by sample_on against the math kernel; and its largest logit difference from math's."""
+    model, _ = load_model(ckpt, device)
+    tok = load_tokenizer(tokenizer_dir(ckpt))
+    ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)], device=device)
+    out, err = sample_on(model, "auto", "math", ids, n, seed)
+    return tok.decode(out[0].tolist()), err
+
+
+def test_sampler_on_flex_computes_what_math_does(monkeypatch):
+    """The sampler's attention is a block over itself and the cached blocks before it, unmasked, with fewer queries
+    than keys; on FlexAttention (auto's pick for it on a GPU in float32) that runs eagerly, which torch warns "may
+    produce incorrect results". Forward only, a CPU runs it so too: every pass's logits are the math kernel's on the
+    same calls, and the tokens for a seed are the same."""
+    model = tiny()
+    c = model.config
+    # resolve_backend refuses flex on a CPU, which cannot train on it (no backward): the sampler needs no backward
+    monkeypatch.setitem(model_module.resolved, ("flex", "cpu", torch.float32, c.head_dim, None), ("flex", "flex"))
+    prompt = tokens(2, 6, seed=1)
+    flex_tokens, err = sample_on(model, "flex", "math", prompt, 24, seed=0)
+    assert err <= 1e-5, err
+    math_tokens, err = sample_on(model, "math", "flex", prompt, 24, seed=0)
+    assert err <= 1e-5 and torch.equal(flex_tokens, math_tokens)
+    # a wrong kernel is seen: flex attending only to the block, not to the cached keys
+    flex = model_module.ATTENTION_KERNELS["flex"]
+    monkeypatch.setitem(model_module.ATTENTION_KERNELS, "flex", lambda q, k, v, causal, mask=None:
+                        flex(q, k[:, :, -q.size(2):], v[:, :, -q.size(2):], causal, mask))
+    assert sample_on(model, "flex", "math", prompt, 24, seed=0)[1] > 1e-2
+
+
 def test_schedule_unmasking_and_the_end_token():
     """unmask="schedule" fills every token by the last pass; a row ends at the first BOS it makes."""
     model = tiny()
@@ -298,8 +384,11 @@ def test_tiny_bd3lm_learns_and_samples_block_by_block(tmp_path, stdlib_data, cap
     assert r.returncode == 0, r.stderr
     (val,) = [m["val_loss"] for m in read_metrics(out) if "val_loss" in m]
     assert val < 0.75 * np.log(258), val
-    r = run_script(["sample.py", "config/tiny_bd3lm.py", f"--out_dir={out}", "--max_new_tokens=40", "--seed=3"], capfd)
+    r = run_script(["sample.py", "config/tiny_bd3lm.py", f"--out_dir={out}", "--max_new_tokens=40", "--seed=3",
+                    "--temperature=1", "--top_k=0"], capfd)
     assert r.returncode == 0 and r.stdout.startswith("def ") and len(r.stdout.encode()) > len("def ") + 8, r.stdout
+    text, err = sampled_text(find_checkpoint(str(out), "best"), "cpu", "def ", 40, 3)  # auto: flash on a CPU
+    assert r.stdout == "def " + text + "\n" and err <= 1e-5, (r.stdout, text, err)
     r = run_script(["sample.py", f"--ckpt={out}", "--serve=True", "--port=0"], capfd)
     assert r.returncode == 2 and r.stderr.strip().startswith(f"error: checkpoint {out}/ckpt/step_0000016 is a "
                                                             f"block-diffusion model (objective=bd3lm): --serve")
@@ -321,7 +410,6 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     answers the test problem at each evaluation and logs gsm8k_accuracy: 0.0 for a model that says nothing
     useful, 1.0 once the model's answer ends in "#### 10" (its generate stood in for)."""
     import prepare
-    import model as model_module
     base = "/datasets/openai/gsm8k/resolve/main/main/"
     server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[:1] * 8)
     server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
