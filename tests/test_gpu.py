@@ -30,7 +30,10 @@ What it covers, in file order (each part shares its training runs through module
    them with their one line where they cannot run (an A100, no torchao, no flash-attn-4);
 10. objective="refine" (seed 003): config/h100_trm_fast.py at 2 layers (its width, Muon split, full
    checkpointing, compile, bf16) through train.py's dry run under torchrun, and the refine model's KV-cache
-   generation on CUDA against recomputation.
+   generation on CUDA against recomputation;
+11. objective="bd3lm": FlexAttention's 2T pass against the dense mask, config/tiny_bd3lm.py's
+   compiled dry run, and its sampler on CUDA: sample.py's text, and every pass's logits on auto's kernel
+   against the math kernel's.
 
 Torchrun tests use every GPU the machine has (--nproc_per_node=torch.cuda.device_count(); one GPU
 still runs NCCL). Nothing downloads: the data is conftest's stdlib_data (byte tokens).
@@ -61,6 +64,8 @@ from test_bench import close, model_of, run_probe
 from model import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, flops_per_token, fp8_unavailable,
                    parity_error, peak_flops, resolve_backend)
 from checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
+from sanity import largest_fits
+from test_diffusion import sampled_text
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
@@ -116,11 +121,25 @@ EXPORT_TOL = {torch.float32: 1e-4, BF16: 2e-2}
 # a wrong kernel (scale, mask, GQA mapping) is off by ~1
 ATTN_HEAD_DIM = 128
 ATTN_TOL = 2e-2
-# 9. per-step training losses of the opt-in speed paths against section 1's bf16 run, relative. Not yet
-# measured on a GPU (estimates to tighten): float8 keeps 3 mantissa bits (e4m3) against bf16's 7, a wrong
-# scale or layer is off by far more, or does not learn; fa4 computes the same attention as auto's kernel
-FP8_TOL = 5e-2
+# 9. the opt-in speed paths' training losses against section 1's bf16 run, relative to bf16's. Section 1's 12 steps
+# spike at step 7 (config/tiny.py's learning rate just after 2 warmup steps: ~3.80 -> ~4.25 in bf16, ~4.0 in fp8),
+# and from there the runs are chaotic: three bf16 runs agreed within 5.3e-5 per step up to step 6, then differed
+# by up to 2.2e-2. So a path is held per step up to the spike, and at its last step. fp8, measured on an H200
+# (torch 2.11, torchao 0.17; three fp8 runs against three bf16 runs): steps 1-6 within 3.9e-3 of bf16 (2.6e-4 at
+# step 1, the same weights: float8's rounding alone), the last step within 2.9e-2; at the spike, 4.95e-2 to
+# 1.01e-1 in ten runs of this test (bench/results/gpu_tier.jsonl). float8 rounds every matmul's inputs to 3
+# mantissa bits (e4m3) against bf16's 7: FP8_TOL is 2.5x what was measured before the spike, LAST_TOL twice what
+# fp8 and bf16 runs differed by at the end, and a run that does not learn fails the last loss's bound of 0.8 of
+# the first (measured: at most 0.60). fa4 (not yet measured: no flash-attn-4 on the GPUs tried) computes the
+# same attention as auto's kernel.
+STABLE_STEPS = 6
+FP8_TOL = 1e-2
 FA4_TOL = 1e-2
+LAST_TOL = 6e-2
+# 11. the bd3lm sampler's logits on auto's kernel against the math kernel's, float32 (no TF32), largest difference
+# over the largest logit: only the attention kernels differ, as in section 7's fp32 export (measured 2.0e-6 there);
+# a kernel that drops the cached keys or the block's own is off by more than 1e-2 (tests/test_diffusion.py)
+SAMPLER_TOL = 1e-4
 # no command here took more than a minute on the H100 (the compiled ones; most take seconds)
 RUN_TIMEOUT = 300
 
@@ -405,8 +424,9 @@ def test_sanity_on_cuda_with_capacity(tmp_path, data):
     assert 0 < m["peak_bytes"] < m["device_bytes"] and m["headroom_bytes"] == m["device_bytes"] - m["peak_bytes"]
     assert m["predicted_bytes"] > 0 and m["largest_micro_batch"] >= 16  # the configured micro-batch fits
     assert cap["layouts"]["run"]["fits"] is True and cap["layouts"]["run"]["largest_micro_batch"] >= 16
-    detail = checks["capacity"]["detail"]
-    assert "measured on" in detail and "largest micro-batch that fits" in detail, detail
+    detail, words = checks["capacity"]["detail"], largest_fits(m)  # the CPU test of these words: tests/test_sanity.py
+    assert f"measured on {gpu_name()}" in detail and words in detail, detail
+    assert words in (tmp_path / "sanity.md").read_text()
 
 
 def test_sanity_under_torchrun_checks_the_nccl_all_reduce(tmp_path, data):
@@ -698,12 +718,15 @@ def speed_path_run(tmp_path_factory, data, *args):
 
 
 def assert_tracks_the_bf16_run(run_, tiny, tol, what):
+    """Per step within tol up to the spike (STABLE_STEPS), the last step within LAST_TOL, and learning."""
     assert run_.r.returncode == 0, run_.shown
     got, want = train_losses(run_.out), train_losses(tiny.first)
     assert sorted(got) == list(range(1, TINY_STEPS + 1)) and all(math.isfinite(v) for v in got.values())
     diffs = rel_diffs(got, want, got)
-    print(f"{what} against bf16: largest relative loss difference {max(diffs.values()):.2e}")
-    assert max(diffs.values()) <= tol, diffs
+    stable = max(diffs[s] for s in range(1, STABLE_STEPS + 1))
+    print(f"{what} against bf16: relative loss difference {stable:.2e} at most over steps 1-{STABLE_STEPS}, "
+          f"{diffs[TINY_STEPS]:.2e} at the last, {max(diffs.values()):.2e} at most")
+    assert stable <= tol and diffs[TINY_STEPS] <= LAST_TOL, diffs
     assert got[TINY_STEPS] < 0.8 * got[1], got
 
 
@@ -793,11 +816,26 @@ def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
 
 def test_bd3lm_trains_compiled_and_samples_on_cuda(tmp_path, data):
     """config/tiny_bd3lm.py on the GPU's path (auto: flex, compile, bf16) for a dry run that reproduces its
-    steps, then sample.py writes blocks from the checkpoint."""
+    steps; then its checkpoint samples on CUDA in float32, on the kernel auto picks there for the sampler's
+    unmasked attention (flex on an H200: compiled for a block alone, eager for a block after cached keys).
+    sample.py prints the config's prompt, then exactly the tokens the sampler yields in this process for the
+    same seed: blocks of diffusion_block, never [MASK] (tests/test_diffusion.py's sample_on), every pass's
+    logits the math kernel's on the same calls within SAMPLER_TOL."""
     out = tmp_path / "bd3lm"
     r = gpu_run([sys.executable, "train.py", "config/tiny_bd3lm.py", f"--data_dir={data}", f"--out_dir={out}",
                  "--device=cuda", "--dtype=bfloat16", "--compile=True", "--attn_backend=auto", "--dryrun_steps=4"])
     assert "dry run ok: 4 steps" in r.stdout, r.stdout[-3000:]
     assert "attention: flex" in r.stdout or "auto: flex" in (out / "first" / "preflight.md").read_text()
-    r = gpu_run([sys.executable, "sample.py", f"--ckpt={out}/first", "--device=cuda", "--max_new_tokens=64"])
-    assert r.stdout.startswith("def "), r.stdout[-2000:]
+    ckpt = find_checkpoint(str(out / "first"), "latest")
+    r = gpu_run([sys.executable, "sample.py", "config/tiny_bd3lm.py", f"--ckpt={ckpt}", "--device=cuda",
+                 "--max_new_tokens=64", "--seed=3", "--temperature=1", "--top_k=0"])
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # float32 as sample.py computes it (no TF32), for both kernels
+    try:
+        text, err = sampled_text(ckpt, "cuda", "def ", 64, 3)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    sampler_backend = resolve_backend("auto", "cuda", torch.float32, 32, None)[0]  # tiny_bd3lm: heads of 32
+    print(f"bd3lm sampler on {sampler_backend}: largest logit difference from math {err:.1e}")
+    assert r.stdout == "def " + text + "\n", (r.stdout, text)
+    assert err <= SAMPLER_TOL, (sampler_backend, err)
