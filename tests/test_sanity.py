@@ -144,8 +144,7 @@ def test_measured_capacity_says_the_largest_micro_batch_in_the_same_words_everyw
     """What a GPU measures, as sanity reports it: the check's line and sanity.md name the largest micro-batch that
     fits in largest_fits' words, which the GPU tier asserts on a real measurement. The GPU (its memory, its name,
     and the measurement itself) is stood in for; the plan and both reports are sanity's own code."""
-    cfg = configurator.configure(sanity_script.__file__, ["config/tiny.py", "--capacity=True",
-                                                                "--vocab_size=257"])
+    cfg = configurator.configure(sanity_script.__file__, ["config/tiny.py", "--capacity=True", "--vocab_size=257"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80e9))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda dev: "Test GPU")
     for peak, largest, status in ((3e9, 900, "pass"), (None, 12, "fail")):  # micro-batch 16 fits, then does not
