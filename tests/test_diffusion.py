@@ -249,8 +249,8 @@ def sampler_calls(model, prompt, n, seed):
 def replayed(model, calls):
     """Each of sampler_calls' calls made again by model, on its own attn_backend: the same blocks at the same cache
     positions, so each sees the same cached keys."""
-    block = calls[0][0]
-    cache = KVCache(model.config, block.size(0), model.config.block_size, block.device, next(model.parameters()).dtype)
+    rows, device = calls[0][0].size(0), calls[0][0].device
+    cache = KVCache(model.config, rows, model.config.block_size, device, next(model.parameters()).dtype)
     logits = []
     for block, pos, _ in calls:
         cache.pos = pos
