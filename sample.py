@@ -15,7 +15,8 @@ block at a time: diffusion_steps denoising passes per block, filling the tokens 
 (model.py: GPT.generate_blocks); it is not served.
 
 --serve=True answers HTTP requests instead (standard library only; one generation at
-a time, the others wait; no authentication, so keep host=127.0.0.1 or put a proxy in front):
+a time, the others wait in line, within bounds (below); no authentication, so keep host=127.0.0.1 or
+put a proxy in front):
 
     GET  /health          {"status": "ok"}
     GET  /info            the checkpoint, its step and validation loss, the model, the tokenizer, the limits
@@ -59,17 +60,28 @@ the model, or a thread, for long: max_tokens up to serve_max_tokens; a prompt th
 characters each; a body of at most 1 MB (413), sent with a Content-Length (411 without one), whole
 within serve_read_timeout seconds (408). Generation stops when the client closes its connection.
 SIGTERM or Ctrl-C ends the server within a few seconds, exit 0, whatever the clients are doing.
+
+Waiting is bounded too, so that a short request behind long ones is answered or refused within a
+bound instead of waiting for all of them: while one completion generates, at most serve_max_queue
+others wait for the model, first come first served, each for at most serve_max_wait seconds. A
+request past either bound gets 503 with the JSON error and a Retry-After header: whole seconds, the
+requests ahead of it (the one generating and those waiting) times the mean time the last requests
+held the model (before any ended, the running one's time so far). /health, /info and /v1/models
+never wait.
 """
 
 import codecs
+import collections
 import contextlib
 import http.server
 import io
 import itertools
 import json
+import math
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -105,6 +117,8 @@ host = "127.0.0.1"              # address to listen on; 0.0.0.0 opens it to the 
 port = 8000                     # port to listen on; 0: any free one (the start line names it)
 serve_max_tokens = 1024         # the most max_tokens one request may ask for: bounds how long it holds the model
 serve_read_timeout = 30.0       # seconds a client has to send its whole request (headers and body): then 408
+serve_max_queue = 8             # completions that may wait while one generates: one more gets 503 at once
+serve_max_wait = 10.0           # seconds a completion may wait for the model: then 503, not an unbounded wait
 # --- end config
 
 MAX_BODY_BYTES = 1 << 20        # a request body larger than this is refused unread
@@ -139,7 +153,10 @@ def main(argv):
     if config.serve:
         check_ranges(config, port=(lambda v: 0 <= v <= 65535, "0 to 65535 (0: any free port)"),
                      serve_max_tokens=(lambda v: v >= 1, "an integer >= 1"),
-                     serve_read_timeout=(lambda v: v > 0, "a number of seconds above 0"))
+                     serve_read_timeout=(lambda v: v > 0, "a number of seconds above 0"),
+                     serve_max_queue=(lambda v: v >= 0, "an integer >= 0 (0: none waits)"),
+                     serve_max_wait=(lambda v: 0 < v <= threading.TIMEOUT_MAX, "a number of seconds above 0, at "
+                                     f"most {threading.TIMEOUT_MAX:.0f} (threading's limit)"))
     else:
         check_ranges(config, max_new_tokens=(lambda v: v >= 0, "an integer >= 0"),
                      num_samples=(lambda v: v >= 1, "an integer >= 1"),
@@ -153,7 +170,7 @@ def main(argv):
 
     dev = setup(config.device).dev
     try:
-        model, saved = load_export(path, dev) if exported else load_model(path, dev)
+        model, saved = load_exported(path, dev) if exported else load_model(path, dev)
         info = checkpoint_info(path, exported, saved) if config.serve else None
     except ValueError as e:
         fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
@@ -167,6 +184,36 @@ def main(argv):
     ids = encode_prompt(tok, text)
     print(f"# {path}", file=sys.stderr)
     print_samples(config, model, tok, text, ids, dev)
+
+
+def load_exported(path, dev):
+    """load_export(path, dev), or one line naming what cannot be read and the fix: export the checkpoint again."""
+    try:
+        from safetensors import SafetensorError  # an export's weights need it, a checkpoint's do not
+    except ImportError:
+        fail(f"export {path} holds its weights in safetensors, which is not installed: pip install safetensors")
+    again = f"export its checkpoint again (python export.py --ckpt=CHECKPOINT --out={path})"
+    try:
+        return load_export(path, dev)
+    except SafetensorError as e:  # a truncated or damaged weights file (safetensors' error is no ValueError)
+        fail(f"export {path}: {', '.join(unreadable_weights(path))} cannot be read ({first_line(e)}): {again}")
+    except ValueError as e:  # podgpt.json unreadable or unknown to this model.py, or the weights do not fit it
+        fail(f"export {path} cannot be used: {e}: {again}")
+
+
+def unreadable_weights(path):
+    """The safetensors files of an export that safetensors cannot open (a truncated file holds fewer bytes than
+    its header promises); all of them if each opens, as one failed further in."""
+    from safetensors import safe_open
+
+    def opens(name):
+        try:
+            with safe_open(os.path.join(path, name), "pt"):
+                return True
+        except Exception:  # SafetensorError, or OSError for a file that cannot be read at all
+            return False
+    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    return [n for n in names if not opens(n)] or names
 
 
 def check_ranges(config, **rules):
@@ -242,11 +289,12 @@ def checkpoint_info(path, exported, saved):
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP status, one line naming the problem and the fix, the field."""
+    """A request the server refuses: HTTP status, one line naming the problem and the fix, the field, and headers
+    for the reply (a 405's Allow, a 503's Retry-After)."""
 
-    def __init__(self, message, param=None, status=400):
+    def __init__(self, message, param=None, status=400, headers=None):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.headers = param, status, headers
 
 
 def shown(value, width=40):
@@ -482,7 +530,7 @@ def complete(ctx, p, ids, gone, scored=None):
     ends before the first stop string to appear in it; text that could begin one is held back until it cannot.
     gone(): whether the client has left, which ends the generation with ConnectionAbortedError.
     scored: None, or a list that gets (token id, score() with p["logprobs"] top tokens) of each token generated.
-    Call it holding ctx.lock."""
+    Call it holding the model (ctx.queue.turn())."""
     generator = torch.Generator(device=ctx.dev)
     if p["seed"] is None:
         generator.seed()
@@ -518,6 +566,64 @@ def complete(ctx, p, ids, gone, scored=None):
                 yield held[:ready], None, n
                 held = held[ready:]
     yield held + decoder.decode(b"", final=True), finish, n
+
+
+class ModelQueue:
+    """The model, for one generation at a time, first come first served. At most max_waiting completions wait for
+    it, each for at most max_wait seconds: past either bound a request gets 503 with a Retry-After, so that a short
+    request behind many long ones is answered or refused within a bound instead of waiting for all of them."""
+
+    def __init__(self, max_waiting, max_wait):
+        self.max_waiting, self.max_wait = max_waiting, max_wait
+        self.cond = threading.Condition()
+        self.line = collections.deque()  # the waiting requests, first come first
+        self.started = None  # when the generation now running took the model; None: the model is free
+        self.held = collections.deque(maxlen=16)  # seconds each of the last requests held the model
+        self.closed = False  # the server is stopping: no generation starts
+
+    def free(self):
+        return self.started is None and not self.closed
+
+    @contextlib.contextmanager
+    def turn(self):
+        """Holds the model through the with block, once the requests before this one have had it; RequestError
+        (503) when max_waiting others already wait, or the model is not free within max_wait seconds."""
+        with self.cond:
+            if len(self.line) + (not self.free()) > self.max_waiting:
+                raise self.refusal(f"the model is busy and its line is full ({len(self.line)} waiting: "
+                                   "serve_max_queue)")
+            me = object()
+            self.line.append(me)
+            if not self.cond.wait_for(lambda: self.line[0] is me and self.free(), self.max_wait):
+                self.line.remove(me)
+                self.cond.notify_all()  # the next one may be first in line now
+                raise self.refusal(f"the model was not free within {self.max_wait} s (serve_max_wait)")
+            self.line.popleft()
+            self.started = time.monotonic()
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.held.append(time.monotonic() - self.started)
+                self.started = None
+                self.cond.notify_all()
+
+    def refusal(self, why):
+        """The 503 for a request refused because of `why`. Its Retry-After: when the requests now ahead of it (the
+        one generating and those waiting) would be done, at the mean time the last requests held the model
+        (before any ended: the running one's time so far); at least 1 s."""
+        now = time.monotonic()
+        per_request = sum(self.held) / len(self.held) if self.held else now - (self.started or now)
+        seconds = max(1, math.ceil(per_request * (len(self.line) + (self.started is not None))))
+        return RequestError(f"{why}: send it again in {seconds} s", status=503,
+                            headers={"Retry-After": str(seconds)})
+
+    def close(self, timeout):
+        """Waits up to timeout seconds for the running generation to end, then keeps any from starting; whether
+        it ended."""
+        with self.cond:
+            self.closed = True
+            return self.cond.wait_for(lambda: self.started is None, timeout)
 
 
 class DeadlineReader(io.RawIOBase):
@@ -574,7 +680,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                    "POST /v1/completions", status=404)
             if self.command != self.routes[path]:
                 raise RequestError(f"{self.command} {path} is not supported: use {self.routes[path]} {path}",
-                                   status=405)
+                                   status=405, headers={"Allow": self.routes[path]})
             if path == "/health":
                 self.send_json(200, {"status": "ok"})
             elif path == "/info":
@@ -588,8 +694,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if self.streaming:  # too late for a status: the stream ends without its [DONE]
                 return
             kind = "invalid_request_error" if e.status < 500 else "server_error"
-            self.send_json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param}},
-                           allow=self.routes[path] if e.status == 405 else None)
+            self.send_json(e.status, {"error": {"message": str(e), "type": kind, "param": e.param}}, e.headers)
         except (ConnectionError, TimeoutError):  # the client left or stalled: handle() or http.server logs it
             raise
         except Exception as e:  # a bug, or out of memory: say so and keep serving
@@ -626,7 +731,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return dict(head, choices=[{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
                         usage={"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n})
 
-        with ctx.lock:  # one generation at a time: the others wait here
+        with ctx.queue.turn():  # one generation at a time; the others wait, within bounds, or get a 503
             scored = None if p["logprobs"] is None else []
             parts = complete(ctx, p, ids, self.client_gone, scored)
             if p["echo"]:  # the prompt's text first, streamed or not
@@ -647,13 +752,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
 
-    def send_json(self, status, obj, allow=None):
+    def send_json(self, status, obj, headers=None):
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
-        if allow:  # a 405 names the method that works
-            self.send_header("Allow", allow)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -672,25 +777,33 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return True
 
 
+class Server(http.server.ThreadingHTTPServer):
+    """A thread per connection."""
+    daemon_threads = True  # the exit does not wait for them: a client decides how long its thread reads
+    # connections not accepted yet: the system's most, not socketserver's 5, so that a burst of clients gets
+    # answers (a 503 past the queue's bound) rather than connections reset
+    request_queue_size = socket.SOMAXCONN
+
+
 def serve_http(config, path, model, tok, info, dev):
     """Answer HTTP requests until SIGTERM or Ctrl-C (then exit 0)."""
     cfg = model.config
     # created (/v1/models): when the checkpoint or export was written
     ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, created=int(os.path.getmtime(path)),
-                          lock=threading.Lock(), stopping=threading.Event(),
+                          queue=ModelQueue(config.serve_max_queue, config.serve_max_wait), stopping=threading.Event(),
                           max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1,
                           read_timeout=config.serve_read_timeout)
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
                     device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
                                              "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS,
                                              "stop_chars": MAX_STOP_CHARS, "read_seconds": ctx.read_timeout,
-                                             "logprobs": MAX_LOGPROBS})
+                                             "logprobs": MAX_LOGPROBS, "queue": config.serve_max_queue,
+                                             "wait_seconds": config.serve_max_wait})
     try:
-        server = http.server.ThreadingHTTPServer((config.host, config.port), Handler)
+        server = Server((config.host, config.port), Handler)
     except OSError as e:
         fail(f"cannot listen on {config.host}:{config.port} ({first_line(e)}): "
              "pick another --port (0: any free one) or --host")
-    server.daemon_threads = True  # the exit does not wait for them: a client decides how long its thread reads
     server.ctx = ctx
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops it as Ctrl-C does
     host, bound = server.server_address[:2]
@@ -700,11 +813,11 @@ def serve_http(config, path, model, tok, info, dev):
     except KeyboardInterrupt:
         print("stopping", file=sys.stderr, flush=True)
     server.server_close()  # no new connections
-    ctx.stopping.set()  # a generation ends at its next token, and frees the lock
-    if not ctx.lock.acquire(timeout=STOP_SECONDS):
+    ctx.stopping.set()  # a generation ends at its next token, and frees the model
+    if not ctx.queue.close(STOP_SECONDS):
         print(f"warning: the generation did not stop within {STOP_SECONDS} s: exiting anyway", file=sys.stderr,
               flush=True)
-    # End at once, holding the lock so that no generation starts: the threads left may be reading a client's
+    # End at once, the queue closed so that no generation starts: the threads left may be reading a client's
     # bytes or encoding a prompt, and the interpreter's teardown would end them inside that call (pthread_exit),
     # which can abort the process from native code; os._exit ends them all where they are.
     sys.stdout.flush()

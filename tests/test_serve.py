@@ -2,8 +2,10 @@
 with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would), lists
 its model, refuses bad requests and parameters it does not implement with a JSON error naming the field,
 survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile
-clients (long stop strings, trickled or malformed requests, clients that leave) cannot hold it up. And
-sample.py's command line refuses bad settings and prompts with one line."""
+clients (long stop strings, trickled or malformed requests, clients that leave) cannot hold it up, and requests
+behind long ones wait in a bounded line, for a bounded time, or get a 503 with a Retry-After. And sample.py's
+command line refuses bad settings, prompts and damaged exports with one line."""
+import contextlib
 import http.client
 import itertools
 import json
@@ -45,12 +47,13 @@ def ckpt(tmp_path_factory, stdlib_data):
     return find_checkpoint(str(out), "best")
 
 
-def start_server(ckpt, log, read_timeout=READ_TIMEOUT):
-    """sample.py --serve=True on a port the OS picks, its stderr into `log`; a namespace with port and proc."""
+def start_server(ckpt, log, *flags, read_timeout=READ_TIMEOUT):
+    """sample.py --serve=True on a port the OS picks, its stderr into `log`, with `flags` last (they override);
+    a namespace with port and proc."""
     with open(log, "w") as f:
         proc = popen([sys.executable, "sample.py", f"--ckpt={ckpt}", "--serve=True", "--port=0", "--device=cpu",
-                      f"--serve_max_tokens={MAX_TOKENS}", f"--serve_read_timeout={read_timeout}"], cwd=ROOT, text=True,
-                     stdout=subprocess.PIPE, stderr=f)
+                      f"--serve_max_tokens={MAX_TOKENS}", f"--serve_read_timeout={read_timeout}", *flags], cwd=ROOT,
+                     text=True, stdout=subprocess.PIPE, stderr=f)
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     line = proc.stdout.readline() if ready else ""
     if not line.startswith(f"serving {ckpt} on http://127.0.0.1:"):
@@ -161,7 +164,8 @@ def test_health_and_info(server, ckpt):
     assert info["parameters"] == sum(t.numel() for k, t in weights.items() if k != "lm_head.weight")  # tied head
     assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": sample.MAX_BODY_BYTES,
                               "stop_strings": 4, "stop_chars": sample.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
-                              "logprobs": 5}
+                              "logprobs": 5, "queue": sample.serve_max_queue,
+                              "wait_seconds": sample.serve_max_wait}
     assert info["device"] == "cpu"  # the one setup's device, as text
 
 
@@ -522,15 +526,21 @@ def test_completion_ends_at_bos_and_never_splits_a_character(ckpt):
     assert "".join(t for t, _, _ in parts) == "é\ufffd" and parts[-1][1:] == ("length", 4)  # a cut character
 
 
-def test_serves_an_exported_folder(server, ckpt, tmp_path):
+@pytest.fixture(scope="module")
+def export_dir(ckpt, tmp_path_factory):
+    """The checkpoint as export.py writes it, made once per test session."""
     pytest.importorskip("safetensors")
-    dest = tmp_path / "hf"
-    run([sys.executable, "export.py", f"--ckpt={ckpt}", f"--out={dest}"])
-    exported = start_server(str(dest), tmp_path / "stderr.txt")
+    out = shared(tmp_path_factory, "serve_export", lambda out: run([sys.executable, "export.py", f"--ckpt={ckpt}",
+                                                                       f"--out={out / 'hf'}"]))
+    return out / "hf"
+
+
+def test_serves_an_exported_folder(server, ckpt, export_dir, tmp_path):
+    exported = start_server(str(export_dir), tmp_path / "stderr.txt")
     try:
         info = json.loads(call(exported, "GET", "/info")[2])
         trainer = torch.load(os.path.join(ckpt, "trainer.pt"), weights_only=True)
-        assert info["exported"] is True and info["checkpoint"] == str(dest)
+        assert info["exported"] is True and info["checkpoint"] == str(export_dir)
         assert (info["step"], info["val_loss"]) == (trainer["step"], trainer["val_loss"])  # from its podgpt.json
         body = dict(prompt="import os\n", max_tokens=20, temperature=1.0, seed=5)
         assert complete(exported, **body)["choices"][0]["text"] == complete(server, **body)["choices"][0]["text"]
@@ -539,8 +549,8 @@ def test_serves_an_exported_folder(server, ckpt, tmp_path):
 
 
 def test_sigterm_during_a_generation_exits_0_within_seconds(ckpt, tmp_path):
-    """Also while a client trickles its request: its thread reads for up to serve_read_timeout (60 s here),
-    and the exit must not wait for it."""
+    """Also while a client trickles its request (its thread reads for up to serve_read_timeout, 60 s here) and
+    another waits in line for the model (up to serve_max_wait): the exit must wait for neither."""
     server = start_server(ckpt, tmp_path / "stderr.txt", read_timeout=60)
     slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     slow.sendall(POST + b"Content-Length: 100\r\n\r\n{")  # and never the rest
@@ -548,10 +558,12 @@ def test_sigterm_during_a_generation_exits_0_within_seconds(ckpt, tmp_path):
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True}))
     r = conn.getresponse()
     assert r.fp.readline().startswith(b"data: ")
+    waiting = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    waiting.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 8}))
     stop_server(server, within=5)  # mid-stream: the generation stops at its next token
     assert b"data: [DONE]" not in r.read()
-    conn.close()
-    slow.close()
+    for c in (conn, waiting, slow):
+        c.close()
 
 
 # -----------------------------------------------------------------------------
@@ -690,6 +702,126 @@ def test_hostile_clients_do_not_hold_up_a_normal_one(server):
 
 
 # -----------------------------------------------------------------------------
+# the line of requests waiting for the model, and its bounds
+
+WAIT = 1.0  # the queued server's serve_max_wait
+LONG = 1_000_000  # a generation that holds the model until its client leaves (~0.8 ms a token on a 2-core CPU)
+
+
+@pytest.fixture(scope="module")
+def queued(ckpt, tmp_path_factory):
+    """A server where one request may wait for the model (serve_max_queue=1), for at most WAIT seconds."""
+    server = start_server(ckpt, tmp_path_factory.mktemp("queued_log") / "stderr.txt", "--serve_max_queue=1",
+                          f"--serve_max_wait={WAIT}", f"--serve_max_tokens={LONG}")
+    try:
+        yield server
+    finally:
+        stop_server(server, within=5)
+
+
+@contextlib.contextmanager
+def generating(server):
+    """A long greedy stream that holds the model (its first chunk has come) until the with block ends, where its
+    client leaves and the generation stops at its next token."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": LONG, "temperature": 0,
+                                                         "stream": True}))
+    r = conn.getresponse()
+    assert r.status == 200 and r.fp.readline().startswith(b"data: ")
+    try:
+        yield
+    finally:
+        r.close()
+        conn.close()
+
+
+def timed_call(server, body, results):
+    """POST body to /v1/completions: results gets (status, headers, JSON reply, seconds)."""
+    start = time.monotonic()
+    status, headers, data = call(server, "POST", "/v1/completions", body)
+    results.append((status, headers, json.loads(data), time.monotonic() - start))
+
+
+SHORT = dict(prompt="def main(", max_tokens=8, temperature=0)  # the issue's normal request
+
+
+def test_requests_behind_a_long_one_get_503_with_retry_after_within_the_bounds(queued):
+    """A normal 8-token request behind long greedy ones waited for all of them (issue 29: 14.6 s behind 20).
+    Five long requests and a short one sent while a long one generates: one waits WAIT seconds, the others are
+    refused at once (one place in line), each with 503, a Retry-After and the JSON error; /health, /info and
+    /v1/models answer meanwhile; once the long one's client leaves, the server answers again."""
+    results = []
+    with generating(queued):
+        senders = [threading.Thread(target=timed_call, args=(queued, body, results))
+                   for body in [dict(SHORT, max_tokens=LONG)] * 5 + [SHORT]]
+        for t in senders:
+            t.start()
+        for path in ("/health", "/info", "/v1/models"):  # never in line
+            start = time.monotonic()
+            assert call(queued, "GET", path)[0] == 200 and time.monotonic() - start < WAIT / 2, path
+        for t in senders:
+            t.join(timeout=60)
+    assert len(results) == 6
+    waited = []
+    for status, headers, reply, seconds in results:
+        message, retry = reply["error"]["message"], headers["Retry-After"]
+        assert (status, headers["Content-Type"], reply["error"]["type"]) == (503, "application/json", "server_error")
+        assert set(reply["error"]) == {"message", "type", "param"} and "\n" not in message, reply
+        assert retry.isdigit() and int(retry) >= 1 and message.endswith(f"send it again in {retry} s"), message
+        if "serve_max_wait" in message:
+            waited.append(seconds)
+        else:
+            assert "serve_max_queue" in message and seconds < WAIT, (message, seconds)
+    assert waited and all(WAIT <= s < WAIT + 2 for s in waited), results  # usually one, two if one came late
+    timed_call(queued, SHORT, results)  # the long one's client left: the line drains
+    assert results[-1][0] == 200 and results[-1][2]["usage"]["completion_tokens"] == 8, results[-1]
+
+
+def test_a_request_in_line_gets_the_model_when_it_frees(queued):
+    """A request waiting for the model is answered once the generation ahead of it ends, within serve_max_wait."""
+    results = []
+    with generating(queued):
+        waiting = threading.Thread(target=timed_call, args=(queued, SHORT, results))
+        waiting.start()
+        time.sleep(WAIT / 4)  # in line by now
+    waiting.join(timeout=60)
+    status, _, reply, seconds = results[0]
+    assert status == 200 and reply["usage"]["completion_tokens"] == 8 and seconds < WAIT, results
+
+
+def test_model_queue_is_first_come_first_served_and_retry_after_is_measured():
+    """In process: two requests that held the model 0.3 s and 0.5 s make 0.4 s a request; with one generating and
+    two waiting (max_waiting=2), another is refused at once, Retry-After ceil(3 x 0.4) = 2 s; those waiting get the
+    model in the order they came."""
+    q = sample.ModelQueue(max_waiting=2, max_wait=30)
+    for seconds in (0.3, 0.5):
+        with q.turn():
+            time.sleep(seconds)
+    order, release = [], threading.Event()
+
+    def request(name):
+        with q.turn():
+            order.append(name)
+            release.wait(timeout=30)
+
+    requests = [threading.Thread(target=request, args=(name,)) for name in ("first", "second", "third")]
+    for waiting, t in enumerate(requests):
+        t.start()
+        deadline = time.monotonic() + 10
+        while (order != ["first"] or len(q.line) < waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert order == ["first"] and len(q.line) == 2
+    with pytest.raises(sample.RequestError) as e:
+        with q.turn():
+            pass
+    assert (e.value.status, e.value.headers) == (503, {"Retry-After": "2"}) and "serve_max_queue" in str(e.value)
+    release.set()
+    for t in requests:
+        t.join(timeout=30)
+    assert order == ["first", "second", "third"]
+
+
+# -----------------------------------------------------------------------------
 # sample.py's command line
 
 
@@ -728,6 +860,38 @@ def test_command_line_refuses_in_one_line(ckpt, tmp_path, capfd, args, char, say
     err = capfd.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert all(s in err for s in says), err
+
+
+def cut_in_half(path):
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def add_unknown_field(path):
+    with open(path) as f:
+        saved = json.load(f)
+    saved["model"]["no_such_field"] = 1
+    with open(path, "w") as f:
+        json.dump(saved, f)
+
+
+EXPORT_BAD = [  # (file, what is done to it, what the one line says)
+    ("model.safetensors", cut_in_half, "model.safetensors cannot be read (SafetensorError: "),  # a copy cut short
+    ("podgpt.json", add_unknown_field, "unexpected keyword argument 'no_such_field'"),  # from a newer podgpt
+]
+
+
+@pytest.mark.parametrize("name,damage,says", EXPORT_BAD, ids=[name for name, _, _ in EXPORT_BAD])
+def test_a_damaged_export_is_refused_in_one_line(export_dir, tmp_path, capfd, name, damage, says):
+    """An export whose weights were cut short (a traceback from safetensors before) or whose podgpt.json holds a
+    field this model.py does not know: exit 1, one line naming the problem and the fix (export it again)."""
+    dest = tmp_path / "hf"
+    shutil.copytree(export_dir, dest)
+    damage(dest / name)
+    with pytest.raises(SystemExit) as e:
+        run_main(sample.main, [f"--ckpt={dest}", "--device=cpu", "--max_new_tokens=2"])
+    err = capfd.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: export {dest}") and err.count("\n") == 1, err
+    assert says in err and f"python export.py --ckpt=CHECKPOINT --out={dest})" in err, err
 
 
 def test_server_refuses_a_prompt_outside_a_char_tokenizer(ckpt, tmp_path):
