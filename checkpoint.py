@@ -27,6 +27,7 @@ train.py's loop asks one Checkpoints object: due() (is a save owed now?), save()
 background write ended?), wait(), resume() at the start, and newest() + restore() for a rollback.
 """
 
+import fcntl
 import json
 import os
 import random
@@ -35,6 +36,7 @@ import sys
 import time
 import warnings
 import zlib
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import numpy as np
@@ -43,7 +45,7 @@ import torch.distributed as dist
 
 from data import tokenizer_fingerprint
 from model import DIFFUSION_FIELDS, GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
-from util import CutShortThread, fail, first_line, log, warn
+from util import CutShortThread, fail, first_line, lock_file, log, remove, warn
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
@@ -69,13 +71,16 @@ class _CRC32Writer:
 
 
 def save_file(obj, path):
-    """Write bytes or a torch object to path, fsync'd; its CRC32."""
+    """Write bytes or a torch object to path, fsync'd; its CRC32. OSError when the disk refuses it."""
     with open(path, "wb") as f:
         w = _CRC32Writer(f)
         if isinstance(obj, bytes):
             w.write(obj)
         else:
-            torch.save(obj, w)
+            try:
+                torch.save(obj, w)
+            except RuntimeError as e:  # torch's zip writer reports a write the disk refused as its own error
+                raise OSError(f"torch.save could not write {path}: {first_line(e)}") from e
         f.flush()
         os.fsync(f.fileno())
     return w.crc
@@ -180,7 +185,8 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
     except OSError as e:
         return abandon(ckpt_root, tmp, step, first_line(e))
     final = os.path.join(ckpt_root, name)
-    shutil.rmtree(final, ignore_errors=True)  # the same step saved again (a rollback replayed it)
+    if os.path.lexists(final):  # the same step saved again (a rollback replayed it)
+        remove_unread(final)
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     write_pointer(ckpt_root, "latest", name)
@@ -189,15 +195,34 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
     keep = {read_pointer(ckpt_root, "best")}
     for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
         if old not in keep:
-            shutil.rmtree(os.path.join(ckpt_root, old))
+            remove_unread(os.path.join(ckpt_root, old))
     return final
+
+
+def remove_unread(path):
+    """Remove a checkpoint folder unless a reader holds it (see reading): that one goes at a later rotation."""
+    try:
+        fd = lock_file(os.path.join(path, MARKER))
+    except OSError:  # no marker, or unreadable: an incomplete folder, which nobody reads
+        fd = None
+    if fd is None and os.path.exists(os.path.join(path, MARKER)):
+        return
+    try:
+        remove(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def abandon(ckpt_root, tmp, step, error):
     """Drop a partial checkpoint folder and keep training; None."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: check {ckpt_root}",
-          file=sys.stderr, flush=True)
+    try:
+        if os.path.lexists(tmp):
+            remove(tmp)
+    except OSError:  # the disk that failed the save may fail this too: a later save removes it
+        pass
+    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: free disk space or check "
+          f"{ckpt_root}", file=sys.stderr, flush=True)
     return None
 
 
@@ -214,8 +239,8 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     go = [True]
     if master:
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
-            if leftover.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(ckpt_root, leftover), ignore_errors=True)
+            if leftover.startswith(".tmp-step_"):
+                remove(os.path.join(ckpt_root, leftover))
         # a DTensor's numel is the global one: the need is the whole checkpoint, as on a shared disk
         go = [room_for(ckpt_root, step, tensor_bytes([list(files.values()), sharded]), min_free_gb)]
     if sharded is not None:
@@ -395,6 +420,50 @@ def newest_good_checkpoint(ckpt_root, device):
     return None, None
 
 
+@contextmanager
+def reading(src, which="latest"):
+    """The checkpoint folder `src` names (itself, or an out_dir's `which` one: latest, or best falling back to
+    latest), verified intact and held while the caller reads it: a shared lock on its marker, which a training
+    run's rotation honours (remove_unread), so that sample.py and export.py never lose the files they read. From
+    an out_dir, a damaged one (or one rotated away before the lock) gives way to the newest intact one, with a
+    warning. ValueError saying what is wrong when there is none."""
+    if os.path.exists(os.path.join(src, MARKER)) or not os.path.isdir(os.path.join(src, "ckpt")):
+        candidates, named = [src], src
+    else:
+        root = os.path.join(src, "ckpt")
+        name = read_pointer(root, which) or read_pointer(root, "latest")
+        named = os.path.join(root, name) if name else None
+        candidates = ([named] if named else []) + [os.path.join(root, d) for d in sorted(
+            (d for d in os.listdir(root) if d.startswith("step_")), reverse=True) if d != name]
+    problem = None
+    for path in candidates:
+        try:
+            f = open(os.path.join(path, MARKER), "rb")
+        except OSError as e:
+            if path == named:
+                problem = f"incomplete, no readable {MARKER} ({first_line(e)})"
+            continue
+        with f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+            if not os.path.exists(os.path.join(path, MARKER)):  # rotated away between the open and the lock
+                continue
+            try:
+                verify_checkpoint(path)
+            except ValueError as e:
+                if len(candidates) == 1:
+                    raise
+                if path == named:
+                    problem = str(e)
+                else:
+                    warn(f"skipping checkpoint {path}: {e}")
+                continue
+            if path != named and named:
+                warn(f"{named} cannot be used ({problem}): using {path}, the newest intact checkpoint")
+            yield path
+            return
+    raise ValueError(problem or "no checkpoint there")
+
+
 def find_checkpoint(path, which="latest"):
     """The checkpoint folder that `path` names: itself, or the latest (or best) one of an out_dir; None if none.
     An out_dir without a best checkpoint (no evaluation yet) gives its latest."""
@@ -414,13 +483,17 @@ def load_sharded(state, path):
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
 
 
-def load_model(ckpt, device="cpu"):
-    """(model, config dict) from a checkpoint folder, verified, weights loaded, in eval mode;
-    ValueError saying what is wrong."""
-    verify_checkpoint(ckpt)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        config = json.load(f)
-    model = GPT(GPTConfig(**dict(config["model"], attn_backend="auto")))  # trained elsewhere: this machine's kernel
+def load_model(ckpt, device="cpu", verify=True):
+    """(model, config dict) from a checkpoint folder, verified (verify=False: reading() did), weights loaded, in
+    eval mode; ValueError saying what is wrong."""
+    if verify:
+        verify_checkpoint(ckpt)
+    try:
+        with open(os.path.join(ckpt, "config.json")) as f:
+            config = json.load(f)
+        model = GPT(GPTConfig(**dict(config["model"], attn_backend="auto")))  # trained elsewhere: this machine's kernel
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a field this model.py does not know, a missing one
+        raise ValueError(f"config.json does not describe a model this model.py builds ({first_line(e)})") from None
     if os.path.isdir(os.path.join(ckpt, STATE_DIR)):  # sharded (fsdp): DCP gathers the model's shards whole
         state = {"model": model.state_dict()}
         load_sharded(state, os.path.join(ckpt, STATE_DIR))
@@ -512,7 +585,8 @@ class Checkpoints:
         self.model, self.optimizer, self.proc, self.sharded, self.files = model, optimizer, proc, sharded, files
         self.every, self.keep_last, self.save_best, self.min_free_gb = every, keep_last, save_best, min_free_gb
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
-        self.saved_step = -1        # the step the newest checkpoint holds
+        self.saved_step = -1        # the step the newest save holds
+        self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
         self.staging = Staging(proc.dev) if background else None
         # fsdp's background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
         # collectives run: on a process group of their own, gloo, which works on CPU tensors
@@ -589,7 +663,7 @@ class Checkpoints:
             set_rng_state(trainer["rng"][proc.rank])
         else:  # training uses no randomness; only the per-rank RNGs restart
             warn(f"world size {len(trainer['rng'])} -> {proc.world}: same batches, per-rank RNG states re-seeded")
-        self.pending, self.saved_step = False, state.step
+        self.pending, self.saved_step, self.on_disk = False, state.step, state.step
 
     def due(self, step, last_step, new_best, stopping, bad_in_a_row):
         """Whether to save now: every `every` steps and at the last one, but held back while bad steps
@@ -675,6 +749,7 @@ class Checkpoints:
                 warn(f"the step {r['step']} checkpoint: "
                      f"{too_slow_for_preemption(r['gb'], r['written_s'], self.sharded, self.proc.world)}")
             self.records.append(record)
+            self.on_disk = r["step"]
 
     def finished(self):
         """The records of the saves that reached the disk since the last call (the background one too,

@@ -37,21 +37,23 @@ inv_freq = theta^(-2i/head_dim), exactly transformers' rotate_half, so q/k rows 
 (tests/test_export.py checks logits against LlamaForCausalLM, and that a permuted layout fails).
 """
 
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import sys
 
 import torch
 
 import configurator
-from checkpoint import find_checkpoint, load_model
+from checkpoint import find_checkpoint, load_model, reading
 from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
 from prepare import read_ranks
 from report import read_json, read_metrics
-from util import (SCRATCH_MARK, check_apart, fail, first_line, make_scratch, remove_scratch, run_main, write_atomic,
-                  write_json)
+from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, finish_scratch, first_line,
+                  make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -63,7 +65,7 @@ max_shard_gb = 5.0              # weights larger than this are split into shards
 # --- end config
 
 TOKENIZER_DIR = "podgpt_tokenizer"
-PODGPT_FILE = "podgpt.json"
+PODGPT_FILE = EXPORT_MARK  # the export's record: what it holds, where it came from
 # fields of model.py's GPTConfig that Llama expresses, and the runtime settings that do not change the weights
 # (kernels, memory, document masking in training); anything else is an architecture Llama may not express
 LLAMA_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
@@ -160,8 +162,14 @@ def save_safetensors(tensors, path):
     """safetensors' save_file, then the mode open() gives a new file (0666 less the umask): safetensors 0.8
     writes through a temporary file of mode 0600 (safetensors issue 782), which would leave the weights
     readable by their owner alone (a server running as another user could not load them)."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
-    save_file(tensors, path, metadata={"format": "pt"})
+    try:
+        save_file(tensors, path, metadata={"format": "pt"})
+    except SafetensorError as e:  # its I/O errors, a full disk among them, arrive as its own error type
+        code = re.search(r"code: (\d+)", str(e))  # the OS's error number, in the Rust error's text
+        raise OSError(int(code.group(1)) if code else errno.EIO, f"safetensors could not write {path}: "
+                      f"{first_line(e)}") from None
     umask = os.umask(0)  # the only way to read it is to set it: put straight back
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
@@ -364,9 +372,10 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),
                     "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
                     "weights_dtype": weight_dtype, "files": files})
-        if os.path.exists(out):  # an earlier export, nothing but its own files (check_replaceable)
-            shutil.rmtree(out)
-        os.remove(os.path.join(tmp, SCRATCH_MARK))
+        if os.path.lexists(out):  # an earlier export, nothing but its own files: checked again, it may be new
+            check_replaceable(out)
+            remove(out)
+        finish_scratch(tmp)
         os.replace(tmp, out)
     except BaseException:
         if os.path.isfile(os.path.join(tmp, SCRATCH_MARK)):
@@ -449,9 +458,13 @@ def main(argv):
         fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
     check_apart(out=config.out, ckpt=src)
     try:
-        export(path, config.out, config.dtype, config.max_shard_gb)
+        with reading(src, config.which) as path:  # held against a training run's rotation while it is read
+            export(path, config.out, config.dtype, config.max_shard_gb)
+    except ValueError as e:
+        fail(f"checkpoint {path} cannot be used: {e}")
     except OSError as e:  # a read-only place, a full disk
-        fail(f"cannot write out={config.out} ({first_line(e)}): choose another --out")
+        fail(f"cannot write out={config.out} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "choose another --out"))
     print(f"exported {path} to {config.out}")
 
 

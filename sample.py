@@ -91,7 +91,7 @@ from types import SimpleNamespace
 import torch
 
 import configurator
-from checkpoint import find_checkpoint, load_model
+from checkpoint import find_checkpoint, load_model, reading
 from export import finite, is_export, load_export, tokenizer_dir
 from model import UNMASKING, param_counts
 from prepare import load_tokenizer
@@ -169,12 +169,15 @@ def main(argv):
     text = read_prompt(config.prompt, config.prompt_file)
 
     dev = setup(config.device).dev
-    try:
-        model, saved = load_exported(path, dev) if exported else load_model(path, dev)
-        info = checkpoint_info(path, exported, saved) if config.serve else None
-    except ValueError as e:
-        fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
-    tok = load_tokenizer(tokenizer_dir(path))
+    with contextlib.ExitStack() as held:  # a checkpoint is held against the run's rotation while it is read
+        try:
+            if not exported:
+                path = held.enter_context(reading(src, config.which))
+            model, saved = load_exported(path, dev) if exported else load_model(path, dev, verify=False)
+            info = checkpoint_info(path, exported, saved) if config.serve else None
+        except ValueError as e:
+            fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
+        tok = load_tokenizer(tokenizer_dir(path))
     if config.serve:
         if model.config.objective == "bd3lm":
             fail(f"checkpoint {path} is a block-diffusion model (objective=bd3lm): --serve answers with autoregressive "

@@ -34,7 +34,6 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -49,8 +48,8 @@ from data import Loader, check_prepared, load_manifest
 from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable,
                    flops_per_token, make_optimizer, param_counts, parity_errors, random_batch, resolve_backend)
 from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
-from util import (Error, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line, run_main,
-                  setup)
+from util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
+                  make_scratch, on_rank0, remove_scratch, run_main, setup)
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
@@ -234,7 +233,7 @@ def check_checkpoint(cfg, dev):
     files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
              "trainer.pt": dict(format=CKPT_FORMAT, step=1),
              "config.json": json.dumps(dict(model=asdict(model.config))).encode()}
-    scratch = tempfile.mkdtemp(prefix=".sanity-ckpt-", dir=cfg["out_dir"])
+    scratch = make_scratch(os.path.join(cfg["out_dir"], f".sanity-ckpt-{int(os.environ.get('RANK', 0))}"))
     try:
         path = save_checkpoint(scratch, 1, files, keep_last=1, best=False, min_free_gb=0)
         if path is None:
@@ -242,7 +241,7 @@ def check_checkpoint(cfg, dev):
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
         ckpt = load_checkpoint(path, dev)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        remove_scratch(scratch)
     ok = same(ckpt["model"], files["model.pt"]) and same(ckpt["optimizer"], files["optimizer.pt"])
     return ("pass" if ok else "fail"), (f"saved and verified {size / 1e6:.1f} MB under {cfg['out_dir']}, read back: "
                                         + ("every tensor equal" if ok else "tensors DIFFER from what was saved"))
@@ -482,13 +481,21 @@ def main(argv):
         proc = setup(cfg["device"])
     except Error as e:
         proc, device_error = setup("cpu"), str(e)
-    dev, rank, ddp = proc.dev, proc.rank, proc.distributed
+    dev, ddp = proc.dev, proc.distributed
     dt = compute_dtype(cfg["dtype"], dev)
     world = cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"] or 1
-    try:
-        os.makedirs(cfg["out_dir"], exist_ok=True)
-    except OSError as e:  # nowhere to write the report
-        fail(f"out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir")
+    with Folder(cfg["out_dir"], "out_dir", legacy=("ckpt/latest", "sanity.json")) as folder:  # a run's out_dir, or new
+        on_rank0(ddp, lambda: folder.hold().claim())
+        try:
+            os.makedirs(cfg["out_dir"], exist_ok=True)  # on every node
+        except OSError as e:  # nowhere to write the report
+            fail(f"out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir")
+        return run_checks(cfg, proc, dt, world, device_error)
+
+
+def run_checks(cfg, proc, dt, world, device_error):
+    """Every check on this rank, the report of them all from rank 0; the exit status."""
+    dev, rank, ddp = proc.dev, proc.rank, proc.distributed
     capacity_report = {}
     checks = [("environment", partial(check_environment, cfg, dev, dt, device_error)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]

@@ -63,8 +63,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from util import (autocast, check_apart, compute_dtype, dtype_name, fail, first_line, format_seconds, is_master, log,
-                  make_scratch, mean_over_ranks, peak_memory_gb, run_main, setup, warn, write_json)
+from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
+                  format_seconds, is_master, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup,
+                  warn, write_json)
 from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
@@ -389,22 +390,33 @@ def restore_clock(cfg, state):
         warn(f"ignoring {path} ({first_line(e)}): time and cost count from the checkpoint")
 
 
-def check_writable(cfg, proc, report):
-    """out_dir takes writes before any step is spent (each rank its own probe: they run at once); then
-    rank 0 writes the resolved config and the preflight report into it."""
+def check_writable(cfg, proc, report, folder):
+    """out_dir becomes this run's (rank 0 claims it) and takes writes before any step is spent (each rank its own
+    probe: they run at once); then rank 0 writes the resolved config and the preflight report into it."""
+    on_rank0(proc.distributed, folder.claim)
     probe = os.path.join(cfg.out_dir, f".write-test-{proc.rank}")
     try:
         os.makedirs(os.path.join(cfg.out_dir, "ckpt"), exist_ok=True)
         with open(probe, "w") as f:
             f.write("ok")
-        os.remove(probe)
+        if proc.rank == 0:
+            write_json(os.path.join(cfg.out_dir, "config.json"), cfg)
+            write_preflight(cfg.out_dir, report)
     except OSError as e:
-        fail(f"out_dir {cfg.out_dir} is not writable ({first_line(e)}): choose another out_dir")
-    if proc.rank == 0:
-        write_json(os.path.join(cfg.out_dir, "config.json"), cfg)
-        write_preflight(cfg.out_dir, report)
+        fail(f"out_dir {cfg.out_dir} is not writable ({first_line(e)}): " + (
+            MAKE_ROOM if disk_full(e) else "choose another out_dir"))
+    finally:
+        if os.path.isfile(probe):
+            remove(probe)
     if proc.distributed:
         dist.barrier()
+
+
+def out_of_space(path, e, ckpts):
+    """Stop, in one line, at a write into out_dir the disk refused: the run resumes from its newest checkpoint."""
+    where = f"it resumes from step {ckpts.on_disk}" if ckpts.on_disk >= 0 else "it starts over (no checkpoint yet)"
+    fail(f"cannot write {path} ({first_line(e)}): " + (f"{MAKE_ROOM}: {where}" if disk_full(e) else
+                                                         "check out_dir's disk"))
 
 
 def wrap_model(cfg, proc, raw_model):
@@ -478,16 +490,31 @@ class Trainer:
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
         if proc.rank == 0:
             rewrite_metrics(self.metrics_path, state.step)
-        self.metrics = open(self.metrics_path, "a") if proc.rank == 0 else None
+        # appended a line at a time with os.write: no buffer holds half a line that a later flush could add
+        self.metrics = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
+            if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
 
     def write_metrics(self, row):
-        if self.metrics:  # strict JSON: a non-finite value is written as null (its event line says what it was)
+        if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
             row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-            self.metrics.write(json.dumps(row) + "\n")
-            self.metrics.flush()
+            line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.metrics, 0, os.SEEK_END)
+            try:
+                while line:  # a full disk may take part of it before it refuses
+                    line = line[os.write(self.metrics, line):]
+            except OSError as e:  # the line is taken back whole (truncating needs no space)
+                os.ftruncate(self.metrics, end)
+                os.close(self.metrics)
+                self.metrics = None
+                out_of_space(self.metrics_path, e, self.ckpts)
             if self.trackers:
                 self.trackers.log(row)
+
+    def write_clock(self):
+        try:
+            write_json(self.clock_path, dict(elapsed=self.state.elapsed, cost_usd=self.state.cost_usd))
+        except OSError as e:
+            out_of_space(self.clock_path, e, self.ckpts)
 
     def event(self, name, message, **fields):
         self.write_metrics(dict(step=self.state.step, event=name, **fields))
@@ -701,8 +728,8 @@ class Trainer:
                    tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
                    cost_usd=st.cost_usd, **refinement_fields(sups))
         self.write_metrics(row)
-        if self.metrics:
-            write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
+        if self.metrics is not None:
+            self.write_clock()
         log(f"step {st.step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
             f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
             f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{format_refinement(sups)}", flush=True)
@@ -727,7 +754,7 @@ class Trainer:
             + ("" if accuracy is None else f" | gsm8k {100 * accuracy:.1f}% of {len(self.problems)}"), flush=True)
         if self.refine:
             self.check_order()
-        if self.metrics:  # the live report: summary.md and plots/ as of this evaluation
+        if self.metrics is not None:  # the live report: summary.md and plots/ as of this evaluation
             write_report(self.cfg.out_dir, self.cfg.plots, live=True)
         return val_loss, new_best
 
@@ -762,6 +789,19 @@ class Trainer:
                        f"evaluations in a row (now {' -> '.join(f'{v:.4f}' for v in sups)}; step "
                        f"{', '.join(map(str, inverted))} no better than the one before): lower learning_rate, or "
                        f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
+
+    def unsaved(self, reason):
+        """Why the run ends without its model on disk (every stop saves the step it stopped at, but a stop over
+        budget_file, which saves nothing and needs an earlier checkpoint), or None."""
+        st, on_disk, root = self.state, self.ckpts.on_disk, self.ckpts.root
+        if on_disk == st.step or (reason == "budget_file_spent" and on_disk >= 0):
+            return None
+        if on_disk < 0:
+            return (f"the run ended at step {st.step} with no checkpoint on disk (the saves failed: see the warnings): "
+                    f"free disk space for {root}, then run the same command again (it starts over)")
+        return (f"the run ended at step {st.step} but its newest checkpoint is step {on_disk} (the saves after it "
+                f"failed: see the warnings): free disk space for {root}, then run the same command again: it resumes "
+                f"from step {on_disk}")
 
     def loop(self):
         """Train until max_steps, a stop (signal, guard, early stop) or divergence: (the stop reason, the
@@ -810,6 +850,8 @@ class Trainer:
         if self.proc.rank != 0:
             return None
         status = {"max_steps": "completed", "early_stop": "completed", "diverged": "failed"}.get(reason, "stopped")
+        lost = self.unsaved(reason)
+        status = "failed" if lost else status
         unigram = unigram_baseline(cfg.data_dir, self.manifest, self.val_data)
         signal_name = self.stop_signal[0] if self.stop_signal else None
         best = st.best_step >= 0
@@ -822,11 +864,11 @@ class Trainer:
                        nonfinite_steps=st.nonfinite_steps, rollbacks=st.rollbacks, lr_scale=st.lr_scale,
                        params=param_counts(self.raw_model.config), flops_per_token=self.flops_tok,
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
-                       best_checkpoint=find_checkpoint(cfg.out_dir, "best"),
+                       best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
                        **refinement_fields(self.val_sups if val_loss is not None else None, "final_val_"))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
-        write_json(self.clock_path, dict(elapsed=st.elapsed, cost_usd=st.cost_usd))
-        self.metrics.close()
+        self.write_clock()
+        os.close(self.metrics)
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
             self.trackers.close(status)
@@ -848,20 +890,35 @@ class Trainer:
 
 def dryrun(argv, n, root):
     """The real config for n steps into root/first with a checkpoint at n/2, then n/2+1..n again from it into
-    root/resumed, in one invocation: everything a long run needs, in minutes. The exit status."""
+    root/resumed, in one invocation: everything a long run needs, in minutes. The exit status. A stop (a signal,
+    a guard) in the first pass ends the dry run there: there is nothing to compare."""
     ddp, master = "RANK" in os.environ, is_master()
     if n < 2:
         fail(f"dryrun_steps={n}: need at least 2 (a checkpoint at half, then the resume)")
     half = n // 2
-    if master:  # the dry run's folders are scratch (marked as podgpt's): each dry run starts from nothing
+    folder = Folder(root, "out_dir", legacy=("dryrun.json", "first", "resumed"))  # the names a dry run writes
+    if master:  # each dry run starts from nothing: the folders of the one before go (podgpt's own, and no one's now)
+        folder.hold()
         for sub in ("first", "resumed"):
-            make_scratch(os.path.join(root, sub))
-    common = ["--dryrun_steps=0", f"--max_steps={n}", "--log_every=1", f"--eval_every={n}", "--save_best=False",
-              "--early_stop_patience=0", f"--keep_last={n}"]
-    _, first, activity = train(configure([*argv, *common, f"--out_dir={root}/first", "--resume=never",
-                                          f"--ckpt_every={half}"]), keep_group=True)
-    _, resumed, _ = train(configure([*argv, *common, f"--out_dir={root}/resumed", f"--ckpt_every={n}",
-                                     f"--resume={root}/first/ckpt/step_{half:07d}"]), keep_group=True)
+            if os.path.lexists(os.path.join(root, sub)):
+                remove(os.path.join(root, sub))
+        folder.claim()
+    try:
+        common = ["--dryrun_steps=0", f"--max_steps={n}", "--log_every=1", f"--eval_every={n}", "--save_best=False",
+                  "--early_stop_patience=0", f"--keep_last={n}"]
+        _, first, activity = train(configure([*argv, *common, f"--out_dir={root}/first", "--resume=never",
+                                              f"--ckpt_every={half}"]), keep_group=True)
+        if activity["stop_reason"] != "max_steps":  # agreed by every rank
+            if ddp:
+                dist.barrier()
+                dist.destroy_process_group()
+            log(f"dry run stopped at step {activity['steps']} of its first pass ({activity['stop_reason']}): nothing "
+                f"to compare; run the same command again to start it over")
+            return 0
+        _, resumed, _ = train(configure([*argv, *common, f"--out_dir={root}/resumed", f"--ckpt_every={n}",
+                                         f"--resume={root}/first/ckpt/step_{half:07d}"]), keep_group=True)
+    finally:
+        folder.release()
     activities = [activity]
     if ddp:
         activities = [None] * dist.get_world_size()
@@ -900,50 +957,58 @@ def train(cfg, keep_group=False):
     t_start = time.time()
     stop_signal = catch_signals()
     proc, dt, grad_accum = set_up(cfg)
-    data = open_data(cfg)
-    manifest, train_data, val_data = data
-    mconfig = model_config(cfg, manifest)
-    report, raw_model = plan(cfg, proc, dt, mconfig, data)
-    if cfg.preflight_only:
-        return finish_preflight(cfg, report, proc.rank == 0), None, None
+    # out_dir is this run's alone: held before anything reads what an earlier run left (rank 0 for every rank)
+    with Folder(cfg.out_dir, "out_dir", legacy=("ckpt/latest",)) as folder:
+        on_rank0(proc.distributed, folder.hold)
+        data = open_data(cfg)
+        manifest, train_data, val_data = data
+        mconfig = model_config(cfg, manifest)
+        report, raw_model = plan(cfg, proc, dt, mconfig, data)
+        if cfg.preflight_only:
+            on_rank0(proc.distributed, folder.claim)
+            return finish_preflight(cfg, report, proc.rank == 0), None, None
 
-    optimizer = make_optimizer(raw_model, cfg.learning_rate, (cfg.beta1, cfg.beta2), cfg.weight_decay,
-                               fused=proc.dev.type == "cuda", kind=cfg.optimizer, matrix_lr=cfg.matrix_lr,
-                               embedding_lr=cfg.embedding_lr, momentum=cfg.muon_momentum)
-    saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
-    ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
-                        files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
-                        cfg.ckpt_min_free_gb, cfg.ckpt_async)
-    # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
-    state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
-                            evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
-                            rollbacks=0, lr_scale=1.0, injected=[], order_broken=0)
-    resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
-    restore_clock(cfg, state)
-    check_writable(cfg, proc, report)
-    model = wrap_model(cfg, proc, raw_model)
+        optimizer = make_optimizer(raw_model, cfg.learning_rate, (cfg.beta1, cfg.beta2), cfg.weight_decay,
+                                   fused=proc.dev.type == "cuda", kind=cfg.optimizer, matrix_lr=cfg.matrix_lr,
+                                   embedding_lr=cfg.embedding_lr, momentum=cfg.muon_momentum)
+        saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
+        ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
+                            files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
+                            cfg.ckpt_min_free_gb, cfg.ckpt_async)
+        # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
+        state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
+                                evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
+                                rollbacks=0, lr_scale=1.0, injected=[], order_broken=0)
+        resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
+        restore_clock(cfg, state)
+        check_writable(cfg, proc, report, folder)
+        model = wrap_model(cfg, proc, raw_model)
 
-    counts = param_counts(mconfig)
-    log(f"config: {configurator.changed(cfg, __file__)} (every key: {os.path.join(cfg.out_dir, 'config.json')})")
-    log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
-        f"{flops_per_token(mconfig) / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train "
-        f"and {val_data.n:,} validation windows | world {proc.world} x micro {cfg.micro_batch_size} x accum "
-        f"{grad_accum} = {cfg.total_batch_tokens} tokens/step | {proc.dev} {dtype_name(dt)}")
-    if resumed:
-        log(f"resumed from {resumed} at step {state.step} ({format_seconds(state.elapsed)} and "
-            f"${state.cost_usd:.2f} so far)")
-    trainer = Trainer(cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state, stop_signal, t_start)
-    reason, val_loss = trainer.loop()
-    summary = trainer.finish(reason, val_loss)
-    if proc.distributed:
-        dist.barrier()  # tear gloo/nccl down together: a rank leaving while rank 0 still writes can abort
-        if not keep_group:
-            dist.destroy_process_group()
-    if reason == "diverged":
-        fail(f"{trainer.diverged} (summary in {cfg.out_dir}/summary.json)")
-    activity = dict(rank=proc.rank, device=str(proc.dev), dtype=dtype_name(dt), steps=state.step,
-                    samples=state.samples, peak_mem_gb=peak_memory_gb(proc.dev), elapsed_s=state.elapsed)
-    return 0, summary, activity
+        counts = param_counts(mconfig)
+        log(f"config: {configurator.changed(cfg, __file__)} (every key: {os.path.join(cfg.out_dir, 'config.json')})")
+        log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+            f"{flops_per_token(mconfig) / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train "
+            f"and {val_data.n:,} validation windows | world {proc.world} x micro {cfg.micro_batch_size} x accum "
+            f"{grad_accum} = {cfg.total_batch_tokens} tokens/step | {proc.dev} {dtype_name(dt)}")
+        if resumed:
+            log(f"resumed from {resumed} at step {state.step} ({format_seconds(state.elapsed)} and "
+                f"${state.cost_usd:.2f} so far)")
+        trainer = Trainer(cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state, stop_signal,
+                          t_start)
+        reason, val_loss = trainer.loop()
+        summary = trainer.finish(reason, val_loss)
+        if proc.distributed:
+            dist.barrier()  # tear gloo/nccl down together: a rank leaving while rank 0 still writes can abort
+            if not keep_group:
+                dist.destroy_process_group()
+        if reason == "diverged":
+            fail(f"{trainer.diverged} (summary in {cfg.out_dir}/summary.json)")
+        if summary and summary["error"]:  # rank 0's: torchrun's job fails with it
+            fail(summary["error"])
+        activity = dict(rank=proc.rank, device=str(proc.dev), dtype=dtype_name(dt), steps=state.step,
+                        samples=state.samples, peak_mem_gb=peak_memory_gb(proc.dev), elapsed_s=state.elapsed,
+                        stop_reason=reason)
+        return 0, summary, activity
 
 
 def main(argv):

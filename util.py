@@ -8,14 +8,19 @@ otherwise, or the CPU. device=cpu means the CPU all the way down, also on a mach
 gloo for the process group, a CPU mesh for FSDP, and no call into CUDA at all.
 """
 
+import errno
+import fcntl
 import itertools
 import json
 import os
+import re
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
@@ -113,10 +118,16 @@ def format_seconds(s):
 
 
 def write_atomic(path, text):
-    """Whole file or none: a reader (or a crash) never sees half a report."""
+    """Whole file or none: a reader (or a crash) never sees half a report, and a write the disk refuses
+    leaves no temporary file behind."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8", newline="") as f:
-        f.write(text)
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    except BaseException:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
 
 
@@ -124,9 +135,12 @@ def write_json(path, obj):
     write_atomic(path, json.dumps(obj, indent=1))
 
 
-# the file inside every temporary folder podgpt makes: a folder is removed only when it holds one, so a
-# user's folder that happens to sit where podgpt wants its own is refused, never deleted
-SCRATCH_MARK = "PODGPT_SCRATCH"
+def disk_full(e):
+    """Whether an OSError says the disk is full: no space, the user's quota, or the file-size limit (ulimit -f)."""
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+MAKE_ROOM = "free disk space (or raise the quota or file-size limit), then run the same command again"
 
 
 def check_apart(**folders):
@@ -143,26 +157,205 @@ def check_apart(**folders):
                  "side by side")
 
 
+# -----------------------------------------------------------------------------
+# podgpt's own folders: one writer each, and deletes of only what podgpt made
+
+MARK = ".podgpt"  # in every folder a podgpt process writes whole (out_dir, data_dir): podgpt made it, and the OS's
+                  # lock on this file says which process writes it now
+# the file inside every temporary folder podgpt makes: a folder is removed only when it holds one, so a
+# user's folder that happens to sit where podgpt wants its own is refused, never deleted
+SCRATCH_MARK = "PODGPT_SCRATCH"
+EXPORT_MARK = "podgpt.json"  # an export's own record of what it holds (export.py)
+# entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint folder (or one
+# being written), an atomic write's temporary file, a writability probe
+OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"), (re.compile(r".+\.tmp|\.write-test-\d+"), "file"))
+
+
+def lock_file(path, create=False):
+    """path, opened and locked by this process alone (flock: the OS drops it when the process ends, however it
+    ends, so a killed process never leaves a stale lock); None when another process holds it, or (create=False)
+    when there is no such file."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+        except FileNotFoundError:
+            if create:
+                raise
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:  # the holder before may have removed the file (and another made it anew) between the open and the lock
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+        if not create:
+            return None
+
+
+def holder(path):
+    """Who holds the folder whose mark is `path`, as its holder wrote it there."""
+    try:
+        with open(path) as f:
+            w = json.load(f)["writer"]
+        return f"pid {w['pid']} on {w['host']} since {w['since']}: {w['command']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not said which yet"
+
+
+class Folder:
+    """A folder one podgpt process writes (an out_dir, a data_dir), held against every other podgpt process by
+    the OS's lock on its MARK file. hold() before reading what an earlier run left there (it writes nothing, so
+    a run refused after it leaves the folder as it was); claim() before the first write; release() at the end,
+    which also removes what claim() made when nothing else was written there. own_only: the folder must be
+    empty or podgpt's (its mark, or `legacy`: entries that prove an earlier podgpt made it before the mark)."""
+
+    def __init__(self, path, setting, own_only=True, legacy=()):
+        self.path, self.setting, self.own_only, self.legacy = path, setting, own_only, legacy
+        self.mark = os.path.join(path, MARK)
+        self.fd, self.made = None, []  # the locked mark; what claim() created (folders outermost first, the mark)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def busy(self):
+        fail(f"{self.setting} {self.path} is being written by another podgpt process ({holder(self.mark)}): "
+             f"wait for it to end (or stop it), or choose another {self.setting}")
+
+    def hold(self):
+        if os.path.isfile(self.mark):
+            self.fd = lock_file(self.mark)
+            if self.fd is None and os.path.isfile(self.mark):
+                self.busy()
+        if self.fd is None and self.own_only and os.path.isdir(self.path):
+            theirs = sorted(n for n in os.listdir(self.path) if n != MARK)
+            if theirs and not any(os.path.exists(os.path.join(self.path, p)) for p in self.legacy):
+                fail(f"{self.setting} {self.path} holds files podgpt did not write ({', '.join(theirs[:3])}"
+                     f"{', ...' if len(theirs) > 3 else ''}): give a new or empty folder, or a podgpt run's own")
+        return self
+
+    def claim(self):
+        """Create the folder if need be and write who holds it into its mark."""
+        if self.fd is None:
+            self.hold()  # another process may have started on it since hold()
+        if self.fd is None:
+            try:
+                missing, p = [], os.path.abspath(self.path)
+                while not os.path.exists(p):
+                    missing.insert(0, p)
+                    p = os.path.dirname(p)
+                os.makedirs(self.path, exist_ok=True)
+                self.made = missing
+                had_mark = os.path.exists(self.mark)
+                self.fd = lock_file(self.mark, create=True)
+            except OSError as e:
+                fail(f"{self.setting} {self.path} is not writable ({first_line(e)}): "
+                     + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
+            if self.fd is None:
+                self.busy()
+            if not had_mark:
+                self.made.append(self.mark)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(dict(podgpt=self.setting, writer=writer_record())).encode() + b"\n", 0)
+        except OSError as e:
+            fail(f"cannot write {self.mark} ({first_line(e)}): "
+                 + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
+        return self
+
+    def release(self):
+        """Unlock; what claim() made goes if nothing else was written into it (a run refused before its first step)."""
+        if self.fd is None:
+            return
+        if self.made and os.listdir(self.path) == [MARK]:
+            if self.made[-1] == self.mark:
+                os.remove(self.mark)
+            for folder in reversed([m for m in self.made if m != self.mark]):
+                try:
+                    os.rmdir(folder)
+                except OSError:  # not empty (another's files), or gone: leave it
+                    break
+        os.close(self.fd)
+        self.fd, self.made = None, []
+
+
+def writer_record():
+    """Who this process is, for the mark of a folder it holds."""
+    return dict(pid=os.getpid(), host=socket.gethostname(), command=" ".join([sys.executable, *sys.argv]),
+                since=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+
+
+def marked(path):
+    """The mark a folder holds that says podgpt made it (None: none)."""
+    return next((m for m in (MARK, SCRATCH_MARK, EXPORT_MARK) if os.path.isfile(os.path.join(path, m))), None)
+
+
+scratch_locks = {}  # the real path of each scratch folder's mark this process made: its locked file
+
+
+def remove(path):
+    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or an entry
+    named as podgpt names its own and of the kind that name is (OWN_NAMES; never a link). Every delete podgpt makes
+    goes through here; anything else stays, with one line."""
+    name, is_dir = os.path.basename(path), os.path.isdir(path) and not os.path.islink(path)
+    if is_dir and not os.listdir(path):  # an empty folder: nothing in it to lose
+        os.rmdir(path)
+        return
+    kind = "folder" if is_dir else "file" if os.path.isfile(path) and not os.path.islink(path) else None
+    mark = marked(path) if is_dir else None
+    fd = None
+    if mark in (MARK, SCRATCH_MARK):  # held by a live podgpt process: its own to delete, not ours
+        mark = os.path.join(path, mark)
+        fd = scratch_locks.pop(os.path.realpath(mark), None)
+        if fd is None and (fd := lock_file(mark)) is None and os.path.isfile(mark):
+            fail(f"{path} is in use by another podgpt process ({holder(mark)}): wait for it to end, or stop it")
+    elif not mark and not any(pattern.fullmatch(name) and kind == want for pattern, want in OWN_NAMES):
+        fail(f"{path} is in podgpt's way and podgpt did not make it"
+             + (f" (it holds no {SCRATCH_MARK} file)" if is_dir else "") + ": move or rename it, then rerun")
+    try:
+        if is_dir:
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def make_scratch(path):
     """The empty folder `path` for podgpt's temporary files, with the marker file that proves podgpt
-    made it. What an interrupted run left there (marked) is removed first; anything else is refused."""
+    made it, locked while this process lives or until finish_scratch. What an interrupted run left there
+    (marked, no live holder) is removed first; anything else is refused."""
     remove_scratch(path)
     os.makedirs(path)
-    with open(os.path.join(path, SCRATCH_MARK), "w") as f:
-        f.write(f"made by podgpt ({os.path.basename(sys.argv[0])}, pid {os.getpid()}) for its temporary files; "
-                "safe to delete\n")
+    mark = os.path.join(path, SCRATCH_MARK)
+    with open(mark, "w") as f:
+        f.write(json.dumps(dict(podgpt="scratch: temporary files, safe to delete", writer=writer_record())) + "\n")
+    scratch_locks[os.path.realpath(mark)] = lock_file(mark)
     return path
+
+
+def finish_scratch(path):
+    """The scratch folder's files are the result (renamed into place next): its mark goes, and its lock."""
+    mark = os.path.join(path, SCRATCH_MARK)
+    fd = scratch_locks.pop(os.path.realpath(mark), None)
+    os.remove(mark)
+    if fd is not None:
+        os.close(fd)
 
 
 def remove_scratch(path):
     """Remove a folder make_scratch made (nothing there: nothing to do); a folder or file there without
     the marker is not podgpt's: one line, and it stays."""
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path) or not os.path.isfile(os.path.join(path, SCRATCH_MARK)):
-        fail(f"{path} is in podgpt's way and podgpt did not make it (it holds no {SCRATCH_MARK} file): "
-             "move or rename it, then rerun")
-    shutil.rmtree(path)
+    if os.path.lexists(path):
+        remove(path)
 
 
 def compute_dtype(name, dev):
@@ -272,6 +465,24 @@ def driver_version():
         return out.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown (no nvidia-smi)"
+
+
+def on_rank0(distributed, fn):
+    """fn() on rank 0 alone (the rank that writes a run's files); the Error it raises stops every rank of the
+    job with the same line, where the others would otherwise wait at their next collective until its timeout."""
+    error = None
+    if is_master():
+        try:
+            fn()
+        except Error as e:
+            error = (str(e), e.code)
+    if distributed:
+        import torch.distributed as dist
+        box = [error]
+        dist.broadcast_object_list(box)
+        error = box[0]
+    if error:
+        fail(*error)
 
 
 def mean_over_ranks(value, distributed, device):

@@ -420,16 +420,21 @@ def test_sample_which_best_and_latest(early_stopped, capfd):
 # 6. free disk
 
 
-def test_checkpoints_skipped_when_the_disk_is_too_full(tmp_path, stdlib_data, capfd):
+def test_a_run_whose_every_save_was_skipped_fails_at_its_end(tmp_path, stdlib_data, capfd):
     """ckpt_min_free_gb=1e9: no disk has that, so every checkpoint (periodic, best, final) is skipped
-    with a warning naming what it needs and what is free; training still completes (exit 0) and ckpt/
-    holds no checkpoint and no half-written .tmp-* folder."""
+    with a warning naming what it needs and what is free; training goes on, but a run that ends without
+    its model on disk is no success: exit 1 with one line that says so and what to do, summary.json
+    status failed, and ckpt/ holds no checkpoint and no half-written .tmp-* folder."""
     r = train(capfd, tmp_path, stdlib_data, *FAST, "--max_steps=10", "--ckpt_every=3", "--eval_every=5",
-              "--log_every=5", "--ckpt_min_free_gb=1e9")
+              "--log_every=5", "--ckpt_min_free_gb=1e9", check=False)
     warnings = [l for l in r.stderr.splitlines() if l.startswith("warning: skipping the step")]
     assert [int(w.split()[4]) for w in warnings] == [3, 5, 6, 9, 10]  # periodic 3, 6, 9; best 5; final 10
     for w in warnings:
         assert "it needs" in w and "GB free" in w and "ckpt_min_free_gb=1000000000.0" in w
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "done (" not in r.stdout
+    assert r.stderr.splitlines()[-1] == (
+        f"error: the run ended at step 10 with no checkpoint on disk (the saves failed: see the warnings): free "
+        f"disk space for {tmp_path}/ckpt, then run the same command again (it starts over)")
     summary = summary_of(tmp_path)
-    assert summary["status"] == "completed" and summary["steps"] == 10 and summary["checkpoint"] is None
+    assert summary["status"] == "failed" and summary["steps"] == 10 and summary["checkpoint"] is None
     assert os.listdir(tmp_path / "ckpt") == []

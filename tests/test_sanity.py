@@ -72,7 +72,7 @@ def test_cpu_sanity_passes_and_reports_every_check(tmp_path, stdlib_data, capfd)
     assert "compile=False" in checks["compile"]["detail"] and "torchrun" in checks["allreduce"]["detail"]
     assert checks["capacity"]["status"] == "skip" and report["capacity"] is None
     assert "257 tokens" in checks["dataset"]["detail"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sanity.json", "sanity.md"]  # no checkpoint scratch left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".podgpt", "sanity.json", "sanity.md"]  # no scratch left
 
 
 # kind: (arguments, the patch model.py runs under, the check that must fail, what its detail must say)
