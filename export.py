@@ -167,7 +167,7 @@ def save_safetensors(tensors, path):
     try:
         save_file(tensors, path, metadata={"format": "pt"})
     except SafetensorError as e:  # its I/O errors, a full disk among them, arrive as its own error type
-        code = re.search(r"code: (\d+)", str(e))  # the OS's error number, in the Rust error's text
+        code = re.search(r"\(os error (\d+)\)", str(e))  # the OS's error number, in the Rust error's text
         raise OSError(int(code.group(1)) if code else errno.EIO, f"safetensors could not write {path}: "
                       f"{first_line(e)}") from None
     umask = os.umask(0)  # the only way to read it is to set it: put straight back

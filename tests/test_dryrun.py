@@ -1,9 +1,15 @@
 """train.py --dryrun_steps=N: N steps, a checkpoint at N/2, a resume from it in the same invocation
-that must reproduce steps N/2+1..N; one process and two ranks, and a deliberately broken resume."""
+that must reproduce steps N/2+1..N; one process and two ranks, a deliberately broken resume, and a
+dry run stopped by a signal."""
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import checkpoint
-from conftest import TINY_MODEL, TORCHRUN, run, run_script
+from conftest import ROOT, TINY_MODEL, TORCHRUN, popen, run, run_script
 
 ARGS = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=256", "--dryrun_steps=6"]
 
@@ -37,3 +43,29 @@ def test_dry_run_fails_when_resume_is_broken(tmp_path, stdlib_data, monkeypatch,
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert "error: dry run failed: the resumed run does not reproduce steps 4..6" in r.stderr
     assert json.load(open(tmp_path / "out" / "dryrun.json"))["ok"] is False
+
+
+def test_a_signal_in_the_first_pass_stops_the_dry_run_whole(tmp_path, stdlib_data):
+    """SIGTERM (a preemption, or run.sh passing on Ctrl-C) during the first pass stopped only that pass:
+    the second one started anyway, from a checkpoint that may not exist. Now the dry run ends there, exit 0,
+    saying how to start it over; no second pass, no dryrun.json verdict on a run that did not finish."""
+    out = tmp_path / "out"
+    p = popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}",
+               *ARGS[:-1], "--dryrun_steps=100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              text=True)
+    try:
+        deadline = time.time() + 120
+        while not (out / "first" / "metrics.jsonl").exists() or os.path.getsize(out / "first" / "metrics.jsonl") == 0:
+            assert p.poll() is None and time.time() < deadline, p.communicate()
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "Traceback" not in stderr, stderr
+    summary = json.load(open(out / "first" / "summary.json"))
+    assert summary["status"] == "stopped" and summary["stop_reason"] == "signal"
+    assert stdout.splitlines()[-1] == (f"dry run stopped at step {summary['steps']} of its first pass (signal): "
+                                       "nothing to compare; run the same command again to start it over")
+    assert not (out / "resumed").exists() and not (out / "dryrun.json").exists()

@@ -198,13 +198,13 @@ def test_sample_falls_back_to_the_newest_intact_checkpoint(tmp_path, two_checkpo
 # -----------------------------------------------------------------------------
 # a full disk
 
-def limited(size, *args):
-    """`python train.py args` in a process whose files may not grow past `size` bytes (ulimit -f): every write
+def limited(size, script, *args):
+    """`python script args` in a process whose files may not grow past `size` bytes (ulimit -f): every write
     past it fails as on a full disk (EFBIG instead of ENOSPC), whatever code makes it."""
     limit = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
              f"resource.setrlimit(resource.RLIMIT_FSIZE, ({size}, {size})); sys.argv = sys.argv[1:]; "
              "runpy.run_path(sys.argv[0], run_name='__main__')")
-    return run([sys.executable, "-c", limit, "train.py", *args], check=False)
+    return run([sys.executable, "-c", limit, script, *args], check=False)
 
 
 def test_a_full_disk_mid_run_stops_in_one_line_and_the_same_command_resumes(tmp_path, two_checkpoints, capfd):
@@ -217,7 +217,7 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_same_command_resumes(tmp_
     data = json.load(open(out / "config.json"))["data_dir"]
     args = [f"--data_dir={data}", f"--out_dir={out}", *TINY_MODEL, *FAST, "--max_steps=1000", "--ckpt_every=2",
             "--ckpt_async=False", "--log_every=1", "--eval_every=1000", "--keep_last=2", "--save_best=False"]
-    r = limited(os.path.getsize(out / "metrics.jsonl") + 4000, *args)
+    r = limited(os.path.getsize(out / "metrics.jsonl") + 4000, "train.py", *args)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     warnings = [line for line in r.stderr.splitlines() if line.startswith("warning:")]
     assert warnings and all(" checkpoint failed (OSError: " in w for w in warnings), r.stderr
@@ -230,3 +230,15 @@ def test_a_full_disk_mid_run_stops_in_one_line_and_the_same_command_resumes(tmp_
     verify_checkpoint(str(out / "ckpt" / "step_0000004"))
     r = run_script(["train.py", *args, "--max_steps=6"], capfd)
     assert r.returncode == 0 and f"resumed from {out}/ckpt/step_0000004 at step 4" in r.stdout, r.stderr
+
+
+def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, two_checkpoints):
+    """safetensors' own error type (SafetensorError) escaped export.py as a traceback; its scratch folder
+    stayed. Now: one line that says to make room and run the same command, and nothing left beside --out."""
+    r = limited(50_000, "export.py", f"--ckpt={two_checkpoints}", f"--out={tmp_path / 'x'}")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    [line] = error_lines(r.stderr)
+    assert line.startswith(f"error: cannot write out={tmp_path / 'x'} (OSError: [Errno 27] safetensors could not "
+                           f"write {tmp_path}/.x.podgpt-export/model.safetensors: ")
+    assert line.endswith("): free disk space (or raise the quota or file-size limit), then run the same command again")
+    assert os.listdir(tmp_path) == []
