@@ -79,10 +79,39 @@ def read_defaults(path):
     return defaults
 
 
+def shown(value):
+    """repr(value) for a message, and an int of more than 128 bits by its size: one of more than 4300 digits (a
+    config file's max_steps = 10**10000) has no repr in Python 3.11+, and asking would turn the message into a
+    traceback."""
+    if is_int(value) and value.bit_length() > 128:
+        return f"an integer of {value.bit_length():,} bits"
+    try:
+        return repr(value)
+    except ValueError:  # such an int inside a list, a dict, ...
+        return f"a {type(value).__name__} too large to print"
+
+
+def is_int(value):
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(key, value):
+    """An int setting fits in 64 bits: torch, numpy and float arithmetic take no larger one and fail deep in a
+    run (max_steps = 10**10000 ended in an OverflowError once the data was open). A seed is one that every
+    seeding takes: np.random.seed, which train.py calls, takes [0, 2**32), torch.manual_seed more."""
+    if key == "seed" and not 0 <= value < 2**32:
+        raise ConfigError(f"seed is {shown(value)}, outside [0, 2**32), the seeds numpy takes: give a seed in that "
+                          "range")
+    if not -2**63 <= value < 2**63:
+        raise ConfigError(f"{key} is {shown(value)}, which does not fit in 64 bits: give an integer in "
+                          "[-2**63, 2**63)")
+    return value
+
+
 def coerce(key, value, default):
     """`value` converted to the type of `default`, or ConfigError."""
-    if default is None or value is None:
-        return value
+    if default is None or value is None:  # any value, but an int must fit in 64 bits
+        return check_int(key, value) if is_int(value) else value
     kind = type(default)
     if kind is bool:
         if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -90,18 +119,23 @@ def coerce(key, value, default):
         if isinstance(value, bool):
             return value
     elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+        if is_int(value):
+            return check_int(key, value)
         if isinstance(value, float) and value.is_integer():  # 2e4 for max_steps
-            return int(value)
+            return check_int(key, int(value))
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):  # float("nan") passes every "must be positive" check downstream
-                raise ConfigError(f"{key}={value} is not a finite number: give a number (default {default!r})")
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past the largest float
+                raise ConfigError(f"{key} is {shown(value)}, past the largest float: give a number "
+                                  f"(default {default!r})") from None
+            if not math.isfinite(number):  # float("nan") passes every "must be positive" check downstream
+                raise ConfigError(f"{key}={number} is not a finite number: give a number (default {default!r})")
+            return number
     elif isinstance(value, kind):
         return value
-    raise ConfigError(f"{key} expects {kind.__name__} (default {default!r}), got {value!r}")
+    raise ConfigError(f"{key} expects {kind.__name__} (default {default!r}), got {shown(value)}")
 
 
 def suggest(key, known):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import configurator
-from conftest import run_script
+from conftest import TINY_MODEL, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "train.py")
@@ -85,3 +85,35 @@ def test_help_lists_every_key_with_default_and_comment(capfd):
 def test_every_config_file_is_valid_for_every_script(name):
     for script in configurator.SCRIPTS:
         configurator.configure(os.path.join(ROOT, script), [os.path.join(ROOT, "config", name)])
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--seed=18446744073709551616", "seed is 18446744073709551616, outside [0, 2**32), the seeds numpy takes: give a "
+                                    "seed in that range"),
+    ("--seed=-1", "seed is -1, outside [0, 2**32), the seeds numpy takes: give a seed in that range"),
+    ("max_steps = 10**10000", "max_steps is an integer of 33,220 bits, which does not fit in 64 bits: give an integer "
+                              "in [-2**63, 2**63)"),
+    ("learning_rate = -10**400", "learning_rate is an integer of 1,329 bits, past the largest float: give a number "
+                                 "(default 0.0003)"),
+], ids=["seed-2**64", "seed-negative", "max_steps-10**10000-in-a-file", "learning_rate-minus-10**400-in-a-file"])
+def test_an_integer_no_run_can_use_is_one_line(setting, message, tmp_path, stdlib_data, capfd):
+    """What no script can use, refused as it is read: on the old configurator a seed of 2**64 ended in torch's
+    "Overflow when unpacking long long", -1 in numpy's seeding, max_steps = 10**10000 in an OverflowError once
+    the data was open (and str() of such an int raises in Python 3.11+: the message must not)."""
+    if not setting.startswith("--"):  # a config file's line: Python, so 10**10000 is an int
+        (tmp_path / "conf.py").write_text(setting + "\n")
+        setting = str(tmp_path / "conf.py")
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path / 'out'}", *TINY_MODEL,
+                    "--max_steps=1", setting], capfd)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert r.stderr.strip().splitlines() == [f"error: {message}"]
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("script", configurator.SCRIPTS)
+def test_every_script_refuses_an_int_past_64_bits(script):
+    key = next(k for k, (default, _) in configurator.read_defaults(os.path.join(ROOT, script)).items()
+               if type(default) is int)
+    with pytest.raises(configurator.ConfigError, match=rf"^{key} is 9223372036854775808, which does not fit in 64"):
+        configurator.configure(os.path.join(ROOT, script), [f"--{key}={2**63}"])
+    assert configurator.configure(os.path.join(ROOT, script), [f"--{key}={2**63 - 1}"])[key] == 2**63 - 1
