@@ -7,6 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
+import preflight as preflight_module
 from conftest import TINY_MODEL, run_script
 from data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from prepare import write_shard
@@ -146,3 +147,17 @@ def test_seed_004_configs_fit_an_h200_and_hold_the_seeds_lr_rule(tmp_path, capfd
     assert ("warning: preflight: learning_rate=0.0003 is 0.50x lr_base x sqrt(batch / lr_base_batch) = 0.0003 x "
             "sqrt(512 / 128) = 0.0006: outside 1/1.5..1.5x, set learning_rate=0.0006 (or lr_base=0 to check "
             "nothing)") in r.stderr
+
+
+def test_checkpoint_disk_names_sizes_in_a_unit_that_shows_them(tmp_path, capfd, monkeypatch):
+    """The tiny model's checkpoints are kilobytes, and a nearly full disk has megabytes free: in GB both read
+    0.00 and 0.0 (the old line, "0.00 GB = 0.0 GB against 0.0 GB free", said nothing), each in its own unit."""
+    monkeypatch.setattr(preflight_module, "free_disk", lambda path: 30_500_000)
+    r, report, gates = preflight(capfd, tmp_path, NO_DATA, *TINY, "--plan_vocab_size=257", check=True)
+    disk = gates["checkpoint_disk"]
+    ckpt_bytes = 12 * report["plan"]["params"]["total"]
+    assert 250e3 < ckpt_bytes < 1e6 and disk["verdict"] == "pass"  # 4 of them: megabytes
+    assert disk["detail"] == (f"3 + best checkpoints of {ckpt_bytes / 1e3:.1f} kB = {4 * ckpt_bytes / 1e6:.1f} MB "
+                              "against 30.5 MB free")
+    r, report, gates = preflight(capfd, tmp_path, NO_DATA, *TINY, "--plan_vocab_size=257", "--save_best=False")
+    assert gates["checkpoint_disk"]["detail"].startswith(f"3 checkpoints of {ckpt_bytes / 1e3:.1f} kB = ")
