@@ -117,14 +117,60 @@ def manifest_problem(manifest):
 
 
 def check_prepared(data_dir, manifest, vocab_size):
-    """Stop with one line when data_dir lacks a file its manifest lists, or holds tokens a model of
-    vocab_size (None: the data's) cannot embed. The shards themselves are checked as Loader opens them."""
+    """Stop with one line when data_dir lacks a file its manifest lists, when its tokenizer or unigram counts
+    do not load (every checkpoint carries a copy of the tokenizer, and the counts are read at the run's end), or
+    when it holds tokens a model of vocab_size (None: the data's) cannot embed. The shards themselves are checked
+    as Loader opens them, and their tokens as it reads them."""
     for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
         if not os.path.isfile(os.path.join(data_dir, name)):
             fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with prepare.py --force")
+    check_tokenizer(data_dir, manifest)
+    check_counts(data_dir, manifest)
     if vocab_size is not None and vocab_size < manifest["vocab_size"]:
         fail(f"vocab_size={vocab_size} but {data_dir} was tokenized with {manifest['tokenizer']} "
              f"({manifest['vocab_size']} tokens): set vocab_size=None or prepare matching data")
+
+
+def check_tokenizer(data_dir, manifest):
+    """Stop with one line unless the tokenizer files load, as sample.py will load a checkpoint's copy of them,
+    and decode every id of the manifest's vocabulary (a 50,257-token BPE: ~65 ms on a 2-core CPU)."""
+    path = os.path.join(data_dir, "tokenizer.json")
+    fix = f"the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force"
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"{path} does not load ({first_line(e)}): {fix}")
+    listed = {"vocab_size": manifest["vocab_size"], "bos_id": manifest["bos_id"]}
+    if not isinstance(meta, dict) or any(meta.get(k) != v for k, v in listed.items()):
+        fail(f"{path} is not the tokenizer of manifest.json ({', '.join(f'{k} {v}' for k, v in listed.items())}): "
+             f"{fix}")
+    from prepare import load_tokenizer  # here, not above: prepare.py imports this module
+    try:
+        load_tokenizer(data_dir).decode_bytes(np.arange(manifest["vocab_size"]))
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not load "
+             f"({first_line(e)}): {fix}")
+
+
+def check_counts(data_dir, manifest):
+    """Stop with one line unless the unigram counts load as int64[vocab_size]: unigram_baseline reads them at
+    the run's end, after every step is paid for."""
+    path, vocab = os.path.join(data_dir, manifest["token_counts"]), manifest["vocab_size"]
+    try:
+        counts = np.load(path)
+    except (OSError, ValueError, EOFError):  # what np.load raises for a file that is not a .npy array
+        counts = None
+    if not isinstance(counts, np.ndarray):
+        problem = "does not load as a .npy array"
+    elif counts.dtype != np.int64 or counts.shape != (vocab,):
+        problem = f"holds {counts.dtype}{list(counts.shape)}"
+    elif counts.min() < 0:
+        problem = "holds negative counts"
+    else:
+        return
+    fail(f"{path} {problem}, not the int64[{vocab}] unigram counts of manifest.json: the data is damaged; "
+         f"rebuild it with python prepare.py --data_dir={data_dir} --force")
 
 
 def token_hash(tokens):
@@ -192,9 +238,10 @@ class Loader:
     def __init__(self, data_dir, split, manifest, block_size, seed, diffusion=False):
         self.block_size, self.seed, self.diffusion = block_size, seed, diffusion
         self.span = block_size if diffusion else block_size + 1  # tokens a window reads
+        self.data_dir, self.vocab_size = data_dir, manifest["vocab_size"]
+        self.paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]["shards"]]
         self.shards = []
-        for s in manifest["splits"][split]["shards"]:
-            path = os.path.join(data_dir, s["file"])
+        for s, path in zip(manifest["splits"][split]["shards"], self.paths, strict=True):
             try:
                 header = read_header(path)
                 for key, listed in (("vocab_size", manifest["vocab_size"]), ("bos_id", manifest["bos_id"]),
@@ -220,15 +267,27 @@ class Loader:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
         return self._order
 
-    def window(self, i):
+    def locate(self, i):
+        """(shard, first token) of window i."""
         s = int(np.searchsorted(self.starts, i, side="right")) - 1
-        start = int(i - self.starts[s]) * self.block_size
+        return s, int(i - self.starts[s]) * self.block_size
+
+    def window(self, i):
+        s, start = self.locate(i)
         return self.shards[s][start:start + self.span]
 
     def batch(self, windows, device, keys=None):
         """The windows' (inputs, targets); with diffusion (tokens, noise draws), the draws of `keys` (training's
         sample numbers; None: the windows', as validation reads them)."""
         rows = np.stack([self.window(int(i)) for i in windows])
+        # a damaged shard's id past the vocabulary would index past the embedding (on a GPU, a device-side assert
+        # that kills the process); checked here, on the CPU, where it costs a max over the batch
+        if rows.max() >= self.vocab_size:
+            row, col = divmod(int(np.argmax(rows >= self.vocab_size)), rows.shape[1])
+            s, start = self.locate(int(windows[row]))
+            fail(f"{self.paths[s]}: token {start + col:,} is id {rows[row, col]}, outside the vocabulary [0, "
+                 f"{self.vocab_size}) of manifest.json: the shard is damaged (manifest.json lists its sha256 to check "
+                 f"it against): rebuild the data with python prepare.py --data_dir={self.data_dir} --force")
         if not self.diffusion:
             return to_device(rows, device)
         return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],

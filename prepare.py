@@ -125,6 +125,7 @@ MANIFEST = "manifest.json"
 OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
                       r"|train_counts\.npy")
 
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors of a write to a full disk, or past the user's quota
 RETRIES = 5  # download attempts per file
 BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
 TIMEOUT = (10, 60)  # download connect and read timeouts, seconds
@@ -340,8 +341,15 @@ def load_tokenizer(data_dir):
     enc = None
     if meta["kind"] == "tiktoken":
         import tiktoken
+        ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
+        ranks, n_ranks = read_ranks(ranks_file), meta["vocab_size"] - len(meta["special_tokens"])
+        # checked here: tiktoken aborts on ranks that repeat (a file cut mid-line) with an exception that is not an
+        # Exception (pyo3's PanicException), and takes ranks that stop short (a file cut at a line's end)
+        if sorted(ranks.values()) != list(range(n_ranks)):
+            raise ValueError(f"{ranks_file} does not hold the ranks 0..{n_ranks - 1} of vocab_size "
+                             f"{meta['vocab_size']} (a damaged or truncated file)")
         enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
-                                mergeable_ranks=read_ranks(os.path.join(data_dir, "tokenizer.tiktoken")))
+                                mergeable_ranks=ranks)
     return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc)
 
 
@@ -853,10 +861,15 @@ def download(url, download_dir, sha256=""):
             if actual != sha256.lower():
                 os.remove(path)
                 fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
-    except BaseException:
+    except BaseException as e:
         if os.path.isfile(part) and os.path.getsize(part) == 0:
             os.remove(part)
         remove_empty(made)
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            kept = os.path.getsize(part) if os.path.isfile(part) else 0
+            fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading {url}: free space "
+                 "on it and rerun the same command"
+                 + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
         raise
     return path
 
@@ -1249,6 +1262,9 @@ def main(argv):
     try:
         build(cfg)
     except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
+        if e.errno in DISK_FULL:  # a write's error names no file: the folder, and that build() removed its files
+            fail(f"the disk of data_dir={cfg.data_dir} is full ({first_line(e)}): free space on it and rerun the same "
+                 "command (this run's partial files there are removed)")
         fail(str(e))
 
 

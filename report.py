@@ -55,49 +55,60 @@ def read_json(path):
         return None
 
 
+def metrics_lines(path):
+    """(line number, the line's bytes, its row) for each line of metrics.jsonl, where the row is the line's JSON
+    object with an integer step, or None: for half a line (a run killed mid-write), damage, someone else's line.
+    Read as bytes, not text: a byte that is not UTF-8 (a damaged block of the disk) makes one line not a row,
+    where decoding the file would end the read there with an error."""
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+                row = None
+            yield line_no, line, row
+
+
 def read_metrics(path):
-    """The metric rows of metrics.jsonl: event rows dropped (they are not metrics), a torn last line skipped."""
-    rows = []
+    """The metric rows of metrics.jsonl: event rows dropped (they are not metrics), lines that are not rows
+    skipped."""
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except (ValueError, RecursionError):  # a run killed mid-write leaves half a line
-                    continue
-                if isinstance(row, dict) and "event" not in row and isinstance(row.get("step"), int):
-                    rows.append(row)
+        return [row for _, _, row in metrics_lines(path) if row is not None and "event" not in row]
     except OSError:
-        pass
-    return rows
+        return []
+
+
+def not_rows(path, line_nos, fate):
+    """The warning for lines of metrics.jsonl that are not metrics rows (their line numbers, what becomes of them)."""
+    lines = ", ".join(map(str, line_nos[:5])) + (" ..." if len(line_nos) > 5 else "")
+    warn(f"{path}: {len(line_nos)} line(s) not a metrics row (a JSON object with an integer step), line {lines}: "
+         f"{fate}")
 
 
 def rewrite_metrics(path, last_step):
     """On resume: drop the metrics lines of steps past last_step, which the resumed run writes again, and a
     torn last line (a run killed mid-write). A line that is not one of podgpt's rows (someone else's, or
-    damaged) is kept as it is, with a warning: podgpt removes only what it wrote."""
+    damaged, even one that is not UTF-8) is kept byte for byte, with a warning: podgpt removes only what it
+    wrote."""
     if not os.path.exists(path):
         return
     kept, foreign = [], []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                continue
-            try:
-                row = json.loads(line)
-            except (ValueError, RecursionError):
-                row = None
-            step = row.get("step") if isinstance(row, dict) else None
-            if not isinstance(step, int) or isinstance(step, bool):
-                foreign.append(line_no)
-                kept.append(line)
-            elif step <= last_step:
-                kept.append(line)
+    for line_no, line, row in metrics_lines(path):
+        if not line.endswith(b"\n"):
+            continue
+        if row is None:
+            foreign.append(line_no)
+            kept.append(line)
+        elif row["step"] <= last_step:
+            kept.append(line)
     if foreign:
-        lines = ", ".join(map(str, foreign[:5])) + (" ..." if len(foreign) > 5 else "")
-        warn(f"{path}: {len(foreign)} line(s) not a metrics row (a JSON object with an integer step), "
-             f"line {lines}: kept as they are; the report skips them")
-    write_atomic(path, "".join(kept))
+        not_rows(path, foreign, "kept as they are; the report skips them")
+    tmp = path + ".tmp"  # whole file or none, as util.write_atomic, in bytes
+    with open(tmp, "wb") as f:
+        f.write(b"".join(kept))
+    os.replace(tmp, path)
 
 
 def is_number(v):
@@ -573,8 +584,13 @@ def write_report(out_dir, plots=True, live=False):
 def main(argv):
     """Exit status 1 when a part of the report could not be written."""
     config = configurator.configure(__file__, argv)
-    if not os.path.isfile(os.path.join(config.out_dir, "metrics.jsonl")):  # its manifest.json would go over another's
+    path = os.path.join(config.out_dir, "metrics.jsonl")
+    if not os.path.isfile(path):  # its manifest.json would go over another's
         fail(f"{config.out_dir} holds no metrics.jsonl: not a training run's out_dir; give --out_dir=<a run's folder>")
+    # a torn last line is one a run is writing now, or was killed writing: no warning for it
+    damaged = [n for n, line, row in metrics_lines(path) if row is None and line.endswith(b"\n")]
+    if damaged:
+        not_rows(path, damaged, "the report skips them")
     problems = write_report(config.out_dir)
     print(f"report in {config.out_dir}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
     return 1 if problems else 0
