@@ -84,7 +84,7 @@ import numpy as np
 import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
                   token_dtype, token_hash)
-from util import check_apart, fail, first_line, make_scratch, remove_scratch, run_main
+from util import check_apart, disk_full, fail, first_line, make_scratch, remove_scratch, run_main
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
@@ -125,7 +125,6 @@ MANIFEST = "manifest.json"
 OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
                       r"|train_counts\.npy")
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # the errors of a write to a full disk, or past the user's quota
 RETRIES = 5  # download attempts per file
 BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
 TIMEOUT = (10, 60)  # download connect and read timeouts, seconds
@@ -865,7 +864,7 @@ def download(url, download_dir, sha256=""):
         if os.path.isfile(part) and os.path.getsize(part) == 0:
             os.remove(part)
         remove_empty(made)
-        if isinstance(e, OSError) and e.errno in DISK_FULL:
+        if disk_full(e):
             kept = os.path.getsize(part) if os.path.isfile(part) else 0
             fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading {url}: free space "
                  "on it and rerun the same command"
@@ -1262,7 +1261,7 @@ def main(argv):
     try:
         build(cfg)
     except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
-        if e.errno in DISK_FULL:  # a write's error names no file: the folder, and that build() removed its files
+        if disk_full(e):  # a write's error names no file: the folder, and that build() removed its files
             fail(f"the disk of data_dir={cfg.data_dir} is full ({first_line(e)}): free space on it and rerun the same "
                  "command (this run's partial files there are removed)")
         fail(str(e))
