@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from data import tokenizer_fingerprint
 from model import DIFFUSION_FIELDS, GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
-from util import CutShortThread, fail, first_line, lock_file, log, remove, warn
+from util import CutShortThread, fail, first_line, format_bytes, lock_file, log, remove, warn
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
@@ -133,8 +133,8 @@ def room_for(ckpt_root, step, need, min_free_gb):
     free = shutil.disk_usage(ckpt_root).free
     if free - need >= min_free_gb * 1e9:
         return True
-    print(f"warning: skipping the step {step} checkpoint: it needs {need / 1e9:.2f} GB and {ckpt_root} has "
-          f"{free / 1e9:.2f} GB free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
+    print(f"warning: skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} has "
+          f"{format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
           file=sys.stderr, flush=True)
     return False
 

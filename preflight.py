@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from data import contamination, load_manifest
 from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
-from util import fail, first_line, write_atomic, write_json
+from util import fail, first_line, format_bytes, write_atomic, write_json
 
 HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
 # epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
@@ -198,24 +198,16 @@ def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
     return gate("memory_fit", "block", need, usable, f"{detail}: does not fit; use {fix}")
 
 
-def size(n_bytes):
-    """A size in the unit that shows it: 340.0 kB, 1.6 MB, 12.4 GB (in GB alone, a small run's checkpoints and any
-    free space under 50 MB read 0.0)."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.1f} {unit}"
-    return f"{n_bytes:.0f} bytes"
-
-
 def disk_gate(cfg, counts, free_disk):
     """checkpoint_disk: the checkpoints kept (fp32 weights and AdamW's two moments) against the free disk."""
     ckpt_bytes = 12 * counts["total"]
     need = ckpt_bytes * (cfg.keep_last + (1 if cfg.save_best else 0))
-    detail = f"{cfg.keep_last}{' + best' if cfg.save_best else ''} checkpoints of {size(ckpt_bytes)} = {size(need)}"
+    detail = (f"{cfg.keep_last}{' + best' if cfg.save_best else ''} checkpoints of {format_bytes(ckpt_bytes)} = "
+              f"{format_bytes(need)}")
     if free_disk is None:
         return gate("checkpoint_disk", "skip", need, None, f"{detail}: planning for another machine")
     return gate("checkpoint_disk", "block" if need > free_disk else "warn" if need > 0.8 * free_disk else "pass",
-                need, free_disk, f"{detail} against {size(free_disk)} free")
+                need, free_disk, f"{detail} against {format_bytes(free_disk)} free")
 
 
 def world_gate(cfg, world, launched):

@@ -84,7 +84,7 @@ import numpy as np
 import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
                   token_dtype, token_hash)
-from util import check_apart, disk_full, fail, first_line, make_scratch, remove_scratch, run_main
+from util import check_apart, disk_full, fail, first_line, in_use, make_scratch, remove_scratch, run_main
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
@@ -1206,6 +1206,9 @@ def build(cfg):
     t0 = time.time()
     check_args(cfg)
     out_dir = os.path.normpath(cfg.data_dir)
+    if holder := in_use(os.path.join(out_dir, SCRATCH)):  # one writer: its scratch folder is held while it builds
+        fail(f"data_dir={out_dir} is being written by another prepare.py ({holder}): wait for it to end (or stop "
+             f"it), or choose another --data_dir")
     args = {key: cfg[key] for key in OUTPUT_KEYS} | {k: cfg[k] for k, default in LATER_KEYS.items() if cfg[k] != default}
     if not cfg.force and is_complete(out_dir, args):
         print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")

@@ -177,7 +177,11 @@ def main(argv):
             info = checkpoint_info(path, exported, saved) if config.serve else None
         except ValueError as e:
             fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
-        tok = load_tokenizer(tokenizer_dir(path))
+        try:
+            tok = load_tokenizer(tokenizer_dir(path))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            fail(f"{path}: its tokenizer files do not load ({first_line(e)}): pick another checkpoint "
+                 f"(--ckpt=<folder>, --which=latest) or export it again")
     if config.serve:
         if model.config.objective == "bd3lm":
             fail(f"checkpoint {path} is a block-diffusion model (objective=bd3lm): --serve answers with autoregressive "

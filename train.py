@@ -437,7 +437,7 @@ def plan(cfg, proc, dt, mconfig, data):
     report = gates_report(cfg, proc, mconfig, manifest, dt, warn)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed + proc.rank)
-    np.random.seed(cfg.seed + proc.rank)
+    np.random.seed((cfg.seed + proc.rank) % 2**32)  # numpy's range; the configurator keeps seed in it
     tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
     measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
         and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])

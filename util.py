@@ -112,6 +112,15 @@ def warn(message):
         print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+def format_bytes(n):
+    """A size in the unit that shows it: 340.0 kB, 1.6 MB, 12.4 GB (in GB alone, a small run's checkpoints and any
+    free space under 50 MB read 0.0)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
 def format_seconds(s):
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -327,6 +336,18 @@ def remove(path):
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def in_use(path):
+    """Who holds scratch folder `path` (another live process), or None."""
+    mark = os.path.join(path, SCRATCH_MARK)
+    if os.path.realpath(mark) in scratch_locks or not os.path.isfile(mark):
+        return None
+    fd = lock_file(mark)
+    if fd is not None:
+        os.close(fd)
+        return None
+    return holder(mark) if os.path.isfile(mark) else None
 
 
 def make_scratch(path):

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 
 import numpy as np
 import pytest
@@ -112,6 +113,20 @@ def test_a_truncated_tokenizer_json_is_one_line_at_the_start(tmp_path, stdlib_da
             f"{path} does not load (JSONDecodeError: …): the data is damaged; rebuild it with python prepare.py "
             f"--data_dir={tmp_path}/data --force")
     assert tree(tmp_path, stat=True) == before
+
+
+def test_a_checkpoint_whose_tokenizer_copy_is_truncated_is_one_line_in_sample_py(tmp_path, finished_run, capfd):
+    """sample.py loads the tokenizer from the checkpoint folder: a damaged copy there is one line too."""
+    out = shutil.copytree(finished_run, tmp_path / "out")
+    ckpt = out / "ckpt" / "step_0000001"
+    complete = json.loads((ckpt / "complete.json").read_text())
+    cut = (ckpt / "tokenizer.json").read_bytes()[:40]  # the checkpoint's own record agrees: only the file is bad
+    (ckpt / "tokenizer.json").write_bytes(cut)
+    complete["files"]["tokenizer.json"] = dict(bytes=len(cut), crc32=zlib.crc32(cut))
+    (ckpt / "complete.json").write_text(json.dumps(complete))
+    refused(run_script(["sample.py", f"--ckpt={ckpt}", "--max_new_tokens=4", "--device=cpu"], capfd),
+            f"{ckpt}: its tokenizer files do not load (JSONDecodeError: …): pick another checkpoint (--ckpt=<folder>, "
+            f"--which=latest) or export it again")
 
 
 def test_a_truncated_bpe_ranks_file_is_refused(corpus, tmp_path):

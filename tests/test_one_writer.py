@@ -82,7 +82,7 @@ def test_a_second_train_py_on_a_running_out_dir_is_refused_naming_the_first(tmp_
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     [line] = error_lines(r.stderr)
     assert line.startswith(f"error: out_dir {out} is being written by another podgpt process (pid {first.pid} on ")
-    assert "train.py" in line and line.endswith(f"): wait for it to end (or stop it), or choose another out_dir")
+    assert "train.py" in line and line.endswith("): wait for it to end (or stop it), or choose another out_dir")
     assert "step" not in r.stdout  # it trained nothing
     log = (tmp_path / "first.log").read_text()
     assert "stopped at step" in log and "Traceback" not in log
@@ -106,6 +106,26 @@ def test_a_second_export_to_the_same_out_is_refused_while_the_first_writes(tmp_p
         assert line.startswith(f"error: {scratch} is in use by another podgpt process (pid {os.getpid()} on ")
         assert (tmp_path / ".x.podgpt-export" / "model.safetensors").read_bytes() == b"half written"
         assert not (tmp_path / "x").exists()
+    finally:
+        remove_scratch(scratch)
+
+
+def test_a_second_prepare_py_on_a_data_dir_being_built_is_refused(tmp_path, stdlib_data):
+    """prepare.py builds in data_dir/.podgpt-prepare; a second prepare.py on the same data_dir removed the
+    first's build under it. That folder is held while a build runs (here by this test): the second is refused
+    at once, naming the holder, and neither the build nor the data beside it is touched."""
+    from util import make_scratch, remove_scratch
+    data = shutil.copytree(stdlib_data, tmp_path / "data")
+    scratch = make_scratch(str(data / ".podgpt-prepare"))
+    (data / ".podgpt-prepare" / "train_000000.bin").write_bytes(b"half a shard")
+    before = tree(tmp_path)
+    try:
+        r = run([sys.executable, "prepare.py", f"--data_dir={data}", "--force"], check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        [line] = error_lines(r.stderr)
+        assert line.startswith(f"error: data_dir={data} is being written by another prepare.py (pid {os.getpid()} on ")
+        assert line.endswith("): wait for it to end (or stop it), or choose another --data_dir")
+        assert tree(tmp_path) == before
     finally:
         remove_scratch(scratch)
 
