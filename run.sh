@@ -22,7 +22,7 @@
 #   STAGES        stages to run, in order (default "sanity prepare dryrun train sample")
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
-#   DRYRUN_STEPS  optimizer steps of the dry run (default 20)
+#   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default 20)
 #   PYTHON        the interpreter (default python)
 # Arguments after run.sh are --key=val overrides for train.py (dry run included).
 #
@@ -44,16 +44,30 @@
 # SIGTERM, SIGINT or SIGUSR1 to run.sh (a preemption notice) reaches the running stage:
 # train.py saves a checkpoint at the next step and exits, and run.sh stops there with
 # exit 0; the same command later resumes. So does a run that a guard (max_hours,
-# budget_usd, budget_file) stopped.
+# budget_usd, budget_file) stopped. A signal during any other stage stops run.sh there:
+# it ends by that signal (a shell reports exit status 128 + its number).
 set -euo pipefail
+set -f  # no file-name globbing: STAGES, PREPARE_ARGS and SAMPLE_ARGS are split into words as written
 export PYTHONUNBUFFERED=1  # stage output in order, also when piped to a log
 # torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT by default; SLURM's notice is SIGUSR1
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 cd "$(dirname "$0")"
 
+# A signal is noted (SIGNAL) and passed on to the running stage as $!, which bash sets as the stage forks:
+# a variable set after the fork would miss one that came in between (REAPED: that stage has ended). Trapped
+# first, so that one before the first stage (the checks, reading the config) stops run.sh too. SIGHUP as
+# well: the stage has a process group of its own (see stage()), which a closing terminal no longer reaches.
+SIGNAL= REAPED=
+on_signal() {
+    SIGNAL=$1
+    if [[ -n ${!-} && $! != "$REAPED" ]]; then kill -"$1" "$!" 2>/dev/null || true; fi
+}
+for sig in TERM INT USR1 HUP; do trap "on_signal $sig" "$sig"; done
+
+STAGE_NAMES="sanity prepare dryrun train sample"
 CONFIG=${CONFIG:-config/tiny.py}
 NPROC=${NPROC:-1}
-STAGES=${STAGES:-sanity prepare dryrun train sample}
+STAGES=${STAGES:-$STAGE_NAMES}
 DRYRUN_STEPS=${DRYRUN_STEPS:-20}
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
@@ -61,21 +75,26 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-podgpt}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
-if [[ ! -f $CONFIG ]]; then
-    echo "run.sh: CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)" >&2
-    exit 2
-fi
-for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS; do
-    [[ ${!v} =~ ^[0-9]+$ ]] || { echo "run.sh: $v=${!v} is not a whole number" >&2; exit 2; }
+# Every value is checked before the first stage, in one line each: a typo must not surface an hour into a run.
+refuse() { echo "run.sh: $*" >&2; exit 2; }
+[[ -f $CONFIG ]] || refuse "CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)"
+command -v "${PYTHON%% *}" >/dev/null ||
+    refuse "PYTHON=$PYTHON: no such command (give the interpreter, e.g. PYTHON=python3)"
+for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS DRYRUN_STEPS; do
+    [[ ${!v} =~ ^0*([0-9]{1,18})$ ]] || refuse "$v=${!v} is not a whole number: write it in digits (0-9)"
+    printf -v "$v" %d "$((10#${BASH_REMATCH[1]}))"  # in decimal: bash reads 08 as a bad octal number
 done
-if [[ $NNODES -gt 1 && -z ${MASTER_ADDR:-} ]]; then
-    echo "run.sh: NNODES=$NNODES needs MASTER_ADDR, the address of node 0 (NODE_RANK=0) that every node reaches" >&2
-    exit 2
-fi
-if [[ $NPROC -lt 1 || $NNODES -lt 1 || $NODE_RANK -ge $NNODES ]]; then
-    echo "run.sh: need NPROC >= 1, NNODES >= 1 and NODE_RANK < NNODES (got $NPROC, $NNODES, $NODE_RANK)" >&2
-    exit 2
-fi
+[[ $NNODES -le 1 || -n ${MASTER_ADDR:-} ]] ||
+    refuse "NNODES=$NNODES needs MASTER_ADDR, the address of node 0 (NODE_RANK=0) that every node reaches"
+[[ $NPROC -ge 1 && $NNODES -ge 1 && $NODE_RANK -lt $NNODES ]] ||
+    refuse "need NPROC >= 1, NNODES >= 1 and NODE_RANK < NNODES (got $NPROC, $NNODES, $NODE_RANK)"
+[[ $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || refuse "MASTER_PORT=$MASTER_PORT is not a TCP port (1 to 65535)"
+[[ $DRYRUN_STEPS -ge 2 ]] || refuse "DRYRUN_STEPS=$DRYRUN_STEPS: the dry run needs at least 2 steps (a checkpoint at" \
+    "half, then the resume from it); to skip it, leave dryrun out of STAGES"
+[[ $STAGES =~ [^[:space:]] ]] || refuse "STAGES='$STAGES' names no stage (choose from: $STAGE_NAMES)"
+for s in $STAGES; do
+    [[ " $STAGE_NAMES " == *" $s "* ]] || refuse "unknown stage '$s' in STAGES (choose from: $STAGE_NAMES)"
+done
 TRAIN_ARGS=("$@")
 [[ -n ${DATA_DIR:-} ]] && TRAIN_ARGS+=("--data_dir=$DATA_DIR")
 # the run's out_dir as train.py resolves it from the config and the overrides
@@ -113,12 +132,6 @@ if [[ $MAX_RESTARTS -gt 0 ]]; then
     TRAIN_LAUNCH=(env TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${RESTARTING[@]}" "--max_restarts=$MAX_RESTARTS")
 fi
 
-# the stage runs in the background so that a signal reaches this script's trap at once
-CHILD=
-trap '[[ -n $CHILD ]] && kill -TERM "$CHILD" 2>/dev/null' TERM
-trap '[[ -n $CHILD ]] && kill -INT "$CHILD" 2>/dev/null' INT
-trap '[[ -n $CHILD ]] && kill -USR1 "$CHILD" 2>/dev/null' USR1
-
 # "stopped <reason>" when train.py wrote summary.json into $1 after time $2 and stopped early
 stopped() {
     $PYTHON - "$1/summary.json" "$2" <<'PY' 2>/dev/null
@@ -131,25 +144,35 @@ if os.path.exists(path) and os.path.getmtime(path) >= since:
 PY
 }
 
+# A stage runs in the background, so that a signal reaches the trap at once, under job control (set -m):
+# without it bash starts background jobs ignoring SIGINT (Ctrl-C never reached sanity, prepare or sample),
+# and with it the stage has a process group of its own, so that a terminal's Ctrl-C, sent to run.sh's
+# group, reaches it once, through the trap (twice is train.py's "second Ctrl-C: stop now").
 stage() {
-    local name=$1 rc=0 since
+    local name=$1 rc=0 since why=
     shift
     echo "=== $name: $*"
     since=$(date +%s)
-    "$@" &
-    CHILD=$!
-    while kill -0 "$CHILD" 2>/dev/null; do wait "$CHILD" || true; done  # a trapped signal ends wait early
-    wait "$CHILD" || rc=$?
-    CHILD=
+    set -m
+    { [[ -z $SIGNAL ]] && exec "$@"; } </dev/null &  # not started after a signal; stdin as without set -m
+    set +m
+    while kill -0 "$!" 2>/dev/null; do wait "$!" || true; done  # a trapped signal ends wait early
+    wait "$!" || rc=$?
+    REAPED=$!
     if [[ $name == train || $name == dryrun ]]; then
         local out=$OUT
         [[ $name == dryrun ]] && out=$OUT/dryrun/first
-        local why
         why=$(stopped "$out" "$since")
-        if [[ -n $why ]]; then  # torchrun itself exits non-zero after forwarding a signal
-            echo "run.sh: $name $why; run the same command to resume"
-            exit 0
-        fi
+    fi
+    if [[ $name == train && -n $why ]]; then  # torchrun itself exits non-zero after forwarding a signal
+        echo "run.sh: train $why; run the same command to resume"
+        exit 0
+    fi
+    if [[ -n $SIGNAL || -n $why ]]; then  # a dry run stopped early has checked nothing
+        echo "run.sh: $name ${why:-stopped by SIG$SIGNAL}; no later stage runs" >&2
+        # ended by the signal, as if uncaught: a calling shell (say, a loop over configs) then stops too
+        [[ -z $SIGNAL ]] || { trap - "$SIGNAL"; kill -"$SIGNAL" $$; }
+        exit 1
     fi
     if [[ $rc -ne 0 ]]; then
         echo "run.sh: stage '$name' failed (command: $*)" >&2
@@ -169,7 +192,6 @@ for s in $STAGES; do
                  else
                      echo "=== sample: skipped on node $NODE_RANK (node 0 holds the checkpoints and samples)"
                  fi ;;
-        *) echo "run.sh: unknown stage '$s' in STAGES (choose from: sanity prepare dryrun train sample)" >&2; exit 2 ;;
     esac
 done
 echo "=== done: $OUT"

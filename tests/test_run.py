@@ -1,4 +1,5 @@
 """run.sh end to end on the embedded default (shortened), and sample.py on its checkpoint."""
+import errno
 import json
 import os
 import signal
@@ -9,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY_MODEL, read_metrics, run, shared
+from conftest import ROOT, TINY_MODEL, popen, read_metrics, run, shared
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +108,70 @@ def test_run_sh_forwards_a_preemption_signal_and_stops_cleanly(tmp_path, stdlib_
     assert "=== sample" not in log  # a stopped run ends run.sh
     state = torch.load(out / "ckpt" / f"step_{summary['steps']:07d}" / "trainer.pt", weights_only=True)
     assert state["step"] == summary["steps"] and len(state["rng"]) == 2
+
+
+@pytest.mark.parametrize("to", ["group", "pid"])
+def test_ctrl_c_stops_the_running_stage_and_run_sh(tmp_path, to):
+    """Ctrl-C during prepare, sent to run.sh's process group as a terminal sends it or to run.sh alone: prepare.py
+    stops and so does run.sh, by SIGINT (so a calling shell stops too), before the next stage and without
+    '=== done'. bash starts background jobs ignoring SIGINT, so prepare.py ran on after a Ctrl-C (with --force
+    it replaced the data) and run.sh went on. prepare.py reads its documents from a named pipe that this test
+    holds open, so the signal lands mid-stage on any machine."""
+    source = tmp_path / "source"
+    source.mkdir()
+    pipe = source / "docs.jsonl"
+    os.mkfifo(pipe)
+    env = dict(STAGES="prepare sample", DATA_DIR=str(tmp_path / "data"), OUT_DIR=str(tmp_path / "out"),
+               PREPARE_ARGS=f"--source={source} --val_fraction=0 --min_val_tokens=0", PYTHON=sys.executable)
+    p = popen(["bash", "run.sh"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+              start_new_session=True)
+    deadline = time.time() + 60
+    while True:  # opening a pipe's write end without blocking succeeds once prepare.py has opened it to read
+        try:
+            writer = os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as e:
+            if e.errno != errno.ENXIO or p.poll() is not None or time.time() > deadline:
+                p.kill()
+                raise AssertionError(p.communicate()[0]) from e
+            time.sleep(0.05)
+    try:
+        if to == "group":
+            os.killpg(p.pid, signal.SIGINT)
+        else:
+            p.send_signal(signal.SIGINT)
+        try:
+            log = p.communicate(timeout=30)[0]
+        except subprocess.TimeoutExpired:  # prepare.py did not stop: give it documents, to see what run.sh does then
+            os.write(writer, b'{"text": "def f():\\n    return 1\\n"}\n' * 100)
+            os.close(writer)
+            writer = None
+            log = p.communicate(timeout=60)[0]
+    finally:
+        if writer is not None:
+            os.close(writer)
+    assert p.returncode == -signal.SIGINT, log
+    assert "error: interrupted (Ctrl-C)" in log and "run.sh: prepare stopped by SIGINT; no later stage runs" in log
+    assert "=== sample" not in log and "=== done" not in log
+    assert not (tmp_path / "data" / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("env, line", [
+    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity prepare dryrun train sample)"),
+    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity prepare dryrun train sample)"),
+    *[(dict(DRYRUN_STEPS=n), f"DRYRUN_STEPS={n}: the dry run needs at least 2 steps (a checkpoint at half, then the "
+                             "resume from it); to skip it, leave dryrun out of STAGES") for n in ("0", "1")],
+    (dict(DRYRUN_STEPS="abc"), "DRYRUN_STEPS=abc is not a whole number: write it in digits (0-9)"),
+    # read as decimal numbers (bash reads 08 as a bad octal number, and the old run.sh ran one process for NPROC=08)
+    (dict(NPROC="08", NODE_RANK="01"), "need NPROC >= 1, NNODES >= 1 and NODE_RANK < NNODES (got 8, 1, 1)"),
+    (dict(MASTER_PORT="070000"), "MASTER_PORT=70000 is not a TCP port (1 to 65535)"),
+    (dict(PYTHON="/no/python"), "PYTHON=/no/python: no such command (give the interpreter, e.g. PYTHON=python3)"),
+], ids=["stages", "no-stages", "dryrun-0", "dryrun-1", "dryrun-abc", "leading-zeros", "port", "python"])
+def test_run_sh_refuses_a_bad_value_before_any_stage(tmp_path, env, line):
+    """Each value run.sh reads is checked before the first stage, in one line: "train smaple" trained for an hour
+    before the typo stopped run.sh, and DRYRUN_STEPS=0 ran a whole training as the dry run. Should a check let
+    a value through, the stage that runs (a dry run on data that is not there) fails in seconds."""
+    env = dict(STAGES="dryrun", DATA_DIR=str(tmp_path / "none"), OUT_DIR=str(tmp_path / "out"),
+               PYTHON=sys.executable) | env
+    r = run(["bash", "run.sh"], env=env, check=False)
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"run.sh: {line}\n", "")
