@@ -51,7 +51,7 @@ def test_a_signal_in_the_first_pass_stops_the_dry_run_whole(tmp_path, stdlib_dat
     saying how to start it over; no second pass, no dryrun.json verdict on a run that did not finish."""
     out = tmp_path / "out"
     p = popen([sys.executable, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}",
-               *ARGS[:-1], "--dryrun_steps=100000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+               *ARGS[:-1], "--dryrun_steps=1000"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
               text=True)
     try:
         deadline = time.time() + 120
