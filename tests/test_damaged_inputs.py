@@ -52,6 +52,13 @@ def refused(r, message, status=1):
     assert len(lines) == 1 and re.fullmatch(pattern, lines[0]), shown
 
 
+def refused_at_start(tmp_path, capfd, message):
+    """train.py on tmp_path's data stops before its first step with `message`, and nothing under tmp_path changes."""
+    before = tree(tmp_path, stat=True)
+    refused(run_script(train_args(tmp_path), capfd), message)
+    assert tree(tmp_path, stat=True) == before
+
+
 def set_token(path, position, value):
     tokens = np.memmap(path, dtype=data.read_header(path)["dtype"], mode="r+", offset=data.HEADER_BYTES)
     tokens[position] = value
@@ -96,11 +103,9 @@ def test_garbage_unigram_counts_are_one_line_at_the_start(damage, problem, tmp_p
     """train_counts.npy of random bytes, or of another dtype and shape: the unigram baseline reads it at the end
     of a run, so it is checked at the start, before any step is paid for."""
     damage(copy_data(stdlib_data, tmp_path) / "train_counts.npy")
-    before = tree(tmp_path, stat=True)
-    refused(run_script(train_args(tmp_path), capfd),
-            f"{tmp_path}/data/train_counts.npy {problem}, not the int64[257] unigram counts of manifest.json: the "
-            f"data is damaged; rebuild it with python prepare.py --data_dir={tmp_path}/data --force")
-    assert tree(tmp_path, stat=True) == before
+    refused_at_start(tmp_path, capfd, f"{tmp_path}/data/train_counts.npy {problem}, not the int64[257] unigram "
+                     f"counts of manifest.json: the data is damaged; rebuild it with python prepare.py "
+                     f"--data_dir={tmp_path}/data --force")
 
 
 def test_a_truncated_tokenizer_json_is_one_line_at_the_start(tmp_path, stdlib_data, capfd):
@@ -108,11 +113,8 @@ def test_a_truncated_tokenizer_json_is_one_line_at_the_start(tmp_path, stdlib_da
     refused before the run starts, not found once the checkpoints are written."""
     path = copy_data(stdlib_data, tmp_path) / "tokenizer.json"
     path.write_bytes(path.read_bytes()[:40])
-    before = tree(tmp_path, stat=True)
-    refused(run_script(train_args(tmp_path), capfd),
-            f"{path} does not load (JSONDecodeError: …): the data is damaged; rebuild it with python prepare.py "
-            f"--data_dir={tmp_path}/data --force")
-    assert tree(tmp_path, stat=True) == before
+    refused_at_start(tmp_path, capfd, f"{path} does not load (JSONDecodeError: …): the data is damaged; rebuild it "
+                     f"with python prepare.py --data_dir={tmp_path}/data --force")
 
 
 def test_a_checkpoint_whose_tokenizer_copy_is_truncated_is_one_line_in_sample_py(tmp_path, finished_run, capfd):
