@@ -59,6 +59,15 @@ def refused_at_start(tmp_path, capfd, message):
     assert tree(tmp_path, stat=True) == before
 
 
+def rewrite_checkpoint_file(ckpt, name, content):
+    """A checkpoint's file replaced, its complete.json updated to match: the checkpoint reads back intact, and
+    only what the file says is wrong."""
+    complete = json.loads((ckpt / "complete.json").read_text())
+    (ckpt / name).write_bytes(content)
+    complete["files"][name] = dict(bytes=len(content), crc32=zlib.crc32(content))
+    (ckpt / "complete.json").write_text(json.dumps(complete))
+
+
 def set_token(path, position, value):
     tokens = np.memmap(path, dtype=data.read_header(path)["dtype"], mode="r+", offset=data.HEADER_BYTES)
     tokens[position] = value
@@ -121,14 +130,24 @@ def test_a_checkpoint_whose_tokenizer_copy_is_truncated_is_one_line_in_sample_py
     """sample.py loads the tokenizer from the checkpoint folder: a damaged copy there is one line too."""
     out = shutil.copytree(finished_run, tmp_path / "out")
     ckpt = out / "ckpt" / "step_0000001"
-    complete = json.loads((ckpt / "complete.json").read_text())
-    cut = (ckpt / "tokenizer.json").read_bytes()[:40]  # the checkpoint's own record agrees: only the file is bad
-    (ckpt / "tokenizer.json").write_bytes(cut)
-    complete["files"]["tokenizer.json"] = dict(bytes=len(cut), crc32=zlib.crc32(cut))
-    (ckpt / "complete.json").write_text(json.dumps(complete))
+    rewrite_checkpoint_file(ckpt, "tokenizer.json", (ckpt / "tokenizer.json").read_bytes()[:40])
     refused(run_script(["sample.py", f"--ckpt={ckpt}", "--max_new_tokens=4", "--device=cpu"], capfd),
             f"{ckpt}: its tokenizer files do not load (JSONDecodeError: …): pick another checkpoint (--ckpt=<folder>, "
             f"--which=latest) or export it again")
+
+
+def test_a_checkpoint_config_with_a_field_model_py_does_not_know_is_one_line_in_sample_py(tmp_path, finished_run,
+                                                                                        capfd):
+    """A checkpoint's config.json naming a model field this model.py has no such setting for (a newer podgpt's,
+    or a hand edit) was a TypeError traceback in sample.py."""
+    out = shutil.copytree(finished_run, tmp_path / "out")
+    ckpt = out / "ckpt" / "step_0000001"
+    config = json.loads((ckpt / "config.json").read_text())
+    config["model"]["n_experts"] = 8
+    rewrite_checkpoint_file(ckpt, "config.json", json.dumps(config).encode())
+    refused(run_script(["sample.py", f"--ckpt={ckpt}", "--max_new_tokens=4", "--device=cpu"], capfd),
+            f"checkpoint {ckpt} cannot be used: config.json does not describe a model this model.py builds (TypeError: "
+            f"…n_experts…): pick another (--ckpt=<folder>, --which=latest)")
 
 
 def test_a_truncated_bpe_ranks_file_is_refused(corpus, tmp_path):

@@ -262,3 +262,14 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, two
                            f"write {tmp_path}/.x.podgpt-export/model.safetensors: ")
     assert line.endswith("): free disk space (or raise the quota or file-size limit), then run the same command again")
     assert os.listdir(tmp_path) == []
+
+
+def test_an_atomic_write_the_disk_refuses_leaves_no_temporary_file(tmp_path):
+    """util.write_atomic writes x.tmp, then renames it over x: a write the disk refused left x.tmp behind."""
+    script = ("import resource, signal, sys, util; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
+              "util.write_atomic(sys.argv[1], 'x' * 100_000)")
+    (tmp_path / "report.md").write_text("the one before")
+    r = run([sys.executable, "-c", script, str(tmp_path / "report.md")], check=False)
+    assert r.returncode == 1 and "File too large" in r.stderr.splitlines()[-1]
+    assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "the one before"
