@@ -176,8 +176,9 @@ MARK = ".podgpt"  # in every folder a podgpt process writes whole (out_dir, data
 SCRATCH_MARK = "PODGPT_SCRATCH"
 EXPORT_MARK = "podgpt.json"  # an export's own record of what it holds (export.py)
 # entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint folder (or one
-# being written), an atomic write's temporary file, a writability probe
-OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"), (re.compile(r".+\.tmp|\.write-test-\d+"), "file"))
+# being written), an atomic write's temporary file, a writability probe, the mark
+OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),
+             (re.compile(r".+\.tmp|\.write-test-\d+|" + re.escape(MARK)), "file"))
 
 
 def lock_file(path, create=False):
@@ -217,16 +218,16 @@ def holder(path):
 
 
 class Folder:
-    """A folder one podgpt process writes (an out_dir, a data_dir), held against every other podgpt process by
-    the OS's lock on its MARK file. hold() before reading what an earlier run left there (it writes nothing, so
-    a run refused after it leaves the folder as it was); claim() before the first write; release() at the end,
-    which also removes what claim() made when nothing else was written there. own_only: the folder must be
-    empty or podgpt's (its mark, or `legacy`: entries that prove an earlier podgpt made it before the mark)."""
+    """A folder one podgpt process writes (an out_dir), held against every other podgpt process by the OS's
+    lock on its MARK file. hold() before reading what an earlier run left there (it writes nothing, so a run
+    refused after it leaves the folder as it was); claim() before the first write; release() at the end, which
+    also removes what claim() made when nothing else was written there. The folder must be empty or podgpt's:
+    its mark, or `legacy`, entries that show an earlier podgpt made it before there was a mark."""
 
-    def __init__(self, path, setting, own_only=True, legacy=()):
-        self.path, self.setting, self.own_only, self.legacy = path, setting, own_only, legacy
+    def __init__(self, path, setting, legacy=()):
+        self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
-        self.fd, self.made = None, []  # the locked mark; what claim() created (folders outermost first, the mark)
+        self.fd, self.made = None, []  # the locked mark; what claim() created (folders outermost first, then the mark)
 
     def __enter__(self):
         return self
@@ -243,7 +244,7 @@ class Folder:
             self.fd = lock_file(self.mark)
             if self.fd is None and os.path.isfile(self.mark):
                 self.busy()
-        if self.fd is None and self.own_only and os.path.isdir(self.path):
+        if self.fd is None and os.path.isdir(self.path):
             theirs = sorted(n for n in os.listdir(self.path) if n != MARK)
             if theirs and not any(os.path.exists(os.path.join(self.path, p)) for p in self.legacy):
                 fail(f"{self.setting} {self.path} holds files podgpt did not write ({', '.join(theirs[:3])}"
@@ -284,13 +285,10 @@ class Folder:
         if self.fd is None:
             return
         if self.made and os.listdir(self.path) == [MARK]:
-            if self.made[-1] == self.mark:
-                os.remove(self.mark)
-            for folder in reversed([m for m in self.made if m != self.mark]):
-                try:
-                    os.rmdir(folder)
-                except OSError:  # not empty (another's files), or gone: leave it
+            for path in reversed(self.made):  # the mark, then the folders, innermost first
+                if os.path.isdir(path) and os.listdir(path):  # another's files since: not ours to remove
                     break
+                remove(path)
         os.close(self.fd)
         self.fd, self.made = None, []
 
