@@ -73,6 +73,7 @@ from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
                        planned_speed, planning, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
+from prepare import check_tokenizer_loads
 
 # --- config
 # I/O
@@ -334,6 +335,7 @@ def open_data(cfg):
             return None, None, None
         fail(str(e))
     check_prepared(cfg.data_dir, manifest, cfg.vocab_size)
+    check_tokenizer_loads(cfg.data_dir, manifest)  # every checkpoint carries a copy, which sample.py loads
     check_segments(cfg, manifest)
     return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed, cfg.objective == "bd3lm")
                        for split in ("train", "val"))

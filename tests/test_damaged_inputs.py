@@ -160,12 +160,12 @@ def test_a_truncated_bpe_ranks_file_is_refused(corpus, tmp_path):
                                      "--val_fraction=0", "--workers=1"])
     assert stop.value.code == 0
     manifest = data.load_manifest(out)
-    data.check_prepared(str(out), manifest, None)
+    prepare.check_tokenizer_loads(str(out), manifest)
     ranks = (out / "tokenizer.tiktoken").read_bytes()
     for cut in (len(ranks) - 3, ranks.rindex(b"\n", 0, -1) + 1):
         (out / "tokenizer.tiktoken").write_bytes(ranks[:cut])
         with pytest.raises(util.Error) as e:
-            data.check_prepared(str(out), manifest, None)
+            prepare.check_tokenizer_loads(str(out), manifest)
         assert str(e.value) == (
             f"the tokenizer files of {out} (tokenizer.json, tokenizer.tiktoken) do not load (ValueError: "
             f"{out}/tokenizer.tiktoken does not hold the ranks 0..298 of vocab_size 300 (a damaged or truncated "
