@@ -232,25 +232,40 @@ def attention_gate(cfg, mconfig, runtime):
         return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
 
 
+def fit_horizon(cfg, tokens_per_sec, world, spent_s=0.0, spent_usd=0.0, reserve_s=0.0):
+    """(steps, what sets them): where the run's schedule ends at tokens_per_sec. max_steps, or fewer when
+    max_hours or budget_usd (after spent_s and spent_usd, keeping back reserve_s and a step, as the guards do)
+    pays for fewer. A step's time includes its share of the evaluations: eval_steps micro-batches forward every
+    eval_every steps, a forward pass being about a third of a training micro-batch's forward and backward."""
+    accum = cfg.total_batch_tokens / (cfg.micro_batch_size * cfg.block_size * world)
+    step_s = cfg.total_batch_tokens / tokens_per_sec * (1 + cfg.eval_steps / (3 * accum * cfg.eval_every))
+    limits = [(cfg.max_steps, "max_steps")]
+    if cfg.max_hours:
+        limits.append(((cfg.max_hours * 3600 - spent_s - reserve_s) / step_s, "max_hours"))
+    if cfg.budget_usd and cfg.usd_per_gpu_hour:
+        usd_per_s = world * cfg.usd_per_gpu_hour / 3600
+        limits.append((((cfg.budget_usd - spent_usd) / usd_per_s - reserve_s) / step_s, "budget_usd"))
+    steps, by = min(limits)
+    return max(0, int(steps) - (by != "max_steps")), by
+
+
 def time_gate(cfg, tokens_per_sec, source, world):
-    """time_and_cost: hours and dollars of the planned tokens, and where a guard would stop the run."""
+    """time_and_cost: hours and dollars of the planned tokens, and the horizon: where max_hours or budget_usd end
+    the schedule (fit_budget), or would stop the run before it ends (a block without fit_budget)."""
     hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
     usd = hours * world * cfg.usd_per_gpu_hour
-    limits = []
-    if cfg.max_hours and hours > cfg.max_hours:
-        limits.append(("max_hours", cfg.max_hours / hours))
-    if cfg.budget_usd and cfg.usd_per_gpu_hour and usd > cfg.budget_usd:
-        limits.append(("budget_usd", cfg.budget_usd / usd))
     detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
               + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
-    if not limits:
+    steps, by = fit_horizon(cfg, tokens_per_sec, world)
+    if by == "max_steps":
         return gate("time_and_cost", "pass", hours, cfg.max_hours or None, detail)
-    name, fraction = min(limits, key=lambda x: x[1])
-    steps = int(cfg.max_steps * fraction)
-    return gate("time_and_cost", "block" if cfg.gate_profile == "release" else "warn", hours,
-                cfg.max_hours or cfg.budget_usd,
-                f"{detail}: {name} stops it near step {steps} of {cfg.max_steps}, before the schedule ends: "
-                f"lower max_steps to ~{steps} so the learning rate decays in time")
+    if cfg.fit_budget:
+        return gate("time_and_cost", "pass", hours, cfg.max_hours or cfg.budget_usd,
+                    f"{detail}: {by} pays for {steps:,} of max_steps={cfg.max_steps:,}: the horizon, where the "
+                    f"schedule ends ({cfg.lr_schedule} to min_lr)")
+    return gate("time_and_cost", "block", hours, cfg.max_hours or cfg.budget_usd,
+                f"{detail}: {by} stops it near step {steps:,} of {cfg.max_steps:,}, before the schedule ends: lower "
+                f"max_steps to ~{steps}, or fit_budget=True to end the schedule there")
 
 
 # -----------------------------------------------------------------------------
@@ -299,9 +314,12 @@ def gates_report(cfg, proc, mconfig, manifest, dt, warn):
 
 
 def plan_time(cfg, proc, report, tokens_per_sec, source):
-    """The time_and_cost gate at a known throughput; without one, skipped and said why."""
+    """The time_and_cost gate at a known throughput, and the planned horizon in the report's plan; without a
+    throughput, skipped and said why."""
     if tokens_per_sec:
         report["gates"].append(time_gate(cfg, tokens_per_sec, source, plan_world(cfg, proc)))
+        steps, by = fit_horizon(cfg, tokens_per_sec, plan_world(cfg, proc))
+        report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec, source=source)
     elif cfg.preflight_only:
         report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "
                                     "planned_tokens_per_sec to plan another machine's time"))

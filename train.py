@@ -47,6 +47,7 @@ AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (s
 diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
+import collections
 import json
 import math
 import os
@@ -70,8 +71,8 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
-                       planned_speed, planning, write_preflight)
+from preflight import (finish_preflight, fit_horizon, gates_report, measure_tokens_per_sec, model_config,
+                       plan_time, planned_speed, planning, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads
 
@@ -122,12 +123,15 @@ loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 lo
 # batch
 micro_batch_size = 8            # sequences per GPU per forward/backward
 total_batch_tokens = 524288     # tokens per optimizer step over all GPUs; grad accumulation is derived from it
-max_steps = 1000                # optimizer steps
-# AdamW and schedule: linear warmup, then cosine from learning_rate down to min_lr at max_steps
+max_steps = 1000                # optimizer steps, at most: budget_usd and max_hours may end the schedule sooner (fit_budget)
+# AdamW and schedule: linear warmup, then cosine (or wsd) from learning_rate down to min_lr at the horizon
 optimizer = "adamw"             # adamw | muon: Muon for the blocks' 2-D matrices, AdamW for the rest (nanochat's split)
 learning_rate = 3e-4            # peak learning rate; muon: the schedule's scale, each group runs at lr x its own peak / this
 min_lr = 3e-5                   # final learning rate
 warmup_steps = 100              # linear warmup steps
+lr_schedule = "cosine"          # cosine: to min_lr at the horizon | wsd: flat, then linear to min_lr over its last decay_frac
+decay_frac = 0.2                # wsd: the decay's share of the horizon; it starts sooner when the money or hours left cover
+                                # just the decay at the speed measured so far
 matrix_lr = 0.02                # muon: Muon's peak learning rate for the blocks' matrices (nanochat's default)
 embedding_lr = 4e-3             # muon: AdamW's peak learning rate for the embedding, the untied head and the norms
                                 # (nanochat's original head LR, at width 768: a tied table is the head; nanochat scales
@@ -161,12 +165,16 @@ budget_usd = 0.0                # spending cap in dollars; 0: none
 usd_per_gpu_hour = 0.0          # price of one GPU-hour; spend = wall clock x GPUs x this
 budget_file = ""                # JSON kept current from outside, {"spent_usd": .., "projected_total_usd": ..}, checked against budget_usd
 budget_check_minutes = 30.0     # how often budget_file is read
+fit_budget = True               # the horizon is what budget_usd and max_hours pay for, at preflight's throughput; False:
+                                # a plan they cannot finish is a block
 # loss spikes and non-finite steps
 spike_factor = 2.5              # a step whose loss exceeds this x the EMA of recent losses is a spike (logged, counted)
 max_bad_steps = 10              # spikes or non-finite steps in a row before rolling back to the last checkpoint at lr x 0.5
 max_rollbacks = 3               # rollbacks allowed before the run stops as diverged
 inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train on batches of the rarest tokens; -1: off
 inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
+inject_slow_at_step = -1        # fire drill: from this step on every step sleeps inject_slow_seconds (a slower pod); -1: off
+inject_slow_seconds = 0.0       # the sleep of inject_slow_at_step
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
@@ -252,6 +260,10 @@ def check_config(cfg):
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
     if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
         fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
+    if cfg.lr_schedule not in ("cosine", "wsd"):
+        fail(f"lr_schedule={cfg.lr_schedule!r} is not one of cosine, wsd")
+    if not 0 < cfg.decay_frac <= 1:
+        fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
     if cfg.budget_file and not cfg.budget_usd:
         fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
     if cfg.budget_file and not os.path.isfile(cfg.budget_file):
@@ -261,11 +273,19 @@ def check_config(cfg):
 # -----------------------------------------------------------------------------
 # the schedule, the model on the devices, the run's files
 
-def lr_at(step, cfg):
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then cosine to min_lr."""
+def lr_at(step, cfg, horizon, decay_start=-1, decay_lr=None):
+    """Learning rate of optimizer step `step` (0-based) of a schedule whose last step is horizon - 1: linear
+    warmup, then cosine to min_lr at the last step; wsd: learning_rate until decay_start (-1: not yet), then
+    linear from decay_lr (learning_rate, or where an earlier decay had come when the horizon moved closer)
+    to min_lr at the last step."""
     if step < cfg.warmup_steps:
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    if cfg.lr_schedule == "wsd":
+        if decay_start < 0 or step < decay_start:
+            return cfg.learning_rate
+        start = cfg.learning_rate if decay_lr is None else decay_lr
+        return start + (cfg.min_lr - start) * min(1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - 1 - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
@@ -452,6 +472,11 @@ def plan(cfg, proc, dt, mconfig, data):
             proc.distributed, proc.dev)
         source = f"measured here, {proc.world} x {proc.dev.type}"
     plan_time(cfg, proc, report, tokens_per_sec, source)
+    time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
+    if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
+        if not cfg.allow_unsafe:
+            fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
+        warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
     return report, model
 
 
@@ -481,6 +506,7 @@ class Trainer:
         # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
+        self.pace = collections.deque(maxlen=20)  # (steps done, elapsed) at the end of the recent steps: wsd's projection
         self.refine, self.val_sups = raw_model.config.objective == "refine", None
         self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
         if cfg.eval_gsm8k_samples:
@@ -561,12 +587,16 @@ class Trainer:
         self.state.cost_usd += (now - self.t_last) * self.gpu_rate
         self.t_last = now
 
+    def reserve(self):
+        """What a stop keeps back: one more step, an evaluation and the final save (a stop while a save is written
+        in the background waits for it, then writes its own)."""
+        return self.step_seconds + self.eval_seconds + self.save_seconds * (2 if self.ckpts.writing else 1)
+
     def guard(self):
         """Rank 0's verdict: the name of the guard that must stop the run now, or None. The
         reserve is what one more step and the final save take, so no limit is crossed."""
         cfg, st = self.cfg, self.state
-        # a stop while a save is written in the background waits for it, then writes its own
-        reserve = self.step_seconds + self.eval_seconds + self.save_seconds * (2 if self.ckpts.writing else 1)
+        reserve = self.reserve()
         if cfg.max_hours and st.elapsed + reserve > cfg.max_hours * 3600:
             return "max_hours"
         if cfg.budget_usd and cfg.usd_per_gpu_hour and st.cost_usd + reserve * self.gpu_rate > cfg.budget_usd:
@@ -587,20 +617,22 @@ class Trainer:
                            f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
         return None
 
-    def agree(self, loss_sum, finite, guard_reason, sups=None):
+    def agree(self, loss_sum, finite, guard_reason, decay_to=0, sups=None):
         """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
-        whether any rank saw a non-finite step, a signal, or (rank 0) a guard. Every rank then takes the same
-        decisions. (mean loss, finite, stop reason or None, mean losses per supervision step or None)."""
+        whether any rank saw a non-finite step, a signal, or (rank 0) a guard, and rank 0's decay_to (wsd: the
+        horizon to decay to from the next step; 0: none). Every rank then takes the same decisions. (mean loss,
+        finite, stop reason or None, decay_to, mean losses per supervision step or None)."""
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
-                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0]
-        v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.proc.dev),
-                       *([] if sups is None else [sups.float()])])
+                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to)]
+        # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
+        v = torch.cat([loss_sum.double().reshape(1), torch.tensor(flags, device=self.proc.dev, dtype=torch.float64),
+                       *([] if sups is None else [sups.double()])])
         if self.proc.distributed:
             dist.all_reduce(v)
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
         n = self.grad_accum * self.proc.world
-        return v[0] / n, v[1] == 0, reason, [s / n for s in v[4:]] if sups is not None else None
+        return v[0] / n, v[1] == 0, reason, int(v[4]), [s / n for s in v[5:]] if sups is not None else None
 
     # bad steps: drills, spikes, rollbacks
 
@@ -665,7 +697,8 @@ class Trainer:
         """One optimizer step over the step's global batch, logged; the stop reason the ranks agreed on, or None."""
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
-        lr = lr_at(st.step, cfg) * st.lr_scale
+        base_lr = lr_at(st.step, cfg, st.horizon, st.decay_start, st.decay_lr)
+        lr = base_lr * st.lr_scale
         for g in self.optimizer.param_groups:  # optimizer=muon: each group at its own peak_lr, on lr's schedule
             g["lr"] = lr * g["peak_lr"] / cfg.learning_rate if "peak_lr" in g else lr
         spike_drill, nan_drill = self.injecting("spike", cfg.inject_spike_at_step), \
@@ -698,14 +731,25 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
         finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
+        if 0 <= cfg.inject_slow_at_step <= st.step:
+            time.sleep(cfg.inject_slow_seconds)
         self.tick()
-        loss, finite, reason, sups = self.agree(loss_sum, finite, self.guard() if proc.rank == 0 else None, sups)
+        guard, decay_to = (self.guard(), self.decay_to()) if proc.rank == 0 else (None, 0)
+        loss, finite, reason, decay_to, sups = self.agree(loss_sum, finite, guard, decay_to, sups)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         st.step += 1
         st.samples += cfg.total_batch_tokens // cfg.block_size
+        if decay_to:  # from the next step, linear from this step's learning rate to min_lr at step decay_to
+            planned = decay_to == st.horizon
+            if not planned:
+                st.horizon_by = "time or money left"
+            st.decay_start, st.decay_lr, st.horizon = st.step, base_lr, decay_to
+            self.event("decay", f"the learning rate decays from {base_lr:.3g} to min_lr at step {decay_to} ("
+                       + ("as planned" if planned else "what max_hours or budget_usd leaves pays for no more") + ")",
+                       horizon=decay_to, lr=base_lr)
         if spike_drill or nan_drill:
             self.event("drill", "fire drill: " + ("a batch of the rarest tokens" if spike_drill
                                                   else "a NaN loss on the last rank"),
@@ -713,7 +757,7 @@ class Trainer:
         self.account(loss, finite, grad_norm)
         took = time.time() - t_step
         self.step_seconds = took if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * took
-        if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
+        if st.step % cfg.log_every == 0 or st.step == st.horizon:
             self.log_step(loss, lr, grad_norm.item(), sups)
         self.last_loss = loss
         return reason
@@ -724,7 +768,7 @@ class Trainer:
         cfg, st, now = self.cfg, self.state, time.time()
         tok_s = (st.step - self.step_at_log) * cfg.total_batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / (self.peak * self.proc.world) if self.peak else None
-        eta = (cfg.max_steps - st.step) * (now - self.t_log) / (st.step - self.step_at_log)
+        eta = (st.horizon - st.step) * (now - self.t_log) / (st.step - self.step_at_log)
         self.t_log, self.step_at_log = now, st.step
         row = dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=st.step * cfg.total_batch_tokens,
                    tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
@@ -732,7 +776,7 @@ class Trainer:
         self.write_metrics(row)
         if self.metrics is not None:
             self.write_clock()
-        log(f"step {st.step}/{cfg.max_steps} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
+        log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
             f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
             f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{format_refinement(sups)}", flush=True)
 
@@ -792,6 +836,49 @@ class Trainer:
                        f"{', '.join(map(str, inverted))} no better than the one before): lower learning_rate, or "
                        f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
 
+    def fit(self, tokens_per_sec, t_start):
+        """A new run's horizon: what max_hours and budget_usd pay for at preflight's tokens_per_sec, after the
+        startup so far and keeping back a last evaluation and save (fit_budget; rank 0's, for every rank)."""
+        cfg, st = self.cfg, self.state
+        fitted = [(cfg.max_steps, "max_steps")]
+        if cfg.fit_budget and tokens_per_sec and self.proc.rank == 0:
+            spent = time.time() - t_start
+            fitted = [fit_horizon(cfg, tokens_per_sec, self.proc.world, spent_s=spent,
+                                  spent_usd=spent * self.gpu_rate, reserve_s=self.save_seconds)]
+        if self.proc.distributed:
+            dist.broadcast_object_list(fitted)
+        st.horizon, st.horizon_by = fitted[0]
+        if st.horizon < cfg.max_steps:
+            log(f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,} steps at "
+                f"{tokens_per_sec:,.0f} tokens/s: the {cfg.lr_schedule} schedule ends there")
+
+    def decay_to(self):
+        """wsd, rank 0: the horizon to decay to from the next step on, when the decay should start (or, already
+        decaying, end sooner) now; 0 otherwise. It starts decay_frac of the horizon before its end, or sooner when
+        the time or money left pays for no more than the decay at the pace of the recent steps (saves,
+        evaluations and all); a decay the money can no longer finish ends sooner, from where it has come."""
+        cfg, st = self.cfg, self.state
+        self.pace.append((st.step + 1, st.elapsed))  # this step's end, as the next tick will count it
+        if cfg.lr_schedule != "wsd" or st.step + 1 < cfg.warmup_steps or len(self.pace) < 2:
+            return 0
+        decay = max(1, round(cfg.decay_frac * st.horizon))
+        if st.decay_start < 0 and st.horizon - (st.step + 1) <= decay:
+            return st.horizon
+        (s0, t0), (s1, t1) = self.pace[0], self.pace[-1]
+        step_s = (t1 - t0) / (s1 - s0)
+        reserve = self.reserve() + step_s  # the guard's, and a step to spare: the horizon comes before the guard
+        left = []
+        if cfg.max_hours:
+            left.append((cfg.max_hours * 3600 - st.elapsed - reserve) / step_s)
+        if cfg.budget_usd and cfg.usd_per_gpu_hour:
+            left.append(((cfg.budget_usd - st.cost_usd) / self.gpu_rate - reserve) / step_s)
+        if not left:
+            return 0
+        end = st.step + 1 + max(1, int(min(left)))
+        if st.decay_start < 0:
+            return end if end - (st.step + 1) <= decay else 0
+        return end if end < st.horizon else 0
+
     def unsaved(self, reason):
         """Why the run ends without its model on disk (every stop saves the step it stopped at, but a stop over
         budget_file, which saves nothing and needs an earlier checkpoint), or None."""
@@ -806,8 +893,8 @@ class Trainer:
                 f"from step {on_disk}")
 
     def loop(self):
-        """Train until max_steps, a stop (signal, guard, early stop) or divergence: (the stop reason, the
-        last validation loss, or None when the last step was not evaluated)."""
+        """Train until the horizon (max_steps, or what the budget pays for), a stop (signal, guard, early stop) or
+        divergence: (the stop reason, the last validation loss, or None when the last step was not evaluated)."""
         cfg, st, proc = self.cfg, self.state, self.proc
         self.tick()
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may already be past a limit
@@ -816,31 +903,31 @@ class Trainer:
         if reason:
             log(f"not training: {reason} already reached at step {st.step}")
         val_loss = None
-        while st.step < cfg.max_steps and not reason:
+        while st.step < st.horizon and not reason:
             reason = self.step()
             new_best, val_loss = False, None
-            if reason is None and (st.step % cfg.eval_every == 0 or st.step == cfg.max_steps):
+            if reason is None and (st.step % cfg.eval_every == 0 or st.step == st.horizon):
                 val_loss, new_best = self.validate()
                 if cfg.early_stop_patience and st.evals_since_best >= cfg.early_stop_patience:
                     reason = "early_stop"
             if reason == "budget_file_spent":
                 break  # already over the cap: not one more byte or second
             # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
-            if self.ckpts.due(st.step, cfg.max_steps, new_best, bool(reason), st.bad_in_a_row):
+            if self.ckpts.due(st.step, st.horizon, new_best, bool(reason), st.bad_in_a_row):
                 self.tick()
                 self.checkpoint(val_loss, new_best)
             if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
                 self.diverged = self.rollback()
                 reason = "diverged" if self.diverged else None
             self.saved()  # a background save that has ended: reported (or its error raised) now
-        return reason or "max_steps", val_loss
+        return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
 
     def finish(self, reason, val_loss):
         """A final evaluation and checkpoint when the run completed, then summary.json and the report;
         rank 0's summary (None elsewhere)."""
         st, cfg = self.state, self.cfg
-        if reason == "max_steps":
-            if val_loss is None:  # resumed at max_steps
+        if reason in ("max_steps", "horizon"):
+            if val_loss is None:  # resumed at the horizon
                 val_loss = self.evaluate()
                 if val_loss < st.best_val_loss:
                     st.best_val_loss, st.best_step = val_loss, st.step
@@ -851,13 +938,15 @@ class Trainer:
         self.tick()
         if self.proc.rank != 0:
             return None
-        status = {"max_steps": "completed", "early_stop": "completed", "diverged": "failed"}.get(reason, "stopped")
+        status = {"max_steps": "completed", "horizon": "completed", "early_stop": "completed",
+                  "diverged": "failed"}.get(reason, "stopped")
         lost = self.unsaved(reason)
         status = "failed" if lost else status
         unigram = unigram_baseline(cfg.data_dir, self.manifest, self.val_data)
         signal_name = self.stop_signal[0] if self.stop_signal else None
         best = st.best_step >= 0
-        summary = dict(status=status, stop_reason=reason, signal=signal_name, steps=st.step,
+        summary = dict(status=status, stop_reason=reason, signal=signal_name, steps=st.step, horizon=st.horizon,
+                       horizon_by=st.horizon_by, lr_schedule=cfg.lr_schedule, decay_start=st.decay_start,
                        tokens=st.step * cfg.total_batch_tokens, final_train_loss=self.last_loss,
                        final_val_loss=val_loss, best_val_loss=st.best_val_loss if best else None,
                        best_step=st.best_step if best else None,
@@ -875,7 +964,9 @@ class Trainer:
         if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
             self.trackers.close(status)
         if status == "completed":
-            log(f"done ({reason}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
+            why = f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,}" \
+                if reason == "horizon" else reason
+            log(f"done ({why}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
                 f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f}) | summary in "
                 f"{cfg.out_dir}/summary.json")
         elif status == "stopped":
@@ -906,8 +997,8 @@ def dryrun(argv, n, root):
                 remove(os.path.join(root, sub))
         folder.claim()
     try:
-        common = ["--dryrun_steps=0", f"--max_steps={n}", "--log_every=1", f"--eval_every={n}", "--save_best=False",
-                  "--early_stop_patience=0", f"--keep_last={n}"]
+        common = ["--dryrun_steps=0", f"--max_steps={n}", "--fit_budget=False", "--log_every=1", f"--eval_every={n}",
+                  "--save_best=False", "--early_stop_patience=0", f"--keep_last={n}"]
         _, first, activity = train(configure([*argv, *common, f"--out_dir={root}/first", "--resume=never",
                                               f"--ckpt_every={half}"]), keep_group=True)
         if activity["stop_reason"] != "max_steps":  # agreed by every rank
@@ -980,7 +1071,8 @@ def train(cfg, keep_group=False):
         # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
         state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
                                 evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
-                                rollbacks=0, lr_scale=1.0, injected=[], order_broken=0)
+                                rollbacks=0, lr_scale=1.0, injected=[], order_broken=0,
+                                horizon=cfg.max_steps, horizon_by="max_steps", decay_start=-1, decay_lr=None)
         resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
         restore_clock(cfg, state)
         check_writable(cfg, proc, report, folder)
@@ -997,6 +1089,11 @@ def train(cfg, keep_group=False):
                 f"${state.cost_usd:.2f} so far)")
         trainer = Trainer(cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state, stop_signal,
                           t_start)
+        if resumed:  # the schedule goes on to the horizon it had; one that was max_steps follows a changed max_steps
+            if state.horizon_by == "max_steps" or cfg.max_steps < state.horizon:
+                state.horizon, state.horizon_by = cfg.max_steps, "max_steps"
+        else:
+            trainer.fit(report["plan"].get("horizon", {}).get("tokens_per_sec"), t_start)
         reason, val_loss = trainer.loop()
         summary = trainer.finish(reason, val_loss)
         if proc.distributed:
@@ -1020,7 +1117,7 @@ def main(argv):
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir)
     if cfg.warmup_steps > cfg.max_steps:  # not for a dry run, which runs a long run's config for a few steps
         warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
-             f"{lr_at(cfg.max_steps - 1, cfg):.3g}, short of learning_rate={cfg.learning_rate:g}")
+             f"{lr_at(cfg.max_steps - 1, cfg, cfg.max_steps):.3g}, short of learning_rate={cfg.learning_rate:g}")
     return train(cfg)[0]
 
 

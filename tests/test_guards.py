@@ -125,7 +125,8 @@ def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path,
     the limit. The same command again finds the limit used up (the time is carried in the checkpoint):
     it trains no step and says so."""
     limit = 0.003 * 3600
-    args = [*FAST, *NO_SAVE_BEFORE_STOP, "--max_hours=0.003"]
+    # an optimistic plan: the horizon stays max_steps, and the guard is what stops the run
+    args = [*FAST, *NO_SAVE_BEFORE_STOP, "--max_hours=0.003", "--planned_tokens_per_sec=1e12"]
     r = train(capfd, tmp_path, stdlib_data, *args)
     summary = assert_stopped_with_checkpoint(tmp_path, "max_hours")
     assert "stopped at step" in r.stdout and "(max_hours)" in r.stdout

@@ -66,12 +66,19 @@ def test_h200_1b_is_the_runbooks_tokens_and_fits(tmp_path, capfd):
 
 
 def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
-    """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so
-    the gate says where budget_usd will stop it."""
+    """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so the
+    horizon is what $35 pays for and the schedule ends there; without fit_budget the plan is a block."""
     r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100")
     assert report["plan"]["params"]["non_embedding"] == pytest.approx(50.3e6, rel=1e-2)
-    assert gates["time_and_cost"]["verdict"] == "warn" and "budget_usd stops it near step" in gates["time_and_cost"]["detail"]
+    horizon = report["plan"]["horizon"]
+    assert horizon["by"] == "budget_usd" and 40_000 < horizon["steps"] < 84_000
+    assert gates["time_and_cost"]["verdict"] == "pass" and \
+        f"budget_usd pays for {horizon['steps']:,} of max_steps=84,000: the horizon" in gates["time_and_cost"]["detail"]
+    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+                                 "--planned_mfu=0.48", "--plan_gpu=A100", "--fit_budget=False")
+    assert r.returncode == 1 and gates["time_and_cost"]["verdict"] == "block"
+    assert f"budget_usd stops it near step {horizon['steps']:,} of 84,000" in gates["time_and_cost"]["detail"]
     r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100", "--gate_profile=release")
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
