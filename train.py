@@ -70,7 +70,7 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
+from preflight import (HORIZON, finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
                        planned_speed, planning, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads
@@ -223,6 +223,8 @@ def check_config(cfg):
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         fail(f"compile_mode={cfg.compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
              f"max-autotune-no-cudagraphs")
+    if cfg.gate_profile not in HORIZON:
+        fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
     if cfg.matmul_precision not in ("highest", "high", "medium"):
         fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
     if cfg.dist_mode not in ("ddp", "fsdp"):

@@ -364,6 +364,9 @@ ROWS = [
     ("unknown-dist-mode", plain("--dist_mode=zero3"), 1, "dist_mode='zero3' is not one of ddp, fsdp"),
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+    # what a seed-000 user would type: a KeyError traceback in preflight.py before
+    ("unknown-gate-profile", plain("--gate_profile=skill_release"), 2,
+     "gate_profile='skill_release' is not one of research, release"),
     # sanity.py: exit 1
     ("sanity-out-dir-is-data-dir", lambda ctx: ["sanity.py", f"--data_dir={data(ctx)}", f"--out_dir={ctx.tmp / 'data'}"],
      1, "out_dir={tmp}/data and data_dir={tmp}/data are the same folder: give each its own folder, side by side"),
