@@ -54,6 +54,7 @@ import random
 import signal
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -197,6 +198,8 @@ matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 ten
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
+GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's
+                                # slow step overshot max_hours when they kept back the average)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
@@ -479,7 +482,7 @@ class Trainer:
         self.bpb_scale = val["tokens"] / val["bytes"] / math.log(2)
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
-        self.step_seconds, self.eval_seconds, self.next_budget_check = 0.0, 0.0, 0.0
+        self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0
         # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
@@ -564,11 +567,13 @@ class Trainer:
         self.t_last = now
 
     def guard(self):
-        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The
-        reserve is what one more step and the final save take, so no limit is crossed."""
+        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The reserve is what
+        one more step (as slow as the slowest recent one), an evaluation and the final save take, so no limit is
+        crossed."""
         cfg, st = self.cfg, self.state
         # a stop while a save is written in the background waits for it, then writes its own
-        reserve = self.step_seconds + self.eval_seconds + self.save_seconds * (2 if self.ckpts.writing else 1)
+        reserve = (max(self.step_times, default=0.0) + self.eval_seconds
+                   + self.save_seconds * (2 if self.ckpts.writing else 1))
         if cfg.max_hours and st.elapsed + reserve > cfg.max_hours * 3600:
             return "max_hours"
         if cfg.budget_usd and cfg.usd_per_gpu_hour and st.cost_usd + reserve * self.gpu_rate > cfg.budget_usd:
@@ -713,8 +718,7 @@ class Trainer:
                                                   else "a NaN loss on the last rank"),
                        drill="spike" if spike_drill else "nan")
         self.account(loss, finite, grad_norm)
-        took = time.time() - t_step
-        self.step_seconds = took if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * took
+        self.step_times.append(time.time() - t_step)
         if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
             self.log_step(loss, lr, grad_norm.item(), sups)
         self.last_loss = loss
