@@ -253,6 +253,30 @@ def time_gate(cfg, tokens_per_sec, source, world):
                 f"lower max_steps to ~{steps} so the learning rate decays in time")
 
 
+def target_band(value):
+    """target_val_loss as (low, high): a number is (None, it), met at or below it; "lo,hi" (or a pair of numbers,
+    as --target_val_loss=3.2,3.5 parses) is met within it, ends included; None for None or "". ValueError names
+    the fix."""
+    if value is None or value == "":
+        return None
+    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    try:
+        nums = [float(p) for p in parts if not isinstance(p, bool)]
+    except (TypeError, ValueError):
+        nums = []
+    if not (len(nums) == len(parts) and len(nums) in (1, 2) and all(math.isfinite(x) and x > 0 for x in nums)
+            and nums == sorted(set(nums))):
+        raise ValueError(f"target_val_loss={value!r} is neither a loss nor a band: give a number (the final validation "
+                         f"loss at most that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")")
+    return (None, nums[0]) if len(nums) == 1 else tuple(nums)
+
+
+def band_text(band):
+    """A target_band as preflight.md and the console say it."""
+    low, high = band
+    return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
+
+
 # -----------------------------------------------------------------------------
 # the report
 

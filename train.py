@@ -71,8 +71,8 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
-                       planned_speed, planning, write_preflight)
+from preflight import (HORIZON, band_text, finish_preflight, gates_report, measure_tokens_per_sec, model_config,
+                       plan_time, planned_speed, planning, target_band, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads
 
@@ -147,6 +147,7 @@ keep_last = 3                   # newest checkpoints kept (at least 1), besides 
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
+target_val_loss = None          # what the run is for: a final val loss at most this, or within "lo,hi" (seed 002: "3.20,3.50")
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
 ckpt_async = True               # write checkpoints in the background: the loop waits only for a copy into CPU memory
 # watching a run: every metrics line mirrored, as it is written, from rank 0 (report.py: Trackers)
@@ -228,6 +229,10 @@ def check_config(cfg):
              f"max-autotune-no-cudagraphs")
     if cfg.gate_profile not in HORIZON:
         fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
+    try:
+        target_band(cfg.target_val_loss)
+    except ValueError as e:
+        fail(str(e), 2)
     if cfg.matmul_precision not in ("highest", "high", "medium"):
         fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
     if cfg.dist_mode not in ("ddp", "fsdp"):
@@ -302,6 +307,18 @@ def format_refinement(sups):
     if not sups:
         return ""
     return f" | steps {' -> '.join(f'{v:.4f}' for v in sups)} ({refinement_fields(sups)['refinement']:.1f}% refined)"
+
+
+def target_verdict(band, status, val_loss):
+    """Whether the run got where target_val_loss (as target_band) says, judged on its final validation loss (seed
+    002's definition of done is the final one, not the best): met or missed; not reached when a guard or a signal
+    stopped the run before its last step, or it failed; None without a target. An early stop completes a run."""
+    if band is None:
+        return None
+    if status != "completed" or val_loss is None:
+        return "not reached"
+    low, high = band
+    return "met" if (low is None or low <= val_loss) and val_loss <= high else "missed"
 
 
 def catch_signals():
@@ -862,12 +879,13 @@ class Trainer:
         status = "failed" if lost else status
         unigram = unigram_baseline(cfg.data_dir, self.manifest, self.val_data)
         signal_name = self.stop_signal[0] if self.stop_signal else None
-        best = st.best_step >= 0
+        best, band = st.best_step >= 0, target_band(cfg.target_val_loss)
         summary = dict(status=status, stop_reason=reason, signal=signal_name, steps=st.step,
                        tokens=st.step * cfg.total_batch_tokens, final_train_loss=self.last_loss,
                        final_val_loss=val_loss, best_val_loss=st.best_val_loss if best else None,
                        best_step=st.best_step if best else None,
                        final_val_bpb=None if val_loss is None else val_loss * self.bpb_scale, unigram_val_loss=unigram,
+                       target_val_loss=list(band) if band else None, target=target_verdict(band, status, val_loss),
                        elapsed_s=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes,
                        nonfinite_steps=st.nonfinite_steps, rollbacks=st.rollbacks, lr_scale=st.lr_scale,
                        params=param_counts(self.raw_model.config), flops_per_token=self.flops_tok,
@@ -882,8 +900,9 @@ class Trainer:
             self.trackers.close(status)
         if status == "completed":
             log(f"done ({reason}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
-                f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f}) | summary in "
-                f"{cfg.out_dir}/summary.json")
+                f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f})"
+                + (f" | target_val_loss {band_text(band)}: {summary['target']}" if band else "")
+                + f" | summary in {cfg.out_dir}/summary.json")
         elif status == "stopped":
             log(f"stopped at step {st.step} ({reason}{' ' + signal_name if reason == 'signal' else ''}) after "
                 f"{format_seconds(st.elapsed)}, ${st.cost_usd:.2f} | "
