@@ -31,6 +31,10 @@ LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more th
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
 MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
 MAX_MICRO_BATCH = 1024          # the micro-batch searches stop here
+# Chinchilla's fit of the final loss (Hoffmann et al. 2022, approach 3): L(N, D) = E + A / N^alpha + B / D^beta nats per
+# token of their tokenizer on MassiveText, N all the parameters, embeddings included (as they counted them: Pearce &
+# Song 2024), D the training tokens
+CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 
 # -----------------------------------------------------------------------------
@@ -275,6 +279,30 @@ def band_text(band):
     """A target_band as preflight.md and the console say it."""
     low, high = band
     return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
+
+
+def loss_gate(cfg, plan, manifest):
+    """predicted_loss: CHINCHILLA's fit at the plan's parameters and planned tokens, against target_val_loss; a
+    prediction outside the target is a warning, never a block, since the fit was made on other data and tokens."""
+    band = target_band(cfg.target_val_loss)
+    target = band_text(band) if band else None
+    tokenizer = manifest["tokenizer"] if manifest else None
+    if cfg.objective != "ar" or tokenizer in ("byte", "char"):
+        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy" if cfg.objective != "ar" else
+               f"nats per {tokenizer} token are not comparable to its subword tokens'")
+        return gate("predicted_loss", "skip", None, target, f"Chinchilla's fit does not apply: {why}")
+    n, d, c = plan["params"]["total"], plan["planned_tokens"], CHINCHILLA
+    loss = c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
+    detail = (f"Chinchilla's fit (Hoffmann et al. 2022, approach 3) E + A/N^alpha + B/D^beta = {c['E']} + "
+              f"{c['A']}/N^{c['alpha']} + {c['B']}/D^{c['beta']} at N = {n / 1e9:.3g}B parameters (embeddings "
+              f"included, as the fit counts them) and D = {d / 1e9:.3g}B planned tokens: {loss:.2f} nats/token, "
+              f"indicative only (fitted in the tokens of Chinchilla's tokenizer on MassiveText; this data: "
+              f"{tokenizer or 'not prepared yet'})")
+    if band is None:
+        return gate("predicted_loss", "skip", loss, None, f"{detail}; no target_val_loss to compare it with")
+    within = (band[0] is None or band[0] <= loss) and loss <= band[1]
+    return gate("predicted_loss", "pass" if within else "warn", loss, target,
+                f"{detail}: {'within' if within else 'outside'} target_val_loss ({target})")
 
 
 # -----------------------------------------------------------------------------

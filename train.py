@@ -71,8 +71,8 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, band_text, finish_preflight, gates_report, measure_tokens_per_sec, model_config,
-                       plan_time, planned_speed, planning, target_band, write_preflight)
+from preflight import (HORIZON, band_text, finish_preflight, gates_report, loss_gate, measure_tokens_per_sec,
+                       model_config, plan_time, planned_speed, planning, target_band, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads
 
@@ -474,6 +474,7 @@ def plan(cfg, proc, dt, mconfig, data):
             proc.distributed, proc.dev)
         source = f"measured here, {proc.world} x {proc.dev.type}"
     plan_time(cfg, proc, report, tokens_per_sec, source)
+    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
     return report, model
 
 
