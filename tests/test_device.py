@@ -87,8 +87,9 @@ def test_every_script_takes_an_indexed_gpu(script, cpu_run, stdlib_data, monkeyp
     args = {"train.py": [f"--data_dir={stdlib_data}", f"--out_dir={cpu_run}_gpu"],
             "sanity.py": [f"--out_dir={cpu_run}_sanity"], "sample.py": [f"--out_dir={cpu_run}"]}.get(script, [])
     r = fake_gpu_run([script, *args, "--device=auto"], check=False)
-    assert r.returncode != 0 and ("CUDA called: torch.cuda.set_device(cuda:0) with PYTORCH_ALLOC_CONF="
-                                  "expandable_segments:True, PYTORCH_CUDA_ALLOC_CONF=None") in r.stderr, r.stderr[-2000:]
+    said = ("CUDA called: torch.cuda.set_device(cuda:0) with PYTORCH_ALLOC_CONF=expandable_segments:True, "
+            "PYTORCH_CUDA_ALLOC_CONF=None")
+    assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
