@@ -31,6 +31,10 @@ LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more th
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
 MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
 MAX_MICRO_BATCH = 1024          # the micro-batch searches stop here
+# Chinchilla's fit of the final loss (Hoffmann et al. 2022, approach 3): L(N, D) = E + A / N^alpha + B / D^beta nats per
+# token of their tokenizer on MassiveText, N all the parameters, embeddings included (as they counted them: Pearce &
+# Song 2024), D the training tokens
+CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 
 # -----------------------------------------------------------------------------
@@ -266,6 +270,56 @@ def time_gate(cfg, tokens_per_sec, source, world):
     return gate("time_and_cost", "block", hours, cfg.max_hours or cfg.budget_usd,
                 f"{detail}: {by} stops it near step {steps:,} of {cfg.max_steps:,}, before the schedule ends: lower "
                 f"max_steps to ~{steps}, or fit_budget=True to end the schedule there")
+
+
+def target_band(value):
+    """target_val_loss as (low, high): a number is (None, it), met at or below it; "lo,hi" (or a pair of numbers,
+    as --target_val_loss=3.2,3.5 parses) is met within it, ends included; None for None or "". ValueError names
+    the fix."""
+    if value is None or value == "":
+        return None
+    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    try:
+        nums = [float(p) for p in parts if not isinstance(p, bool)]
+    except (TypeError, ValueError):
+        nums = []
+    if not (len(nums) == len(parts) and len(nums) in (1, 2) and all(math.isfinite(x) and x > 0 for x in nums)
+            and nums == sorted(set(nums))):
+        raise ValueError(f"target_val_loss={value!r} is neither a loss nor a band: give a number (the final validation "
+                         f"loss at most that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")")
+    return (None, nums[0]) if len(nums) == 1 else tuple(nums)
+
+
+def band_text(band):
+    """A target_band as preflight.md and the console say it."""
+    low, high = band
+    return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
+
+
+def loss_gate(cfg, plan, manifest):
+    """predicted_loss: CHINCHILLA's fit at the plan's parameters and planned tokens, against target_val_loss; a
+    prediction outside the target is a warning, never a block, since the fit was made on other data and tokens."""
+    band = target_band(cfg.target_val_loss)
+    target = band_text(band) if band else None
+    tokenizer = manifest["tokenizer"] if manifest else None
+    if cfg.objective != "ar" or tokenizer in ("byte", "char"):
+        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy" if cfg.objective != "ar" else
+               f"nats per {tokenizer} token are not comparable to its subword tokens'")
+        return gate("predicted_loss", "skip", None, target, f"Chinchilla's fit does not apply: {why}")
+    # the tokens of the horizon: what max_steps plans, or what the budget pays for
+    d = plan["horizon"]["steps"] * cfg.total_batch_tokens if "horizon" in plan else plan["planned_tokens"]
+    n, c = plan["params"]["total"], CHINCHILLA
+    loss = c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
+    detail = (f"Chinchilla's fit (Hoffmann et al. 2022, approach 3) E + A/N^alpha + B/D^beta = {c['E']} + "
+              f"{c['A']}/N^{c['alpha']} + {c['B']}/D^{c['beta']} at N = {n / 1e9:.3g}B parameters (embeddings "
+              f"included, as the fit counts them) and D = {d / 1e9:.3g}B planned tokens: {loss:.2f} nats/token, "
+              f"indicative only (fitted in the tokens of Chinchilla's tokenizer on MassiveText; this data: "
+              f"{tokenizer or 'not prepared yet'})")
+    if band is None:
+        return gate("predicted_loss", "skip", loss, None, f"{detail}; no target_val_loss to compare it with")
+    within = (band[0] is None or band[0] <= loss) and loss <= band[1]
+    return gate("predicted_loss", "pass" if within else "warn", loss, target,
+                f"{detail}: {'within' if within else 'outside'} target_val_loss ({target})")
 
 
 # -----------------------------------------------------------------------------

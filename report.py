@@ -4,8 +4,9 @@ The run report: a human-readable page and portable files, written from what a ru
     python report.py --out_dir=out
 
 writes into out_dir:
-- summary.md    the outcome, stop reason, final/best losses, tokens, hours, dollars, MFU, the preflight
-                verdict, and the plots (when matplotlib is installed; without it, a line saying so)
+- summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours, dollars,
+                MFU, the preflight verdict, and the plots (when matplotlib is installed; without it, a line
+                saying so)
 - metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
@@ -329,6 +330,12 @@ def last(rows, name):
     return vals[-1] if vals else None
 
 
+def target_text(band):
+    """summary.json's target_val_loss, [low or null, high], as train.py's console says it."""
+    low, high = band
+    return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
+
+
 def summary_md(out_dir, summary, clock, preflight, rows, plots):
     s = summary or {}
     elapsed = s.get("elapsed_s", (clock or {}).get("elapsed"))
@@ -346,6 +353,8 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
         f"| final train loss | {fmt(s.get('final_train_loss', last(rows, 'loss')))} |",
         f"| final val loss | {fmt(s.get('final_val_loss', last(rows, 'val_loss')))} |",
         f"| best val loss | {fmt(s.get('best_val_loss'))} (step {fmt(s.get('best_step'), 'd')}) |",
+        *([f"| target val loss | {target_text(s['target_val_loss'])}: **{s.get('target')}** |"]
+          if s.get("target_val_loss") else []),
         f"| final val bits per byte | {fmt(s.get('final_val_bpb', last(rows, 'val_bpb')))} |",
         f"| unigram baseline val loss | {fmt(s.get('unigram_val_loss'))} |",
         *([f"| refinement (validation, first to last supervision step) | {fmt(refined, '.1f')}% |"]

@@ -55,6 +55,7 @@ import random
 import signal
 import sys
 import time
+from collections import deque
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -71,8 +72,9 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (finish_preflight, fit_horizon, gates_report, measure_tokens_per_sec, model_config,
-                       plan_time, planned_speed, planning, write_preflight)
+from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, gates_report, loss_gate,
+                       measure_tokens_per_sec, model_config, plan_time, planned_speed, planning, target_band,
+                       write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads
 
@@ -150,6 +152,7 @@ keep_last = 3                   # newest checkpoints kept (at least 1), besides 
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
+target_val_loss = None          # what the run is for: a final val loss at most this, or within "lo,hi" (seed 002: "3.20,3.50")
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
 ckpt_async = True               # write checkpoints in the background: the loop waits only for a copy into CPU memory
 # watching a run: every metrics line mirrored, as it is written, from rank 0 (report.py: Trackers)
@@ -205,6 +208,8 @@ matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 ten
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
+GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's
+                                # slow step overshot max_hours when they kept back the average)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
@@ -231,6 +236,12 @@ def check_config(cfg):
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         fail(f"compile_mode={cfg.compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
              f"max-autotune-no-cudagraphs")
+    if cfg.gate_profile not in HORIZON:
+        fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
+    try:
+        target_band(cfg.target_val_loss)
+    except ValueError as e:
+        fail(str(e), 2)
     if cfg.matmul_precision not in ("highest", "high", "medium"):
         fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
     if cfg.dist_mode not in ("ddp", "fsdp"):
@@ -317,6 +328,18 @@ def format_refinement(sups):
     if not sups:
         return ""
     return f" | steps {' -> '.join(f'{v:.4f}' for v in sups)} ({refinement_fields(sups)['refinement']:.1f}% refined)"
+
+
+def target_verdict(band, status, val_loss):
+    """Whether the run got where target_val_loss (as target_band) says, judged on its final validation loss (seed
+    002's definition of done is the final one, not the best): met or missed; not reached when a guard or a signal
+    stopped the run before its last step, or it failed; None without a target. An early stop completes a run."""
+    if band is None:
+        return None
+    if status != "completed" or val_loss is None:
+        return "not reached"
+    low, high = band
+    return "met" if (low is None or low <= val_loss) and val_loss <= high else "missed"
 
 
 def catch_signals():
@@ -472,6 +495,7 @@ def plan(cfg, proc, dt, mconfig, data):
             proc.distributed, proc.dev)
         source = f"measured here, {proc.world} x {proc.dev.type}"
     plan_time(cfg, proc, report, tokens_per_sec, source)
+    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
     time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
     if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
         if not cfg.allow_unsafe:
@@ -502,7 +526,7 @@ class Trainer:
         self.bpb_scale = val["tokens"] / val["bytes"] / math.log(2)
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
-        self.step_seconds, self.eval_seconds, self.next_budget_check = 0.0, 0.0, 0.0
+        self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0
         # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
@@ -590,11 +614,13 @@ class Trainer:
     def reserve(self):
         """What a stop keeps back: one more step, an evaluation and the final save (a stop while a save is written
         in the background waits for it, then writes its own)."""
-        return self.step_seconds + self.eval_seconds + self.save_seconds * (2 if self.ckpts.writing else 1)
+        return max(self.step_times, default=0.0) + self.eval_seconds \
+            + self.save_seconds * (2 if self.ckpts.writing else 1)
 
     def guard(self):
-        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The
-        reserve is what one more step and the final save take, so no limit is crossed."""
+        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The reserve is what
+        one more step (as slow as the slowest recent one), an evaluation and the final save take, so no limit is
+        crossed."""
         cfg, st = self.cfg, self.state
         reserve = self.reserve()
         if cfg.max_hours and st.elapsed + reserve > cfg.max_hours * 3600:
@@ -755,8 +781,7 @@ class Trainer:
                                                   else "a NaN loss on the last rank"),
                        drill="spike" if spike_drill else "nan")
         self.account(loss, finite, grad_norm)
-        took = time.time() - t_step
-        self.step_seconds = took if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * took
+        self.step_times.append(time.time() - t_step)
         if st.step % cfg.log_every == 0 or st.step == st.horizon:
             self.log_step(loss, lr, grad_norm.item(), sups)
         self.last_loss = loss
@@ -944,13 +969,14 @@ class Trainer:
         status = "failed" if lost else status
         unigram = unigram_baseline(cfg.data_dir, self.manifest, self.val_data)
         signal_name = self.stop_signal[0] if self.stop_signal else None
-        best = st.best_step >= 0
+        best, band = st.best_step >= 0, target_band(cfg.target_val_loss)
         summary = dict(status=status, stop_reason=reason, signal=signal_name, steps=st.step, horizon=st.horizon,
                        horizon_by=st.horizon_by, lr_schedule=cfg.lr_schedule, decay_start=st.decay_start,
                        tokens=st.step * cfg.total_batch_tokens, final_train_loss=self.last_loss,
                        final_val_loss=val_loss, best_val_loss=st.best_val_loss if best else None,
                        best_step=st.best_step if best else None,
                        final_val_bpb=None if val_loss is None else val_loss * self.bpb_scale, unigram_val_loss=unigram,
+                       target_val_loss=list(band) if band else None, target=target_verdict(band, status, val_loss),
                        elapsed_s=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes,
                        nonfinite_steps=st.nonfinite_steps, rollbacks=st.rollbacks, lr_scale=st.lr_scale,
                        params=param_counts(self.raw_model.config), flops_per_token=self.flops_tok,
@@ -967,8 +993,9 @@ class Trainer:
             why = f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,}" \
                 if reason == "horizon" else reason
             log(f"done ({why}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
-                f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f}) | summary in "
-                f"{cfg.out_dir}/summary.json")
+                f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f})"
+                + (f" | target_val_loss {band_text(band)}: {summary['target']}" if band else "")
+                + f" | summary in {cfg.out_dir}/summary.json")
         elif status == "stopped":
             log(f"stopped at step {st.step} ({reason}{' ' + signal_name if reason == 'signal' else ''}) after "
                 f"{format_seconds(st.elapsed)}, ${st.cost_usd:.2f} | "

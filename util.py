@@ -30,6 +30,9 @@ from types import SimpleNamespace
 # error type and atomic writes, and import in 0.04 s instead of torch's 1.6 s (measured on a 2-core CPU,
 # torch 2.13; run.sh reads out_dir through configurator.py at every start)
 DEVICES = "auto, cpu, cuda, cuda:N"
+# CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle (seed
+# 000's runbook sets it); read once, at the first CUDA call
+ALLOC_CONF = "expandable_segments:True"
 
 
 class Error(Exception):
@@ -445,9 +448,12 @@ def resolve_device(name, local_rank=None, cuda_count=None):
 def setup(device, group=False):
     """This process's device and process group. Under torchrun (or with group=True: a group of one
     process, as fsdp needs) joins the process group: NCCL on GPUs, gloo on the CPU. Returns
-    dev, rank, world, torchrun and distributed; a bad device stops with one line."""
+    dev, rank, world, torchrun and distributed; a bad device stops with one line. Sets PYTORCH_ALLOC_CONF to
+    ALLOC_CONF first, unless the user set it or its older name, PYTORCH_CUDA_ALLOC_CONF (which it would override)."""
     import torch
     import torch.distributed as dist
+    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
     env = torchrun_env()
     rank, local_rank, world = env or (0, 0, 1)
     try:

@@ -4,8 +4,9 @@
 
 torch.cuda reports PODGPT_FAKE_GPUS GPUs (default 1), and every call that would reach one (set_device,
 the lazy CUDA init behind properties, synchronize and memory stats, NCCL) stops the script with
-"CUDA called: <call>". So a run that finishes made no CUDA call, and a run that picks a GPU shows which
-device it asked for first.
+"CUDA called: <call>", and the allocator settings that call would have read (PYTORCH_ALLOC_CONF and
+PYTORCH_CUDA_ALLOC_CONF). So a run that finishes made no CUDA call, and a run that picks a GPU shows which
+device it asked for first, and with which settings.
 """
 import os
 import runpy
@@ -16,7 +17,8 @@ import torch
 
 def forbidden(name):
     def call(*args, **kwargs):
-        raise RuntimeError(f"CUDA called: {name}({', '.join(map(str, args))})")
+        raise RuntimeError(f"CUDA called: {name}({', '.join(map(str, args))}) with " + ", ".join(
+            f"{k}={os.environ.get(k)}" for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")))
     return call
 
 

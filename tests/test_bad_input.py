@@ -364,6 +364,15 @@ ROWS = [
     ("unknown-dist-mode", plain("--dist_mode=zero3"), 1, "dist_mode='zero3' is not one of ddp, fsdp"),
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
+    # what a seed-000 user would type: a KeyError traceback in preflight.py before
+    ("unknown-gate-profile", plain("--gate_profile=skill_release"), 2,
+     "gate_profile='skill_release' is not one of research, release"),
+    ("target-band-upside-down", plain("--target_val_loss=3.5,3.2"), 2,
+     "target_val_loss=(3.5, 3.2) is neither a loss nor a band: give a number (the final validation loss at most "
+     "that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")"),
+    ("target-not-a-number", config_file("target_val_loss = '3.2-3.5'\n"), 2,
+     "target_val_loss='3.2-3.5' is neither a loss nor a band: give a number (the final validation loss at most "
+     "that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")"),
     # sanity.py: exit 1
     ("sanity-out-dir-is-data-dir", lambda ctx: ["sanity.py", f"--data_dir={data(ctx)}", f"--out_dir={ctx.tmp / 'data'}"],
      1, "out_dir={tmp}/data and data_dir={tmp}/data are the same folder: give each its own folder, side by side"),

@@ -72,14 +72,36 @@ def test_device_cpu_makes_no_cuda_call_in_any_script(cpu_run, tmp_path, stdlib_d
                   f"--out={tmp_path / 'comms.jsonl'}"], nproc=2)
 
 
+def no_allocator_settings(monkeypatch):
+    """Neither allocator variable in the scripts' environment (a script run in this process may have set one)."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.parametrize("script", ["train.py", "sanity.py", "sample.py", "bench/matmul.py"])
-def test_every_script_takes_an_indexed_gpu(script, cpu_run, stdlib_data):
+def test_every_script_takes_an_indexed_gpu(script, cpu_run, stdlib_data, monkeypatch):
     """device=auto with a GPU present: the first CUDA call each script makes is set_device(cuda:0), the
-    one setup's (tests/fake_cuda.py stops it there). A bare cuda device is what broke every script on a GPU."""
+    one setup's (tests/fake_cuda.py stops it there), with expandable segments already asked of the allocator.
+    A bare cuda device is what broke every script on a GPU."""
+    no_allocator_settings(monkeypatch)
     args = {"train.py": [f"--data_dir={stdlib_data}", f"--out_dir={cpu_run}_gpu"],
             "sanity.py": [f"--out_dir={cpu_run}_sanity"], "sample.py": [f"--out_dir={cpu_run}"]}.get(script, [])
     r = fake_gpu_run([script, *args, "--device=auto"], check=False)
-    assert r.returncode != 0 and "CUDA called: torch.cuda.set_device(cuda:0)" in r.stderr, r.stderr[-2000:]
+    said = ("CUDA called: torch.cuda.set_device(cuda:0) with PYTORCH_ALLOC_CONF=expandable_segments:True, "
+            "PYTORCH_CUDA_ALLOC_CONF=None")
+    assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"])
+def test_a_users_allocator_settings_are_kept(name, stdlib_data, tmp_path, monkeypatch):
+    """A user's own allocator settings reach the first CUDA call as they were, under either name: none is added
+    beside the older PYTORCH_CUDA_ALLOC_CONF, which a PYTORCH_ALLOC_CONF would override."""
+    no_allocator_settings(monkeypatch)
+    mine = {"PYTORCH_ALLOC_CONF": None, "PYTORCH_CUDA_ALLOC_CONF": None, name: "max_split_size_mb:64"}
+    r = fake_gpu_run(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=auto"], check=False,
+                     env={name: mine[name]})
+    said = "CUDA called: torch.cuda.set_device(cuda:0) with " + ", ".join(f"{k}={v}" for k, v in mine.items())
+    assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("local_rank,gpus,said", [(0, 2, "CUDA called: torch.cuda.set_device(cuda:0)"),

@@ -84,6 +84,33 @@ def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
 
 
+def test_predicted_loss_is_chinchillas_fit_against_the_target(tmp_path, capfd):
+    """predicted_loss: Hoffmann et al. 2022's approach-3 fit at the plan's parameters (all of them, embeddings
+    included) and planned tokens, named with its constants and said to be indicative, in preflight.json and .md. A
+    target_val_loss it falls outside of is a warning (the run may start), one it meets passes, none is a skip."""
+    plan = ["config/a100_50m.py", NO_DATA, "--plan_gpu=A100-SXM4-80GB", "--planned_mfu=0.48"]
+
+    def fit(report):
+        n, d = report["plan"]["params"]["total"], report["plan"]["planned_tokens"]
+        return 1.69 + 406.4 / n ** 0.34 + 410.7 / d ** 0.28
+
+    r, report, gates = preflight(capfd, tmp_path, *plan, "--target_val_loss=3.20,3.50")  # seed 002's band
+    loss = gates["predicted_loss"]
+    assert r.returncode == 0 and loss["value"] == pytest.approx(fit(report), rel=1e-12) and loss["value"] < 3.2
+    assert loss["verdict"] == "warn" and loss["threshold"] == "3.2 to 3.5"
+    for words in ("Hoffmann et al. 2022, approach 3", "1.69 + 406.4/N^0.34 + 410.7/D^0.28", "embeddings included",
+                  "indicative only", "outside target_val_loss (3.2 to 3.5)"):
+        assert words in loss["detail"]
+    assert f"| predicted_loss | warn | {loss['value']:.4g} | 3.2 to 3.5 |" in (tmp_path / "preflight.md").read_text()
+    r, report, gates = preflight(capfd, tmp_path, *plan, "--max_steps=9500", "--target_val_loss=3.5")  # ~5B tokens
+    loss = gates["predicted_loss"]
+    assert loss["value"] == pytest.approx(fit(report), rel=1e-12) and loss["verdict"] == "pass"
+    assert loss["threshold"] == "at most 3.5" and loss["detail"].endswith("within target_val_loss (at most 3.5)")
+    r, report, gates = preflight(capfd, tmp_path, *plan)
+    assert gates["predicted_loss"]["verdict"] == "skip" and gates["predicted_loss"]["value"] == pytest.approx(
+        fit(report), rel=1e-12)
+
+
 TINY = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=2", "--eval_every=2"]
 
 
@@ -134,6 +161,8 @@ def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data, capfd):
     assert report["verdict"] in ("pass", "warn")
     assert gates["contamination"]["verdict"] == "pass" and gates["tokenizer_vocab"]["verdict"] == "pass"
     assert "measured here" in gates["time_and_cost"]["detail"] and gates["time_and_cost"]["value"] > 0
+    loss = gates["predicted_loss"]  # byte tokens: not the fit's
+    assert loss["verdict"] == "skip" and loss["value"] is None and "nats per byte token" in loss["detail"]
     assert not os.path.exists(tmp_path / "ckpt" / "latest")  # a preflight trains nothing
 
 

@@ -3,6 +3,7 @@ and a machine without matplotlib."""
 import csv
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -10,14 +11,14 @@ import pytest
 from conftest import ROOT, Captured, read_metrics, run, shared, train_tiny
 
 PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png"]
+RUN = ["--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, stdlib_data):
     def build(out):
         with Captured() as captured:
-            train_tiny(captured, out, stdlib_data, "--plots=True", "--max_steps=20", "--log_every=2",
-                       "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4")
+            train_tiny(captured, out, stdlib_data, "--plots=True", *RUN)
     return str(shared(tmp_path_factory, "report_run", build))
 
 
@@ -82,6 +83,31 @@ def test_summary_md(reported):
     assert summary["stop_reason"] in md and summary["status"] in md
     assert f"{summary['final_val_loss']:.4f}" in md
     assert "preflight" in md and json.loads(read(os.path.join(reported, "preflight.json")))["verdict"] in md
+
+
+def test_target_val_loss_met_missed_and_not_reached(trained, stdlib_data, tmp_path, capfd):
+    """target_val_loss, judged on the final validation loss: summary.json's target_val_loss and target, and one line
+    of summary.md. The same command again over (a copy of) the finished run trains no step and evaluates again, to
+    the same loss: a target just above it is met, a band below it missed; a resume that max_hours stops before its
+    new last step has not reached it."""
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    final = json.loads(read(out / "summary.json"))["final_val_loss"]
+    low, mid, high = round(final - 0.3, 2), round(final - 0.15, 2), round(final + 0.05, 2)
+    for args, band, verdict, text in [
+            ([f"--target_val_loss={high}"], [None, high], "met", f"at most {high:g}"),
+            ([f"--target_val_loss={low},{mid}"], [low, mid], "missed", f"{low:g} to {mid:g}"),
+            ([f"--target_val_loss={high}", "--max_steps=40", "--max_hours=1e-6"], [None, high], "not reached",
+             f"at most {high:g}")]:
+        r = train_tiny(capfd, out, stdlib_data, *RUN, *args)
+        summary = json.loads(read(out / "summary.json"))
+        assert summary["target_val_loss"] == pytest.approx(band) and summary["target"] == verdict, summary
+        assert f"| target val loss | {text}: **{verdict}** |" in read(out / "summary.md")
+        if verdict != "not reached":
+            assert summary["steps"] == 20 and summary["final_val_loss"] == final
+            assert f"target_val_loss {text}: {verdict} | summary in" in r.stdout
+        else:
+            assert summary["status"] == "stopped" and summary["stop_reason"] == "max_hours"
 
 
 def test_without_matplotlib(trained, tmp_path):
