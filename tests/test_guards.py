@@ -154,6 +154,7 @@ def test_max_hours_keeps_back_the_slowest_recent_step():
     trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(elapsed=3600 - 1.0, cost_usd=0.0), eval_seconds=0.25,
                               save_seconds=0.25, ckpts=SimpleNamespace(writing=False), gpu_rate=0.0,
                               step_times=deque(maxlen=train.GUARD_STEPS))
+    trainer.reserve = lambda: train.Trainer.reserve(trainer)
     trainer.step_times.extend([0.9] + [0.1] * 19)
     assert train.Trainer.guard(trainer) == "max_hours"
     trainer.step_times.append(0.1)

@@ -86,12 +86,12 @@ def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
 
 def test_predicted_loss_is_chinchillas_fit_against_the_target(tmp_path, capfd):
     """predicted_loss: Hoffmann et al. 2022's approach-3 fit at the plan's parameters (all of them, embeddings
-    included) and planned tokens, named with its constants and said to be indicative, in preflight.json and .md. A
+    included) and the horizon's tokens, named with its constants and said to be indicative, in preflight.json and .md. A
     target_val_loss it falls outside of is a warning (the run may start), one it meets passes, none is a skip."""
     plan = ["config/a100_50m.py", NO_DATA, "--plan_gpu=A100-SXM4-80GB", "--planned_mfu=0.48"]
 
-    def fit(report):
-        n, d = report["plan"]["params"]["total"], report["plan"]["planned_tokens"]
+    def fit(report):  # at the horizon's tokens: what $35 pays for, or max_steps
+        n, d = report["plan"]["params"]["total"], report["plan"]["horizon"]["steps"] * 524288
         return 1.69 + 406.4 / n ** 0.34 + 410.7 / d ** 0.28
 
     r, report, gates = preflight(capfd, tmp_path, *plan, "--target_val_loss=3.20,3.50")  # seed 002's band
