@@ -142,6 +142,7 @@ eval_every = 250                # steps between validation evaluations (and one 
 eval_steps = 20                 # validation micro-batches per rank per evaluation
 log_every = 10                  # steps between metrics.jsonl lines and console lines
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
+ckpt_every_minutes = 0.0        # also a checkpoint when this many minutes passed since the last one (or the start); 0: off
 keep_last = 3                   # newest checkpoints kept (at least 1), besides the best one
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
@@ -217,7 +218,7 @@ def check_config(cfg):
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
                 "max_hours", "budget_usd", "usd_per_gpu_hour", "ckpt_min_free_gb", "max_epochs", "lr_base",
-                "eval_gsm8k_samples"):
+                "eval_gsm8k_samples", "ckpt_every_minutes"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -496,6 +497,7 @@ class Trainer:
         self.metrics = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
             if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
+        self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
 
     def write_metrics(self, row):
         if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
@@ -587,12 +589,13 @@ class Trainer:
                            f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
         return None
 
-    def agree(self, loss_sum, finite, guard_reason, sups=None):
+    def agree(self, loss_sum, finite, guard_reason, save_due=False, sups=None):
         """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
-        whether any rank saw a non-finite step, a signal, or (rank 0) a guard. Every rank then takes the same
-        decisions. (mean loss, finite, stop reason or None, mean losses per supervision step or None)."""
+        whether any rank saw a non-finite step, a signal, or (rank 0) a guard or a save due by the clock. Every
+        rank then takes the same decisions. (mean loss, finite, stop reason or None, save due, mean losses per
+        supervision step or None)."""
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
-                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0]
+                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, 1.0 if save_due else 0.0]
         v = torch.cat([loss_sum.float().reshape(1), torch.tensor(flags, device=self.proc.dev),
                        *([] if sups is None else [sups.float()])])
         if self.proc.distributed:
@@ -600,7 +603,7 @@ class Trainer:
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
         n = self.grad_accum * self.proc.world
-        return v[0] / n, v[1] == 0, reason, [s / n for s in v[4:]] if sups is not None else None
+        return v[0] / n, v[1] == 0, reason, v[4] > 0, [s / n for s in v[5:]] if sups is not None else None
 
     # bad steps: drills, spikes, rollbacks
 
@@ -699,7 +702,9 @@ class Trainer:
         # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
         finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
         self.tick()
-        loss, finite, reason, sups = self.agree(loss_sum, finite, self.guard() if proc.rank == 0 else None, sups)
+        rank0 = proc.rank == 0
+        loss, finite, reason, self.save_due, sups = self.agree(loss_sum, finite, self.guard() if rank0 else None,
+                                                               rank0 and self.ckpts.time_due(), sups)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -826,7 +831,7 @@ class Trainer:
             if reason == "budget_file_spent":
                 break  # already over the cap: not one more byte or second
             # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
-            if self.ckpts.due(st.step, cfg.max_steps, new_best, bool(reason), st.bad_in_a_row):
+            if self.ckpts.due(st.step, cfg.max_steps, new_best, bool(reason), st.bad_in_a_row, self.save_due):
                 self.tick()
                 self.checkpoint(val_loss, new_best)
             if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
@@ -976,7 +981,7 @@ def train(cfg, keep_group=False):
         saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
         ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
                             files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
-                            cfg.ckpt_min_free_gb, cfg.ckpt_async)
+                            cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
         # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
         state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
                                 evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,

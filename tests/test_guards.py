@@ -1,6 +1,6 @@
 """train.py's guards, end to end on the tiny model: the time and budget limits (max_hours, budget_usd,
 budget_file), the loss-spike and NaN fire drills, rollback at half the learning rate, early stopping
-with the best checkpoint, and the free-disk check before a checkpoint.
+with the best checkpoint, the free-disk check before a checkpoint, and checkpoints by the clock.
 
 Every test runs train.py as a user would and judges it only by what the run leaves behind: its exit
 code, stdout/stderr, metrics.jsonl, summary.json and ckpt/. A run goes on while the test watches it
@@ -438,3 +438,23 @@ def test_a_run_whose_every_save_was_skipped_fails_at_its_end(tmp_path, stdlib_da
     summary = summary_of(tmp_path)
     assert summary["status"] == "failed" and summary["steps"] == 10 and summary["checkpoint"] is None
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+# -----------------------------------------------------------------------------
+# 7. checkpoints by the clock
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "ddp"])
+def test_ckpt_every_minutes_saves_by_the_clock_on_every_rank(tmp_path, stdlib_data, capfd, nproc):
+    """ckpt_every_minutes=0.001 (60 ms, a few steps here) with ckpt_every far past max_steps: checkpoints come by
+    the clock, more than the final one, each complete. Under 2 ranks rank 0's clock decides for both (a rank that
+    saved alone would hang in the save's gather): the run completes."""
+    train(capfd, tmp_path, stdlib_data, "--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=40",
+          "--ckpt_every=1000000", "--ckpt_every_minutes=0.001",
+          "--eval_every=1000000", "--keep_last=100", "--log_every=10", nproc=nproc)
+    saves = [e["step"] for e in events(tmp_path, "checkpoint")]
+    assert len(saves) > 2 and saves[-1] == 40 and saves == sorted(set(saves)), saves
+    assert step_folders(tmp_path) == saves
+    assert all((tmp_path / "ckpt" / f"step_{s:07d}" / "complete.json").exists() for s in saves)
+    summary = summary_of(tmp_path)
+    assert summary["status"] == "completed" and summary["world_size"] == nproc
