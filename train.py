@@ -15,8 +15,10 @@ config.json (the resolved config; the console shows the keys that differ from th
 preflight.json/.md, metrics.jsonl (a JSON object per logged step, and one per event: spike,
 non-finite step, rollback, budget warning, checkpoint written), ckpt/ (checkpoints, written in
 the background; ckpt/latest and ckpt/best name the newest and the best complete one), the run
-report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops; with log_to, every metrics line
-also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is written.
+report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops,
+spike-postmortem.md/.json at a spike or non-finite step (its batch, and the command that replays it); with
+log_to, every metrics line also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is
+written.
 
 The batch of optimizer step s is always the same set of sequences, whatever the
 number of GPUs or the micro-batch: the loader walks one global, seeded order of
@@ -51,9 +53,11 @@ import json
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 import time
+from collections import Counter, deque
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -65,7 +69,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import configurator
 from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
                   format_seconds, is_master, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup,
-                  warn, write_json)
+                  warn, write_atomic, write_json)
 from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
@@ -73,7 +77,7 @@ from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (finish_preflight, gates_report, measure_tokens_per_sec, model_config, plan_time,
                        planned_speed, planning, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
-from prepare import check_tokenizer_loads
+from prepare import check_tokenizer_loads, load_tokenizer
 
 # --- config
 # I/O
@@ -168,6 +172,8 @@ max_bad_steps = 10              # spikes or non-finite steps in a row before rol
 max_rollbacks = 3               # rollbacks allowed before the run stops as diverged
 inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train on batches of the rarest tokens; -1: off
 inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
+stop_at_step = 0                # stop (checkpoint, exit 0) after this step, the schedule still max_steps' (a spike
+                                # post-mortem's replay command sets it); 0: off
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
@@ -202,6 +208,14 @@ BUDGET_WARN = 0.85              # warn when budget_file's spend passes this frac
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
+POSTMORTEM = "spike-postmortem"  # out_dir/spike-postmortem.md and .json: every spike and non-finite step of the run
+POSTMORTEM_STEPS = 8            # steps (the bad one last) whose loss and grad norm a post-mortem shows
+POSTMORTEM_SAMPLES = 4          # samples of a bad step's batch shown decoded
+POSTMORTEM_TOKENS = 32          # tokens of each
+# keys a replay command leaves at their defaults or sets itself: none changes what a step computes
+REPLAY_DROPS = ("out_dir", "resume", "stop_at_step", "log_every", "eval_every", "ckpt_every", "ckpt_every_minutes",
+                "early_stop_patience", "max_hours", "budget_usd", "budget_file", "budget_check_minutes", "log_to",
+                "run_name", "run_tags")
 
 
 def check_config(cfg):
@@ -218,7 +232,7 @@ def check_config(cfg):
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
                 "max_hours", "budget_usd", "usd_per_gpu_hour", "ckpt_min_free_gb", "max_epochs", "lr_base",
-                "eval_gsm8k_samples", "ckpt_every_minutes"):
+                "eval_gsm8k_samples", "ckpt_every_minutes", "stop_at_step"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -268,6 +282,51 @@ def lr_at(step, cfg):
         return cfg.learning_rate * (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def finite_or_text(x):
+    """A float as strict JSON takes it: NaN and inf as the text "nan", "inf"."""
+    return x if math.isfinite(x) else str(x)
+
+
+def postmortem_md(cfg, bad_steps):
+    """spike-postmortem.md: the bad steps (Trainer.postmortem) oldest first, each with its replay command."""
+    def shown(x):
+        return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+    lines = [f"# Spike post-mortem: {cfg.out_dir}", "",
+             f"{len(bad_steps)} bad steps: a spike is a loss above spike_factor={cfg.spike_factor:g} x the average of "
+             f"the losses before it (a decay-{LOSS_EMA_DECAY} EMA), a non-finite step a NaN or inf loss or gradient. "
+             f"Every step is in metrics.jsonl; this, in full, in {POSTMORTEM}.json."]
+    for bad in bad_steps:
+        (a, z), batch = bad["batch"]["samples"], bad["batch"]
+        lines += ["", f"## Step {bad['step']}: {'spike' if bad['kind'] == 'spike' else 'non-finite'}, loss "
+                      f"{shown(bad['loss'])} (average before it {shown(bad['loss_ema'])})", "",
+                  f"What the run did: {bad['action']}.", "", "| step | loss | grad norm | lr |", "|---|---|---|---|"]
+        lines += [f"| {r['step']} | {shown(r['loss'])} | {shown(r['grad_norm'])} | {r['lr']:.3g} |"
+                  for r in bad["recent"]]
+        if batch["drill"]:
+            lines += ["", f"The batch: the fire drill's, rarest tokens (data.rare_token_batch) in place of samples "
+                          f"{a:,}..{z - 1:,}; the first tokens of rank 0's first rows:", "", "```"]
+            lines += [json.dumps(t, ensure_ascii=False) for t in batch["text"]]
+        else:
+            shards = Counter(s["shard"] for s in batch["sources"])
+            lines += ["", f"The batch: samples {a:,}..{z - 1:,} (data.Loader's order), windows from "
+                          f"{', '.join(f'{name} ({k})' for name, k in shards.items())}; the first tokens of the first "
+                          f"ones (a document is its index in the shard's docs.npy):", "", "```"]
+            lines += [f"sample {s['sample']:,} ({s['shard']}, document {s['doc']:,}, token {s['token']:,}): "
+                      f"{json.dumps(t, ensure_ascii=False)}" for s, t in zip(batch["sources"], batch["text"])]
+        lines += ["```", ""]
+        if bad["replay_command"] is None:
+            lines += [f"No replay: {bad['replay_note']}."]
+            continue
+        start = "the start" if bad["replay_from"] < 0 else \
+            f"ckpt/step_{bad['replay_from']:07d} (kept while among the keep_last={cfg.keep_last} newest)"
+        lines += [f"Replay: trains from {start} to step {bad['step']} with this run's config, logs every step and "
+                  f"stops there (a checkpoint in the replay's out_dir); its loss at step {bad['step']} is this one "
+                  f"(bit for bit on CPU in fp32, tests/test_guards.py; a GPU's kernels may differ in the last bits):", "",
+                  "```bash", bad["replay_command"], "```"]
+    return "\n".join(lines) + "\n"
 
 
 def read_budget_file(path):
@@ -498,6 +557,12 @@ class Trainer:
             if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
         self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
+        # the post-mortem of bad steps (rank 0 writes it): the recent steps' (step, loss, grad norm, lr), and the
+        # oldest checkpoint a replay may start from (-1: none needed; after a rollback, only one saved since holds
+        # its lr_scale)
+        self.recent, self.replay_floor = deque(maxlen=POSTMORTEM_STEPS), -1
+        self.postmortem_path = os.path.join(cfg.out_dir, POSTMORTEM)
+        self.bad_steps = self.read_postmortem() if proc.rank == 0 else []
 
     def write_metrics(self, row):
         if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
@@ -631,6 +696,8 @@ class Trainer:
         else:
             st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
+        if (spike or not finite) and self.proc.rank == 0:
+            self.postmortem("spike" if finite else "nonfinite")
 
     def rollback(self):
         """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
@@ -651,7 +718,78 @@ class Trainer:
         self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
                    f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",
                    from_step=bad_at, lr_scale=st.lr_scale, rollbacks=st.rollbacks)
+        self.replay_floor = st.step + 1
+        if self.proc.rank == 0:
+            for bad in self.bad_steps:
+                if bad["step"] > st.step and bad["rolled_back_to"] is None:
+                    bad["rolled_back_to"] = st.step
+                    bad["action"] += f"; then the run rolled back to step {st.step} at lr x {st.lr_scale:g}"
+            self.write_postmortem()
         return None
+
+    # the post-mortem of bad steps: out_dir/spike-postmortem.md and .json
+
+    def read_postmortem(self):
+        """The bad steps the post-mortem of this out_dir holds up to the step resumed from (none at a start)."""
+        try:
+            with open(self.postmortem_path + ".json") as f:
+                return [bad for bad in json.load(f)["bad_steps"] if bad["step"] <= self.state.step]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def write_postmortem(self):
+        try:
+            write_json(self.postmortem_path + ".json", dict(out_dir=self.cfg.out_dir, bad_steps=self.bad_steps))
+            write_atomic(self.postmortem_path + ".md", postmortem_md(self.cfg, self.bad_steps))
+        except OSError as e:
+            out_of_space(self.postmortem_path + ".md", e, self.ckpts)
+
+    def postmortem(self, kind):
+        """Add the step just taken, a spike or a non-finite step, to the post-mortem: the steps up to it, its batch
+        (samples, shards, documents, the first tokens decoded), what the run did, and the command that replays it."""
+        cfg, st = self.cfg, self.state
+        n = cfg.total_batch_tokens // cfg.block_size
+        first, drill = st.samples - n, f"spike@{st.step}" in st.injected
+        if drill:  # rank 0's first micro-batch, as micro_batch drew it in place of the step's samples
+            rows = rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, st.step - 1, first],
+                                    torch.device("cpu"), cfg.objective == "bd3lm")[0].numpy()
+            sources = None
+        else:
+            sources = self.train_data.sources(range(first, first + n))
+            rows = [self.train_data.window(s["window"]) for s in sources[:POSTMORTEM_SAMPLES]]
+        tok = load_tokenizer(cfg.data_dir)
+        text = [tok.decode(row[:POSTMORTEM_TOKENS]) for row in rows[:POSTMORTEM_SAMPLES]]
+        recent = [dict(step=s, loss=finite_or_text(loss), grad_norm=finite_or_text(g.item()), lr=lr)
+                  for s, loss, g, lr in self.recent]
+        action = ("skipped on every rank: no weight or optimizer state changed" if kind == "nonfinite" else
+                  "counted, not skipped: its update was applied")
+        args, note = self.replay_args(st.step)
+        launch = [sys.executable] if self.proc.world == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.proc.world}"]
+        self.bad_steps.append(dict(
+            **recent[-1], kind=kind, loss_ema=st.loss_ema, recent=recent,
+            batch=dict(samples=[first, first + n], drill=drill, sources=sources, text=text),
+            action=f"{action} ({st.bad_in_a_row} bad in a row; max_bad_steps={cfg.max_bad_steps} in a row roll back)",
+            rolled_back_to=None, replay_from=self.ckpts.on_disk if args else None, replay_args=args,
+            replay_command=args and f"cd {shlex.quote(os.getcwd())} && "
+                                    f"{shlex.join([*launch, os.path.relpath(__file__), *args])}",
+            replay_note=note))
+        self.write_postmortem()
+
+    def replay_args(self, step):
+        """(train.py's arguments that run this run again up to `step` and stop, None) or (None, why there are none):
+        the keys that differ from the defaults, less REPLAY_DROPS, from the newest checkpoint on disk (none yet: from
+        the start, which is as deterministic)."""
+        cfg, on_disk = self.cfg, self.ckpts.on_disk
+        if on_disk < self.replay_floor:
+            return None, (f"no checkpoint since the rollback to step {on_disk}, and one from before it would train at "
+                          f"its learning rate, not this one's x {self.state.lr_scale:g}")
+        defaults = configurator.read_defaults(__file__)
+        args = [f"--{k}={v}" for k, v in cfg.items() if v != defaults[k][0] and k not in REPLAY_DROPS]
+        resume = os.path.join(self.ckpts.root, f"step_{on_disk:07d}") if on_disk >= 0 else "never"
+        return [*args, f"--out_dir={cfg.out_dir.rstrip('/')}-replay-{step}", f"--resume={resume}",
+                f"--stop_at_step={step}", "--log_every=1", f"--eval_every={cfg.max_steps}",
+                f"--ckpt_every={cfg.max_steps}"], None
 
     # one step
 
@@ -715,6 +853,7 @@ class Trainer:
             self.event("drill", "fire drill: " + ("a batch of the rarest tokens" if spike_drill
                                                   else "a NaN loss on the last rank"),
                        drill="spike" if spike_drill else "nan")
+        self.recent.append((st.step, loss, grad_norm, lr))
         self.account(loss, finite, grad_norm)
         took = time.time() - t_step
         self.step_seconds = took if self.step_seconds == 0 else 0.9 * self.step_seconds + 0.1 * took
@@ -818,11 +957,15 @@ class Trainer:
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may already be past a limit
         if proc.distributed:
             reason = self.agree(torch.zeros(1, device=proc.dev), True, reason)[2]
+        if not reason and cfg.stop_at_step and st.step >= cfg.stop_at_step:
+            reason = "stop_at_step"
         if reason:
             log(f"not training: {reason} already reached at step {st.step}")
         val_loss = None
         while st.step < cfg.max_steps and not reason:
             reason = self.step()
+            if not reason and st.step == cfg.stop_at_step:
+                reason = "stop_at_step"
             new_best, val_loss = False, None
             if reason is None and (st.step % cfg.eval_every == 0 or st.step == cfg.max_steps):
                 val_loss, new_best = self.validate()
