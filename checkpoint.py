@@ -580,10 +580,11 @@ class Checkpoints:
     the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
 
     def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best, min_free_gb,
-                 background=True):
+                 background=True, every_minutes=0.0):
         self.root = os.path.join(out_dir, "ckpt")
         self.model, self.optimizer, self.proc, self.sharded, self.files = model, optimizer, proc, sharded, files
         self.every, self.keep_last, self.save_best, self.min_free_gb = every, keep_last, save_best, min_free_gb
+        self.every_s, self.t_saved = every_minutes * 60, time.time()  # 0: no save by the clock; the last save's start
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
         self.saved_step = -1        # the step the newest save holds
         self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
@@ -665,10 +666,15 @@ class Checkpoints:
             warn(f"world size {len(trainer['rng'])} -> {proc.world}: same batches, per-rank RNG states re-seeded")
         self.pending, self.saved_step, self.on_disk = False, state.step, state.step
 
-    def due(self, step, last_step, new_best, stopping, bad_in_a_row):
-        """Whether to save now: every `every` steps and at the last one, but held back while bad steps
-        run in a row (so a rollback never lands inside them); at a new best validation loss; on a stop."""
-        self.pending |= step % self.every == 0 or step == last_step
+    def time_due(self):
+        """Whether every_minutes have passed since the last save (or the start): one rank's clock decides, and the
+        loop hands its answer to every rank (train.py: Trainer.agree) as `timed`."""
+        return bool(self.every_s) and time.time() - self.t_saved >= self.every_s
+
+    def due(self, step, last_step, new_best, stopping, bad_in_a_row, timed=False):
+        """Whether to save now: every `every` steps, when `timed`, and at the last one, but held back while bad
+        steps run in a row (so a rollback never lands inside them); at a new best validation loss; on a stop."""
+        self.pending |= step % self.every == 0 or step == last_step or timed
         return (self.pending and bad_in_a_row == 0) or (new_best and self.save_best) or stopping
 
     def save(self, trainer, best):
@@ -677,6 +683,7 @@ class Checkpoints:
         at once), and for the copy of the state into CPU memory; the files are then written in the
         background (background=False: before this returns)."""
         t0, proc = time.time(), self.proc
+        self.t_saved = t0
         self.wait()
         t1 = time.time()  # this save's own time starts
         states = [rng_state()]

@@ -287,10 +287,26 @@ class Loader:
         return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
                                                        windows if keys is None else keys, self.block_size))
 
+    def train_window(self, k):
+        """The window of training sample k (the run's k-th sample: see the class)."""
+        return int(self.order(k // self.n)[k % self.n])
+
     def train_batch(self, first_sample, size, device):
         samples = np.arange(first_sample, first_sample + size)
-        windows = [self.order(k // self.n)[k % self.n] for k in samples]
-        return self.batch(windows, device, samples)
+        return self.batch([self.train_window(k) for k in samples], device, samples)
+
+    def sources(self, samples):
+        """Where training samples come from: each one's window, shard file, first token in that shard, and the
+        document (its index in the shard's docs.npy) that this token belongs to."""
+        starts, found = {}, []
+        for k in samples:
+            w = self.train_window(k)
+            s, token = self.locate(w)
+            if s not in starts:
+                starts[s] = np.load(docs_file(self.paths[s]), mmap_mode="r")
+            found.append(dict(sample=int(k), window=w, shard=os.path.basename(self.paths[s]), token=token,
+                              doc=int(np.searchsorted(starts[s], token, side="right")) - 1))
+        return found
 
 
 def diffusion_draws(seed, keys, block_size):

@@ -95,6 +95,10 @@ done
 for s in $STAGES; do
     [[ " $STAGE_NAMES " == *" $s "* ]] || refuse "unknown stage '$s' in STAGES (choose from: $STAGE_NAMES)"
 done
+# the runbook's must-pass memory check before a paid run: on a machine with a GPU, sanity.py --capacity takes one
+# real training step of the whole model (on a CPU it would only plan, and needs the vocabulary before prepare)
+GPU=
+nvidia-smi -L >/dev/null 2>&1 && GPU=1
 TRAIN_ARGS=("$@")
 [[ -n ${DATA_DIR:-} ]] && TRAIN_ARGS+=("--data_dir=$DATA_DIR")
 # the run's out_dir as train.py resolves it from the config and the overrides
@@ -182,7 +186,8 @@ stage() {
 
 for s in $STAGES; do
     case $s in
-        sanity)  stage sanity "${LAUNCH[@]}" sanity.py "$CONFIG" "--out_dir=$OUT" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ;;
+        sanity)  stage sanity "${LAUNCH[@]}" sanity.py "$CONFIG" "--out_dir=$OUT" ${DATA_DIR:+"--data_dir=$DATA_DIR"} \
+                     ${GPU:+--capacity} ;;
         prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${PREPARE_ARGS:-} ;;
         dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
                      "--dryrun_steps=$DRYRUN_STEPS" ;;

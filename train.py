@@ -15,8 +15,10 @@ config.json (the resolved config; the console shows the keys that differ from th
 preflight.json/.md, metrics.jsonl (a JSON object per logged step, and one per event: spike,
 non-finite step, rollback, budget warning, checkpoint written), ckpt/ (checkpoints, written in
 the background; ckpt/latest and ckpt/best name the newest and the best complete one), the run
-report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops; with log_to, every metrics line
-also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is written.
+report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops,
+spike-postmortem.md/.json at a spike or non-finite step (its batch, and the command that replays it); with
+log_to, every metrics line also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is
+written.
 
 The batch of optimizer step s is always the same set of sequences, whatever the
 number of GPUs or the micro-batch: the loader walks one global, seeded order of
@@ -47,15 +49,15 @@ AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (s
 diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
-import collections
 import json
 import math
 import os
 import random
+import shlex
 import signal
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -67,7 +69,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import configurator
 from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
                   format_seconds, is_master, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup,
-                  warn, write_json)
+                  warn, write_atomic, write_json)
 from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
@@ -76,7 +78,7 @@ from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, gates_
                        measure_tokens_per_sec, model_config, plan_time, planned_speed, planning, target_band,
                        write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
-from prepare import check_tokenizer_loads
+from prepare import check_tokenizer_loads, load_tokenizer
 
 # --- config
 # I/O
@@ -148,6 +150,7 @@ eval_every = 250                # steps between validation evaluations (and one 
 eval_steps = 20                 # validation micro-batches per rank per evaluation
 log_every = 10                  # steps between metrics.jsonl lines and console lines
 ckpt_every = 1000               # steps between checkpoints (and one at the end)
+ckpt_every_minutes = 0.0        # also a checkpoint when this many minutes passed since the last one (or the start); 0: off
 keep_last = 3                   # newest checkpoints kept (at least 1), besides the best one
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
@@ -178,6 +181,8 @@ inject_spike_at_step = -1       # fire drill: the steps logged as N..N+4 train o
 inject_nan_at_step = -1         # fire drill: the steps logged as N..N+4 get a NaN loss on the last rank; -1: off
 inject_slow_at_step = -1        # fire drill: from this step on every step sleeps inject_slow_seconds (a slower pod); -1: off
 inject_slow_seconds = 0.0       # the sleep of inject_slow_at_step
+stop_at_step = 0                # stop (checkpoint, exit 0) after this step, the schedule still max_steps' (a spike
+                                # post-mortem's replay command sets it); 0: off
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
@@ -214,6 +219,14 @@ GUARD_STEPS = 20                # the guards keep back the slowest of this many 
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
+POSTMORTEM = "spike-postmortem"  # out_dir/spike-postmortem.md and .json: every spike and non-finite step of the run
+POSTMORTEM_STEPS = 8            # steps (the bad one last) whose loss and grad norm a post-mortem shows
+POSTMORTEM_SAMPLES = 4          # samples of a bad step's batch shown decoded
+POSTMORTEM_TOKENS = 32          # tokens of each
+# keys a replay command leaves at their defaults or sets itself: none changes what a step computes
+REPLAY_DROPS = ("out_dir", "resume", "stop_at_step", "log_every", "eval_every", "ckpt_every", "ckpt_every_minutes",
+                "early_stop_patience", "max_hours", "budget_usd", "budget_file", "budget_check_minutes", "log_to",
+                "run_name", "run_tags")
 
 
 def check_config(cfg):
@@ -230,7 +243,7 @@ def check_config(cfg):
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
                 "max_hours", "budget_usd", "usd_per_gpu_hour", "ckpt_min_free_gb", "max_epochs", "lr_base",
-                "eval_gsm8k_samples"):
+                "eval_gsm8k_samples", "ckpt_every_minutes", "stop_at_step"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
     if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
@@ -298,6 +311,51 @@ def lr_at(step, cfg, horizon, decay_start=-1, decay_lr=None):
         return start + (cfg.min_lr - start) * min(1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - 1 - cfg.warmup_steps))
     return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def finite_or_text(x):
+    """A float as strict JSON takes it: NaN and inf as the text "nan", "inf"."""
+    return x if math.isfinite(x) else str(x)
+
+
+def postmortem_md(cfg, bad_steps):
+    """spike-postmortem.md: the bad steps (Trainer.postmortem) oldest first, each with its replay command."""
+    def shown(x):
+        return f"{x:.4f}" if isinstance(x, float) else str(x)
+
+    lines = [f"# Spike post-mortem: {cfg.out_dir}", "",
+             f"{len(bad_steps)} bad steps: a spike is a loss above spike_factor={cfg.spike_factor:g} x the average of "
+             f"the losses before it (a decay-{LOSS_EMA_DECAY} EMA), a non-finite step a NaN or inf loss or gradient. "
+             f"Every step is in metrics.jsonl; this, in full, in {POSTMORTEM}.json."]
+    for bad in bad_steps:
+        (a, z), batch = bad["batch"]["samples"], bad["batch"]
+        lines += ["", f"## Step {bad['step']}: {'spike' if bad['kind'] == 'spike' else 'non-finite'}, loss "
+                      f"{shown(bad['loss'])} (average before it {shown(bad['loss_ema'])})", "",
+                  f"What the run did: {bad['action']}.", "", "| step | loss | grad norm | lr |", "|---|---|---|---|"]
+        lines += [f"| {r['step']} | {shown(r['loss'])} | {shown(r['grad_norm'])} | {r['lr']:.3g} |"
+                  for r in bad["recent"]]
+        if batch["drill"]:
+            lines += ["", f"The batch: the fire drill's, rarest tokens (data.rare_token_batch) in place of samples "
+                          f"{a:,}..{z - 1:,}; the first tokens of rank 0's first rows:", "", "```"]
+            lines += [json.dumps(t, ensure_ascii=False) for t in batch["text"]]
+        else:
+            shards = Counter(s["shard"] for s in batch["sources"])
+            lines += ["", f"The batch: samples {a:,}..{z - 1:,} (data.Loader's order), windows from "
+                          f"{', '.join(f'{name} ({k})' for name, k in shards.items())}; the first tokens of the first "
+                          f"ones (a document is its index in the shard's docs.npy):", "", "```"]
+            lines += [f"sample {s['sample']:,} ({s['shard']}, document {s['doc']:,}, token {s['token']:,}): "
+                      f"{json.dumps(t, ensure_ascii=False)}" for s, t in zip(batch["sources"], batch["text"])]
+        lines += ["```", ""]
+        if bad["replay_command"] is None:
+            lines += [f"No replay: {bad['replay_note']}."]
+            continue
+        start = "the start" if bad["replay_from"] < 0 else \
+            f"ckpt/step_{bad['replay_from']:07d} (kept while among the keep_last={cfg.keep_last} newest)"
+        lines += [f"Replay: trains from {start} to step {bad['step']} with this run's config, logs every step and "
+                  f"stops there (a checkpoint in the replay's out_dir); its loss at step {bad['step']} is this one "
+                  f"(bit for bit on CPU in fp32, tests/test_guards.py; a GPU's kernels may differ in the last bits):", "",
+                  "```bash", bad["replay_command"], "```"]
+    return "\n".join(lines) + "\n"
 
 
 def read_budget_file(path):
@@ -530,7 +588,7 @@ class Trainer:
         # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
-        self.pace = collections.deque(maxlen=20)  # (steps done, elapsed) at the end of the recent steps: wsd's projection
+        self.pace = deque(maxlen=GUARD_STEPS)  # (steps done, elapsed) at the recent steps' ends: wsd's projection
         self.refine, self.val_sups = raw_model.config.objective == "refine", None
         self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
         if cfg.eval_gsm8k_samples:
@@ -546,6 +604,13 @@ class Trainer:
         self.metrics = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
             if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
+        self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
+        # the post-mortem of bad steps (rank 0 writes it): the recent steps' (step, loss, grad norm, lr), and the
+        # oldest checkpoint a replay may start from (-1: none needed; after a rollback, only one saved since holds
+        # its lr_scale)
+        self.recent, self.replay_floor = deque(maxlen=POSTMORTEM_STEPS), -1
+        self.postmortem_path = os.path.join(cfg.out_dir, POSTMORTEM)
+        self.bad_steps = self.read_postmortem() if proc.rank == 0 else []
 
     def write_metrics(self, row):
         if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
@@ -643,13 +708,15 @@ class Trainer:
                            f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
         return None
 
-    def agree(self, loss_sum, finite, guard_reason, decay_to=0, sups=None):
+    def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, sups=None):
         """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
-        whether any rank saw a non-finite step, a signal, or (rank 0) a guard, and rank 0's decay_to (wsd: the
-        horizon to decay to from the next step; 0: none). Every rank then takes the same decisions. (mean loss,
-        finite, stop reason or None, decay_to, mean losses per supervision step or None)."""
+        whether any rank saw a non-finite step, a signal, or (rank 0) a guard, rank 0's decay_to (wsd: the horizon
+        to decay to from the next step; 0: none) and whether a save is due by rank 0's clock. Every rank then takes
+        the same decisions. (mean loss, finite, stop reason or None, decay_to, save due, mean losses per
+        supervision step or None)."""
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
-                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to)]
+                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
+                 1.0 if save_due else 0.0]
         # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
         v = torch.cat([loss_sum.double().reshape(1), torch.tensor(flags, device=self.proc.dev, dtype=torch.float64),
                        *([] if sups is None else [sups.double()])])
@@ -658,7 +725,7 @@ class Trainer:
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
         n = self.grad_accum * self.proc.world
-        return v[0] / n, v[1] == 0, reason, int(v[4]), [s / n for s in v[5:]] if sups is not None else None
+        return v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0, [s / n for s in v[6:]] if sups is not None else None
 
     # bad steps: drills, spikes, rollbacks
 
@@ -686,6 +753,8 @@ class Trainer:
         else:
             st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
+        if (spike or not finite) and self.proc.rank == 0:
+            self.postmortem("spike" if finite else "nonfinite")
 
     def rollback(self):
         """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
@@ -706,7 +775,78 @@ class Trainer:
         self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
                    f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",
                    from_step=bad_at, lr_scale=st.lr_scale, rollbacks=st.rollbacks)
+        self.replay_floor = st.step + 1
+        if self.proc.rank == 0:
+            for bad in self.bad_steps:
+                if bad["step"] > st.step and bad["rolled_back_to"] is None:
+                    bad["rolled_back_to"] = st.step
+                    bad["action"] += f"; then the run rolled back to step {st.step} at lr x {st.lr_scale:g}"
+            self.write_postmortem()
         return None
+
+    # the post-mortem of bad steps: out_dir/spike-postmortem.md and .json
+
+    def read_postmortem(self):
+        """The bad steps the post-mortem of this out_dir holds up to the step resumed from (none at a start)."""
+        try:
+            with open(self.postmortem_path + ".json") as f:
+                return [bad for bad in json.load(f)["bad_steps"] if bad["step"] <= self.state.step]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
+    def write_postmortem(self):
+        try:
+            write_json(self.postmortem_path + ".json", dict(out_dir=self.cfg.out_dir, bad_steps=self.bad_steps))
+            write_atomic(self.postmortem_path + ".md", postmortem_md(self.cfg, self.bad_steps))
+        except OSError as e:
+            out_of_space(self.postmortem_path + ".md", e, self.ckpts)
+
+    def postmortem(self, kind):
+        """Add the step just taken, a spike or a non-finite step, to the post-mortem: the steps up to it, its batch
+        (samples, shards, documents, the first tokens decoded), what the run did, and the command that replays it."""
+        cfg, st = self.cfg, self.state
+        n = cfg.total_batch_tokens // cfg.block_size
+        first, drill = st.samples - n, f"spike@{st.step}" in st.injected
+        if drill:  # rank 0's first micro-batch, as micro_batch drew it in place of the step's samples
+            rows = rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, st.step - 1, first],
+                                    torch.device("cpu"), cfg.objective == "bd3lm")[0].numpy()
+            sources = None
+        else:
+            sources = self.train_data.sources(range(first, first + n))
+            rows = [self.train_data.window(s["window"]) for s in sources[:POSTMORTEM_SAMPLES]]
+        tok = load_tokenizer(cfg.data_dir)
+        text = [tok.decode(row[:POSTMORTEM_TOKENS]) for row in rows[:POSTMORTEM_SAMPLES]]
+        recent = [dict(step=s, loss=finite_or_text(loss), grad_norm=finite_or_text(g.item()), lr=lr)
+                  for s, loss, g, lr in self.recent]
+        action = ("skipped on every rank: no weight or optimizer state changed" if kind == "nonfinite" else
+                  "counted, not skipped: its update was applied")
+        args, note = self.replay_args(st.step)
+        launch = [sys.executable] if self.proc.world == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.proc.world}"]
+        self.bad_steps.append(dict(
+            **recent[-1], kind=kind, loss_ema=st.loss_ema, recent=recent,
+            batch=dict(samples=[first, first + n], drill=drill, sources=sources, text=text),
+            action=f"{action} ({st.bad_in_a_row} bad in a row; max_bad_steps={cfg.max_bad_steps} in a row roll back)",
+            rolled_back_to=None, replay_from=self.ckpts.on_disk if args else None, replay_args=args,
+            replay_command=args and f"cd {shlex.quote(os.getcwd())} && "
+                                    f"{shlex.join([*launch, os.path.relpath(__file__), *args])}",
+            replay_note=note))
+        self.write_postmortem()
+
+    def replay_args(self, step):
+        """(train.py's arguments that run this run again up to `step` and stop, None) or (None, why there are none):
+        the keys that differ from the defaults, less REPLAY_DROPS, from the newest checkpoint on disk (none yet: from
+        the start, which is as deterministic)."""
+        cfg, on_disk = self.cfg, self.ckpts.on_disk
+        if on_disk < self.replay_floor:
+            return None, (f"no checkpoint since the rollback to step {on_disk}, and one from before it would train at "
+                          f"its learning rate, not this one's x {self.state.lr_scale:g}")
+        defaults = configurator.read_defaults(__file__)
+        args = [f"--{k}={v}" for k, v in cfg.items() if v != defaults[k][0] and k not in REPLAY_DROPS]
+        resume = os.path.join(self.ckpts.root, f"step_{on_disk:07d}") if on_disk >= 0 else "never"
+        return [*args, f"--out_dir={cfg.out_dir.rstrip('/')}-replay-{step}", f"--resume={resume}",
+                f"--stop_at_step={step}", "--log_every=1", f"--eval_every={cfg.max_steps}",
+                f"--ckpt_every={cfg.max_steps}"], None
 
     # one step
 
@@ -760,8 +900,10 @@ class Trainer:
         if 0 <= cfg.inject_slow_at_step <= st.step:
             time.sleep(cfg.inject_slow_seconds)
         self.tick()
-        guard, decay_to = (self.guard(), self.decay_to()) if proc.rank == 0 else (None, 0)
-        loss, finite, reason, decay_to, sups = self.agree(loss_sum, finite, guard, decay_to, sups)
+        guard, decay_to, save_due = (self.guard(), self.decay_to(), self.ckpts.time_due()) if proc.rank == 0 \
+            else (None, 0, False)
+        loss, finite, reason, decay_to, self.save_due, sups = self.agree(loss_sum, finite, guard, decay_to, save_due,
+                                                                         sups)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -780,6 +922,7 @@ class Trainer:
             self.event("drill", "fire drill: " + ("a batch of the rarest tokens" if spike_drill
                                                   else "a NaN loss on the last rank"),
                        drill="spike" if spike_drill else "nan")
+        self.recent.append((st.step, loss, grad_norm, lr))
         self.account(loss, finite, grad_norm)
         self.step_times.append(time.time() - t_step)
         if st.step % cfg.log_every == 0 or st.step == st.horizon:
@@ -925,11 +1068,15 @@ class Trainer:
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may already be past a limit
         if proc.distributed:
             reason = self.agree(torch.zeros(1, device=proc.dev), True, reason)[2]
+        if not reason and cfg.stop_at_step and st.step >= cfg.stop_at_step:
+            reason = "stop_at_step"
         if reason:
             log(f"not training: {reason} already reached at step {st.step}")
         val_loss = None
         while st.step < st.horizon and not reason:
             reason = self.step()
+            if not reason and st.step == cfg.stop_at_step:
+                reason = "stop_at_step"
             new_best, val_loss = False, None
             if reason is None and (st.step % cfg.eval_every == 0 or st.step == st.horizon):
                 val_loss, new_best = self.validate()
@@ -938,7 +1085,7 @@ class Trainer:
             if reason == "budget_file_spent":
                 break  # already over the cap: not one more byte or second
             # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
-            if self.ckpts.due(st.step, st.horizon, new_best, bool(reason), st.bad_in_a_row):
+            if self.ckpts.due(st.step, st.horizon, new_best, bool(reason), st.bad_in_a_row, self.save_due):
                 self.tick()
                 self.checkpoint(val_loss, new_best)
             if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
@@ -1094,7 +1241,7 @@ def train(cfg, keep_group=False):
         saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
         ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
                             files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
-                            cfg.ckpt_min_free_gb, cfg.ckpt_async)
+                            cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
         # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
         state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
                                 evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,

@@ -6,6 +6,7 @@
 # data (prepare.py)
 source = "stdlib"
 tokenizer = "byte"
+plan_vocab_size = 257       # the byte tokenizer's 256 bytes and BOS: run.sh's sanity --capacity plans before prepare
 data_dir = "data/stdlib_byte"
 val_fraction = 0.01
 # val_fraction counts files, and stdlib files differ in size a thousandfold: 1% of them can be

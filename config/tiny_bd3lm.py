@@ -10,6 +10,7 @@
 # data (prepare.py): config/tiny.py's
 source = "stdlib"
 tokenizer = "byte"
+plan_vocab_size = 257       # the byte tokenizer's 256 bytes and BOS: run.sh's sanity --capacity plans before prepare
 data_dir = "data/stdlib_byte"
 min_val_tokens = 500_000
 

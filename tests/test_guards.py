@@ -1,6 +1,7 @@
 """train.py's guards, end to end on the tiny model: the time and budget limits (max_hours, budget_usd,
-budget_file), the loss-spike and NaN fire drills, rollback at half the learning rate, early stopping
-with the best checkpoint, and the free-disk check before a checkpoint.
+budget_file), the loss-spike and NaN fire drills and the post-mortem of a spike (and its replay), rollback at
+half the learning rate, early stopping with the best checkpoint, the free-disk check before a checkpoint, and
+checkpoints by the clock.
 
 Every test runs train.py as a user would and judges it only by what the run leaves behind: its exit
 code, stdout/stderr, metrics.jsonl, summary.json and ckpt/. A run goes on while the test watches it
@@ -10,15 +11,18 @@ process (conftest.run_script: no torch import per run).
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
 from collections import deque
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+import data
 from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, train_losses
 from conftest import train_tiny as train
 
@@ -264,6 +268,51 @@ def test_spike_drill_is_detected_and_counted(tmp_path, stdlib_data, capfd):
     assert losses[150] < spikes[0]["loss_ema"] * 1.5  # and training recovered
 
 
+def test_a_spike_leaves_a_postmortem_whose_command_replays_its_loss(tmp_path, stdlib_data, capfd):
+    """spike_factor=1.3 at learning_rate=1e-2 flags a few real batches before the drill (steps 94 and 98 here,
+    batches of codec tables), and the drill's steps 100..104. Each is in spike-postmortem.json and .md: the step,
+    its loss (the metrics line's), the steps before it, the batch's sample numbers; a real batch's shard, document
+    and first tokens as data.Loader reads them, the drill's rare tokens decoded. Each replay command, run as
+    written, trains from the newest checkpoint on disk and logs the spiking step's loss bit for bit."""
+    out = tmp_path / "out"
+    train(capfd, out, stdlib_data, *FAST, "--learning_rate=1e-2", "--max_steps=105", "--inject_spike_at_step=100",
+          "--spike_factor=1.3", "--max_bad_steps=1000", "--ckpt_every=40", "--log_every=1")
+    losses = train_losses(out)
+    bad = json.loads((out / "spike-postmortem.json").read_text())["bad_steps"]
+    md = (out / "spike-postmortem.md").read_text()
+    assert [b["step"] for b in bad] == [e["step"] for e in events(out, "spike")]
+    real = [b for b in bad if not b["batch"]["drill"]]
+    assert real and all(b["step"] < 100 for b in real)
+    assert [b["step"] for b in bad if b["batch"]["drill"]] == [100, 101, 102, 103, 104]
+    manifest = data.load_manifest(stdlib_data)
+    loader = data.Loader(stdlib_data, "train", manifest, 64, 1337)
+    for b in bad:
+        step, batch = b["step"], b["batch"]
+        assert b["kind"] == "spike" and b["loss"] == losses[step] and b["recent"][-1]["step"] == step
+        assert [r["step"] for r in b["recent"]] == list(range(step - 7, step + 1))
+        assert batch["samples"] == [4 * (step - 1), 4 * step]  # 4 samples of 64 tokens per step
+        assert len(batch["text"]) == 4 and all(batch["text"])
+        assert "counted, not skipped" in b["action"] and b["replay_from"] in (40, 80)  # 80 once its write is done
+        assert f"## Step {step}: spike, loss {losses[step]:.4f}" in md and b["replay_command"] in md
+        assert b["replay_command"].endswith(shlex.join(["train.py", *b["replay_args"]]))
+    for b in real:
+        assert [s["sample"] for s in b["batch"]["sources"]] == list(range(*b["batch"]["samples"]))
+        for s, text in zip(b["batch"]["sources"], b["batch"]["text"]):
+            assert s["window"] == loader.train_window(s["sample"]) and loader.locate(s["window"]) == (0, s["token"])
+            assert s["shard"] == manifest["splits"]["train"]["shards"][0]["file"]
+            starts = [*np.load(os.path.join(stdlib_data, data.docs_file(s["shard"]))), len(loader.shards[0])]
+            assert starts[s["doc"]] <= s["token"] < starts[s["doc"] + 1]
+            assert bytes(t for t in loader.window(s["window"])[:32] if t < 256).decode(errors="replace") == text
+            assert f"({s['shard']}, document {s['doc']:,}, token {s['token']:,}): {json.dumps(text)}" in md
+    for b in (real[0], bad[-1]):  # a real batch and the drill's last
+        r = run_script(["train.py", *b["replay_args"]], capfd)
+        assert r.returncode == 0, r.stderr[-2000:]
+        replay, start = tmp_path / f"out-replay-{b['step']}", b["replay_from"]
+        assert f"resumed from {out}/ckpt/step_{start:07d} at step {start}" in r.stdout
+        assert train_losses(replay) == {s: losses[s] for s in range(start + 1, b["step"] + 1)}
+        assert summary_of(replay)["stop_reason"] == "stop_at_step" and summary_of(replay)["steps"] == b["step"]
+
+
 # -----------------------------------------------------------------------------
 # 3. non-finite steps
 
@@ -349,6 +398,16 @@ def test_repeated_nans_roll_back_at_half_the_learning_rate(tmp_path, stdlib_data
     summary = summary_of(tmp_path / "drill")
     assert summary["rollbacks"] == 1 and summary["lr_scale"] == 0.5 and summary["nonfinite_steps"] == 5
     assert summary["status"] == "completed" and summary["steps"] == 20
+    # the post-mortem: 11..13 skipped, then rolled back; 14 and 15 have no replay (the step-10 checkpoint
+    # holds the learning rate before the rollback halved it, and the saves at 15 waited for the NaNs to end)
+    bad = json.loads((tmp_path / "drill" / "spike-postmortem.json").read_text())["bad_steps"]
+    assert [(b["step"], b["kind"], b["rolled_back_to"]) for b in bad] == [
+        (11, "nonfinite", 10), (12, "nonfinite", 10), (13, "nonfinite", 10), (14, "nonfinite", None),
+        (15, "nonfinite", None)]
+    assert all(b["loss"] == "nan" and "skipped on every rank" in b["action"] for b in bad)
+    assert all(b["action"].endswith("then the run rolled back to step 10 at lr x 0.5") for b in bad[:3])
+    assert [b["replay_from"] in (5, 10) for b in bad] == [True, True, True, False, False]  # 10 once written
+    assert bad[3]["replay_command"] is None and "no checkpoint since the rollback to step 10" in bad[3]["replay_note"]
 
 
 def test_when_no_rollback_is_possible_the_run_fails_with_one_error_line(tmp_path, stdlib_data, capfd):
@@ -457,3 +516,23 @@ def test_a_run_whose_every_save_was_skipped_fails_at_its_end(tmp_path, stdlib_da
     summary = summary_of(tmp_path)
     assert summary["status"] == "failed" and summary["steps"] == 10 and summary["checkpoint"] is None
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+# -----------------------------------------------------------------------------
+# 7. checkpoints by the clock
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "ddp"])
+def test_ckpt_every_minutes_saves_by_the_clock_on_every_rank(tmp_path, stdlib_data, capfd, nproc):
+    """ckpt_every_minutes=0.001 (60 ms, a few steps here) with ckpt_every far past max_steps: checkpoints come by
+    the clock, more than the final one, each complete. Under 2 ranks rank 0's clock decides for both (a rank that
+    saved alone would hang in the save's gather): the run completes."""
+    train(capfd, tmp_path, stdlib_data, "--micro_batch_size=4", "--total_batch_tokens=512", "--max_steps=40",
+          "--ckpt_every=1000000", "--ckpt_every_minutes=0.001",
+          "--eval_every=1000000", "--keep_last=100", "--log_every=10", nproc=nproc)
+    saves = [e["step"] for e in events(tmp_path, "checkpoint")]
+    assert len(saves) > 2 and saves[-1] == 40 and saves == sorted(set(saves)), saves
+    assert step_folders(tmp_path) == saves
+    assert all((tmp_path / "ckpt" / f"step_{s:07d}" / "complete.json").exists() for s in saves)
+    summary = summary_of(tmp_path)
+    assert summary["status"] == "completed" and summary["world_size"] == nproc

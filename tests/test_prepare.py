@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import configurator  # noqa: E402
 import data  # noqa: E402
 import prepare  # noqa: E402
 import util  # noqa: E402
@@ -280,6 +281,17 @@ def test_stdlib_source_max_docs_and_min_chars(tmp_path):
     long_docs = decode_split(out, "train")
     assert long_docs == [t for t in files if len(t) >= 5000][:12]
     assert "stdlib" in data.load_manifest(out)["source"]
+
+
+def test_the_1b_config_imports_what_seed_000s_runbook_does():
+    """config/h200_1b_ddp8.py's data is the runbook's ClimbMix import (--shards 2048 --max-rows 10000000
+    --min-chars 100): the preset's first 2,048 files, at most 10M documents of at least 100 characters (the test
+    above checks how prepare.py applies those two). Without max_shards, run.sh fetched and tokenized every file."""
+    cfg = configurator.configure(prepare.__file__, ["config/h200_1b_ddp8.py"])
+    assert (cfg.source, cfg.max_docs, cfg.min_chars) == ("climbmix", 10_000_000, 100)
+    inputs, description = prepare.resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
+    assert len(inputs) == 2048 and inputs[-1].location.endswith("/shard_02047.parquet")
+    assert "climbmix (2048 of 6543 files" in description
 
 
 def test_split_paragraphs_makes_documents_of_one_big_text_file(tmp_path):

@@ -85,6 +85,23 @@ def test_run_sh_names_the_failing_stage(tmp_path):
                                                          "file, e.g. CONFIG=config/tiny.py)\n", "")
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
+def test_run_sh_sanity_measures_capacity_where_there_is_a_gpu(tmp_path, gpu):
+    """The sanity stage passes --capacity (the runbook's must-pass memory check: on a GPU one real step of the whole
+    model) when nvidia-smi lists a GPU, and not on a machine without one. nvidia-smi and the interpreter are
+    stand-ins: one answers as with or without a GPU, the other prints its arguments."""
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    for name, body in (("nvidia-smi", f"exit {0 if gpu else 6}"), ("python", 'echo "python $*"')):
+        (stand_ins / name).write_text(f"#!/bin/sh\n{body}\n")
+        (stand_ins / name).chmod(0o755)
+    env = dict(STAGES="sanity", OUT_DIR=str(tmp_path / "out"), PYTHON=str(stand_ins / "python"),
+               PATH=f"{stand_ins}:{os.environ['PATH']}")
+    r = run(["bash", "run.sh"], env=env)
+    [line] = [line for line in r.stdout.splitlines() if line.startswith("python sanity.py")]
+    assert line == f"python sanity.py config/tiny.py --out_dir={tmp_path / 'out'}" + (" --capacity" if gpu else "")
+
+
 def test_run_sh_forwards_a_preemption_signal_and_stops_cleanly(tmp_path, stdlib_data):
     """SIGUSR1 (SLURM's notice) to run.sh reaches both torchrun workers; they save the same step and
     run.sh exits 0 instead of reporting torchrun's non-zero exit as a failed stage."""

@@ -157,6 +157,19 @@ def test_measured_capacity_says_the_largest_micro_batch_in_the_same_words_everyw
         assert words in "\n".join(sanity_script.capacity_lines(out)), sanity_script.capacity_lines(out)
 
 
+def test_capacity_of_a_sharded_model_one_gpu_cannot_hold_is_the_plans(monkeypatch):
+    """d64 on an 80 GB GPU: its whole weights, gradients and AdamW state cannot be built on one GPU to measure,
+    but the run shards them over 8 (fsdp): the plan decides, pass, where a fail stopped run.sh's sanity stage for
+    a model that fits. Under ddp each GPU would hold them all: a fail, as before. The GPU is stood in for."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: SimpleNamespace(total_memory=80e9))
+    monkeypatch.setattr(sanity_script, "measure_capacity", lambda *args: pytest.fail("measured"))
+    for extra, status, words in (([], "pass", "by the plan this run fits"),
+                                 (["--dist_mode=ddp", "--grad_ckpt=none"], "fail", "not measured")):
+        cfg = configurator.configure(sanity_script.__file__, ["config/h100_d64.py", "--capacity=True", *extra])
+        got, detail = sanity_script.check_capacity(cfg, torch.device("cuda"), torch.bfloat16, 8, {})
+        assert got == status and "over this GPU's 80.0: not measured" in detail and words in detail, detail
+
+
 def test_two_ranks_under_torchrun_check_the_all_reduce(tmp_path):
     # torchrun: two processes of their own
     r = run([*TORCHRUN, "sanity.py", "config/tiny.py", f"--out_dir={tmp_path}", "--allreduce_mb=4"])
