@@ -95,7 +95,7 @@ done
 for s in $STAGES; do
     [[ " $STAGE_NAMES " == *" $s "* ]] || refuse "unknown stage '$s' in STAGES (choose from: $STAGE_NAMES)"
 done
-# the runbook's must-pass memory check before a paid run: on a machine with a GPU, sanity.py --capacity takes one
+# the must-pass memory check before a paid run: on a machine with a GPU, sanity.py --capacity takes one
 # real training step of the whole model (on a CPU it would only plan, and needs the vocabulary before prepare)
 GPU=
 nvidia-smi -L >/dev/null 2>&1 && GPU=1

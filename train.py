@@ -155,7 +155,7 @@ keep_last = 3                   # newest checkpoints kept (at least 1), besides 
 save_best = True                # also checkpoint at every new best validation loss (ckpt/best; never rotated away)
 plots = True                    # draw plots/*.png into the run report at every evaluation and at the end
 early_stop_patience = 0         # stop after this many evaluations without a new best validation loss; 0: never
-target_val_loss = None          # what the run is for: a final val loss at most this, or within "lo,hi" (seed 002: "3.20,3.50")
+target_val_loss = None          # what the run is for: a final val loss at most this, or within "lo,hi" (e.g. "3.20,3.50")
 ckpt_min_free_gb = 1.0          # skip a checkpoint, with a warning, that would leave less disk free than this
 ckpt_async = True               # write checkpoints in the background: the loop waits only for a copy into CPU memory
 # watching a run: every metrics line mirrored, as it is written, from rank 0 (report.py: Trackers)

@@ -30,8 +30,8 @@ from types import SimpleNamespace
 # error type and atomic writes, and import in 0.04 s instead of torch's 1.6 s (measured on a 2-core CPU,
 # torch 2.13; run.sh reads out_dir through configurator.py at every start)
 DEVICES = "auto, cpu, cuda, cuda:N"
-# CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle (seed
-# 000's runbook sets it); read once, at the first CUDA call
+# CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle; read
+# once, at the first CUDA call
 ALLOC_CONF = "expandable_segments:True"
 
 

@@ -10,7 +10,7 @@
 # The runbook's ~22.4B planned tokens (its ~20 per parameter; 19.5 at 1.149B) with 2^20
 # tokens per step is 21,362 steps.
 # Not in the runbook, chosen here: the batch size, micro-batch and learning rates.
-# data: the runbook's import (climbmix-import --shards 2048 --max-rows 10000000 --min-chars 100), and a BPE
+# data: the 1B run's ClimbMix import (climbmix-import --shards 2048 --max-rows 10000000 --min-chars 100), and a BPE
 # vocabulary of 32768 trained on the corpus itself
 source = "climbmix"
 max_shards = 2048          # the first 2,048 of the preset's 6,543 files

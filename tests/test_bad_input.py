@@ -364,7 +364,7 @@ ROWS = [
     ("unknown-dist-mode", plain("--dist_mode=zero3"), 1, "dist_mode='zero3' is not one of ddp, fsdp"),
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
-    # what a seed-000 user would type: a KeyError traceback in preflight.py before
+    # a likely typo: a KeyError traceback in preflight.py before
     ("unknown-gate-profile", plain("--gate_profile=skill_release"), 2,
      "gate_profile='skill_release' is not one of research, release"),
     ("target-band-upside-down", plain("--target_val_loss=3.5,3.2"), 2,

@@ -66,7 +66,7 @@ def test_h200_1b_is_the_runbooks_tokens_and_fits(tmp_path, capfd):
 
 
 def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
-    """Seed 002: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so the
+    """The 50M A100 run: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so the
     horizon is what $35 pays for and the schedule ends there; without fit_budget the plan is a block."""
     r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100")
@@ -94,7 +94,7 @@ def test_predicted_loss_is_chinchillas_fit_against_the_target(tmp_path, capfd):
         n, d = report["plan"]["params"]["total"], report["plan"]["horizon"]["steps"] * 524288
         return 1.69 + 406.4 / n ** 0.34 + 410.7 / d ** 0.28
 
-    r, report, gates = preflight(capfd, tmp_path, *plan, "--target_val_loss=3.20,3.50")  # seed 002's band
+    r, report, gates = preflight(capfd, tmp_path, *plan, "--target_val_loss=3.20,3.50")  # the 50M run's band
     loss = gates["predicted_loss"]
     assert r.returncode == 0 and loss["value"] == pytest.approx(fit(report), rel=1e-12) and loss["value"] < 3.2
     assert loss["verdict"] == "warn" and loss["threshold"] == "3.2 to 3.5"

@@ -283,8 +283,8 @@ def test_stdlib_source_max_docs_and_min_chars(tmp_path):
     assert "stdlib" in data.load_manifest(out)["source"]
 
 
-def test_the_1b_config_imports_what_seed_000s_runbook_does():
-    """config/h200_1b_ddp8.py's data is the runbook's ClimbMix import (--shards 2048 --max-rows 10000000
+def test_the_1b_config_imports_the_climbmix_subset_it_is_planned_on():
+    """config/h200_1b_ddp8.py's data is the 1B run's ClimbMix import (--shards 2048 --max-rows 10000000
     --min-chars 100): the preset's first 2,048 files, at most 10M documents of at least 100 characters (the test
     above checks how prepare.py applies those two). Without max_shards, run.sh fetched and tokenized every file."""
     cfg = configurator.configure(prepare.__file__, ["config/h200_1b_ddp8.py"])

@@ -87,7 +87,7 @@ def test_run_sh_names_the_failing_stage(tmp_path):
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu"])
 def test_run_sh_sanity_measures_capacity_where_there_is_a_gpu(tmp_path, gpu):
-    """The sanity stage passes --capacity (the runbook's must-pass memory check: on a GPU one real step of the whole
+    """The sanity stage passes --capacity (the must-pass memory check: on a GPU one real step of the whole
     model) when nvidia-smi lists a GPU, and not on a machine without one. nvidia-smi and the interpreter are
     stand-ins: one answers as with or without a GPU, the other prints its arguments."""
     stand_ins = tmp_path / "bin"

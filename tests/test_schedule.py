@@ -113,3 +113,13 @@ def test_a_resume_during_the_decay_continues_it_bit_for_bit(tmp_path, stdlib_dat
     before = losses(killed)
     overlap = [k for k in before if k > resumed_at]  # trained before the kill, and again after the resume
     assert len(overlap) >= 2 and all(again[k] == before[k] for k in overlap), (overlap, again, before)
+
+
+def test_wsd_under_two_ranks_decays_as_rank_0_decides(tmp_path, stdlib_data, capfd):
+    """Rank 0 decides the decay; the step's one all-reduce hands it to every rank: two ranks reach min_lr
+    together on the last step (a rank that missed it would train on and hang in the next collective)."""
+    train_tiny(capfd, tmp_path, stdlib_data, *FAST, "--max_steps=12", "--lr_schedule=wsd", "--decay_frac=0.5",
+               "--eval_every=12", "--total_batch_tokens=512", nproc=2)
+    s, (start, _) = summary_of(tmp_path), decay_events(read_metrics(tmp_path))
+    assert (s["status"], s["steps"], s["world_size"], start["step"], start["horizon"]) == ("completed", 12, 2, 6, 12)
+    assert lrs(tmp_path)[12] == pytest.approx(1e-4, rel=1e-12)
