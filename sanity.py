@@ -47,8 +47,8 @@ import torch.distributed as dist
 import configurator
 from checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
 from data import Loader, check_prepared, load_manifest
-from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable,
-                   flops_per_token, make_optimizer, param_counts, parity_errors, random_batch, resolve_backend)
+from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable, flops_per_token,
+                   make_optimizer, param_counts, parity_errors, parity_tolerance, random_batch, resolve_backend)
 from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
 from util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
                   make_scratch, on_rank0, remove_scratch, run_main, setup)
@@ -190,7 +190,7 @@ def check_attention(name, cfg, dev, dt, mask=None):
         return "skip", why
     errors = parity_errors(name, dev, dt, hd, mask, cfg["n_head"], cfg["n_kv_head"], T)
     worst = max(errors, key=errors.get)
-    tol = PARITY_TOLERANCE[dt]
+    tol = parity_tolerance(dt, dev)
     ok = errors[worst] <= tol
     return ("pass" if ok else "fail"), (f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/{cfg['n_kv_head']} of {hd}: "
                                         f"largest error {errors[worst]:.1e} ({worst}) "

@@ -278,3 +278,22 @@ def test_flash_attention_wrapper_against_a_stand_in_package(name, module, monkey
     assert Documents(documents()).varlen()[0].tolist() == [0, 13, 30, 40, 47, 80]
     with pytest.raises(ValueError, match="not a mask tensor"):
         kernel(q, k, v, torch.ones(40, 40, dtype=torch.bool))
+
+
+def test_fp32_under_tf32_is_held_to_float16s_tolerance_and_no_kernel_is_one_line(monkeypatch):
+    """On a GPU, float32 matmuls run in TF32 unless matmul_precision=highest: TF32 keeps float16's mantissa, so
+    auto holds kernels to float16's tolerance there (with float32's, config/tiny.py on an H200 found none: math
+    measured 8.0e-4 against 1e-4); on a CPU, and at highest, float32's stays. When no kernel passes, auto says so
+    in a ValueError, which train.py and preflight turn into one line (it was a RuntimeError traceback)."""
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert model.parity_tolerance(torch.float32, torch.device("cuda")) == model.PARITY_TOLERANCE[torch.float16]
+        assert model.parity_tolerance(torch.float32, torch.device("cpu")) == 1e-4
+        torch.set_float32_matmul_precision("highest")
+        assert model.parity_tolerance(torch.float32, torch.device("cuda")) == 1e-4
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    monkeypatch.setattr(model, "backend_unavailable", lambda name, *a: f"{name} stood in as unavailable")
+    with pytest.raises(ValueError, match="attn_backend=auto: no attention backend runs here: "):
+        model.resolve_backend("auto", torch.device("cpu"), torch.float32, 16)
