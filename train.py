@@ -837,12 +837,17 @@ class Trainer:
         """(train.py's arguments that run this run again up to `step` and stop, None) or (None, why there are none):
         the keys that differ from the defaults, less REPLAY_DROPS, from the newest checkpoint on disk (none yet: from
         the start, which is as deterministic)."""
-        cfg, on_disk = self.cfg, self.ckpts.on_disk
+        cfg, st, on_disk = self.cfg, self.state, self.ckpts.on_disk
         if on_disk < self.replay_floor:
             return None, (f"no checkpoint since the rollback to step {on_disk}, and one from before it would train at "
                           f"its learning rate, not this one's x {self.state.lr_scale:g}")
+        if st.horizon_by == "time or money left" and on_disk < st.decay_start:
+            return None, (f"the learning rate's decay began at step {st.decay_start}, after the newest checkpoint, on "
+                          f"the time or money then left, which a replay does not repeat")
         defaults = configurator.read_defaults(__file__)
         args = [f"--{k}={v}" for k, v in cfg.items() if v != defaults[k][0] and k not in REPLAY_DROPS]
+        if on_disk < 0 and st.horizon < cfg.max_steps:  # the schedule's end, which the dropped budget keys had set
+            args.append(f"--max_steps={st.horizon}")
         resume = os.path.join(self.ckpts.root, f"step_{on_disk:07d}") if on_disk >= 0 else "never"
         return [*args, f"--out_dir={cfg.out_dir.rstrip('/')}-replay-{step}", f"--resume={resume}",
                 f"--stop_at_step={step}", "--log_every=1", f"--eval_every={cfg.max_steps}",

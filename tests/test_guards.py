@@ -313,6 +313,23 @@ def test_a_spike_leaves_a_postmortem_whose_command_replays_its_loss(tmp_path, st
         assert summary_of(replay)["stop_reason"] == "stop_at_step" and summary_of(replay)["steps"] == b["step"]
 
 
+def test_a_replay_from_the_start_keeps_the_horizon_the_budget_had_set(tmp_path, stdlib_data, capfd):
+    """A spike before the first checkpoint of a run whose horizon budget_usd fitted: the replay drops the budget
+    keys, so it carries the horizon as max_steps, and its cosine, and the spiking step's loss, are the run's."""
+    out = tmp_path / "out"
+    # $0.004 at $1 an hour and 0.1 s a step: a horizon of about 100 steps (startup counts), the drill's inside it
+    train(capfd, out, stdlib_data, *FAST, "--max_steps=1000", "--budget_usd=0.004", "--usd_per_gpu_hour=1",
+          "--planned_tokens_per_sec=2560", "--learning_rate=1e-2", "--inject_spike_at_step=20", "--spike_factor=1.3",
+          "--max_bad_steps=1000", "--eval_every=1000", "--log_every=1")
+    horizon = summary_of(out)["horizon"]
+    first = json.loads((out / "spike-postmortem.json").read_text())["bad_steps"][0]
+    assert 20 < horizon < 1000 and first["replay_from"] < 0 and f"--max_steps={horizon}" in first["replay_args"]
+    r = run_script(["train.py", *first["replay_args"]], capfd)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert train_losses(tmp_path / f"out-replay-{first['step']}") == {
+        s: v for s, v in train_losses(out).items() if s <= first["step"]}
+
+
 # -----------------------------------------------------------------------------
 # 3. non-finite steps
 
