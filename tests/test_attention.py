@@ -294,6 +294,7 @@ def test_fp32_under_tf32_is_held_to_float16s_tolerance_and_no_kernel_is_one_line
         assert model.parity_tolerance(torch.float32, torch.device("cuda")) == 1e-4
     finally:
         torch.set_float32_matmul_precision(precision)
+    monkeypatch.setattr(model, "resolved", {})  # what earlier tests resolved in this process stays theirs
     monkeypatch.setattr(model, "backend_unavailable", lambda name, *a: f"{name} stood in as unavailable")
     with pytest.raises(ValueError, match="attn_backend=auto: no attention backend runs here: "):
         model.resolve_backend("auto", torch.device("cpu"), torch.float32, 16)
