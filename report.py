@@ -363,7 +363,7 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
           if (accuracy := last(rows, "gsm8k_accuracy")) is not None else []),
         f"| hours | {fmt(elapsed / 3600 if is_number(elapsed) else None, '.3f')} |",
         f"| dollars | {fmt(spent(summary, clock), '.2f')} |",
-        # MFU is empty on devices without a known peak (README): say so rather than print 0
+        # MFU is empty on devices without a known peak (docs/long-runs.md): say so rather than print 0
         "| MFU | " + (f"{mfus[-1]:.1%} last, {sum(mfus) / len(mfus):.1%} mean" if mfus else "- (no known peak for this device)") + " |",
         f"| spikes / non-finite steps / rollbacks | {s.get('spikes', '-')} / {s.get('nonfinite_steps', '-')} / {s.get('rollbacks', '-')} |",
         f"| checkpoint (latest, best) | {s.get('checkpoint', '-')}, {s.get('best_checkpoint', '-')} |",

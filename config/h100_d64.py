@@ -49,7 +49,7 @@ min_lr = 1.5e-5
 warmup_steps = 500
 weight_decay = 0.1
 grad_clip = 1.0
-# An hour is not 730 steps: preflight's plan (the README's command for this config: 28,746 tokens/s at
+# An hour is not 730 steps: preflight's plan (docs/preflight.md's command for this config: 28,746 tokens/s at
 # 40% MFU of 8 H100 PCIe) is 18.2 s per step, so 730 steps take 3.7 h and an hour is 197 steps.
 eval_every = 197           # about an hour at that plan
 ckpt_every_minutes = 60    # every hour by the clock, whatever the throughput turns out to be

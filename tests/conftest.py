@@ -1,21 +1,16 @@
 """Shared fixtures: a small real dataset (the stdlib corpus, byte tokenizer) and a runner for the scripts."""
-import atexit
 import contextlib
 import fcntl
 import gc
 import hashlib
 import importlib
-import inspect
 import io
 import json
 import os
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import warnings
 from types import SimpleNamespace
 
@@ -54,21 +49,6 @@ def pytest_xdist_auto_num_workers(config):
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-# the files whose tests take longest, first: pytest-xdist hands each worker a contiguous share of the collection,
-# and under --dist worksteal (pytest.ini) a worker that runs out takes from the end of another's, so the long
-# tests start early and the short ones fill in at the end. Under --dist load the first worker's share was every
-# long test: it ran 180 s after the other had finished (616 s in all; 568 s with worksteal, same VM and hour)
-LONGEST_FIRST = ["test_refine.py", "test_diffusion.py", "test_run.py", "test_resume.py", "test_fsdp.py", "test_multinode.py", "test_optimizer.py"]
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = os.path.basename(item.nodeid.split("::")[0])
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: within a file, and for every other file, the order stays
-
-
 def shared(tmp_path_factory, name, build):
     """The folder `name`, made by build(folder) once per test session and only read by the tests.
     pytest.ini runs the tests on several processes (pytest-xdist, one per core), each with its own
@@ -88,89 +68,10 @@ def shared(tmp_path_factory, name, build):
     return folder
 
 
-# `python script.py` commands start as forks of a server that has imported torch (tests/forkserver.py): ~4.7 s
-# of CPU less each. Launchers stay what they are (torchrun, bash run.sh: the tests of a launch). PODGPT_TEST_FORKS=0
-# starts every command as a new interpreter instead, as a user's shell would; so does any system but Linux
-# (the server's SOCK_SEQPACKET socket).
-FORKS = os.environ.get("PODGPT_TEST_FORKS", "1") != "0" and sys.platform.startswith("linux")
-FORKSERVER = os.path.join(ROOT, "tests", "forkserver.py")
-# what an interpreter, or torch as it loads, reads from the environment before a command's first line: a
-# command is forked only where its environment agrees with the server's on these. Not TORCHINDUCTOR_CACHE_DIR,
-# which inductor puts in os.environ at its first compile (a test's, in this process) and reads at each compile.
-STARTUP_ENV = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "TORCH", "CUDA_")
-_forkserver = {}
-
-
-def forkserver():
-    """(socket path, environment) of this test process's fork server, started at the first call."""
-    if not _forkserver:
-        folder = tempfile.mkdtemp(prefix="podgpt-forks-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        with open(os.path.join(folder, "stderr"), "w+") as err:
-            # stdin: the server exits when it closes, that is when this process ends
-            server = subprocess.Popen([sys.executable, FORKSERVER, os.path.join(folder, "socket")], cwd=ROOT, env=env,
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
-            if server.stdout.readline() != b"ready\n":
-                err.seek(0)
-                raise RuntimeError(f"tests/forkserver.py did not start: {err.read()}")
-        # the Popen is kept: collected, it would close the server's stdin
-        _forkserver.update(server=server, path=os.path.join(folder, "socket"), env=env)
-    return _forkserver["path"], _forkserver["env"]
-
-
-def startup_env(env):
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV) and k != "TORCHINDUCTOR_CACHE_DIR"}
-
-
-class Forked(subprocess.Popen):
-    """subprocess.Popen for `python script.py ...`, run by the fork server: pipes, communicate(), signals and
-    pid as subprocess gives them; the exit status comes from the server's monitor of the command, which is the
-    command's parent."""
-
-    def _execute_child(self, *a):
-        kw = inspect.signature(subprocess.Popen._execute_child).bind(self, *a).arguments
-        path, _ = forkserver()
-        # the command's stdin, stdout and stderr: the pipes Popen made, or this process's own
-        stdio = [fd if fd != -1 else i for i, fd in enumerate((kw["p2cread"], kw["c2pwrite"], kw["errwrite"]))]
-        request = dict(argv=[os.fsdecode(x) for x in kw["args"][1:]], cwd=os.fspath(kw["cwd"] or os.getcwd()),
-                       env=kw["env"], new_session=kw["start_new_session"])
-        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._conn.connect(path)
-        socket.send_fds(self._conn, [json.dumps(request).encode()], stdio)
-        self.pid = int(self._conn.recv(32))
-        self._child_created = True
-        self._close_pipe_fds(*(kw[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")))
-
-    def _try_wait(self, wait_flags):
-        if wait_flags & os.WNOHANG and not select.select([self._conn], [], [], 0)[0]:
-            return 0, 0
-        status = self._conn.recv(32)
-        assert status, f"tests/forkserver.py's monitor of pid {self.pid} ended without its exit status"
-        self._conn.close()
-        return self.pid, int(status)
-
-    def _internal_poll(self, _deadstate=None, **_):
-        if self.returncode is None and self._waitpid_lock.acquire(False):
-            try:
-                if self.returncode is None:
-                    pid, status = self._try_wait(os.WNOHANG)
-                    if pid:
-                        self._handle_exitstatus(status)
-            finally:
-                self._waitpid_lock.release()
-        return self.returncode
-
-
 def popen(args, env=None, **kwargs):
     """subprocess.Popen(args, **kwargs) on one torch thread (OMP_NUM_THREADS=1: two xdist workers on two cores,
-    each spinning a thread per core, stall each other), with `env` added to this process's environment; forked
-    (Forked) when args is `python X.py ...` and its environment lets it be."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    if FORKS and len(args) > 1 and args[0] == sys.executable and str(args[1]).endswith(".py") \
-            and startup_env(env) == startup_env(forkserver()[1]):
-        return Forked(args, env=env, **kwargs)
-    return subprocess.Popen(args, env=env, **kwargs)
+    each spinning a thread per core, stall each other), with `env` added to this process's environment."""
+    return subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, **kwargs)
 
 
 def run(args, env=None, check=True, timeout=600):

@@ -1,4 +1,4 @@
-"""Bad input: every row of README's "What podgpt refuses" table.
+"""Bad input: every row of docs/refusals.md's "What podgpt refuses" table.
 
 Each row builds a bad situation under tmp_path (a damaged copy of the test dataset, a
 copy of a finished run with a damaged or mismatched checkpoint, a config file that
