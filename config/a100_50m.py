@@ -1,10 +1,10 @@
-# Seed 002 (Lab 00, "one-day cloud pretraining"): a 50M model on one A100 80GB,
+# The 50M A100 run ("one-day cloud pretraining"): a 50M model on one A100 80GB,
 # FineWeb-Edu sample-10BT, GPT-2 BPE, $35 hard cap. Shapes and hyper-parameters are
-# the runbook's.
+# the recipe's.
 #   python prepare.py config/a100_50m.py          (downloads and tokenizes FineWeb-Edu)
 #   python train.py config/a100_50m.py
 #
-# Where the runbook's arithmetic is wrong (computed by model.py's param_counts and
+# Where the recipe's arithmetic is wrong (computed by model.py's param_counts and
 # flops_per_token, see tests/test_model.py):
 # - "8 x 12 x 768^2 x 4 = 226M, net ~50M" is not how the count goes: the blocks hold
 #   50.3M parameters (attention 2.4*768^2 with GQA 12:4, SwiGLU 3*768*2048), plus
@@ -12,8 +12,8 @@
 # - "500k tokens/s at 48% MFU" uses 6N with N = 50M. One token costs 0.609 GFLOP
 #   (6N with the LM head's 38.6M, plus 12*L*H*Q*T for attention at T=1024), so 48%
 #   of the A100's 312 TFLOP/s is ~246k tokens/s: 84,000 steps of 512K tokens (43B
-#   tokens) would take ~50 hours and ~$55 at $1.10/h, over the $35 cap. The runbook's
-#   goal line says ~5B tokens (about 9,500 steps). max_steps is kept at the runbook's
+#   tokens) would take ~50 hours and ~$55 at $1.10/h, over the $35 cap. The recipe's
+#   goal line says ~5B tokens (about 9,500 steps). max_steps is kept at the recipe's
 #   value here; lower it (--max_steps) for the budget.
 
 # data
@@ -57,8 +57,8 @@ log_every = 10
 seed = 42
 dtype = "bfloat16"
 compile = True
-# the $35 hard cap (seed 002): the rate guard stops the run, checkpointed, before the
-# spend (wall clock x 1 GPU x $1.10/h) would pass $35. With the runbook's sidecar
+# the $35 hard cap: the rate guard stops the run, checkpointed, before the
+# spend (wall clock x 1 GPU x $1.10/h) would pass $35. With the recipe's sidecar
 # writing /workspace/budget.json, add --budget_file=/workspace/budget.json: it is read
 # every 30 minutes, warns above 85% ($29.75), checkpoints and exits when the projected
 # total passes $35, and exits without writing when $35 is already spent.

@@ -1,23 +1,23 @@
-# Seed 001: the "d64" character-level model on 8x H100 PCIe, 31 hours, $1000 budget.
+# The d64 run: the character-level model on 8x H100 PCIe, 31 hours, $1000 budget.
 #   python prepare.py config/h100_d64.py --source=/workspace/combined_output.txt
 #   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      (dist_mode=fsdp, below)
 #
-# Where the runbook's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
+# Where the recipe's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
 # - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
 #   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922 rounded up to a multiple of
 #   256 (multiple_of): 11008, Llama-7B's, so its matmuls run on whole tiles: 12.953B in
 #   total (12.885B at 10922, the same 8*d^2 parameters per layer as a 4x two-matrix MLP).
 # - Mixed-precision AdamW under plain DDP needs ~16 bytes/parameter per GPU (~207 GB),
-#   far over 80 GB, so the runbook's "~75GB per GPU at batch 4" cannot be. This model
+#   far over 80 GB, so the recipe's "~75GB per GPU at batch 4" cannot be. This model
 #   trains only sharded with activation checkpointing (dist_mode and grad_ckpt below);
 #   `train.py config/h100_d64.py --preflight_only=True --gpu_mem_gb=80` prints the
 #   per-GPU estimate of both layouts (memory_fit).
 # - One token costs 84.2 GFLOP: at an optimistic 40% MFU of the H100 PCIe's 756
 #   TFLOP/s, 8 GPUs process ~29k tokens/s, ~3.2B tokens in 31 hours (not "~12B"),
-#   about 9 passes over the runbook's 350M-token corpus.
-# - $4/GPU-hour x 8 x 31 h = $992, as the runbook says.
+#   about 9 passes over the recipe's 350M-token corpus.
+# - $4/GPU-hour x 8 x 31 h = $992, as the recipe says.
 
-# data: the runbook's own text file, character-level (its vocabulary is 32 symbols)
+# data: the recipe's own text file, character-level (its vocabulary is 32 symbols)
 source = "data/combined_output.txt"
 tokenizer = "char"
 split_paragraphs = True    # one big text file: documents at blank lines, so whole ones can be held out
@@ -43,8 +43,8 @@ tie_embeddings = True
 out_dir = "out/h100_d64"
 micro_batch_size = 8
 total_batch_tokens = 524288
-max_steps = 22630          # the runbook's 31 checkpoints x 730 steps
-learning_rate = 1.5e-4     # not in the runbook: a conservative AdamW rate for ~13B
+max_steps = 22630          # the recipe's 31 checkpoints x 730 steps
+learning_rate = 1.5e-4     # not in the recipe: a conservative AdamW rate for ~13B
 min_lr = 1.5e-5
 warmup_steps = 500
 weight_decay = 0.1
@@ -60,7 +60,7 @@ compile = True
 # full activation checkpointing keeps one block's activations at a time instead of 64
 dist_mode = "fsdp"
 grad_ckpt = "full"
-# the runbook's limits: 31 hours, $1000 at $4/GPU-hour on 8 GPUs; whichever comes first
+# the recipe's limits: 31 hours, $1000 at $4/GPU-hour on 8 GPUs; whichever comes first
 # stops the run with a checkpoint. It also warns of overfitting (9 passes over a small
 # corpus) and says to use the best checkpoint, not the last: stop after 3 evaluations
 # (~3 hours) without a new best validation loss; sample.py takes ckpt/best by default.
@@ -68,6 +68,6 @@ max_hours = 31.0
 budget_usd = 1000.0
 usd_per_gpu_hour = 4.0
 early_stop_patience = 3
-# preflight: 8 ranks; the runbook's 32 characters plus BOS, for planning before the data exists
+# preflight: 8 ranks; the recipe's 32 characters plus BOS, for planning before the data exists
 expect_world_size = 8
 plan_vocab_size = 33

@@ -1,4 +1,4 @@
-# Seed 003, phase 2 ("extreme"): the production model, once phase 1 (config/h100_trm_fast.py) showed
+# Deep-supervision refinement, phase 2 ("extreme"): the production model, once phase 1 (config/h100_trm_fast.py) showed
 # refinement working. The same model, data and recipe (the comments there say where each number comes
 # from); what changes is the seed's phase-2 table: the extreme preset, half the batch, 5x the steps,
 # half the learning rates.

@@ -1,4 +1,4 @@
-# Seed 003, phase 1 ("fast"): check on 8x H100 that refinement works before paying for phase 2
+# Deep-supervision refinement, phase 1 ("fast"): check on 8x H100 that refinement works before paying for phase 2
 # (config/h100_trm_extreme.py). The seed's system is nanochat with a "TRM" objective; here it is
 # objective="refine" (model.py: GPT.refine), with the seed's settings where it gives them.
 #   python prepare.py config/h100_trm_fast.py

@@ -1,15 +1,15 @@
-# Seed 000: the 1.1B "h200-1b-ddp8" run on 8x H200 under DDP, ClimbMix data.
+# The 1B run: the 1.1B "h200-1b-ddp8" model on 8x H200 under DDP, ClimbMix data.
 #   python prepare.py config/h200_1b_ddp8.py
 #   torchrun --standalone --nproc_per_node=8 train.py config/h200_1b_ddp8.py
 #
-# Shape from the runbook: 24 layers x 2048, GQA 16:4, context 2048, tied 32768 vocabulary.
-# The runbook's SwiGLU hidden floor(8d/3) = 5461 is not a multiple of 64: on an H100 those
+# Shape from its recipe: 24 layers x 2048, GQA 16:4, context 2048, tied 32768 vocabulary.
+# The recipe's SwiGLU hidden floor(8d/3) = 5461 is not a multiple of 64: on an H100 those
 # matmuls ran at 125-146 TFLOP/s against 704 for the LM head. Here it is rounded up to a
 # multiple of 256 (multiple_of, Llama's rule): 5632, 1.149B parameters (1.082B
-# non-embedding; the runbook's 1.124B), 8.10 GFLOP/token (model.py; tests/test_model.py).
-# The runbook's ~22.4B planned tokens (its ~20 per parameter; 19.5 at 1.149B) with 2^20
+# non-embedding; the recipe's 1.124B), 8.10 GFLOP/token (model.py; tests/test_model.py).
+# The recipe's ~22.4B planned tokens (its ~20 per parameter; 19.5 at 1.149B) with 2^20
 # tokens per step is 21,362 steps.
-# Not in the runbook, chosen here: the batch size, micro-batch and learning rates.
+# Not in the recipe, chosen here: the batch size, micro-batch and learning rates.
 # data: the 1B run's ClimbMix import (climbmix-import --shards 2048 --max-rows 10000000 --min-chars 100), and a BPE
 # vocabulary of 32768 trained on the corpus itself
 source = "climbmix"
@@ -51,7 +51,7 @@ log_every = 10
 ckpt_every = 1000
 dtype = "bfloat16"
 compile = True
-# preflight (train.py --preflight_only=True): the runbook's 8 ranks, and its vocabulary
+# preflight (train.py --preflight_only=True): the recipe's 8 ranks, and its vocabulary
 # for planning before the data is prepared
 expect_world_size = 8
 plan_vocab_size = 32768

@@ -1,4 +1,4 @@
-# Seed 004: the BD3-LM baseline on GSM8K on one H200 (141 GB): block discrete diffusion (Arriola et al.,
+# Block diffusion on GSM8K: the BD3-LM baseline on one H200 (141 GB): block discrete diffusion (Arriola et al.,
 # "Block Diffusion", ICLR 2025) over "Question: ...\nAnswer: ..." documents of 512 tokens.
 #   python prepare.py config/h200_gsm8k_bd3lm.py
 #   python train.py config/h200_gsm8k_bd3lm.py

@@ -1,4 +1,4 @@
-# Seed 004: HDP-Diffusion on GSM8K on one H200 (141 GB): hierarchical plan-then-execute block diffusion.
+# Block diffusion on GSM8K: HDP-Diffusion on one H200 (141 GB): hierarchical plan-then-execute block diffusion.
 # Each 512-token row is a question (128 tokens, never noised, seeing only itself), a plan (128) and an
 # execution (256); the plan sees the question, the execution both, the plan never the execution, and block
 # diffusion runs within plan and execution (model.py: BlockDiffusion, GPTConfig.hdp_segments).

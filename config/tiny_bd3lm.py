@@ -1,4 +1,4 @@
-# Seed 004's block diffusion (BD3-LM) on the embedded default's data, CPU-sized: a tiny byte-level model
+# Block diffusion (BD3-LM) on the embedded default's data, CPU-sized: a tiny byte-level model
 # that learns to denoise blocks of 8 bytes given the clean blocks before them (model.py: GPT.diffuse), and
 # samples text a block at a time (sample.py: each block starts as [MASK]s and is unmasked in 8 passes).
 # It shows on a 2-core CPU what config/h200_gsm8k_bd3lm.py is for. Measured here (2026-11-23, 2-core CPU,

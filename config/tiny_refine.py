@@ -1,4 +1,4 @@
-# Seed 003's refinement recipe on the embedded default's data, CPU-sized: a tiny byte-level model run
+# The deep-supervision refinement recipe on the embedded default's data, CPU-sized: a tiny byte-level model run
 # recursively (model.py: GPT.refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
 # (config/h100_trm_fast.py, config/h100_trm_extreme.py) are for: the validation loss falls from each
 # supervision step to the next (the console's "steps a -> b -> c (x% refined)", metrics.jsonl's
