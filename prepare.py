@@ -84,7 +84,8 @@ import numpy as np
 import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
                   token_dtype, token_hash)
-from util import check_apart, disk_full, fail, first_line, in_use, make_scratch, remove_scratch, run_main
+from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
+                  remove_scratch, run_main)
 
 # --- config
 source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
@@ -593,25 +594,6 @@ class SmallestHashes:
 
 # -----------------------------------------------------------------------------
 # Folders a run makes, and removes again when it fails
-
-
-def make_folders(path):
-    """os.makedirs(path); returns the folders it created, innermost first, for remove_empty."""
-    made, folder = [], path
-    while folder and not os.path.lexists(folder):
-        made.append(folder)
-        folder = os.path.dirname(folder)
-    os.makedirs(path, exist_ok=True)
-    return made
-
-
-def remove_empty(made):
-    """Remove the folders make_folders made, as far as they are empty again."""
-    for folder in made:
-        try:
-            os.rmdir(folder)
-        except OSError:  # something is in it now: not ours to remove, nor are the folders around it
-            return
 
 
 # -----------------------------------------------------------------------------

@@ -220,6 +220,24 @@ def holder(path):
         return "a process that has not said which yet"
 
 
+def make_folders(path):
+    """os.makedirs(path); returns the folders it created, innermost first, for remove_empty."""
+    made, folder = [], path
+    while folder and not os.path.lexists(folder):
+        made.append(folder)
+        folder = os.path.dirname(folder)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def remove_empty(made):
+    """Remove the folders make_folders made, as far as they are empty again."""
+    for folder in made:
+        if not os.path.isdir(folder) or os.listdir(folder):  # gone, or something is in it now: not ours to remove,
+            return                                           # nor are the folders around it
+        remove(folder)
+
+
 class Folder:
     """A folder one podgpt process writes (an out_dir), held against every other podgpt process by the OS's
     lock on its MARK file. hold() before reading what an earlier run left there (it writes nothing, so a run
@@ -230,7 +248,7 @@ class Folder:
     def __init__(self, path, setting, legacy=()):
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
-        self.fd, self.made = None, []  # the locked mark; what claim() created (folders outermost first, then the mark)
+        self.fd, self.made, self.marked = None, [], False  # the locked mark; the folders claim() created; its mark
 
     def __enter__(self):
         return self
@@ -260,21 +278,14 @@ class Folder:
             self.hold()  # another process may have started on it since hold()
         if self.fd is None:
             try:
-                missing, p = [], os.path.abspath(self.path)
-                while not os.path.exists(p):
-                    missing.insert(0, p)
-                    p = os.path.dirname(p)
-                os.makedirs(self.path, exist_ok=True)
-                self.made = missing
-                had_mark = os.path.exists(self.mark)
+                self.made = make_folders(os.path.abspath(self.path))
+                self.marked = not os.path.exists(self.mark)
                 self.fd = lock_file(self.mark, create=True)
             except OSError as e:
                 fail(f"{self.setting} {self.path} is not writable ({first_line(e)}): "
                      + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
             if self.fd is None:
                 self.busy()
-            if not had_mark:
-                self.made.append(self.mark)
         try:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, json.dumps(dict(podgpt=self.setting, writer=writer_record())).encode() + b"\n", 0)
@@ -287,13 +298,11 @@ class Folder:
         """Unlock; what claim() made goes if nothing else was written into it (a run refused before its first step)."""
         if self.fd is None:
             return
-        if self.made and os.listdir(self.path) == [MARK]:
-            for path in reversed(self.made):  # the mark, then the folders, innermost first
-                if os.path.isdir(path) and os.listdir(path):  # another's files since: not ours to remove
-                    break
-                remove(path)
+        if self.marked and os.listdir(self.path) == [MARK]:
+            remove(self.mark)
+            remove_empty(self.made)
         os.close(self.fd)
-        self.fd, self.made = None, []
+        self.fd, self.made, self.marked = None, [], False
 
 
 def writer_record():
