@@ -327,7 +327,7 @@ def to_device(rows, device, draws=None):
 
 
 def rare_token_batch(rare, size, block_size, seed, device, diffusion=False):
-    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (seed 002's drill);
+    """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (the 50M A100 run's drill);
     diffusion: rows of block_size tokens and their noise draws."""
     rng = np.random.default_rng(seed)
     if diffusion:

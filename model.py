@@ -18,9 +18,9 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
 - Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
   (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
-- objective="refine" (seed 003): the same weights applied recursively, with a loss after each pass
+- objective="refine" (deep-supervision refinement): the same weights applied recursively, with a loss after each pass
   through the layers (deep supervision, GPT.refine); its KV cache has an entry per block application.
-- objective="bd3lm" (seed 004): block diffusion, BD3-LM's NELBO over a noisy and a clean copy of each row
+- objective="bd3lm": block diffusion on GSM8K, BD3-LM's NELBO over a noisy and a clean copy of each row
   in one pass (GPT.diffuse, BlockDiffusion's mask; HDP's question / plan / execution segments), sampled a
   block at a time with the earlier blocks in the KV cache (GPT.generate_blocks).
 - fp8 (train.py's key, opt-in): torchao's float8 training for the linear layers, float8_linears.
@@ -54,7 +54,7 @@ GRAD_CKPT = ("none", "full", "selective")
 # on them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
 OBJECTIVES = ("ar", "refine", "bd3lm")
-# refine's presets (seed 003): (supervision_weight_base, improvement_reward_scale)
+# refine's presets (deep-supervision refinement): (supervision_weight_base, improvement_reward_scale)
 REFINE_PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
 # GPTConfig fields of objective="refine"; an "ar" model's record leaves them out (checkpoint.run_record), so
 # checkpoints from before them resume and export unchanged
@@ -85,7 +85,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    # objective="refine", seed 003's deep-supervision refinement (GPT.refine): the same weights, each block applied
+    # objective="refine", deep-supervision refinement (GPT.refine): the same weights, each block applied
     # many times. The embedding x stays; an answer y (from x) and a latent z (from zeros) pass through every
     # layer: the layer's block updates z n_loops times reading x + y + z, then y once reading y + z (its
     # pre-norms read the sum, its residual adds to the state it updates), all of it T_recursion times. One pass
@@ -99,7 +99,7 @@ class GPTConfig:
     supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
     improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
     detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the seed's 2)
-    # objective="bd3lm", seed 004's block diffusion (BD3-LM, Arriola et al. 2025; GPT.diffuse): the sequence is cut
+    # objective="bd3lm", block diffusion (BD3-LM, Arriola et al. 2025; GPT.diffuse): the sequence is cut
     # into blocks of diffusion_block tokens; in each, every token is replaced by [MASK] (the vocabulary's last id:
     # model_config adds it to the data's) with probability t, drawn per block, and the model predicts the clean
     # tokens from the noisy block and the clean blocks before it (one pass over both copies, BlockDiffusion). The
@@ -1089,7 +1089,7 @@ def random_batch(config, rows, device, seq_len=None):
 
 
 def refine_objective(losses, base, reward):
-    """Seed 003's training objective from the supervision steps' cross-entropies (0-d tensors, first to
+    """Refinement's training objective from the supervision steps' cross-entropies (0-d tensors, first to
     last): step i weighs base^i / sum_j base^j, so the last steps count most; from the second step on,
     reward * (prev - cur) / prev is subtracted, prev detached, so a step gains from improving on the one
     before it, and the one before is not pushed to be worse. One step: its loss, unchanged."""

@@ -127,7 +127,7 @@ def horizon_gate(cfg, counts):
 
 
 def sqrt_scaled_lr(base_lr, base_batch, batch):
-    """Seed 004's rule of thumb: the learning rate grows with the square root of the batch (sequences per step)."""
+    """Block diffusion's rule of thumb: the learning rate grows with the square root of the batch (sequences per step)."""
     return base_lr * math.sqrt(batch / base_batch)
 
 

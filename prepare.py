@@ -21,7 +21,7 @@ Sources (comma-separated ones are concatenated in order):
   gsm8k (openai/gsm8k, config main) keeps the dataset's own split (train, and test as validation) and
   makes each row (question, answer) a document as gsm8k_format says: qa, "Question: ...\nAnswer: ..."
   with the answer as the dataset has it (its <<calculator>> annotations, then "#### <number>"); hdp,
-  three segments for seed 004's plan-then-execute diffusion: the question; the plan, the answer's
+  three segments for plan-then-execute block diffusion: the question; the plan, the answer's
   reasoning lines without their annotations; the execution, the annotated lines and the final
   "#### <number>" line.
 

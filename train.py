@@ -42,10 +42,10 @@ A run survives what a rented pod does to it:
 - a non-finite loss or gradient skips the step on every rank; max_bad_steps spikes or
   non-finite steps in a row roll back to the last checkpoint at half the learning rate.
 
-objective=refine (seed 003) trains the same model recursively with a loss after each supervision
+objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
 step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
 step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
-AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (seed 004) trains a block
+AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (block diffusion on GSM8K) trains a block
 diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
@@ -99,8 +99,8 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
-# objective: ar (next-token prediction) | refine (seed 003's deep supervision, recursive blocks: model.py's GPTConfig
-# says how y and z move) | bd3lm (seed 004's block diffusion). refine's loss is the objective below; val_loss is the last
+# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: model.py's GPTConfig
+# says how y and z move) | bd3lm (block diffusion). refine's loss is the objective below; val_loss is the last
 # supervision step's cross-entropy. bd3lm's loss and val_loss are the NELBO per token (an upper bound on its cross-entropy)
 objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
 n_loops = 2                     # refine: latent (z) updates per layer and repetition
@@ -191,7 +191,7 @@ gate_profile = "research"       # research | release: release also blocks too sh
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
 max_epochs = 0                  # corpus_model_fit blocks above this many passes over the training tokens; 0: the profile's
 lr_base = 0.0                   # lr_scaling warns when learning_rate is far from lr_base x sqrt(batch / lr_base_batch); 0: off
-lr_base_batch = 128             # sequences per optimizer step at which lr_base was tuned (seed 004: 3e-4 at 128)
+lr_base_batch = 128             # sequences per optimizer step at which lr_base was tuned (block diffusion: 3e-4 at 128)
 expect_world_size = 0           # ranks this config is written for; 0: any
 gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (no memory gate on CPU)
 plan_gpu = ""                   # GPU to plan time with when not on it, e.g. "H100 PCIe"; "": the one in use
@@ -210,7 +210,7 @@ fp8 = False                     # float8 matmuls in the linear layers (torchao):
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest: true fp32
 # --- end config
 
-INJECT_STEPS = 5                # steps an injected spike or NaN lasts (seed 002's "next 5 batches")
+INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
 GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's

@@ -28,7 +28,7 @@ out = ""                        # JSONL file the result line is appended to; "":
 # --- end config
 
 # squares, then (tokens, in, out) of the repo's configs at 16k tokens per micro-batch: h200_1b_ddp8's
-# SwiGLU up and down at its hidden 5632 and at the runbook's floor(8d/3) = 5461 (an odd size, the reason
+# SwiGLU up and down at its hidden 5632 and at the recipe's floor(8d/3) = 5461 (an odd size, the reason
 # for multiple_of), its 32k-vocabulary head, h100_d64's up projection (d 4096, hidden 11008; 10922 unrounded)
 GPU_SIZES = ("2048,4096,8192,16384,16384x2048x5632,16384x5632x2048,16384x2048x5461,16384x5461x2048,"
              "16384x2048x32768,8192x4096x11008,8192x4096x10922")

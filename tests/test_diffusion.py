@@ -1,5 +1,5 @@
 """
-objective="bd3lm" (seed 004): block diffusion. The model's loss, masks and sampler on CPU (a tiny model, the
+objective="bd3lm": block diffusion on GSM8K. The model's loss, masks and sampler on CPU (a tiny model, the
 real forward) against hand-built and slow references, the loader's noise, and the training loop on it.
 """
 import json

@@ -28,7 +28,7 @@ What it covers, in file order (each part shares its training runs through module
 9. the opt-in speed paths on section 1's 12 compiled steps: fp8=True (torchao's float8 linear layers) and
    attn_backend=fa4 (FlashAttention 4 through SDPA) each train and track the bf16 run, or train.py refuses
    them with their one line where they cannot run (an A100, no torchao, no flash-attn-4);
-10. objective="refine" (seed 003): config/h100_trm_fast.py at 2 layers (its width, Muon split, full
+10. objective="refine" (deep-supervision refinement): config/h100_trm_fast.py at 2 layers (its width, Muon split, full
    checkpointing, compile, bf16) through train.py's dry run under torchrun, and the refine model's KV-cache
    generation on CUDA against recomputation;
 11. objective="bd3lm": FlexAttention's 2T pass against the dense mask, config/tiny_bd3lm.py's
@@ -754,7 +754,7 @@ def test_fa4_trains_compiled_and_tracks_the_bf16_run_or_is_refused(tmp_path_fact
 
 
 # -----------------------------------------------------------------------------
-# 10. objective="refine": seed 003's phase-1 config at 2 layers, and generation through its KV cache
+# 10. objective="refine": the refinement recipe's phase-1 config at 2 layers, and generation through its KV cache
 
 TRM = ["config/h100_trm_fast.py", "--n_layer=2", "--micro_batch_size=2", f"--total_batch_tokens={2 * 2 * 1024 * NPROC}",
        "--expect_world_size=0", "--eval_steps=2"]
@@ -786,7 +786,7 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
 
 
 # -----------------------------------------------------------------------------
-# 11. objective="bd3lm": seed 004's block diffusion on FlexAttention, compiled, and its sampler on CUDA
+# 11. objective="bd3lm": block diffusion on FlexAttention, compiled, and its sampler on CUDA
 
 def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
     """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the

@@ -78,7 +78,7 @@ def load_model_config(name):
 
 @pytest.mark.parametrize("name, total, non_embedding, gflops", [
     ("a100_50m.py", 88.98e6, 50.34e6, 0.609),      # DESIGN.md: ~50M non-embedding, ~89M, ~0.6 GFLOP/token
-    ("h200_1b_ddp8.py", 1.149e9, 1.082e9, 8.104),  # ~1.15B: SwiGLU hidden 5632 (the runbook's 5461: 1.124B)
+    ("h200_1b_ddp8.py", 1.149e9, 1.082e9, 8.104),  # ~1.15B: SwiGLU hidden 5632 (the recipe's 5461: 1.124B)
     ("h100_d64.py", 12.953e9, 12.953e9, 84.16),    # ~13.0B: hidden 11008 (10922, 12*L*d^2: 12.885B), not 4.3B
 ])
 def test_seed_config_arithmetic(name, total, non_embedding, gflops):

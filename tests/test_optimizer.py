@@ -1,7 +1,7 @@
 """optimizer=muon: Muon for the blocks' matrices, AdamW for the rest (model.make_optimizer, MuonAdamW), each group
 on the schedule at its own peak; what it refuses; and a killed run resumed bit-identically, on 1 process and on
 2 ranks, with Muon's momentum buffers in the checkpoint (test_resume.py's kill wrapper and comparison). The runs
-train seed 003's recipe: Muon with objective="refine" (each block applied 4 times, 2 supervision steps)."""
+train the refinement recipe: Muon with objective="refine" (each block applied 4 times, 2 supervision steps)."""
 import shutil
 
 import pytest
@@ -155,7 +155,7 @@ def test_each_group_runs_at_the_schedule_times_its_own_peak(refs):
 
 @pytest.mark.parametrize("nproc", [1, 2], ids=["1proc", "2ranks"])
 def test_muon_refine_kill_then_resume_is_bit_identical(tmp_path, stdlib_data, refs, capfd, nproc):
-    """Seed 003's recipe (refine and Muon). SIGKILL (the last rank) as step 9 starts, then the same command:
+    """The refinement recipe (refine and Muon). SIGKILL (the last rank) as step 9 starts, then the same command:
     Muon's momentum buffers and AdamW's moments come back from the step-5 checkpoint, and losses (each
     supervision step's too), lr, grad norms, weights and optimizer state equal the uninterrupted run's exactly."""
     out = tmp_path / "out"

@@ -32,7 +32,7 @@ def preflight(capfd, out, *args, check=False):
 
 
 def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path, capfd):
-    """Seed 001's d64 on 8x H100 80GB: ~13.0B parameters (not the runbook's 4.3B). Its config trains it
+    """The d64 run on 8x H100 80GB: ~13.0B parameters (not the recipe's 4.3B). Its config trains it
     under FSDP with full activation checkpointing, which fits; plain DDP is far over 80 GB per GPU, and
     the gate names the fix."""
     plan = ["config/h100_d64.py", "--gpu_mem_gb=80", "--expect_world_size=8", NO_DATA]
@@ -50,13 +50,13 @@ def test_d64_fits_only_sharded_with_activation_checkpointing(tmp_path, capfd):
     assert report["plan"]["memory_sharded"]["total"] < 0.92 * 80e9 < report["plan"]["memory_ddp"]["total"]
 
 
-def test_h200_1b_is_the_runbooks_tokens_and_fits(tmp_path, capfd):
+def test_h200_1b_is_its_planned_tokens_and_fits(tmp_path, capfd):
     r, report, gates = preflight(capfd, tmp_path, "config/h200_1b_ddp8.py", "--gpu_mem_gb=141", NO_DATA,
                                  "--planned_mfu=0.4", "--plan_gpu=H200")
     assert r.returncode == 0, r.stdout + r.stderr
     plan = report["plan"]
     assert plan["params"]["total"] == pytest.approx(1.149e9, rel=1e-3)  # SwiGLU hidden 5632
-    # the runbook's 22.4B tokens: its ~20 per parameter at hidden 5461 (1.124B), 19.5 at 5632
+    # the recipe's 22.4B tokens: its ~20 per parameter at hidden 5461 (1.124B), 19.5 at 5632
     assert plan["planned_tokens"] == pytest.approx(22.4e9, rel=1e-3)
     assert plan["planned_tokens"] / plan["params"]["total"] == pytest.approx(19.5, rel=0.01)
     assert gates["memory_fit"]["verdict"] == "pass" and gates["world_size"]["verdict"] == "skip"
@@ -168,7 +168,7 @@ def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data, capfd):
 
 @pytest.mark.parametrize("config", ["config/h200_gsm8k_bd3lm.py", "config/h200_hdp_diffusion.py"])
 def test_seed_004_configs_fit_an_h200_and_hold_the_seeds_lr_rule(tmp_path, capfd, config):
-    """Seed 004 on one H200, planned from this CPU before the data exists: the 85M-non-embedding model at
+    """Block diffusion on one H200, planned from this CPU before the data exists: the 85M-non-embedding model at
     micro-batch 128 fits (model.memory_estimate counts both copies of each 512-token row: 67.2 GB), 5e-4 at a
     batch of 512 is 0.83x the seed's rule 3e-4 x sqrt(512 / 128) (a pass), and 3e-4 there is a warning that
     names the rule's rate."""

@@ -1,5 +1,5 @@
 """
-objective="refine" (seed 003): recursive blocks with deep supervision. The model's arithmetic and
+objective="refine" (deep-supervision refinement): recursive blocks with deep supervision. The model's arithmetic and
 states on CPU (a tiny model, the real forward), then the training loop's view of it.
 """
 import json
@@ -102,7 +102,7 @@ def test_kv_cache_generation_equals_full_recomputation():
 
 
 def test_flops_count_every_block_application():
-    """Seed 003's shape: depth 12, n_loops=2, T_recursion=1, n_sup_train=4 is 12 x 3 x 4 = 144 block
+    """The refinement recipe's shape: depth 12, n_loops=2, T_recursion=1, n_sup_train=4 is 12 x 3 x 4 = 144 block
     applications per token, and 4 passes of the final norm and head; T_recursion's extra repetitions run
     without gradients, at a forward's third."""
     shape = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
@@ -241,7 +241,7 @@ def test_refine_under_fsdp_computes_the_steps_of_one_process(tmp_path, stdlib_da
 
 
 def test_sanity_capacity_plans_the_recursion(tmp_path, capfd):
-    """sanity.py --capacity on seed 003's phase-1 config plans 144 block applications per token: its FLOPs,
+    """sanity.py --capacity on the refinement recipe's phase-1 config plans 144 block applications per token: its FLOPs,
     and its memory under the config's DDP + full checkpointing (which fits 80 GB; plain DDP does not)."""
     r, report, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
                                    config="config/h100_trm_fast.py", check=False)
