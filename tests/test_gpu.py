@@ -675,6 +675,23 @@ def test_attention_backend_matches_float64_in_bf16_or_says_why_not(name, mask):
     assert err <= ATTN_TOL, f"{name}: largest error {err:.2e} against float64"
 
 
+def test_auto_finds_a_kernel_for_float32_under_tf32():
+    """float32 on a GPU whose fp32 matmuls run in TF32 (train.py's matmul_precision=high): auto holds kernels to
+    float16's tolerance there and finds one (against float32's, config/tiny.py --device=cuda found none on an
+    H200: math 8.0e-4, flex 2.3e-3)."""
+    import model
+    precision, cached = torch.get_float32_matmul_precision(), dict(model.resolved)
+    try:
+        torch.set_float32_matmul_precision("high")
+        model.resolved.clear()  # a choice made at another precision is not this one's
+        chosen, note = resolve_backend("auto", "cuda", torch.float32, ATTN_HEAD_DIM)
+        assert chosen in ATTENTION_BACKENDS and note.startswith(f"auto: {chosen} (largest error "), note
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        model.resolved.clear()
+        model.resolved.update(cached)
+
+
 @MASK_KINDS
 def test_auto_resolves_to_the_first_backend_that_runs_and_matches(mask):
     """The first of ATTENTION_BACKENDS that runs and matches; for bd3lm's mask FlexAttention first (it skips the
