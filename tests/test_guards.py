@@ -169,7 +169,9 @@ def test_budget_usd_stops_before_the_spend_crosses_the_cap(tmp_path, stdlib_data
     """budget_usd=10 at usd_per_gpu_hour=3600 (one dollar per second of one process; $10 leaves seconds
     of training after the start (see above), whatever the guard reserves for its final save): the run
     stops, saves and exits 0 having spent no more than $10, final save included."""
-    r = train(capfd, tmp_path, stdlib_data, *FAST, *NO_SAVE_BEFORE_STOP, "--budget_usd=10", "--usd_per_gpu_hour=3600")
+    # an optimistic plan: the horizon stays max_steps, and the guard is what stops the run
+    r = train(capfd, tmp_path, stdlib_data, *FAST, *NO_SAVE_BEFORE_STOP, "--budget_usd=10", "--usd_per_gpu_hour=3600",
+              "--planned_tokens_per_sec=1e12")
     summary = assert_stopped_with_checkpoint(tmp_path, "budget_usd")
     assert "(budget_usd)" in r.stdout
     assert summary["steps"] > 10
