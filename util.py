@@ -27,8 +27,8 @@ from types import SimpleNamespace
 
 
 # torch is imported inside the functions that use it: configurator.py and report.py import util for the
-# error type and atomic writes, and import in 0.04 s instead of torch's 1.6 s (measured on a 2-core CPU,
-# torch 2.13; run.sh reads out_dir through configurator.py at every start)
+# error type and atomic writes and stay quick to start without it (run.sh reads out_dir through configurator.py
+# at every start)
 DEVICES = "auto, cpu, cuda, cuda:N"
 # CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle; read
 # once, at the first CUDA call
