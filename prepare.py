@@ -19,10 +19,10 @@ Sources (comma-separated ones are concatenated in order):
   saved) goes to the hub alone, for gated datasets and the higher rate limits of a token; HF_HUB_OFFLINE=1
   never asks the hub: every file must be in the cache or download_dir.
   gsm8k (openai/gsm8k, config main) keeps the dataset's own split (train, and test as validation) and
-  makes each row (question, answer) a document as gsm8k_format says: qa, "Question: ...\nAnswer: ..."
-  with the answer as the dataset has it (its <<calculator>> annotations, then "#### <number>"); hdp,
-  three segments for plan-then-execute block diffusion: the question; the plan, the answer's
-  reasoning lines without their annotations; the execution, the annotated lines and the final
+  makes each row (question, answer) a document as gsm8k_format says (tasks.gsm8k_document): qa,
+  "Question: ...\nAnswer: ..." with the answer as the dataset has it (its <<calculator>> annotations, then
+  "#### <number>"); hdp, three segments for plan-then-execute block diffusion: the question; the plan, the
+  answer's reasoning lines without their annotations; the execution, the annotated lines and the final
   "#### <number>" line.
 
 segments (e.g. 512, or 128,128,256 with gsm8k_format=hdp): every document is made exactly that many
@@ -30,15 +30,12 @@ tokens, each segment tokenized on its own (the first after BOS), padded with BOS
 document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
 block_size = the total then hold one document each, from its first token (train.py checks).
 
-Tokenizers: byte (256 bytes), char (the corpus' characters), gpt2 (tiktoken; offline, set
-PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken ranks file), bpe:N (trained here on the training
-documents with rustbpe, run with tiktoken). BOS is always
-the last id (bos_id = vocab_size - 1) and every document is stored as [BOS] + tokens.
+Tokenizers (tokenizer.py): byte, char, gpt2, bpe:N (trained here on the training documents).
 
 Output in data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place
 when complete, manifest.json last. prepare.py writes only into a data_dir that holds nothing
 but these files (so download_dir lies elsewhere):
-- tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): load_tokenizer()
+- tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): tokenizer.load_tokenizer()
 - {train,val}_{i:06d}.bin: header of 128 little-endian int64
   [MAGIC, VERSION, token itemsize (2 or 4), n_tokens, vocab_size, n_docs, bos_id, 0...]
   (1024 bytes), then n_tokens little-endian uint16 (vocab_size <= 65536) or uint32;
@@ -57,7 +54,6 @@ workers, and duplicate documents always land in the same split.
 """
 
 import array
-import base64
 import collections
 import contextlib
 import difflib
@@ -82,8 +78,10 @@ import urllib.parse
 import numpy as np
 
 import configurator
-from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
+from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents,
                   token_dtype, token_hash)
+from tasks import gsm8k_documents
+from tokenizer import SEGMENT, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
                   remove_scratch, run_main)
 
@@ -147,9 +145,6 @@ HF_PRESETS = {
 PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
 GSM8K_SPLITS = ("train", "val")  # the split each gsm8k file's problems go to: its train and its test file
 GSM8K_FORMATS = ("qa", "hdp")
-SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
-
-GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 
 
 # -----------------------------------------------------------------------------
@@ -188,179 +183,6 @@ def save_npy(path, array):
     np.save(buffer, array)
     with open(path, "wb") as f:
         f.write(buffer.getvalue())
-
-
-# -----------------------------------------------------------------------------
-# Tokenizers
-
-
-class Tokenizer:
-    """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index
-    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id = vocab_size - 1."""
-
-    def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None):
-        self.spec, self.kind, self.vocab_size, self.bos_id = spec, kind, vocab_size, bos_id
-        self.chars, self.enc = chars, enc
-        self.char_ids = {c: i for i, c in enumerate(chars or ())}
-
-    def encode(self, text):
-        """Token ids of text, without BOS; text like "<|endoftext|>" is plain text, not a special token."""
-        if self.kind == "byte":
-            return list(text.encode("utf-8"))
-        if self.kind == "char":
-            try:
-                return [self.char_ids[c] for c in text]
-            except KeyError as e:
-                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char tokenizer") from None
-        return self.enc.encode_ordinary(text)
-
-    def decode_bytes(self, ids):
-        """The bytes of ids; BOS decodes to nothing."""
-        ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[ids != self.bos_id].tolist()
-        if self.kind == "byte":
-            return bytes(ids)
-        if self.kind == "char":
-            return "".join(self.chars[i] for i in ids).encode("utf-8")
-        return self.enc.decode_bytes(ids)
-
-    def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
-def parse_spec(spec):
-    """("byte" | "char" | "gpt2" | "bpe", N) for a tokenizer spec; fails on any other."""
-    if spec in ("byte", "char", "gpt2"):
-        return spec, None
-    name, _, n = spec.partition(":")
-    if name == "bpe" and n.isdigit() and int(n) > 256:
-        return "bpe", int(n)
-    fail(f"unknown tokenizer '{spec}': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)")
-
-
-def read_ranks(path):
-    """{token bytes: rank} from a tiktoken ranks file (lines "base64 rank"). Not tiktoken's
-    load_tiktoken_bpe: it caches files by path, so a rebuilt file at the same path would load stale."""
-    ranks = {}
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def write_ranks(path, ranks):
-    with open(path, "wb") as f:
-        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            f.write(base64.b64encode(token) + b" %d\n" % rank)
-
-
-def gpt2_ranks():
-    """GPT-2's BPE ranks, from the file $PODGPT_GPT2_TIKTOKEN names (offline) or through tiktoken."""
-    path = os.environ.get("PODGPT_GPT2_TIKTOKEN")
-    if path:
-        if not os.path.isfile(path):
-            fail(f"PODGPT_GPT2_TIKTOKEN={path}: no such file")
-        ranks = read_ranks(path)
-    else:
-        import tiktoken
-        try:
-            enc = tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
-        except Exception as e:  # network errors come in many types
-            fail(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
-                 "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
-        ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_RANKS)}
-    if sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        fail(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
-    return ranks
-
-
-def in_training(text, split, threshold):
-    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
-    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
-
-
-def bpe_training_texts(docs, threshold, max_chars):
-    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
-    n = 0
-    for text, split in docs:
-        if n >= max_chars:
-            return
-        if in_training(text, split, threshold):
-            text = text.replace(SEGMENT, "\n")[: max_chars - n]
-            n += len(text)
-            yield text
-
-
-def train_tokenizer(spec, docs, threshold, bpe_train_chars):
-    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. docs() streams the documents;
-    bpe:N trains on those whose hash is at least threshold, the training documents."""
-    kind, n = parse_spec(spec)
-    if kind == "byte":
-        return {"kind": "byte", "vocab_size": 257}, None
-    if kind == "char":
-        chars = set()
-        for text, _ in docs():  # every document, validation too, so that all of them encode
-            chars.update(text.replace(SEGMENT, ""))
-        return {"kind": "char", "vocab_size": len(chars) + 1, "chars": sorted(chars)}, None
-    if kind == "gpt2":
-        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as tiktoken has it
-        ranks, pattern, bos = gpt2_ranks(), r50k_pat_str, "<|endoftext|>"
-    else:
-        import rustbpe
-        bpe = rustbpe.Tokenizer()
-        # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
-        # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
-        bpe.train_from_iterator(bpe_training_texts(docs(), threshold, bpe_train_chars), n - 1)
-        ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
-        pattern, bos = bpe.get_pattern(), "<|bos|>"
-    meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
-    return meta, ranks
-
-
-def save_tokenizer(out_dir, spec, meta, ranks):
-    """Write tokenizer.json (+ tokenizer.tiktoken); returns the file names."""
-    meta = {"spec": spec, "bos_id": meta["vocab_size"] - 1, **meta}
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-    if ranks is None:
-        return ["tokenizer.json"]
-    write_ranks(os.path.join(out_dir, "tokenizer.tiktoken"), ranks)
-    return ["tokenizer.json", "tokenizer.tiktoken"]
-
-
-def load_tokenizer(data_dir):
-    """The Tokenizer saved in data_dir (tokenizer.json + tokenizer.tiktoken); never needs the network."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no tokenizer.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    enc = None
-    if meta["kind"] == "tiktoken":
-        import tiktoken
-        ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
-        ranks, n_ranks = read_ranks(ranks_file), meta["vocab_size"] - len(meta["special_tokens"])
-        # checked here: tiktoken aborts on ranks that repeat (a file cut mid-line) with an exception that is not an
-        # Exception (pyo3's PanicException), and takes ranks that stop short (a file cut at a line's end)
-        if sorted(ranks.values()) != list(range(n_ranks)):
-            raise ValueError(f"{ranks_file} does not hold the ranks 0..{n_ranks - 1} of vocab_size "
-                             f"{meta['vocab_size']} (a damaged or truncated file)")
-        enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
-                                mergeable_ranks=ranks)
-    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc)
-
-
-def check_tokenizer_loads(data_dir, manifest):
-    """Stop with one line unless data_dir's tokenizer files load, as sample.py will load a checkpoint's copy of
-    them, and decode every id of the manifest's vocabulary (a 50,257-token BPE: ~65 ms on a 2-core CPU)."""
-    try:
-        load_tokenizer(data_dir).decode_bytes(np.arange(manifest["vocab_size"]))
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not load "
-             f"({first_line(e)}): the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force")
 
 
 # -----------------------------------------------------------------------------
@@ -493,69 +315,17 @@ def read_parquet(path, text_field):
             yield text
 
 
-def gsm8k_document(question, answer, form):
-    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..." (the answer as given); hdp, the question,
-    the plan (the reasoning lines without their <<calculator>> annotations) and the execution (the annotated
-    lines and the final "#### <number>"), joined by SEGMENT."""
-    if form == "qa":
-        return f"Question: {question}\nAnswer: {answer}"
-    reasoning, _, final = answer.rpartition("####")
-    plan = re.sub(r"<<[^<>]*>>", "", reasoning).strip()
-    return SEGMENT.join([question.strip(), plan, f"{reasoning.strip()}\n#### {final.strip()}"])
-
-
-def gsm8k_answer(text):
-    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0" dropped; None
-    without one."""
-    found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
-    return found[-1].replace(",", "").removesuffix(".0") if found else None
-
-
-def gsm8k_problems(data_dir, manifest, n):
-    """The first n problems of a gsm8k data_dir's validation split (GSM8K's test problems) as (prompt token ids,
-    the right answer): qa, BOS and the document up to "Answer:"; hdp, its question segment. For train.py's
-    eval_gsm8k_samples."""
-    tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
-    length = sum(segment_lengths(args.get("segments", "")))
-    if args["source"] != "gsm8k" or not length:
-        raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
-                         f"--segments (config/h200_gsm8k_bd3lm.py)")
-    problems = []
-    for shard in manifest["splits"]["val"]["shards"]:
-        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, length)
-        for row in rows[:n - len(problems)]:
-            if args.get("gsm8k_format", "qa") == "hdp":
-                question = segment_lengths(args["segments"])[0]
-                prompt, answer = row[:question].tolist(), tok.decode(row[question:])
-                while len(prompt) > 1 and prompt[-1] == tok.bos_id:  # the segment's padding: the sampler pads again
-                    prompt.pop()
-            else:
-                head, _, answer = tok.decode(row).partition("\nAnswer:")
-                prompt = [tok.bos_id] + tok.encode(head + "\nAnswer:")
-            problems.append((prompt, gsm8k_answer(answer)))
-    return problems
-
-
-def read_gsm8k(path, form):
-    """The problems of a GSM8K parquet file (columns question and answer), each as gsm8k_document."""
-    questions, answers = (list(read_parquet(path, column)) for column in ("question", "answer"))
-    if len(questions) != len(answers):
-        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one column?): download it again")
-    for question, answer in zip(questions, answers, strict=True):
-        if "####" not in answer:
-            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all have: not GSM8K's main "
-                 f"config? ({answer[:60]!r})")
-        yield gsm8k_document(question, answer, form)
-
-
 def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa"):
     """All documents of the inputs in order, downloading URLs when reached: (text, the split it must go to or
     None for the hash's)."""
     n = 0
     for source in inputs:
         path = download(source.location, download_dir, sha256) if is_url(source.location) else source.location
-        texts = read_gsm8k(path, gsm8k_format) if source.form == "gsm8k" else \
-            read_documents(path, text_field, source.paragraphs)
+        if source.form == "gsm8k":
+            columns = (list(read_parquet(path, column)) for column in ("question", "answer"))
+            texts = gsm8k_documents(path, *columns, gsm8k_format)
+        else:
+            texts = read_documents(path, text_field, source.paragraphs)
         for text in texts:
             if len(text) < min_chars:
                 continue
@@ -569,6 +339,23 @@ def doc_hash(data):
     """A document's place in the split, from its UTF-8 bytes alone: uniform in [0, 2**64), and
     the documents whose hash is below a threshold are held out for validation."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def in_training(text, split, threshold):
+    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
+    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
+
+
+def bpe_training_texts(docs, threshold, max_chars):
+    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
+    n = 0
+    for text, split in docs:
+        if n >= max_chars:
+            return
+        if in_training(text, split, threshold):
+            text = text.replace(SEGMENT, "\n")[: max_chars - n]
+            n += len(text)
+            yield text
 
 
 class SmallestHashes:
@@ -1113,7 +900,8 @@ def tokenize_corpus(scratch, cfg, inputs):
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-        meta, ranks = train_tokenizer(cfg.tokenizer, docs, threshold, cfg.bpe_train_chars)
+        meta, ranks = train_tokenizer(cfg.tokenizer, lambda: (text for text, _ in docs()),
+                                      lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
         tokenizer_files = save_tokenizer(scratch, cfg.tokenizer, meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)

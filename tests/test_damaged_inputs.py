@@ -20,6 +20,7 @@ import prepare
 import util
 from conftest import run_script, tree
 from test_bad_input import TINY_RUN, finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
+from tokenizer import check_tokenizer_loads
 
 
 @pytest.fixture
@@ -160,12 +161,12 @@ def test_a_truncated_bpe_ranks_file_is_refused(corpus, tmp_path):
                                      "--val_fraction=0", "--workers=1"])
     assert stop.value.code == 0
     manifest = data.load_manifest(out)
-    prepare.check_tokenizer_loads(str(out), manifest)
+    check_tokenizer_loads(str(out), manifest)
     ranks = (out / "tokenizer.tiktoken").read_bytes()
     for cut in (len(ranks) - 3, ranks.rindex(b"\n", 0, -1) + 1):
         (out / "tokenizer.tiktoken").write_bytes(ranks[:cut])
         with pytest.raises(util.Error) as e:
-            prepare.check_tokenizer_loads(str(out), manifest)
+            check_tokenizer_loads(str(out), manifest)
         assert str(e.value) == (
             f"the tokenizer files of {out} (tokenizer.json, tokenizer.tiktoken) do not load (ValueError: "
             f"{out}/tokenizer.tiktoken does not hold the ranks 0..298 of vocab_size 300 (a damaged or truncated "

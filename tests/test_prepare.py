@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import configurator  # noqa: E402
 import data  # noqa: E402
 import prepare  # noqa: E402
+import tokenizer  # noqa: E402
 import util  # noqa: E402
 from conftest import popen, tree  # noqa: E402
 from conftest import run as run_command  # noqa: E402
@@ -112,7 +113,7 @@ def smallest_hash_split(texts, n_tokens, val_fraction, min_tokens):
 def decode_split(data_dir, split):
     """The documents of a split, cut at BOS by the .docs.npy index and decoded strictly."""
     manifest = data.load_manifest(data_dir)
-    tok = prepare.load_tokenizer(data_dir)
+    tok = tokenizer.load_tokenizer(data_dir)
     docs = []
     for shard in manifest["splits"][split]["shards"]:
         tokens = data.open_shard(os.path.join(data_dir, shard["file"]))
@@ -147,7 +148,7 @@ def test_round_trip_every_tokenizer(spec, corpus, tmp_path, monkeypatch):
     assert val and not set(train) & set(val)
 
     manifest = data.load_manifest(out)
-    tok = prepare.load_tokenizer(out)
+    tok = tokenizer.load_tokenizer(out)
     assert manifest["tokenizer"] == tok.spec == spec
     assert manifest["bos_id"] == tok.bos_id == tok.vocab_size - 1 == manifest["vocab_size"] - 1
     assert manifest["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in val)
@@ -421,7 +422,7 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
     """The split keeps equal texts together, so a document lands in both splits only when two texts give
     the same tokens: planted here, the same tokens under text hashes either side of the threshold. The count
     is of training documents (a duplicate counts twice); tokens that differ by one do not count."""
-    tok = prepare.Tokenizer("byte", "byte", 257, 256)
+    tok = tokenizer.Tokenizer("byte", "byte", 257, 256)
     threshold = 2**63
 
     def doc(text, h):
@@ -625,7 +626,7 @@ def test_gsm8k_preset_keeps_its_split_and_formats_each_objective(server, tmp_pat
     assert run(*common, f"--data_dir={tmp_path / 'hdp'}", "--gsm8k_format=hdp", "--segments=128,128,256") == 0
     assert ("segments 128,128,256: every document is 512 tokens; 3 of 7 (42.9%) had a segment cut to its length "
             "(train 3, validation 0)") in capsys.readouterr().out
-    manifest, tok = data.load_manifest(tmp_path / "hdp"), prepare.load_tokenizer(tmp_path / "hdp")
+    manifest, tok = data.load_manifest(tmp_path / "hdp"), tokenizer.load_tokenizer(tmp_path / "hdp")
     rows = {}
     for split in ("train", "val"):
         (shard,) = manifest["splits"][split]["shards"]
@@ -1060,7 +1061,7 @@ def test_the_tokenizing_pool_is_stopped_only_once_every_job_sent_is_back(tmp_pat
     only after each one has come back, so no worker is killed in the middle of a job. A worker killed while it
     sent its result left the pool's result thread waiting forever for the rest: prepare.py hung after a Ctrl-C
     (once on CI, once in 24 tries on a loaded 2-core VM)."""
-    prepare.save_tokenizer(str(tmp_path), "byte", {"kind": "byte", "vocab_size": 257}, None)
+    tokenizer.save_tokenizer(str(tmp_path), "byte", {"kind": "byte", "vocab_size": 257}, None)
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     monkeypatch.setenv("PODGPT_TEST_JOBS", str(jobs))
