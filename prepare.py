@@ -11,56 +11,34 @@ Sources (comma-separated ones are concatenated in order):
 - a file or folder (walked recursively, sorted by relative path): .txt/.md/.py one
   document per file (or per paragraph with split_paragraphs: one big text file), .jsonl
   one per line (field `text_field`), .parquet one per row (column `text_field`);
-- an http(s) URL: downloaded into download_dir (resumable; retried on timeouts, dropped
-  connections and server errors), then read as a file;
-- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets, which
-  follow huggingface_hub's conventions: a file already in the Hugging Face cache (HF_HUB_CACHE, else
-  HF_HOME/hub) is read from there; HF_ENDPOINT picks a mirror; HF_TOKEN (or the token `hf auth login`
-  saved) goes to the hub alone, for gated datasets and the higher rate limits of a token; HF_HUB_OFFLINE=1
-  never asks the hub: every file must be in the cache or download_dir.
-  gsm8k (openai/gsm8k, config main) keeps the dataset's own split (train, and test as validation) and
-  makes each row (question, answer) a document as gsm8k_format says (tasks.gsm8k_document): qa,
-  "Question: ...\nAnswer: ..." with the answer as the dataset has it (its <<calculator>> annotations, then
-  "#### <number>"); hdp, three segments for plan-then-execute block diffusion: the question; the plan, the
-  answer's reasoning lines without their annotations; the execution, the annotated lines and the final
-  "#### <number>" line.
+- an http(s) URL, downloaded (download.py), then read as a file;
+- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets,
+  downloaded through huggingface_hub (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache as it reads them).
+  gsm8k keeps the dataset's own split (train, and test as validation); each problem is a document as
+  gsm8k_format says (tasks.gsm8k_document): qa, "Question: ...\nAnswer: ..."; hdp, three segments (question,
+  plan, execution) for plan-then-execute block diffusion.
 
 segments (e.g. 512, or 128,128,256 with gsm8k_format=hdp): every document is made exactly that many
 tokens, each segment tokenized on its own (the first after BOS), padded with BOS (which also ends a
 document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
 block_size = the total then hold one document each, from its first token (train.py checks).
 
-Tokenizers (tokenizer.py): byte, char, gpt2, bpe:N (trained here on the training documents).
-
-Output in data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place
-when complete, manifest.json last. prepare.py writes only into a data_dir that holds nothing
-but these files (so download_dir lies elsewhere):
-- tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): tokenizer.load_tokenizer()
-- {train,val}_{i:06d}.bin: header of 128 little-endian int64
-  [MAGIC, VERSION, token itemsize (2 or 4), n_tokens, vocab_size, n_docs, bos_id, 0...]
-  (1024 bytes), then n_tokens little-endian uint16 (vocab_size <= 65536) or uint32;
-  documents are never split across shards. open_shard() memory-maps one.
-- {train,val}_{i:06d}.docs.npy: int64 start offset of each document in its shard.
-- train_counts.npy: int64[vocab_size] unigram counts of the train split, BOS included.
-- manifest.json: tokenizer, counts per split, shards with sha256, source, the arguments
-  that determine the output, and a fingerprint of it all. load_manifest() reads it.
-  Its "contamination" counts the training documents whose tokens are also a validation
-  document's (data.token_hash), so that train.py's check needs no pass over the corpus.
-Validation is whole documents, those with the smallest hashes of their text: val_fraction
-of them, and more while they hold fewer than min_val_tokens tokens (found at the end of the
-pass, then the documents are tokenized again: only a small corpus needs that). The split
-depends on the set of documents alone, so the output is the same for any number of
-workers, and duplicate documents always land in the same split.
+The tokenizer (tokenizer.py: byte, char, gpt2, bpe:N trained here on the training documents) and the
+shards go into data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place when
+complete, manifest.json last; prepare.py writes only into a data_dir that holds nothing but its own files
+(docs/data-format.md; data.py reads them). Validation is whole documents, those with the smallest hashes
+of their text: val_fraction of them, and more while they hold fewer than min_val_tokens tokens (found at
+the end of the pass, then the documents are tokenized again: only a small corpus needs that). The split
+depends on the set of documents alone, so the output is the same for any number of workers, and
+duplicate documents always land in the same split.
 """
 
 import array
 import collections
 import contextlib
 import difflib
-import errno
 import hashlib
 import heapq
-import http.client
 import io
 import json
 import math
@@ -69,7 +47,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import sys
 import sysconfig
 import time
@@ -80,6 +57,7 @@ import numpy as np
 import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents,
                   token_dtype, token_hash)
+from download import download, local_copy
 from tasks import gsm8k_documents
 from tokenizer import SEGMENT, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
@@ -100,7 +78,7 @@ gsm8k_format = "qa"  # gsm8k preset: qa ("Question: ...\nAnswer: ...") | hdp (qu
 segments = ""  # token lengths each document is padded (BOS) or cut to, e.g. "512" or "128,128,256"; "": packed as is
 shard_tokens = 100_000_000  # target tokens per shard file
 workers = 0  # tokenizer processes (0: all cores)
-download_dir = "downloads"  # cache for downloaded files: beside data_dir, never inside it
+download_dir = "downloads"  # URL downloads (the hub's go to its cache, HF_HOME): beside data_dir, never inside it
 sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
 force = False  # rebuild even if data_dir already holds this exact result
@@ -123,13 +101,6 @@ MANIFEST = "manifest.json"
 # with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
 OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
                       r"|train_counts\.npy")
-
-RETRIES = 5  # download attempts per file
-BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
-TIMEOUT = (10, 60)  # download connect and read timeouts, seconds
-MAX_WAIT = 300  # seconds: the longest wait a 429 or 503 may ask for (the hub counts its rate limits over 5 minutes)
-
-HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # Hugging Face dataset presets: (repo, files). The file lists follow the datasets' layouts:
@@ -196,8 +167,10 @@ def is_url(location):
 def preset_urls(name):
     if name == "tinyshakespeare":
         return [TINYSHAKESPEARE_URL]
-    repo, files = HF_PRESETS[name]
-    return [f"{hf_endpoint()}/datasets/{repo}/resolve/main/{file}" for file in files]  # main: no pinned commit
+    from huggingface_hub import hf_hub_url
+
+    repo, files = HF_PRESETS[name]  # main: no pinned commit
+    return [hf_hub_url(repo, file, repo_type="dataset", revision="main") for file in files]
 
 
 def walk(root, exts, skip_dirs=()):
@@ -377,279 +350,6 @@ class SmallestHashes:
     def threshold(self):
         """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
         return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
-
-
-# -----------------------------------------------------------------------------
-# Folders a run makes, and removes again when it fails
-
-
-# -----------------------------------------------------------------------------
-# Downloads
-
-
-def cache_path(url, download_dir):
-    """download_dir/host/path of url: distinct URLs never share a file (HF shards share base names)."""
-    parts = urllib.parse.urlsplit(url)
-    names = [parts.netloc] + parts.path.split("/")
-    return os.path.join(download_dir, *(re.sub(r"[^\w.-]", "_", n) for n in names if n not in ("", ".", "..")))
-
-
-# The Hugging Face hub, as huggingface_hub (and so datasets, transformers, the hf CLI) finds it: the same
-# environment variables, the same token, the same cache, so that a pod set up for one is set up for podgpt
-
-
-def hf_endpoint():
-    return os.environ.get("HF_ENDPOINT", HF_DEFAULT_ENDPOINT).rstrip("/")
-
-
-def hf_home():
-    return os.path.expanduser(os.environ.get("HF_HOME")
-                              or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"))
-
-
-def hub_cache():
-    return os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-                              or os.path.join(hf_home(), "hub"))
-
-
-def hub_offline():
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hf_token():
-    """The token huggingface_hub would send: HF_TOKEN, HUGGING_FACE_HUB_TOKEN (its older name), else the file
-    `hf auth login` writes (HF_TOKEN_PATH, else HF_HOME/token); None without one."""
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if not token:
-        try:
-            with open(os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home(), "token"))) as f:
-                token = f.read()
-        except OSError:
-            return None
-    return token.strip() or None
-
-
-def hub_path(url):
-    """url's path on the Hugging Face hub (huggingface.co or the HF_ENDPOINT mirror: the same scheme, host and
-    port), e.g. /datasets/owner/name/resolve/main/file; None for a URL anywhere else."""
-    for endpoint in (hf_endpoint(), HF_DEFAULT_ENDPOINT):
-        if url.startswith(endpoint + "/"):
-            return url[len(endpoint):]
-    return None
-
-
-def hub_file(url):
-    """(repo, revision, file) of a dataset file's URL on the hub, else None."""
-    match = re.match(r"/datasets/([^/]+/[^/]+)/resolve/([^/]+)/([^?#]+)", hub_path(url) or "")
-    return tuple(urllib.parse.unquote(part) for part in match.groups()) if match else None
-
-
-def hub_cached(repo, revision, file):
-    """The file of dataset repo in the Hugging Face cache (HF_HUB_CACHE/datasets--owner--name/snapshots/<commit>/
-    file, a link into its blobs), or None. A pinned commit is looked for in its snapshot alone; a branch
-    (the presets' main) in the snapshot refs/<branch> names first, then in any other: the presets pin no
-    commit, so a shard of any version is the dataset's."""
-    folder = os.path.join(hub_cache(), "datasets--" + repo.replace("/", "--"))
-    if re.fullmatch(r"[0-9a-f]{40}", revision):
-        commits = [revision]
-    else:
-        try:
-            commits = sorted(os.listdir(os.path.join(folder, "snapshots")))
-        except OSError:  # nothing of this dataset in the cache
-            return None
-        try:
-            with open(os.path.join(folder, "refs", revision)) as f:
-                ref = f.read().strip()
-        except OSError:  # no ref: the snapshots in name order
-            ref = None
-        commits.sort(key=lambda commit: commit != ref)
-    for commit in commits:
-        path = os.path.join(folder, "snapshots", commit, *file.split("/"))
-        if os.path.isfile(path):  # a link whose blob was deleted is no file
-            return path
-    return None
-
-
-def fetch(url, part):
-    """Download url into the file `part`, continuing a partial one with a Range request. On the hub, with
-    the Hugging Face token: requests drops it when a redirect leads elsewhere (the hub sends downloads on to
-    its storage hosts), and no other URL ever gets it."""
-    import requests
-    from tqdm import tqdm
-
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    token = hf_token() if hub_path(url) is not None else None
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
-        if r.status_code == 416:  # the partial file is not a prefix of this file: start over
-            os.remove(part)
-        r.raise_for_status()
-        if r.status_code != 206:  # the server sent the whole file, not the rest
-            have = 0
-        total = int(r.headers.get("Content-Length", 0)) + have or None
-        with open(part, "ab" if have else "wb") as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                                             desc=os.path.basename(part)[: -len(".part")]) as bar:
-            for chunk in r.iter_content(chunk_size=1 << 20):
-                f.write(chunk)
-                bar.update(len(chunk))
-
-
-def wrapped(e):
-    """e and every exception inside it: requests wraps urllib3's, which wraps the socket's (in args,
-    .reason and __cause__)."""
-    found, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, BaseException) and all(x is not f for f in found):
-            found.append(x)
-            todo += [*x.args, getattr(x, "reason", None), x.__cause__, x.__context__]
-    return found
-
-
-def failure(e):
-    """Why a request failed, in a few words, and what trying again would do: after a timeout, a dropped
-    connection or a server error (5xx) it may pass ("retry"); after a refused connection, an unknown host or no
-    route to it ("unreachable": an offline pod, whose name lookups fail) or a 4xx ("final") it will not."""
-    import requests
-
-    if isinstance(e, requests.HTTPError):
-        status = e.response.status_code
-        # also retried: 408 (the server timed the request out) and 429 (a rate limit, which Hugging Face sets
-        # on downloads: waiting is what it asks for); and 416, after which fetch dropped a .part that is not
-        # a prefix of the file, so the retry starts over
-        return f"HTTP {status}", "retry" if status >= 500 or status in (408, 416, 429) else "final"
-    inner = wrapped(e)
-
-    def has(*types):
-        return any(isinstance(x, types) for x in inner)
-
-    if has(ConnectionRefusedError):
-        return "connection refused", "unreachable"
-    if has(socket.gaierror):
-        return "cannot resolve the host name", "unreachable"
-    if any(isinstance(x, OSError) and x.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
-           for x in inner):
-        return "network unreachable", "unreachable"
-    if isinstance(e, requests.Timeout) or has(TimeoutError):
-        return "timed out", "retry"
-    if isinstance(e, requests.exceptions.ChunkedEncodingError) or has(
-            ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead):
-        return "connection dropped", "retry"
-    return first_line(e), "final"
-
-
-def asked_wait(response):
-    """The seconds a 429 or 503 answer asks to wait: its Retry-After in seconds (the HTTP-date form, which
-    huggingface_hub does not read either, counts as none), else the reset time (t=) of its RateLimit header,
-    which the hub sends with a 429; 0 without either."""
-    if response is None:
-        return 0
-    retry_after = response.headers.get("Retry-After", "").strip()
-    if retry_after.isdigit():
-        return int(retry_after)
-    reset = re.search(r";\s*t\s*=\s*(\d+)", response.headers.get("RateLimit", ""))
-    return int(reset.group(1)) if reset else 0
-
-
-def advice(url, path, status, kind):
-    """What to do about a download of url into path that trying again will not mend (failure's kind
-    "unreachable" or "final"; status: the HTTP status, if any)."""
-    on_hub, file = hub_path(url) is not None, hub_file(url)
-    if kind == "unreachable" and on_hub:
-        return (f"offline? set HF_ENDPOINT to a mirror, or put the file at {path} or in the Hugging Face cache "
-                f"({hub_cache()})")
-    if kind == "unreachable":
-        return f"offline? put the file at {path}, or check the URL"
-    if status in (401, 403) and on_hub:
-        return (f"set HF_TOKEN (a token with access to {file[0] if file else 'it'}; a gated dataset's terms "
-                "accepted on its page)")
-    return "check the URL; HF_ENDPOINT picks the Hugging Face mirror" if on_hub else "check the URL"
-
-
-def fetch_retrying(url, path):
-    """fetch(url, path + ".part"), tried again after a failure that may pass, waiting twice as long each time,
-    or as long as the server asks (up to MAX_WAIT)."""
-    import requests
-
-    part = path + ".part"
-    for attempt in range(1, RETRIES + 1):
-        try:
-            return fetch(url, part)
-        except requests.RequestException as e:
-            reason, kind = failure(e)
-            status = e.response.status_code if e.response is not None else None
-            if kind != "retry":
-                fail(f"cannot download {url}: {reason}: {advice(url, path, status, kind)}")
-            if attempt == RETRIES:
-                kept = os.path.getsize(part) if os.path.exists(part) else 0
-                rerun = "check the network and rerun"
-                if status == 429:
-                    rerun = "rate-limited: rerun later"
-                    if hub_path(url) is not None:  # the hub limits each token, and more tightly a machine without one
-                        rerun += " with HF_TOKEN set (the hub's rate limits are per token, and lowest without one)"
-                fail(f"cannot download {url} after {RETRIES} attempts ({reason}): {rerun}"
-                     + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
-            wait = max(BACKOFF * 2 ** (attempt - 1), min(asked_wait(e.response), MAX_WAIT))
-            print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s", file=sys.stderr)
-            time.sleep(wait)
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def local_copy(url, download_dir):
-    """url's complete copy in download_dir, else (a dataset file on the hub) the Hugging Face cache's; None
-    when neither holds it. Under HF_HUB_OFFLINE that is an error for a file on the hub: nothing may fetch it."""
-    path, file = cache_path(url, download_dir), hub_file(url)
-    found = path if os.path.exists(path) else file and hub_cached(*file)
-    if not found and hub_offline() and hub_path(url) is not None:
-        fail(f"HF_HUB_OFFLINE is set and {url} is not at {path}"
-             + (f" nor in the Hugging Face cache ({hub_cache()})" if file else "")
-             + ": put the file there, or unset HF_HUB_OFFLINE to download it")
-    return found or None
-
-
-def download(url, download_dir, sha256=""):
-    """The local copy of url: download_dir's if complete, else (a dataset file on the hub) the Hugging Face
-    cache's, read where it is, else fetched into download_dir with retries. A failed download leaves nothing
-    behind (the folders it made, an empty .part) but a .part with bytes in it, which the rerun resumes."""
-    path = cache_path(url, download_dir)
-    found = local_copy(url, download_dir)
-    if found and found != path:  # the Hugging Face cache's copy: read where it is, never changed or deleted
-        actual = file_sha256(found) if sha256 else ""
-        if actual != sha256.lower():
-            fail(f"{url}: sha256 of its copy in the Hugging Face cache ({found}) is {actual}, expected {sha256}: "
-                 "check --sha256")
-        return found
-    part = path + ".part"
-    made = make_folders(os.path.dirname(path))
-    try:
-        if not found:
-            fetch_retrying(url, path)
-            os.replace(part, path)
-        if sha256:
-            actual = file_sha256(path)
-            if actual != sha256.lower():
-                os.remove(path)
-                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
-    except BaseException as e:
-        if os.path.isfile(part) and os.path.getsize(part) == 0:
-            os.remove(part)
-        remove_empty(made)
-        if disk_full(e):
-            kept = os.path.getsize(part) if os.path.isfile(part) else 0
-            fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading {url}: free space "
-                 "on it and rerun the same command"
-                 + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
-        raise
-    return path
 
 
 # -----------------------------------------------------------------------------
@@ -995,10 +695,9 @@ def build(cfg):
         return
     check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
-    if hub_offline():  # nothing comes from the hub: local_copy fails now, not hours into tokenizing, on a missing file
-        for source in inputs:
-            if is_url(source.location):
-                local_copy(source.location, cfg.download_dir)
+    for source in inputs:  # under HF_HUB_OFFLINE, local_copy fails on a missing file now, not hours into tokenizing
+        if is_url(source.location):
+            local_copy(source.location, cfg.download_dir)
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
     try:

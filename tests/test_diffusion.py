@@ -18,7 +18,7 @@ from export import tokenizer_dir
 from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
 from tasks import gsm8k_problems
 from test_model import LiveBytes
-from test_prepare import GSM8K, gsm8k_parquet, server  # noqa: F401  (server: the fixture of a local hub mirror)
+from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
 from tokenizer import load_tokenizer
 
 SHAPE = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bos_id=95)
@@ -413,7 +413,7 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     base = "/datasets/openai/gsm8k/resolve/main/main/"
     server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[:1] * 8)
     server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url, HF_HOME=tmp_path / "hf_home", HF_HUB_DISABLE_TELEMETRY=1)
     data = tmp_path / "gsm8k"
     assert run_script(["prepare.py", "--source=gsm8k", "--gsm8k_format=hdp", "--segments=96,96,128",
                        f"--data_dir={data}", f"--download_dir={tmp_path / 'dl'}", "--min_val_tokens=0", "--workers=1"],
