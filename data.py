@@ -132,7 +132,7 @@ def check_prepared(data_dir, manifest, vocab_size):
 
 
 def check_tokenizer(data_dir, manifest):
-    """Stop with one line unless tokenizer.json reads back as the manifest's tokenizer (prepare.check_tokenizer_loads
+    """Stop with one line unless tokenizer.json reads back as the manifest's tokenizer (tokenizer.check_tokenizer_loads
     then loads the files as sample.py will load a checkpoint's copy of them)."""
     path = os.path.join(data_dir, "tokenizer.json")
     fix = f"the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force"

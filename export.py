@@ -18,7 +18,7 @@ The folder holds:
   byte, gpt2 and bpe:N; the char tokenizer (ids index characters, not bytes) has none: export.py
   prints a note and the model card says so;
 - podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
-  prepare.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
+  tokenizer.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
 - podgpt.json: podgpt's model config, where the export came from (as run/ckpt/checkpoint: no local path
   in a folder that is made to be shared), its step and validation loss (load_export and sample.py's /info
   read it), and the export's files: a later export to the same --out replaces the folder only when it
@@ -50,8 +50,8 @@ import torch
 import configurator
 from checkpoint import find_checkpoint, load_model, reading
 from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
-from prepare import read_ranks
 from report import read_json, read_metrics
+from tokenizer import read_ranks
 from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, finish_scratch, first_line,
                   make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
 
@@ -256,7 +256,7 @@ def card_usage(cfg, tokenizer_note):
            "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
            f"# start every prompt with the BOS id {cfg.vocab_size - 1}"]
     return use, (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
-                 f"in `{TOKENIZER_DIR}/` (read them with podgpt's `prepare.load_tokenizer`); pass token ids "
+                 f"in `{TOKENIZER_DIR}/` (read them with podgpt's `tokenizer.load_tokenizer`); pass token ids "
                  "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
 
 
@@ -410,7 +410,7 @@ def is_export(path):
 
 
 def tokenizer_dir(path):
-    """Where prepare.load_tokenizer finds the tokenizer: an export's subfolder, else the folder itself."""
+    """Where tokenizer.load_tokenizer finds the tokenizer: an export's subfolder, else the folder itself."""
     sub = os.path.join(path, TOKENIZER_DIR)
     return sub if os.path.isdir(sub) else path
 

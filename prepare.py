@@ -11,60 +11,34 @@ Sources (comma-separated ones are concatenated in order):
 - a file or folder (walked recursively, sorted by relative path): .txt/.md/.py one
   document per file (or per paragraph with split_paragraphs: one big text file), .jsonl
   one per line (field `text_field`), .parquet one per row (column `text_field`);
-- an http(s) URL: downloaded into download_dir (resumable; retried on timeouts, dropped
-  connections and server errors), then read as a file;
-- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets, which
-  follow huggingface_hub's conventions: a file already in the Hugging Face cache (HF_HUB_CACHE, else
-  HF_HOME/hub) is read from there; HF_ENDPOINT picks a mirror; HF_TOKEN (or the token `hf auth login`
-  saved) goes to the hub alone, for gated datasets and the higher rate limits of a token; HF_HUB_OFFLINE=1
-  never asks the hub: every file must be in the cache or download_dir.
-  gsm8k (openai/gsm8k, config main) keeps the dataset's own split (train, and test as validation) and
-  makes each row (question, answer) a document as gsm8k_format says: qa, "Question: ...\nAnswer: ..."
-  with the answer as the dataset has it (its <<calculator>> annotations, then "#### <number>"); hdp,
-  three segments for plan-then-execute block diffusion: the question; the plan, the answer's
-  reasoning lines without their annotations; the execution, the annotated lines and the final
-  "#### <number>" line.
+- an http(s) URL, downloaded (download.py), then read as a file;
+- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets,
+  downloaded through huggingface_hub (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache as it reads them).
+  gsm8k keeps the dataset's own split (train, and test as validation); each problem is a document as
+  gsm8k_format says (tasks.gsm8k_document): qa, "Question: ...\nAnswer: ..."; hdp, three segments (question,
+  plan, execution) for plan-then-execute block diffusion.
 
 segments (e.g. 512, or 128,128,256 with gsm8k_format=hdp): every document is made exactly that many
 tokens, each segment tokenized on its own (the first after BOS), padded with BOS (which also ends a
 document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
 block_size = the total then hold one document each, from its first token (train.py checks).
 
-Tokenizers: byte (256 bytes), char (the corpus' characters), gpt2 (tiktoken; offline, set
-PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken ranks file), bpe:N (trained here on the training
-documents with rustbpe, run with tiktoken). BOS is always
-the last id (bos_id = vocab_size - 1) and every document is stored as [BOS] + tokens.
-
-Output in data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place
-when complete, manifest.json last. prepare.py writes only into a data_dir that holds nothing
-but these files (so download_dir lies elsewhere):
-- tokenizer.json (+ tokenizer.tiktoken, plain ranks, for gpt2 and bpe:N): load_tokenizer()
-- {train,val}_{i:06d}.bin: header of 128 little-endian int64
-  [MAGIC, VERSION, token itemsize (2 or 4), n_tokens, vocab_size, n_docs, bos_id, 0...]
-  (1024 bytes), then n_tokens little-endian uint16 (vocab_size <= 65536) or uint32;
-  documents are never split across shards. open_shard() memory-maps one.
-- {train,val}_{i:06d}.docs.npy: int64 start offset of each document in its shard.
-- train_counts.npy: int64[vocab_size] unigram counts of the train split, BOS included.
-- manifest.json: tokenizer, counts per split, shards with sha256, source, the arguments
-  that determine the output, and a fingerprint of it all. load_manifest() reads it.
-  Its "contamination" counts the training documents whose tokens are also a validation
-  document's (data.token_hash), so that train.py's check needs no pass over the corpus.
-Validation is whole documents, those with the smallest hashes of their text: val_fraction
-of them, and more while they hold fewer than min_val_tokens tokens (found at the end of the
-pass, then the documents are tokenized again: only a small corpus needs that). The split
-depends on the set of documents alone, so the output is the same for any number of
-workers, and duplicate documents always land in the same split.
+The tokenizer (tokenizer.py: byte, char, gpt2, bpe:N trained here on the training documents) and the
+shards go into data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place when
+complete, manifest.json last; prepare.py writes only into a data_dir that holds nothing but its own files
+(docs/data-format.md; data.py reads them). Validation is whole documents, those with the smallest hashes
+of their text: val_fraction of them, and more while they hold fewer than min_val_tokens tokens (found at
+the end of the pass, then the documents are tokenized again: only a small corpus needs that). The split
+depends on the set of documents alone, so the output is the same for any number of workers, and
+duplicate documents always land in the same split.
 """
 
 import array
-import base64
 import collections
 import contextlib
 import difflib
-import errno
 import hashlib
 import heapq
-import http.client
 import io
 import json
 import math
@@ -73,7 +47,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import sys
 import sysconfig
 import time
@@ -82,8 +55,11 @@ import urllib.parse
 import numpy as np
 
 import configurator
-from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, open_shard, shared_documents,
+from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents,
                   token_dtype, token_hash)
+from download import download, local_copy
+from tasks import gsm8k_documents
+from tokenizer import SEGMENT, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
                   remove_scratch, run_main)
 
@@ -102,7 +78,7 @@ gsm8k_format = "qa"  # gsm8k preset: qa ("Question: ...\nAnswer: ...") | hdp (qu
 segments = ""  # token lengths each document is padded (BOS) or cut to, e.g. "512" or "128,128,256"; "": packed as is
 shard_tokens = 100_000_000  # target tokens per shard file
 workers = 0  # tokenizer processes (0: all cores)
-download_dir = "downloads"  # cache for downloaded files: beside data_dir, never inside it
+download_dir = "downloads"  # URL downloads (the hub's go to its cache, HF_HOME): beside data_dir, never inside it
 sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
 force = False  # rebuild even if data_dir already holds this exact result
@@ -126,13 +102,6 @@ MANIFEST = "manifest.json"
 OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
                       r"|train_counts\.npy")
 
-RETRIES = 5  # download attempts per file
-BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt
-TIMEOUT = (10, 60)  # download connect and read timeouts, seconds
-MAX_WAIT = 300  # seconds: the longest wait a 429 or 503 may ask for (the hub counts its rate limits over 5 minutes)
-
-HF_DEFAULT_ENDPOINT = "https://huggingface.co"
-
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 # Hugging Face dataset presets: (repo, files). The file lists follow the datasets' layouts:
 # fineweb-edu's sample/10BT is 14 parquet files 000_00000 ... 013_00000 (the repo tree; also
@@ -147,9 +116,6 @@ HF_PRESETS = {
 PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
 GSM8K_SPLITS = ("train", "val")  # the split each gsm8k file's problems go to: its train and its test file
 GSM8K_FORMATS = ("qa", "hdp")
-SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
-
-GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 
 
 # -----------------------------------------------------------------------------
@@ -191,179 +157,6 @@ def save_npy(path, array):
 
 
 # -----------------------------------------------------------------------------
-# Tokenizers
-
-
-class Tokenizer:
-    """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index
-    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id = vocab_size - 1."""
-
-    def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None):
-        self.spec, self.kind, self.vocab_size, self.bos_id = spec, kind, vocab_size, bos_id
-        self.chars, self.enc = chars, enc
-        self.char_ids = {c: i for i, c in enumerate(chars or ())}
-
-    def encode(self, text):
-        """Token ids of text, without BOS; text like "<|endoftext|>" is plain text, not a special token."""
-        if self.kind == "byte":
-            return list(text.encode("utf-8"))
-        if self.kind == "char":
-            try:
-                return [self.char_ids[c] for c in text]
-            except KeyError as e:
-                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char tokenizer") from None
-        return self.enc.encode_ordinary(text)
-
-    def decode_bytes(self, ids):
-        """The bytes of ids; BOS decodes to nothing."""
-        ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[ids != self.bos_id].tolist()
-        if self.kind == "byte":
-            return bytes(ids)
-        if self.kind == "char":
-            return "".join(self.chars[i] for i in ids).encode("utf-8")
-        return self.enc.decode_bytes(ids)
-
-    def decode(self, ids):
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
-
-
-def parse_spec(spec):
-    """("byte" | "char" | "gpt2" | "bpe", N) for a tokenizer spec; fails on any other."""
-    if spec in ("byte", "char", "gpt2"):
-        return spec, None
-    name, _, n = spec.partition(":")
-    if name == "bpe" and n.isdigit() and int(n) > 256:
-        return "bpe", int(n)
-    fail(f"unknown tokenizer '{spec}': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)")
-
-
-def read_ranks(path):
-    """{token bytes: rank} from a tiktoken ranks file (lines "base64 rank"). Not tiktoken's
-    load_tiktoken_bpe: it caches files by path, so a rebuilt file at the same path would load stale."""
-    ranks = {}
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def write_ranks(path, ranks):
-    with open(path, "wb") as f:
-        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            f.write(base64.b64encode(token) + b" %d\n" % rank)
-
-
-def gpt2_ranks():
-    """GPT-2's BPE ranks, from the file $PODGPT_GPT2_TIKTOKEN names (offline) or through tiktoken."""
-    path = os.environ.get("PODGPT_GPT2_TIKTOKEN")
-    if path:
-        if not os.path.isfile(path):
-            fail(f"PODGPT_GPT2_TIKTOKEN={path}: no such file")
-        ranks = read_ranks(path)
-    else:
-        import tiktoken
-        try:
-            enc = tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
-        except Exception as e:  # network errors come in many types
-            fail(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
-                 "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
-        ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_RANKS)}
-    if sorted(ranks.values()) != list(range(GPT2_RANKS)):
-        fail(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
-    return ranks
-
-
-def in_training(text, split, threshold):
-    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
-    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
-
-
-def bpe_training_texts(docs, threshold, max_chars):
-    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
-    n = 0
-    for text, split in docs:
-        if n >= max_chars:
-            return
-        if in_training(text, split, threshold):
-            text = text.replace(SEGMENT, "\n")[: max_chars - n]
-            n += len(text)
-            yield text
-
-
-def train_tokenizer(spec, docs, threshold, bpe_train_chars):
-    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. docs() streams the documents;
-    bpe:N trains on those whose hash is at least threshold, the training documents."""
-    kind, n = parse_spec(spec)
-    if kind == "byte":
-        return {"kind": "byte", "vocab_size": 257}, None
-    if kind == "char":
-        chars = set()
-        for text, _ in docs():  # every document, validation too, so that all of them encode
-            chars.update(text.replace(SEGMENT, ""))
-        return {"kind": "char", "vocab_size": len(chars) + 1, "chars": sorted(chars)}, None
-    if kind == "gpt2":
-        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as tiktoken has it
-        ranks, pattern, bos = gpt2_ranks(), r50k_pat_str, "<|endoftext|>"
-    else:
-        import rustbpe
-        bpe = rustbpe.Tokenizer()
-        # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
-        # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
-        bpe.train_from_iterator(bpe_training_texts(docs(), threshold, bpe_train_chars), n - 1)
-        ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
-        pattern, bos = bpe.get_pattern(), "<|bos|>"
-    meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
-    return meta, ranks
-
-
-def save_tokenizer(out_dir, spec, meta, ranks):
-    """Write tokenizer.json (+ tokenizer.tiktoken); returns the file names."""
-    meta = {"spec": spec, "bos_id": meta["vocab_size"] - 1, **meta}
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
-    if ranks is None:
-        return ["tokenizer.json"]
-    write_ranks(os.path.join(out_dir, "tokenizer.tiktoken"), ranks)
-    return ["tokenizer.json", "tokenizer.tiktoken"]
-
-
-def load_tokenizer(data_dir):
-    """The Tokenizer saved in data_dir (tokenizer.json + tokenizer.tiktoken); never needs the network."""
-    path = os.path.join(data_dir, "tokenizer.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"no tokenizer.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    enc = None
-    if meta["kind"] == "tiktoken":
-        import tiktoken
-        ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
-        ranks, n_ranks = read_ranks(ranks_file), meta["vocab_size"] - len(meta["special_tokens"])
-        # checked here: tiktoken aborts on ranks that repeat (a file cut mid-line) with an exception that is not an
-        # Exception (pyo3's PanicException), and takes ranks that stop short (a file cut at a line's end)
-        if sorted(ranks.values()) != list(range(n_ranks)):
-            raise ValueError(f"{ranks_file} does not hold the ranks 0..{n_ranks - 1} of vocab_size "
-                             f"{meta['vocab_size']} (a damaged or truncated file)")
-        enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
-                                mergeable_ranks=ranks)
-    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc)
-
-
-def check_tokenizer_loads(data_dir, manifest):
-    """Stop with one line unless data_dir's tokenizer files load, as sample.py will load a checkpoint's copy of
-    them, and decode every id of the manifest's vocabulary (a 50,257-token BPE: ~65 ms on a 2-core CPU)."""
-    try:
-        load_tokenizer(data_dir).decode_bytes(np.arange(manifest["vocab_size"]))
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not load "
-             f"({first_line(e)}): the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force")
-
-
-# -----------------------------------------------------------------------------
 # Sources -> documents
 
 
@@ -374,8 +167,10 @@ def is_url(location):
 def preset_urls(name):
     if name == "tinyshakespeare":
         return [TINYSHAKESPEARE_URL]
-    repo, files = HF_PRESETS[name]
-    return [f"{hf_endpoint()}/datasets/{repo}/resolve/main/{file}" for file in files]  # main: no pinned commit
+    from huggingface_hub import hf_hub_url
+
+    repo, files = HF_PRESETS[name]  # main: no pinned commit
+    return [hf_hub_url(repo, file, repo_type="dataset", revision="main") for file in files]
 
 
 def walk(root, exts, skip_dirs=()):
@@ -493,69 +288,17 @@ def read_parquet(path, text_field):
             yield text
 
 
-def gsm8k_document(question, answer, form):
-    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..." (the answer as given); hdp, the question,
-    the plan (the reasoning lines without their <<calculator>> annotations) and the execution (the annotated
-    lines and the final "#### <number>"), joined by SEGMENT."""
-    if form == "qa":
-        return f"Question: {question}\nAnswer: {answer}"
-    reasoning, _, final = answer.rpartition("####")
-    plan = re.sub(r"<<[^<>]*>>", "", reasoning).strip()
-    return SEGMENT.join([question.strip(), plan, f"{reasoning.strip()}\n#### {final.strip()}"])
-
-
-def gsm8k_answer(text):
-    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0" dropped; None
-    without one."""
-    found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
-    return found[-1].replace(",", "").removesuffix(".0") if found else None
-
-
-def gsm8k_problems(data_dir, manifest, n):
-    """The first n problems of a gsm8k data_dir's validation split (GSM8K's test problems) as (prompt token ids,
-    the right answer): qa, BOS and the document up to "Answer:"; hdp, its question segment. For train.py's
-    eval_gsm8k_samples."""
-    tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
-    length = sum(segment_lengths(args.get("segments", "")))
-    if args["source"] != "gsm8k" or not length:
-        raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
-                         f"--segments (config/h200_gsm8k_bd3lm.py)")
-    problems = []
-    for shard in manifest["splits"]["val"]["shards"]:
-        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, length)
-        for row in rows[:n - len(problems)]:
-            if args.get("gsm8k_format", "qa") == "hdp":
-                question = segment_lengths(args["segments"])[0]
-                prompt, answer = row[:question].tolist(), tok.decode(row[question:])
-                while len(prompt) > 1 and prompt[-1] == tok.bos_id:  # the segment's padding: the sampler pads again
-                    prompt.pop()
-            else:
-                head, _, answer = tok.decode(row).partition("\nAnswer:")
-                prompt = [tok.bos_id] + tok.encode(head + "\nAnswer:")
-            problems.append((prompt, gsm8k_answer(answer)))
-    return problems
-
-
-def read_gsm8k(path, form):
-    """The problems of a GSM8K parquet file (columns question and answer), each as gsm8k_document."""
-    questions, answers = (list(read_parquet(path, column)) for column in ("question", "answer"))
-    if len(questions) != len(answers):
-        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one column?): download it again")
-    for question, answer in zip(questions, answers, strict=True):
-        if "####" not in answer:
-            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all have: not GSM8K's main "
-                 f"config? ({answer[:60]!r})")
-        yield gsm8k_document(question, answer, form)
-
-
 def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa"):
     """All documents of the inputs in order, downloading URLs when reached: (text, the split it must go to or
     None for the hash's)."""
     n = 0
     for source in inputs:
         path = download(source.location, download_dir, sha256) if is_url(source.location) else source.location
-        texts = read_gsm8k(path, gsm8k_format) if source.form == "gsm8k" else \
-            read_documents(path, text_field, source.paragraphs)
+        if source.form == "gsm8k":
+            columns = (list(read_parquet(path, column)) for column in ("question", "answer"))
+            texts = gsm8k_documents(path, *columns, gsm8k_format)
+        else:
+            texts = read_documents(path, text_field, source.paragraphs)
         for text in texts:
             if len(text) < min_chars:
                 continue
@@ -569,6 +312,23 @@ def doc_hash(data):
     """A document's place in the split, from its UTF-8 bytes alone: uniform in [0, 2**64), and
     the documents whose hash is below a threshold are held out for validation."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def in_training(text, split, threshold):
+    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
+    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
+
+
+def bpe_training_texts(docs, threshold, max_chars):
+    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
+    n = 0
+    for text, split in docs:
+        if n >= max_chars:
+            return
+        if in_training(text, split, threshold):
+            text = text.replace(SEGMENT, "\n")[: max_chars - n]
+            n += len(text)
+            yield text
 
 
 class SmallestHashes:
@@ -590,279 +350,6 @@ class SmallestHashes:
     def threshold(self):
         """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
         return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
-
-
-# -----------------------------------------------------------------------------
-# Folders a run makes, and removes again when it fails
-
-
-# -----------------------------------------------------------------------------
-# Downloads
-
-
-def cache_path(url, download_dir):
-    """download_dir/host/path of url: distinct URLs never share a file (HF shards share base names)."""
-    parts = urllib.parse.urlsplit(url)
-    names = [parts.netloc] + parts.path.split("/")
-    return os.path.join(download_dir, *(re.sub(r"[^\w.-]", "_", n) for n in names if n not in ("", ".", "..")))
-
-
-# The Hugging Face hub, as huggingface_hub (and so datasets, transformers, the hf CLI) finds it: the same
-# environment variables, the same token, the same cache, so that a pod set up for one is set up for podgpt
-
-
-def hf_endpoint():
-    return os.environ.get("HF_ENDPOINT", HF_DEFAULT_ENDPOINT).rstrip("/")
-
-
-def hf_home():
-    return os.path.expanduser(os.environ.get("HF_HOME")
-                              or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"))
-
-
-def hub_cache():
-    return os.path.expanduser(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-                              or os.path.join(hf_home(), "hub"))
-
-
-def hub_offline():
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def hf_token():
-    """The token huggingface_hub would send: HF_TOKEN, HUGGING_FACE_HUB_TOKEN (its older name), else the file
-    `hf auth login` writes (HF_TOKEN_PATH, else HF_HOME/token); None without one."""
-    token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if not token:
-        try:
-            with open(os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home(), "token"))) as f:
-                token = f.read()
-        except OSError:
-            return None
-    return token.strip() or None
-
-
-def hub_path(url):
-    """url's path on the Hugging Face hub (huggingface.co or the HF_ENDPOINT mirror: the same scheme, host and
-    port), e.g. /datasets/owner/name/resolve/main/file; None for a URL anywhere else."""
-    for endpoint in (hf_endpoint(), HF_DEFAULT_ENDPOINT):
-        if url.startswith(endpoint + "/"):
-            return url[len(endpoint):]
-    return None
-
-
-def hub_file(url):
-    """(repo, revision, file) of a dataset file's URL on the hub, else None."""
-    match = re.match(r"/datasets/([^/]+/[^/]+)/resolve/([^/]+)/([^?#]+)", hub_path(url) or "")
-    return tuple(urllib.parse.unquote(part) for part in match.groups()) if match else None
-
-
-def hub_cached(repo, revision, file):
-    """The file of dataset repo in the Hugging Face cache (HF_HUB_CACHE/datasets--owner--name/snapshots/<commit>/
-    file, a link into its blobs), or None. A pinned commit is looked for in its snapshot alone; a branch
-    (the presets' main) in the snapshot refs/<branch> names first, then in any other: the presets pin no
-    commit, so a shard of any version is the dataset's."""
-    folder = os.path.join(hub_cache(), "datasets--" + repo.replace("/", "--"))
-    if re.fullmatch(r"[0-9a-f]{40}", revision):
-        commits = [revision]
-    else:
-        try:
-            commits = sorted(os.listdir(os.path.join(folder, "snapshots")))
-        except OSError:  # nothing of this dataset in the cache
-            return None
-        try:
-            with open(os.path.join(folder, "refs", revision)) as f:
-                ref = f.read().strip()
-        except OSError:  # no ref: the snapshots in name order
-            ref = None
-        commits.sort(key=lambda commit: commit != ref)
-    for commit in commits:
-        path = os.path.join(folder, "snapshots", commit, *file.split("/"))
-        if os.path.isfile(path):  # a link whose blob was deleted is no file
-            return path
-    return None
-
-
-def fetch(url, part):
-    """Download url into the file `part`, continuing a partial one with a Range request. On the hub, with
-    the Hugging Face token: requests drops it when a redirect leads elsewhere (the hub sends downloads on to
-    its storage hosts), and no other URL ever gets it."""
-    import requests
-    from tqdm import tqdm
-
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    token = hf_token() if hub_path(url) is not None else None
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    with requests.get(url, headers=headers, stream=True, timeout=TIMEOUT) as r:
-        if r.status_code == 416:  # the partial file is not a prefix of this file: start over
-            os.remove(part)
-        r.raise_for_status()
-        if r.status_code != 206:  # the server sent the whole file, not the rest
-            have = 0
-        total = int(r.headers.get("Content-Length", 0)) + have or None
-        with open(part, "ab" if have else "wb") as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                                             desc=os.path.basename(part)[: -len(".part")]) as bar:
-            for chunk in r.iter_content(chunk_size=1 << 20):
-                f.write(chunk)
-                bar.update(len(chunk))
-
-
-def wrapped(e):
-    """e and every exception inside it: requests wraps urllib3's, which wraps the socket's (in args,
-    .reason and __cause__)."""
-    found, todo = [], [e]
-    while todo:
-        x = todo.pop()
-        if isinstance(x, BaseException) and all(x is not f for f in found):
-            found.append(x)
-            todo += [*x.args, getattr(x, "reason", None), x.__cause__, x.__context__]
-    return found
-
-
-def failure(e):
-    """Why a request failed, in a few words, and what trying again would do: after a timeout, a dropped
-    connection or a server error (5xx) it may pass ("retry"); after a refused connection, an unknown host or no
-    route to it ("unreachable": an offline pod, whose name lookups fail) or a 4xx ("final") it will not."""
-    import requests
-
-    if isinstance(e, requests.HTTPError):
-        status = e.response.status_code
-        # also retried: 408 (the server timed the request out) and 429 (a rate limit, which Hugging Face sets
-        # on downloads: waiting is what it asks for); and 416, after which fetch dropped a .part that is not
-        # a prefix of the file, so the retry starts over
-        return f"HTTP {status}", "retry" if status >= 500 or status in (408, 416, 429) else "final"
-    inner = wrapped(e)
-
-    def has(*types):
-        return any(isinstance(x, types) for x in inner)
-
-    if has(ConnectionRefusedError):
-        return "connection refused", "unreachable"
-    if has(socket.gaierror):
-        return "cannot resolve the host name", "unreachable"
-    if any(isinstance(x, OSError) and x.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
-           for x in inner):
-        return "network unreachable", "unreachable"
-    if isinstance(e, requests.Timeout) or has(TimeoutError):
-        return "timed out", "retry"
-    if isinstance(e, requests.exceptions.ChunkedEncodingError) or has(
-            ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead):
-        return "connection dropped", "retry"
-    return first_line(e), "final"
-
-
-def asked_wait(response):
-    """The seconds a 429 or 503 answer asks to wait: its Retry-After in seconds (the HTTP-date form, which
-    huggingface_hub does not read either, counts as none), else the reset time (t=) of its RateLimit header,
-    which the hub sends with a 429; 0 without either."""
-    if response is None:
-        return 0
-    retry_after = response.headers.get("Retry-After", "").strip()
-    if retry_after.isdigit():
-        return int(retry_after)
-    reset = re.search(r";\s*t\s*=\s*(\d+)", response.headers.get("RateLimit", ""))
-    return int(reset.group(1)) if reset else 0
-
-
-def advice(url, path, status, kind):
-    """What to do about a download of url into path that trying again will not mend (failure's kind
-    "unreachable" or "final"; status: the HTTP status, if any)."""
-    on_hub, file = hub_path(url) is not None, hub_file(url)
-    if kind == "unreachable" and on_hub:
-        return (f"offline? set HF_ENDPOINT to a mirror, or put the file at {path} or in the Hugging Face cache "
-                f"({hub_cache()})")
-    if kind == "unreachable":
-        return f"offline? put the file at {path}, or check the URL"
-    if status in (401, 403) and on_hub:
-        return (f"set HF_TOKEN (a token with access to {file[0] if file else 'it'}; a gated dataset's terms "
-                "accepted on its page)")
-    return "check the URL; HF_ENDPOINT picks the Hugging Face mirror" if on_hub else "check the URL"
-
-
-def fetch_retrying(url, path):
-    """fetch(url, path + ".part"), tried again after a failure that may pass, waiting twice as long each time,
-    or as long as the server asks (up to MAX_WAIT)."""
-    import requests
-
-    part = path + ".part"
-    for attempt in range(1, RETRIES + 1):
-        try:
-            return fetch(url, part)
-        except requests.RequestException as e:
-            reason, kind = failure(e)
-            status = e.response.status_code if e.response is not None else None
-            if kind != "retry":
-                fail(f"cannot download {url}: {reason}: {advice(url, path, status, kind)}")
-            if attempt == RETRIES:
-                kept = os.path.getsize(part) if os.path.exists(part) else 0
-                rerun = "check the network and rerun"
-                if status == 429:
-                    rerun = "rate-limited: rerun later"
-                    if hub_path(url) is not None:  # the hub limits each token, and more tightly a machine without one
-                        rerun += " with HF_TOKEN set (the hub's rate limits are per token, and lowest without one)"
-                fail(f"cannot download {url} after {RETRIES} attempts ({reason}): {rerun}"
-                     + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
-            wait = max(BACKOFF * 2 ** (attempt - 1), min(asked_wait(e.response), MAX_WAIT))
-            print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s", file=sys.stderr)
-            time.sleep(wait)
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def local_copy(url, download_dir):
-    """url's complete copy in download_dir, else (a dataset file on the hub) the Hugging Face cache's; None
-    when neither holds it. Under HF_HUB_OFFLINE that is an error for a file on the hub: nothing may fetch it."""
-    path, file = cache_path(url, download_dir), hub_file(url)
-    found = path if os.path.exists(path) else file and hub_cached(*file)
-    if not found and hub_offline() and hub_path(url) is not None:
-        fail(f"HF_HUB_OFFLINE is set and {url} is not at {path}"
-             + (f" nor in the Hugging Face cache ({hub_cache()})" if file else "")
-             + ": put the file there, or unset HF_HUB_OFFLINE to download it")
-    return found or None
-
-
-def download(url, download_dir, sha256=""):
-    """The local copy of url: download_dir's if complete, else (a dataset file on the hub) the Hugging Face
-    cache's, read where it is, else fetched into download_dir with retries. A failed download leaves nothing
-    behind (the folders it made, an empty .part) but a .part with bytes in it, which the rerun resumes."""
-    path = cache_path(url, download_dir)
-    found = local_copy(url, download_dir)
-    if found and found != path:  # the Hugging Face cache's copy: read where it is, never changed or deleted
-        actual = file_sha256(found) if sha256 else ""
-        if actual != sha256.lower():
-            fail(f"{url}: sha256 of its copy in the Hugging Face cache ({found}) is {actual}, expected {sha256}: "
-                 "check --sha256")
-        return found
-    part = path + ".part"
-    made = make_folders(os.path.dirname(path))
-    try:
-        if not found:
-            fetch_retrying(url, path)
-            os.replace(part, path)
-        if sha256:
-            actual = file_sha256(path)
-            if actual != sha256.lower():
-                os.remove(path)
-                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
-    except BaseException as e:
-        if os.path.isfile(part) and os.path.getsize(part) == 0:
-            os.remove(part)
-        remove_empty(made)
-        if disk_full(e):
-            kept = os.path.getsize(part) if os.path.isfile(part) else 0
-            fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading {url}: free space "
-                 "on it and rerun the same command"
-                 + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
-        raise
-    return path
 
 
 # -----------------------------------------------------------------------------
@@ -1113,7 +600,8 @@ def tokenize_corpus(scratch, cfg, inputs):
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-        meta, ranks = train_tokenizer(cfg.tokenizer, docs, threshold, cfg.bpe_train_chars)
+        meta, ranks = train_tokenizer(cfg.tokenizer, lambda: (text for text, _ in docs()),
+                                      lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
         tokenizer_files = save_tokenizer(scratch, cfg.tokenizer, meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)
@@ -1207,10 +695,9 @@ def build(cfg):
         return
     check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
-    if hub_offline():  # nothing comes from the hub: local_copy fails now, not hours into tokenizing, on a missing file
-        for source in inputs:
-            if is_url(source.location):
-                local_copy(source.location, cfg.download_dir)
+    for source in inputs:  # under HF_HUB_OFFLINE, local_copy fails on a missing file now, not hours into tokenizing
+        if is_url(source.location):
+            local_copy(source.location, cfg.download_dir)
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
     try:

@@ -94,7 +94,7 @@ import configurator
 from checkpoint import find_checkpoint, load_model, reading
 from export import finite, is_export, load_export, tokenizer_dir
 from model import UNMASKING, param_counts
-from prepare import load_tokenizer
+from tokenizer import load_tokenizer
 from util import fail, first_line, run_main, setup
 
 # --- config

@@ -78,7 +78,8 @@ from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, gates_
                        measure_tokens_per_sec, model_config, plan_time, planned_speed, planning, target_band,
                        write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
-from prepare import check_tokenizer_loads, load_tokenizer
+from tasks import gsm8k_accuracy, gsm8k_problems
+from tokenizer import check_tokenizer_loads, load_tokenizer
 
 # --- config
 # I/O
@@ -592,7 +593,6 @@ class Trainer:
         self.refine, self.val_sups = raw_model.config.objective == "refine", None
         self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
         if cfg.eval_gsm8k_samples:
-            from prepare import gsm8k_problems
             try:
                 self.problems = gsm8k_problems(cfg.data_dir, self.manifest, cfg.eval_gsm8k_samples)
             except ValueError as e:
@@ -978,23 +978,8 @@ class Trainer:
         return val_loss, new_best
 
     def gsm8k_accuracy(self):
-        """The share of self.problems whose greedy answer ends in the right "#### <number>": under ddp each rank
-        answers every world-th problem and one all-reduce sums them; under fsdp every forward gathers weights with
-        every rank, so each answers them all (greedy: the same tokens everywhere)."""
-        from prepare import gsm8k_answer, load_tokenizer
-        tok, proc, model = load_tokenizer(self.cfg.data_dir), self.proc, self.raw_model
-        split = proc.distributed and not self.sharded
-        right = torch.zeros((), device=proc.dev)
-        model.eval()
-        with torch.no_grad(), self.autocast:
-            for prompt, answer in self.problems[proc.rank::proc.world] if split else self.problems:
-                ids = torch.tensor([prompt], device=proc.dev)
-                tokens = [t.item() for t in model.generate(ids, self.cfg.block_size - len(prompt), temperature=0)]
-                right += gsm8k_answer(tok.decode(tokens)) == answer
-        model.train()
-        if split:
-            dist.all_reduce(right)
-        return right.item() / len(self.problems)
+        return gsm8k_accuracy(self.raw_model, self.problems, load_tokenizer(self.cfg.data_dir), self.cfg.block_size,
+                              self.autocast, self.proc, self.sharded)
 
     def check_order(self):
         """refine: a later supervision step should never do worse than the one before it on validation; a

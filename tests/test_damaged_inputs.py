@@ -16,10 +16,12 @@ import numpy as np
 import pytest
 
 import data
+import download
 import prepare
 import util
 from conftest import run_script, tree
 from test_bad_input import TINY_RUN, finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
+from tokenizer import check_tokenizer_loads
 
 
 @pytest.fixture
@@ -160,12 +162,12 @@ def test_a_truncated_bpe_ranks_file_is_refused(corpus, tmp_path):
                                      "--val_fraction=0", "--workers=1"])
     assert stop.value.code == 0
     manifest = data.load_manifest(out)
-    prepare.check_tokenizer_loads(str(out), manifest)
+    check_tokenizer_loads(str(out), manifest)
     ranks = (out / "tokenizer.tiktoken").read_bytes()
     for cut in (len(ranks) - 3, ranks.rindex(b"\n", 0, -1) + 1):
         (out / "tokenizer.tiktoken").write_bytes(ranks[:cut])
         with pytest.raises(util.Error) as e:
-            prepare.check_tokenizer_loads(str(out), manifest)
+            check_tokenizer_loads(str(out), manifest)
         assert str(e.value) == (
             f"the tokenizer files of {out} (tokenizer.json, tokenizer.tiktoken) do not load (ValueError: "
             f"{out}/tokenizer.tiktoken does not hold the ranks 0..298 of vocab_size 300 (a damaged or truncated "
@@ -220,14 +222,14 @@ def test_report_skips_a_line_that_is_not_utf8_with_one_warning(finished_run, tmp
 # prepare.py on a disk that fills: one line naming the folder, and nothing of the build left
 
 
-def disk_fills(monkeypatch, name, file_arg):
-    """prepare.name writes a few bytes into its argument number file_arg (a path), then the disk is full: the
+def disk_fills(monkeypatch, module, name, file_arg):
+    """module.name writes a few bytes into its argument number file_arg (a path), then the disk is full: the
     write fails as a real one does, with ENOSPC and no file name."""
     def full(*args):
         with open(args[file_arg], "ab") as f:
             f.write(b"\x93NUMPY" * 200)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(prepare, name, full)
+    monkeypatch.setattr(module, name, full)
 
 
 def prepare_main(*args):
@@ -254,7 +256,7 @@ def test_a_full_disk_under_data_dir_is_one_line_and_leaves_the_folder_as_it_was(
         assert prepare_main(*args[:-1]) == 0
     before = tree(tmp_path)
     with monkeypatch.context() as patch:
-        disk_fills(patch, "save_npy", 0)  # save_npy(path, array)
+        disk_fills(patch, prepare, "save_npy", 0)  # save_npy(path, array)
         assert prepare_main(*args) == 1
     assert error_line(capsys.readouterr().err) == (
         f"error: the disk of data_dir={out} is full (OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}): "
@@ -265,8 +267,8 @@ def test_a_full_disk_under_data_dir_is_one_line_and_leaves_the_folder_as_it_was(
 
 def test_a_full_disk_under_download_dir_keeps_the_bytes_for_the_rerun(tmp_path, monkeypatch, capsys):
     url, cache = "http://127.0.0.1:9/big.txt", tmp_path / "downloads"
-    part = prepare.cache_path(url, str(cache)) + ".part"
-    disk_fills(monkeypatch, "fetch", 1)  # fetch(url, part)
+    part = download.cache_path(url, str(cache)) + ".part"
+    disk_fills(monkeypatch, download, "fetch", 1)  # fetch(url, part)
     assert prepare_main(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={cache}",
                         "--workers=1") == 1
     assert error_line(capsys.readouterr().err) == (

@@ -16,9 +16,10 @@ from checkpoint import find_checkpoint, load_model
 from data import Loader, diffusion_draws, load_manifest
 from export import tokenizer_dir
 from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
-from prepare import load_tokenizer
+from tasks import gsm8k_problems
 from test_model import LiveBytes
-from test_prepare import GSM8K, gsm8k_parquet, server  # noqa: F401  (server: the fixture of a local hub mirror)
+from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
+from tokenizer import load_tokenizer
 
 SHAPE = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bos_id=95)
 DIFFUSION = ["--objective=bd3lm", "--diffusion_block=8"]
@@ -409,17 +410,16 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     """HDP data (bytes, segments 96,96,128) from a local mirror; a bd3lm HDP run with eval_gsm8k_samples=1
     answers the test problem at each evaluation and logs gsm8k_accuracy: 0.0 for a model that says nothing
     useful, 1.0 once the model's answer ends in "#### 10" (its generate stood in for)."""
-    import prepare
     base = "/datasets/openai/gsm8k/resolve/main/main/"
     server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[:1] * 8)
     server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url, HF_HOME=tmp_path / "hf_home", HF_HUB_DISABLE_TELEMETRY=1)
     data = tmp_path / "gsm8k"
     assert run_script(["prepare.py", "--source=gsm8k", "--gsm8k_format=hdp", "--segments=96,96,128",
                        f"--data_dir={data}", f"--download_dir={tmp_path / 'dl'}", "--min_val_tokens=0", "--workers=1"],
                       capfd).returncode == 0
-    (prompt, answer), = prepare.gsm8k_problems(str(data), load_manifest(data), 5)
-    tok = prepare.load_tokenizer(data)
+    (prompt, answer), = gsm8k_problems(str(data), load_manifest(data), 5)
+    tok = load_tokenizer(data)
     assert answer == "10" and tok.decode(prompt) == GSM8K[1][0] and prompt[0] == tok.bos_id
     args = ["--objective=bd3lm", "--hdp_segments=96,96,128", "--diffusion_block=16", "--block_size=320",
             "--micro_batch_size=2", "--total_batch_tokens=640", "--max_steps=1", "--warmup_steps=1", "--ckpt_every=10",

@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 
 import export  # noqa: E402
 from checkpoint import find_checkpoint, load_model  # noqa: E402
-from prepare import load_tokenizer  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
 from util import Error  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],

@@ -15,13 +15,14 @@ BELOW = {
     "report": {"util", "configurator"},
     "checkpoint": {"util", "model", "data"},
     "preflight": {"util", "model", "data"},
-    "prepare": {"util", "configurator", "data"},
-    "export": {"util", "configurator", "model", "checkpoint", "prepare", "report"},
-    "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export"},
+    "tokenizer": {"util"},
+    "download": {"util"},
+    "tasks": {"util", "data", "tokenizer"},
+    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer"},
+    "export": {"util", "configurator", "model", "checkpoint", "tokenizer", "report"},
+    "sample": {"util", "configurator", "model", "checkpoint", "tokenizer", "export"},
     "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
-    # train.py evaluates GSM8K answers (eval_gsm8k_samples) with prepare.py's tokenizer and its reading of the
-    # format prepare.py writes; prepare.py imports nothing of train's
-    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report", "prepare"},
+    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report", "tasks", "tokenizer"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}

@@ -4,6 +4,7 @@ guaranteed minimum, determinism across workers, reuse, downloads (from a local H
 import errno
 import hashlib
 import http.server
+import importlib
 import io
 import json
 import os
@@ -15,16 +16,21 @@ import sys
 import sysconfig
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import numpy as np
 import pytest
+from huggingface_hub import constants
+from huggingface_hub.utils import logging as hub_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import configurator  # noqa: E402
 import data  # noqa: E402
+import download  # noqa: E402
 import prepare  # noqa: E402
+import tokenizer  # noqa: E402
 import util  # noqa: E402
 from conftest import popen, tree  # noqa: E402
 from conftest import run as run_command  # noqa: E402
@@ -68,14 +74,44 @@ def run(*args):
     return stop.value.code
 
 
+def hub_env(monkeypatch, **env):
+    """Set (a value) or unset (None) Hugging Face environment variables for prepare.py run in this process:
+    huggingface_hub reads them into huggingface_hub.constants at its first import, so they are read again
+    here; the test's end puts the constants back as they were."""
+    for name, value in env.items():
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, str(value))
+    before = dict(vars(constants))
+    after = dict(vars(importlib.reload(constants)))
+    vars(constants).update(before)
+    for name, value in after.items():
+        if not name.startswith("__"):
+            monkeypatch.setattr(constants, name, value)
+
+
+class Stderr:
+    """sys.stderr as it is when written to: huggingface_hub's log handler keeps the one of its first import,
+    which pytest may have closed since."""
+
+    def write(self, text):
+        return sys.stderr.write(text)
+
+    def flush(self):
+        sys.stderr.flush()
+
+
 @pytest.fixture(autouse=True)
 def no_hugging_face_setup(tmp_path, monkeypatch):
     """No test sees this machine's Hugging Face token, cache or mirror: HF_HOME is a folder of the test's,
-    absent unless the test makes it."""
-    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
-                 "HF_HUB_OFFLINE", "HF_ENDPOINT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    absent unless the test makes it. Nor does huggingface_hub ask the hub for its telemetry (which coding agent
+    runs it): the local hub sees the downloads alone."""
+    hub_env(monkeypatch, HF_HOME=tmp_path / "hf_home", HF_HUB_DISABLE_TELEMETRY=1, **dict.fromkeys((
+        "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
+        "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT")))
+    for handler in hub_logging.get_logger().handlers:
+        monkeypatch.setattr(handler, "stream", Stderr())
 
 
 def error_line(err):
@@ -112,7 +148,7 @@ def smallest_hash_split(texts, n_tokens, val_fraction, min_tokens):
 def decode_split(data_dir, split):
     """The documents of a split, cut at BOS by the .docs.npy index and decoded strictly."""
     manifest = data.load_manifest(data_dir)
-    tok = prepare.load_tokenizer(data_dir)
+    tok = tokenizer.load_tokenizer(data_dir)
     docs = []
     for shard in manifest["splits"][split]["shards"]:
         tokens = data.open_shard(os.path.join(data_dir, shard["file"]))
@@ -147,7 +183,7 @@ def test_round_trip_every_tokenizer(spec, corpus, tmp_path, monkeypatch):
     assert val and not set(train) & set(val)
 
     manifest = data.load_manifest(out)
-    tok = prepare.load_tokenizer(out)
+    tok = tokenizer.load_tokenizer(out)
     assert manifest["tokenizer"] == tok.spec == spec
     assert manifest["bos_id"] == tok.bos_id == tok.vocab_size - 1 == manifest["vocab_size"] - 1
     assert manifest["splits"]["val"]["bytes"] == sum(len(d.encode()) for d in val)
@@ -421,7 +457,7 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
     """The split keeps equal texts together, so a document lands in both splits only when two texts give
     the same tokens: planted here, the same tokens under text hashes either side of the threshold. The count
     is of training documents (a duplicate counts twice); tokens that differ by one do not count."""
-    tok = prepare.Tokenizer("byte", "byte", 257, 256)
+    tok = tokenizer.Tokenizer("byte", "byte", 257, 256)
     threshold = 2**63
 
     def doc(text, h):
@@ -440,9 +476,19 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
+    """A file server that speaks as much of the hub as huggingface_hub asks of it: its HEAD before a download
+    is answered with the file's commit (X-Repo-Commit), ETag and size, also on a redirect (X-Linked-*)."""
+
+    def do_HEAD(self):
+        self.answer(head=True)
+
     def do_GET(self):
+        self.answer(head=False)
+
+    def answer(self, head):
         srv = self.server
-        srv.log.append((self.path, self.headers.get("Range")))
+        if not head:  # the downloads; every request's Authorization is in srv.auth
+            srv.log.append((self.path, self.headers.get("Range")))
         srv.auth.append((self.path, self.headers.get("Authorization")))
         time.sleep(srv.stall)
         if srv.failures > 0:
@@ -457,6 +503,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path in srv.redirects:  # as the hub sends a download on to its storage host
             self.send_response(302)
             self.send_header("Location", srv.redirects[self.path])
+            body = srv.files[urllib.parse.urlsplit(srv.redirects[self.path]).path]
+            self.send_header("X-Repo-Commit", HUB_COMMIT)
+            self.send_header("X-Linked-Etag", f'"{hashlib.sha256(body).hexdigest()}"')
+            self.send_header("X-Linked-Size", str(len(body)))
             self.send_header("Content-Length", "0")
             return self.end_headers()
         body = srv.files.get(self.path)
@@ -469,8 +519,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
         else:
             self.send_response(200)
+        self.send_header("X-Repo-Commit", HUB_COMMIT)
+        self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
         self.send_header("Content-Length", str(len(body) - start))
         self.end_headers()
+        if head:
+            return
         if srv.cuts > 0:  # send only srv.cut bytes of the promised body, then drop the connection
             srv.cuts -= 1
             self.wfile.write(body[start:start + srv.cut])
@@ -482,6 +536,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+HUB_COMMIT = "c0ffee" * 6 + "c0de"  # the dataset's one commit on the local hub
+
+
 class Server(http.server.ThreadingHTTPServer):
     def handle_error(self, request, client_address):
         if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that hung up mid-answer is no error here
@@ -490,7 +547,7 @@ class Server(http.server.ThreadingHTTPServer):
 
 @pytest.fixture
 def server(monkeypatch):
-    monkeypatch.setattr(prepare, "BACKOFF", 0.01)
+    monkeypatch.setattr(download, "BACKOFF", 0.01)
     srv = Server(("127.0.0.1", 0), Handler)
     srv.files, srv.log, srv.honor_range = {}, [], True
     srv.failures, srv.status = 0, 503  # the next `failures` requests are answered with `status`
@@ -511,19 +568,19 @@ def test_download_resumes_a_partial_file(server, tmp_path):
     body = os.urandom(300_000)
     server.files["/f/data.txt"] = body
     url = server.url + "/f/data.txt"
-    path = prepare.cache_path(url, str(tmp_path))
+    path = download.cache_path(url, str(tmp_path))
     os.makedirs(os.path.dirname(path))
     open(path + ".part", "wb").write(body[:100_000])
-    assert prepare.download(url, str(tmp_path)) == path
+    assert download.download(url, str(tmp_path)) == path
     assert open(path, "rb").read() == body and not os.path.exists(path + ".part")
     assert server.log == [("/f/data.txt", "bytes=100000-")]
-    assert prepare.download(url, str(tmp_path)) == path and len(server.log) == 1  # complete: reused
+    assert download.download(url, str(tmp_path)) == path and len(server.log) == 1  # complete: reused
 
 
 def test_download_resumes_after_a_dropped_connection(server, tmp_path):
     body = os.urandom(3 << 20)
     server.files["/x.txt"], server.cut, server.cuts = body, 5 << 19, 1  # dropped after 2.5 MB
-    path = prepare.download(server.url + "/x.txt", str(tmp_path))
+    path = download.download(server.url + "/x.txt", str(tmp_path))
     assert open(path, "rb").read() == body
     (first, no_range), (second, resumed) = server.log
     assert no_range is None and 0 < int(resumed.removeprefix("bytes=").rstrip("-")) <= 5 << 19
@@ -533,24 +590,24 @@ def test_download_restarts_when_range_is_ignored(server, tmp_path):
     body = b"the real content\n" * 1000
     server.files["/y.txt"], server.honor_range = body, False
     url = server.url + "/y.txt"
-    path = prepare.cache_path(url, str(tmp_path))
+    path = download.cache_path(url, str(tmp_path))
     os.makedirs(os.path.dirname(path))
     open(path + ".part", "wb").write(b"stale bytes")
-    assert open(prepare.download(url, str(tmp_path)), "rb").read() == body
+    assert open(download.download(url, str(tmp_path)), "rb").read() == body
 
 
 def test_download_retries_transient_errors_then_gives_up(server, tmp_path):
     server.files["/z.txt"], server.failures = b"ok\n", 2
-    assert open(prepare.download(server.url + "/z.txt", str(tmp_path)), "rb").read() == b"ok\n"
+    assert open(download.download(server.url + "/z.txt", str(tmp_path)), "rb").read() == b"ok\n"
     assert len(server.log) == 3
     server.failures = 100
-    with pytest.raises(util.Error, match=f"after {prepare.RETRIES} attempts"):
-        prepare.download(server.url + "/w.txt", str(tmp_path))
-    assert len(server.log) == 3 + prepare.RETRIES
+    with pytest.raises(util.Error, match=f"after {download.RETRIES} attempts"):
+        download.download(server.url + "/w.txt", str(tmp_path))
+    assert len(server.log) == 3 + download.RETRIES
     server.failures = 0
     with pytest.raises(util.Error, match="HTTP 404"):  # not transient: no retries
-        prepare.download(server.url + "/missing.txt", str(tmp_path))
-    assert len(server.log) == 4 + prepare.RETRIES
+        download.download(server.url + "/missing.txt", str(tmp_path))
+    assert len(server.log) == 4 + download.RETRIES
 
 
 def test_url_source_with_sha256(server, tmp_path, capsys):
@@ -567,9 +624,11 @@ def test_url_source_with_sha256(server, tmp_path, capsys):
 
 
 def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
+    """A Hugging Face preset through HF_ENDPOINT, downloaded once into the Hugging Face cache (HF_HOME/hub here)
+    and read from there by a rebuild; tinyshakespeare, a plain URL, into download_dir."""
     rows = [f"fineweb row {i}: educational text ✓" for i in range(40)]
     server.files["/datasets/HuggingFaceFW/fineweb-edu/resolve/main/sample/10BT/000_00000.parquet"] = parquet_bytes(rows)
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url)
     out, cache = tmp_path / "fw", tmp_path / "downloads"
     args = ["--source=fineweb-edu-10bt", "--max_shards=1", f"--data_dir={out}", f"--download_dir={cache}",
             "--val_fraction=0.2", "--min_val_tokens=0"]
@@ -578,8 +637,8 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
     assert manifest["splits"]["train"]["docs"] + manifest["splits"]["val"]["docs"] == len(rows)
     assert sorted(decode_split(out, "train") + decode_split(out, "val")) == sorted(rows)
     assert "1 of 14 files" in manifest["source"] and len(server.log) == 1
-    assert run(*args, "--force") == 0 and len(server.log) == 1  # rebuilt from the kept download cache
-    assert list(cache.rglob("*.parquet"))
+    assert run(*args, "--force") == 0 and len(server.log) == 1  # rebuilt from the kept download
+    assert list((tmp_path / "hf_home" / "hub").rglob("*.parquet")) and not cache.exists()
 
     speeches = [f"Speaker {i}:\nLine {i} of the play." for i in range(30)]
     server.files["/input.txt"] = ("\n\n".join(speeches) + "\n").encode()
@@ -616,7 +675,7 @@ def test_gsm8k_preset_keeps_its_split_and_formats_each_objective(server, tmp_pat
     base = "/datasets/openai/gsm8k/resolve/main/main/"
     server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K * 3)
     server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url)
     common = ["--source=gsm8k", f"--download_dir={tmp_path / 'downloads'}", "--min_val_tokens=0", "--workers=1"]
     assert run(*common, f"--data_dir={tmp_path / 'qa'}") == 0
     assert decode_split(tmp_path / "qa", "train") == [f"Question: {q}\nAnswer: {a}" for q, a in GSM8K * 3]
@@ -625,7 +684,7 @@ def test_gsm8k_preset_keeps_its_split_and_formats_each_objective(server, tmp_pat
     assert run(*common, f"--data_dir={tmp_path / 'hdp'}", "--gsm8k_format=hdp", "--segments=128,128,256") == 0
     assert ("segments 128,128,256: every document is 512 tokens; 3 of 7 (42.9%) had a segment cut to its length "
             "(train 3, validation 0)") in capsys.readouterr().out
-    manifest, tok = data.load_manifest(tmp_path / "hdp"), prepare.load_tokenizer(tmp_path / "hdp")
+    manifest, tok = data.load_manifest(tmp_path / "hdp"), tokenizer.load_tokenizer(tmp_path / "hdp")
     rows = {}
     for split in ("train", "val"):
         (shard,) = manifest["splits"][split]["shards"]
@@ -659,12 +718,14 @@ def refused_url():
 @pytest.mark.parametrize("case", ["refused", "404", "dns", "unreachable"])
 def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, server, tmp_path, capsys, monkeypatch):
     """A URL that refuses or answers 404, and the hub on an offline pod (its name does not resolve, or there is
-    no network to reach it): one line at once, no retries, nothing left behind. For the hub it names a mirror
-    and the places a copy of the file would be read from."""
+    no network to reach it): one line, nothing left behind; a URL at once, with no retries (huggingface_hub
+    retries the hub's network errors, its waits skipped here). For the hub it names a mirror and the places a
+    copy of the file would be read from."""
     downloads = tmp_path / "downloads"
     if case in ("refused", "404"):
         source = url = refused_url() if case == "refused" else server.url + "/no.txt"
     else:
+        monkeypatch.setattr(time, "sleep", lambda seconds: None)
         if case == "dns":
             def lookup(*args, **kwargs):
                 raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
@@ -672,10 +733,10 @@ def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, s
         else:  # an address needs no lookup; the connection finds no route
             def connect(self, address):
                 raise OSError(errno.ENETUNREACH, "Network is unreachable")
-            monkeypatch.setenv("HF_ENDPOINT", "http://192.0.2.1")
+            hub_env(monkeypatch, HF_ENDPOINT="http://192.0.2.1")
             monkeypatch.setattr(socket.socket, "connect", connect)
         source, url = "fineweb-edu-10bt", prepare.preset_urls("fineweb-edu-10bt")[0]
-    path = prepare.cache_path(url, str(downloads))
+    path = download.cache_path(url, str(downloads))
     expected = {
         "refused": f"connection refused: offline? put the file at {path}, or check the URL",
         "404": "HTTP 404: check the URL",
@@ -689,7 +750,7 @@ def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, s
                "--workers=1") == 1
     err = capsys.readouterr().err
     assert error_line(err) == f"error: cannot download {url}: {expected}"
-    assert "retry" not in err and len(server.log) == (case == "404")
+    assert len(server.log) == (case == "404") and (case in ("dns", "unreachable") or "retry" not in err)
     assert tree(tmp_path) == before  # no data_dir, no download folders
 
 
@@ -697,7 +758,7 @@ def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, s
 def test_a_download_that_keeps_failing_is_retried_then_leaves_nothing(case, server, tmp_path, capsys, monkeypatch):
     """5xx, 429 (a rate limit), a dropped connection and a timeout may pass: retried. What arrived is
     nothing (a dropped answer's first bytes are less than a chunk), so nothing stays behind."""
-    monkeypatch.setattr(prepare, "RETRIES", 2)
+    monkeypatch.setattr(download, "RETRIES", 2)
     server.files["/corpus.txt"] = b"text\n" * 1000
     reason = {"503": "HTTP 503", "429": "HTTP 429", "dropped": "connection dropped", "timeout": "timed out"}[case]
     if case in ("503", "429"):
@@ -706,7 +767,7 @@ def test_a_download_that_keeps_failing_is_retried_then_leaves_nothing(case, serv
         server.cut, server.cuts = 10, 2
     if case == "timeout":
         server.stall = 0.3
-        monkeypatch.setattr(prepare, "TIMEOUT", (5, 0.1))
+        monkeypatch.setattr(download, "TIMEOUT", (5, 0.1))
     url = server.url + "/corpus.txt"
     before = tree(tmp_path)
     assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={tmp_path / 'downloads'}",
@@ -719,18 +780,18 @@ def test_a_download_that_keeps_failing_is_retried_then_leaves_nothing(case, serv
 
 
 def test_a_partial_download_is_kept_for_the_rerun_to_resume(server, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare, "RETRIES", 2)
+    monkeypatch.setattr(download, "RETRIES", 2)
     body = b"some words " * 250_000  # 2.75 MB; each answer dropped after 1.25 MB, of which a 1 MB chunk is written
     server.files["/big.txt"], server.cut, server.cuts = body, 5 << 18, 2
     url, cache = server.url + "/big.txt", tmp_path / "downloads"
-    part = prepare.cache_path(url, str(cache)) + ".part"
+    part = download.cache_path(url, str(cache)) + ".part"
     assert run(f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={cache}", "--workers=1") == 1
     kept = os.path.getsize(part)
     assert error_line(capsys.readouterr().err) == (
         f"error: cannot download {url} after 2 attempts (connection dropped): check the network and rerun; "
         f"the {kept:,} bytes so far are kept in {part}, and the rerun resumes them")
     assert kept > 0 and os.listdir(os.path.dirname(part)) == ["big.txt.part"] and not (tmp_path / "data").exists()
-    assert open(prepare.download(url, str(cache)), "rb").read() == body
+    assert open(download.download(url, str(cache)), "rb").read() == body
     assert server.log[-1] == ("/big.txt", f"bytes={kept}-")
 
 
@@ -747,20 +808,6 @@ def preset_args(tmp_path, *args):
             f"--download_dir={tmp_path / 'downloads'}", "--val_fraction=0", "--workers=1", *args]
 
 
-def test_hf_token_is_found_where_huggingface_hub_finds_it(tmp_path, monkeypatch):
-    assert prepare.hf_token() is None
-    (tmp_path / "hf_home").mkdir()
-    (tmp_path / "hf_home" / "token").write_text("hf_saved\n")  # what `hf auth login` writes
-    assert prepare.hf_token() == "hf_saved"
-    (tmp_path / "elsewhere").write_text("hf_elsewhere")
-    monkeypatch.setenv("HF_TOKEN_PATH", str(tmp_path / "elsewhere"))
-    assert prepare.hf_token() == "hf_elsewhere"
-    monkeypatch.setenv("HUGGING_FACE_HUB_TOKEN", "hf_older_name")
-    assert prepare.hf_token() == "hf_older_name"
-    monkeypatch.setenv("HF_TOKEN", " hf_env\n")
-    assert prepare.hf_token() == "hf_env"
-
-
 def test_a_gated_dataset_takes_hf_token_and_only_the_hub_gets_it(server, tmp_path, capsys, monkeypatch):
     """Without a token the hub's 401 is one line naming HF_TOKEN; with HF_TOKEN the file comes, and the token
     goes to the hub alone: not on to the storage host the hub redirects the download to (another host name,
@@ -771,7 +818,7 @@ def test_a_gated_dataset_takes_hf_token_and_only_the_hub_gets_it(server, tmp_pat
     server.redirects[FINEWEB_PATH] = storage + "/blobs/000.parquet"
     server.files["/blobs/000.parquet"] = parquet_bytes(rows)
     server.files["/notes.txt"] = b"notes from elsewhere\n"
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url)
     assert run(*preset_args(tmp_path)) == 1
     err = capsys.readouterr().err
     assert error_line(err) == (f"error: cannot download {server.url + FINEWEB_PATH}: HTTP 401: set HF_TOKEN (a "
@@ -787,26 +834,31 @@ def test_a_gated_dataset_takes_hf_token_and_only_the_hub_gets_it(server, tmp_pat
                            ("/notes.txt", None)]
 
 
-def test_a_rate_limit_waits_as_long_as_the_hub_asks_then_names_hf_token(server, tmp_path, capsys, monkeypatch):
-    """A 429 is retried after the wait its Retry-After or RateLimit header asks for (at most MAX_WAIT), and one
-    that outlasts the retries says that the hub's limits are per token."""
-    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # the waits are read from the lines announcing them
-    monkeypatch.setenv("HF_ENDPOINT", server.url)
+def test_a_rate_limit_waits_as_long_as_the_server_asks_then_names_hf_token(server, tmp_path, monkeypatch):
+    """A 429 from the hub is waited out as long as its Retry-After or RateLimit header asks (huggingface_hub's
+    retries), then the file comes; one that outlasts the retries says that the hub's limits are per token. A
+    URL elsewhere waits as long as its Retry-After asks, at most MAX_WAIT."""
+    waits = []
+    monkeypatch.setattr(time, "sleep", lambda seconds: seconds and waits.append(seconds))  # the server sleeps 0
+    hub_env(monkeypatch, HF_ENDPOINT=server.url)
     server.status = 429
-    for i, (headers, wait) in enumerate([({"Retry-After": "7"}, 7), ({"RateLimit": '"resolvers";r=0;t=42'}, 42),
-                                         ({"Retry-After": "100000"}, prepare.MAX_WAIT), ({}, 0.01)]):
+    for i, (headers, wait) in enumerate([({"Retry-After": "7"}, 7), ({"RateLimit": '"resolvers";r=0;t=42'}, 42)]):
         url = f"{server.url}/datasets/o/d/resolve/main/{i}.txt"
         server.files[url.removeprefix(server.url)] = b"rows\n"
-        server.failures, server.failure_headers = 1, headers
-        assert open(prepare.download(url, str(tmp_path)), "rb").read() == b"rows\n"
-        retry = f"download of {url} failed (HTTP 429); retry 1/{prepare.RETRIES - 1} in {wait:g}s"
-        assert retry in capsys.readouterr().err
-    server.failures = prepare.RETRIES
+        server.failures, server.failure_headers, waits[:] = 2, headers, []  # the first 429 is tried again at once
+        assert open(download.download(url, str(tmp_path)), "rb").read() == b"rows\n"
+        assert len(waits) == 1 and waits[0] >= wait
+    server.failures = 100
+    url = f"{server.url}/datasets/o/d/resolve/main/2.txt"
     with pytest.raises(util.Error) as e:
-        prepare.download(url.replace("3.txt", "4.txt"), str(tmp_path))
-    assert str(e.value) == (f"cannot download {url.replace('3.txt', '4.txt')} after {prepare.RETRIES} attempts "
-                            "(HTTP 429): rate-limited: rerun later with HF_TOKEN set (the hub's rate limits are per "
-                            "token, and lowest without one)")
+        download.download(url, str(tmp_path))
+    assert str(e.value) == (f"cannot download {url} after retries (HTTP 429): rate-limited: rerun later with HF_TOKEN "
+                            "set (the hub's rate limits are per token, and lowest without one)")
+    server.files["/plain.txt"] = b"rows\n"
+    for headers, wait in ({"Retry-After": "7"}, 7), ({"Retry-After": "100000"}, download.MAX_WAIT):
+        server.failures, server.failure_headers, waits[:] = 1, headers, []
+        path = download.download(server.url + "/plain.txt", str(tmp_path / f"plain{wait}"))
+        assert open(path, "rb").read() == b"rows\n" and waits == [wait]
 
 
 def hub_snapshot(cache, repo, commit, files):
@@ -823,39 +875,39 @@ def hub_snapshot(cache, repo, commit, files):
     return folder
 
 
-def test_the_hugging_face_cache_is_searched_as_huggingface_hub_lays_it_out(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert prepare.hub_cached("o/d", "main", "f.txt") is None  # no cache at all
+def test_a_url_on_the_hub_is_read_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """A file's URL on the hub is read from the snapshot of the Hugging Face cache that its revision names (a
+    branch through refs/), with no request (HF_HUB_OFFLINE here); with --sha256 the cache's copy is checked, and
+    stays when it does not match. Not in the cache, offline: one line naming where it was looked for."""
+    hub_env(monkeypatch, HF_HUB_CACHE=tmp_path / "hub", HF_HUB_OFFLINE="1")
     folder = hub_snapshot(tmp_path / "hub", "o/d", "a" * 40, {"f.txt": b"old", "dir/g.txt": b"old g"})
     hub_snapshot(tmp_path / "hub", "o/d", "b" * 40, {"f.txt": b"new"})
-
-    def read(revision, file):
-        path = prepare.hub_cached("o/d", revision, file)
-        return path and open(path, "rb").read()
-
-    assert read("main", "f.txt") == b"old"  # no refs/main: the first snapshot that has it
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text("b" * 40)
-    assert read("main", "f.txt") == b"new"  # the snapshot refs/main names first
-    assert read("main", "dir/g.txt") == b"old g"  # an unpinned revision takes the file from any snapshot
-    assert read("b" * 40, "dir/g.txt") is None and read("a" * 40, "f.txt") == b"old"  # a commit: its own alone
-    # a URL source on the hub, with --sha256: the cache's copy is checked, and stays when it does not match
-    url, downloads = "https://huggingface.co/datasets/o/d/resolve/main/f.txt", str(tmp_path / "downloads")
-    cached = prepare.hub_cached("o/d", "main", "f.txt")
-    assert prepare.download(url, downloads, hashlib.sha256(b"new").hexdigest()) == cached
+    downloads = str(tmp_path / "downloads")
+
+    def read(revision, file, sha256=""):
+        url = f"https://huggingface.co/datasets/o/d/resolve/{revision}/{file}"
+        return open(download.download(url, downloads, sha256), "rb").read()
+
+    assert read("main", "f.txt", hashlib.sha256(b"new").hexdigest()) == b"new"  # the snapshot refs/main names
+    assert read("a" * 40, "f.txt") == b"old" and read("a" * 40, "dir/g.txt") == b"old g"  # a commit: its own
     with pytest.raises(util.Error, match=r"sha256 of its copy in the Hugging Face cache \(.*\) is [0-9a-f]{64}, "):
-        prepare.download(url, downloads, "0" * 64)
+        read("main", "f.txt", "0" * 64)
     assert read("main", "f.txt") == b"new" and not os.path.exists(downloads)
-    os.remove(folder / "blobs" / hashlib.sha256(b"old g").hexdigest())
-    assert read("main", "dir/g.txt") is None  # a link to a deleted blob
-    assert read("main", "h.txt") is None and prepare.hub_cached("o/other", "main", "f.txt") is None
+    url = "https://huggingface.co/datasets/o/d/resolve/main/dir/g.txt"  # not in refs/main's snapshot
+    with pytest.raises(util.Error) as e:
+        download.download(url, downloads)
+    assert str(e.value) == (f"HF_HUB_OFFLINE is set and {url} is not at {download.cache_path(url, downloads)} nor in "
+                            f"the Hugging Face cache ({tmp_path / 'hub'}): put the file there, or unset HF_HUB_OFFLINE "
+                            "to download it")
 
 
 def test_a_preset_reads_the_hugging_face_cache_and_hf_hub_offline_never_asks_the_hub(tmp_path, capsys, monkeypatch):
     """A preset's file in the cache (HF_HOME/hub here) is read there, refs/main's version, with no request (the
     endpoint refuses every one) and nothing in download_dir; under HF_HUB_OFFLINE a missing file stops the run
     before it tokenizes, in one line naming where it was looked for; download_dir's copy serves offline too."""
-    monkeypatch.setenv("HF_ENDPOINT", refused_url().removesuffix("/corpus.txt"))
+    hub_env(monkeypatch, HF_ENDPOINT=refused_url().removesuffix("/corpus.txt"))
     old, new = [f"old row {i}" for i in range(20)], [f"new row {i}" for i in range(20)]
     cache, repo = tmp_path / "hf_home" / "hub", "HuggingFaceFW/fineweb-edu"
     folder = hub_snapshot(cache, repo, "a" * 40, {FINEWEB_FILE: parquet_bytes(old)})
@@ -865,10 +917,9 @@ def test_a_preset_reads_the_hugging_face_cache_and_hf_hub_offline_never_asks_the
     assert run(*preset_args(tmp_path)) == 0
     assert decode_split(tmp_path / "data", "train") == new and not (tmp_path / "downloads").exists()
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))  # before HF_HOME/hub
+    hub_env(monkeypatch, HF_HUB_OFFLINE="1", HF_HUB_CACHE=tmp_path / "empty")  # HF_HUB_CACHE before HF_HOME/hub
     url = prepare.preset_urls("fineweb-edu-10bt")[0]
-    path = prepare.cache_path(url, str(tmp_path / "downloads"))
+    path = download.cache_path(url, str(tmp_path / "downloads"))
     before = tree(tmp_path)
     capsys.readouterr()
     assert run(*preset_args(tmp_path, "--force")) == 1
@@ -1060,7 +1111,7 @@ def test_the_tokenizing_pool_is_stopped_only_once_every_job_sent_is_back(tmp_pat
     only after each one has come back, so no worker is killed in the middle of a job. A worker killed while it
     sent its result left the pool's result thread waiting forever for the rest: prepare.py hung after a Ctrl-C
     (once on CI, once in 24 tries on a loaded 2-core VM)."""
-    prepare.save_tokenizer(str(tmp_path), "byte", {"kind": "byte", "vocab_size": 257}, None)
+    tokenizer.save_tokenizer(str(tmp_path), "byte", {"kind": "byte", "vocab_size": 257}, None)
     jobs = tmp_path / "jobs"
     jobs.mkdir()
     monkeypatch.setenv("PODGPT_TEST_JOBS", str(jobs))

@@ -28,7 +28,7 @@ import torch
 import sample
 from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
 from conftest import ROOT, Captured, popen, run, shared, train_tiny
-from prepare import load_tokenizer
+from tokenizer import load_tokenizer
 from util import run_main
 
 # the server's serve_max_tokens in these tests (not the default: the flag must take); a greedy generation this

@@ -1,0 +1,88 @@
+"""
+The tasks a model is scored on: GSM8K, grade-school math word problems (openai/gsm8k, config main), each
+answer ending in "#### <number>". prepare.py makes its problems documents (gsm8k_documents); train.py
+answers the first test problems at each evaluation and logs the share it gets right (eval_gsm8k_samples:
+gsm8k_problems, gsm8k_accuracy).
+"""
+
+import os
+import re
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from data import open_shard
+from tokenizer import SEGMENT, load_tokenizer
+from util import fail
+
+
+def gsm8k_document(question, answer, form):
+    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..." (the answer as given); hdp, the question,
+    the plan (the reasoning lines without their <<calculator>> annotations) and the execution (the annotated
+    lines and the final "#### <number>"), joined by SEGMENT."""
+    if form == "qa":
+        return f"Question: {question}\nAnswer: {answer}"
+    reasoning, _, final = answer.rpartition("####")
+    plan = re.sub(r"<<[^<>]*>>", "", reasoning).strip()
+    return SEGMENT.join([question.strip(), plan, f"{reasoning.strip()}\n#### {final.strip()}"])
+
+
+def gsm8k_documents(path, questions, answers, form):
+    """The problems of a GSM8K file, its question and answer columns, each as gsm8k_document."""
+    if len(questions) != len(answers):
+        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one column?): "
+             "download it again")
+    for question, answer in zip(questions, answers, strict=True):
+        if "####" not in answer:
+            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all have: not GSM8K's main "
+                 f"config? ({answer[:60]!r})")
+        yield gsm8k_document(question, answer, form)
+
+
+def gsm8k_answer(text):
+    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0" dropped; None
+    without one."""
+    found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
+    return found[-1].replace(",", "").removesuffix(".0") if found else None
+
+
+def gsm8k_problems(data_dir, manifest, n):
+    """The first n problems of a gsm8k data_dir's validation split (GSM8K's test problems) as (prompt token ids,
+    the right answer): qa, BOS and the document up to "Answer:"; hdp, its question segment."""
+    tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
+    lengths = [int(length) for length in args.get("segments", "").split(",") if length]  # as prepare.py checked them
+    if args["source"] != "gsm8k" or not lengths:
+        raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
+                         f"--segments (config/h200_gsm8k_bd3lm.py)")
+    problems = []
+    for shard in manifest["splits"]["val"]["shards"]:
+        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, sum(lengths))
+        for row in rows[:n - len(problems)]:
+            if args.get("gsm8k_format", "qa") == "hdp":
+                prompt, answer = row[:lengths[0]].tolist(), tok.decode(row[lengths[0]:])
+                while len(prompt) > 1 and prompt[-1] == tok.bos_id:  # the segment's padding: the sampler pads again
+                    prompt.pop()
+            else:
+                head, _, answer = tok.decode(row).partition("\nAnswer:")
+                prompt = [tok.bos_id] + tok.encode(head + "\nAnswer:")
+            problems.append((prompt, gsm8k_answer(answer)))
+    return problems
+
+
+def gsm8k_accuracy(model, problems, tok, block_size, autocast, proc, sharded):
+    """The share of problems whose greedy answer ends in the right "#### <number>". Distributed (proc), each rank
+    answers every world-th problem and one all-reduce sums them; sharded (fsdp), every forward gathers weights
+    with every rank, so each answers them all (greedy: the same tokens everywhere)."""
+    split = proc.distributed and not sharded
+    right = torch.zeros((), device=proc.dev)
+    model.eval()
+    with torch.no_grad(), autocast:
+        for prompt, answer in problems[proc.rank::proc.world] if split else problems:
+            ids = torch.tensor([prompt], device=proc.dev)
+            tokens = [t.item() for t in model.generate(ids, block_size - len(prompt), temperature=0)]
+            right += gsm8k_answer(tok.decode(tokens)) == answer
+    model.train()
+    if split:
+        dist.all_reduce(right)
+    return right.item() / len(problems)
