@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from data import contamination, load_manifest
 from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
-from util import fail, first_line, format_bytes, write_atomic, write_json
+from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
 HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
 # epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
@@ -325,7 +325,7 @@ def loss_gate(cfg, plan, manifest):
 # -----------------------------------------------------------------------------
 # the report
 
-def gates_report(cfg, proc, mconfig, manifest, dt, warn):
+def gates_report(cfg, proc, mconfig, manifest, dt):
     """Every gate that needs no model on the device, checked on rank 0 before anything is allocated and
     sent to every rank: the report {profile, gates, plan}. A block stops the run here (allow_unsafe: a
     warning; preflight_only: reported at the end). Planning from a CPU for a GPU pod (preflight_only with
@@ -427,6 +427,34 @@ def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block
         torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     return 3 * micro_batch_size * block_size / (time.time() - t0)
+
+
+def plan_run(cfg, proc, dt, mconfig, data, build_model):
+    """The preflight report of the run about to train, and its model once one is needed: (report, model or None).
+    data: (manifest, train Loader, validation Loader), all None before the data exists; build_model(): the model on
+    this rank's device. Time and cost are planned at a planned throughput, or measured here on the real model (not
+    when planning another machine, and not for a model that cannot fit)."""
+    manifest, train_data, _ = data
+    report = gates_report(cfg, proc, mconfig, manifest, dt)
+    tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
+    measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
+        and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
+    model = None
+    if measure or not cfg.preflight_only:
+        model = build_model()
+    if measure:
+        tokens_per_sec = proc.world * mean_over_ranks(measure_tokens_per_sec(
+            model, train_data, proc.dev, autocast(proc.dev, dt), cfg.micro_batch_size, cfg.block_size),
+            proc.distributed, proc.dev)
+        source = f"measured here, {proc.world} x {proc.dev.type}"
+    plan_time(cfg, proc, report, tokens_per_sec, source)
+    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
+    time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
+    if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
+        if not cfg.allow_unsafe:
+            fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
+        warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
+    return report, model
 
 
 def verdict_of(gates):

@@ -127,37 +127,6 @@ def run_config(out_dir):
     return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
 
 
-def dryrun_report(root, n, first, resumed, activities):
-    """Rank 0's verdict on the two passes, written to root/dryrun.json; `problems` lists what is off."""
-    half, problems = n // 2, []
-    # training rows with a loss (a non-finite one is written as null, and counted in nonfinite_steps)
-    a, b = ({m["step"]: m for m in read_metrics(os.path.join(root, run, "metrics.jsonl")) if m.get("loss") is not None}
-            for run in ("first", "resumed"))
-    tolerance = 1e-5 if activities[0]["dtype"] == "float32" else 1e-2  # bf16 kernels may reduce in another order
-    diffs = {k: abs(b[k]["loss"] - a[k]["loss"]) / abs(a[k]["loss"]) for k in range(half + 1, n + 1) if k in a and k in b}
-    worst = max(diffs.values(), default=float("inf"))
-    if len(diffs) != n - half or not worst <= tolerance:
-        problems.append(f"the resumed run does not reproduce steps {half + 1}..{n}: largest relative loss "
-                        f"difference {worst:.3g} (tolerance {tolerance:g})")
-    idle = [x["rank"] for x in activities if x["steps"] != n]
-    if idle:
-        problems.append(f"ranks {idle} did not run all {n} steps")
-    if first["nonfinite_steps"]:
-        problems.append(f"{first['nonfinite_steps']} non-finite steps")
-    losses = [a[k]["loss"] for k in sorted(a)]
-    k = max(1, len(losses) // 4)
-    trend = (sum(losses[:k]) / k, sum(losses[-k:]) / k)
-    if trend[1] > trend[0]:
-        problems.append(f"the loss rose: {trend[0]:.4f} over the first {k} steps, {trend[1]:.4f} over the last {k}")
-    report = dict(ok=not problems, problems=problems, steps=n, world_size=len(activities), ranks=activities,
-                  tokens_per_sec=a[max(a)]["tokens_per_sec"], peak_mem_gb=max(x["peak_mem_gb"] for x in activities),
-                  loss_first=trend[0], loss_last=trend[1], spikes=first["spikes"],
-                  resume_check=dict(from_step=half, steps=sorted(diffs), max_rel_diff=worst, tolerance=tolerance),
-                  first=first, resumed=resumed)
-    write_json(os.path.join(root, "dryrun.json"), report)
-    return report
-
-
 # ----------------------------------------------------------------------------
 # metrics.csv
 
@@ -328,6 +297,18 @@ def fmt(v, spec=".4f"):
 def last(rows, name):
     vals = [r[name] for r in rows if is_number(r.get(name))]
     return vals[-1] if vals else None
+
+
+def target_verdict(band, status, val_loss):
+    """Whether the run got where target_val_loss (as preflight.target_band) says, judged on its final validation
+    loss (done means the final one, not the best): met or missed; not reached when a guard or a signal stopped the
+    run before its last step, or it failed; None without a target. An early stop completes a run."""
+    if band is None:
+        return None
+    if status != "completed" or val_loss is None:
+        return "not reached"
+    low, high = band
+    return "met" if (low is None or low <= val_loss) and val_loss <= high else "missed"
 
 
 def target_text(band):

@@ -15,13 +15,17 @@ BELOW = {
     "report": {"util", "configurator"},
     "checkpoint": {"util", "model", "data"},
     "preflight": {"util", "model", "data"},
+    "schedule": {"util"},
+    "postmortem": {"util", "configurator", "data"},
+    "dryrun": {"util", "report"},
     "prepare": {"util", "configurator", "data"},
     "export": {"util", "configurator", "model", "checkpoint", "prepare", "report"},
     "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export"},
     "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
     # train.py evaluates GSM8K answers (eval_gsm8k_samples) with prepare.py's tokenizer and its reading of the
     # format prepare.py writes; prepare.py imports nothing of train's
-    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report", "prepare"},
+    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "schedule", "report", "postmortem",
+              "dryrun", "prepare"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}
