@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from data import contamination, load_manifest
 from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
+from schedule import fit_horizon
 from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
 HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
@@ -234,23 +235,6 @@ def attention_gate(cfg, mconfig, runtime):
         return gate("attention_backend_runtime", "pass", chosen, None, note)
     except ValueError as e:
         return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
-
-
-def fit_horizon(cfg, tokens_per_sec, world, spent_s=0.0, spent_usd=0.0, reserve_s=0.0):
-    """(steps, what sets them): where the run's schedule ends at tokens_per_sec. max_steps, or fewer when
-    max_hours or budget_usd (after spent_s and spent_usd, keeping back reserve_s and a step, as the guards do)
-    pays for fewer. A step's time includes its share of the evaluations: eval_steps micro-batches forward every
-    eval_every steps, a forward pass being about a third of a training micro-batch's forward and backward."""
-    accum = cfg.total_batch_tokens / (cfg.micro_batch_size * cfg.block_size * world)
-    step_s = cfg.total_batch_tokens / tokens_per_sec * (1 + cfg.eval_steps / (3 * accum * cfg.eval_every))
-    limits = [(cfg.max_steps, "max_steps")]
-    if cfg.max_hours:
-        limits.append(((cfg.max_hours * 3600 - spent_s - reserve_s) / step_s, "max_hours"))
-    if cfg.budget_usd and cfg.usd_per_gpu_hour:
-        usd_per_s = world * cfg.usd_per_gpu_hour / 3600
-        limits.append((((cfg.budget_usd - spent_usd) / usd_per_s - reserve_s) / step_s, "budget_usd"))
-    steps, by = min(limits)
-    return max(0, int(steps) - (by != "max_steps")), by
 
 
 def time_gate(cfg, tokens_per_sec, source, world):

@@ -112,6 +112,32 @@ def rewrite_metrics(path, last_step):
     os.replace(tmp, path)
 
 
+class MetricsFile:
+    """metrics.jsonl as a run writes it (rank 0): from the step it starts at (rewrite_metrics), a JSON object a
+    line, appended with os.write, so no buffer holds half a line that a later flush could add."""
+
+    def __init__(self, path, step):
+        rewrite_metrics(path, step)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, row):
+        """The row in strict JSON (a non-finite value as null: its event line says what), as written. A write the
+        disk refuses is taken back whole (truncating needs no space), the file closed, and the OSError raised."""
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            while line:  # a full disk may take part of it before it refuses
+                line = line[os.write(self.fd, line):]
+        except OSError:
+            os.ftruncate(self.fd, end)
+            os.close(self.fd)
+            raise
+        return row
+
+    def close(self):
+        os.close(self.fd)
+
+
 def is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 

@@ -1,8 +1,6 @@
 """
-Train a GPT on the shards that prepare.py writes: one process (CPU or one GPU), or
-under torchrun (gloo on CPU, nccl on CUDA) either data-parallel (dist_mode=ddp: each
-GPU holds the whole model and AdamW state) or sharded (dist_mode=fsdp: FSDP2 splits
-weights, gradients and AdamW state over the GPUs, for models DDP cannot fit).
+Train a GPT on the shards that prepare.py writes: one process (CPU or one GPU), or under torchrun (gloo on
+CPU, nccl on CUDA), data-parallel (dist_mode=ddp) or sharded by FSDP2 (dist_mode=fsdp, for models DDP cannot fit).
 
     python train.py config/tiny.py
     python train.py config/a100_50m.py --max_steps=500 --compile=False
@@ -10,16 +8,11 @@ weights, gradients and AdamW state over the GPUs, for models DDP cannot fit).
     torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      # fsdp
 
 Config: the globals between the config markers below, overridden by config files and --key=val
-(configurator.py; --help lists them). Everything a run writes goes to out_dir: config.json, preflight.json/.md,
-metrics.jsonl (a JSON object per logged step and per event), ckpt/ (ckpt/latest and ckpt/best name the newest
-and the best complete checkpoint), the run report (summary.md, plots/: report.py), summary.json when the run
-ends or stops, and spike-postmortem.md/.json at a spike or non-finite step (postmortem.py).
-
-The batch of optimizer step s is always the same set of sequences, whatever the number of GPUs or the
-micro-batch (data.Loader walks one global, seeded order), so the same command again resumes bit-identically
-from the newest complete checkpoint, at any world size. Preemption signals, max_hours and the budget guards stop
-every rank at the same step boundary with a checkpoint; bad steps are skipped, then rolled back
-(docs/long-runs.md).
+(configurator.py; --help lists them). A run writes into out_dir only (docs/long-runs.md lists its files).
+The batch of optimizer step s is the same set of sequences whatever the number of GPUs or the micro-batch
+(data.Loader), so the same command again resumes bit-identically from the newest complete checkpoint, at any
+world size; a preemption signal, max_hours or a budget guard stops every rank at one step boundary, with a
+checkpoint; bad steps are skipped, then rolled back.
 
 objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
 step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
@@ -28,7 +21,6 @@ AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (b
 diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
-import json
 import math
 import os
 import random
@@ -52,10 +44,9 @@ from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_o
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, model_config, plan_run, target_band,
-                       write_preflight)
-from schedule import decay_horizon, lr_at, over_limit, read_budget_file, restore_clock
-from report import Trackers, rewrite_metrics, target_verdict, tracker_names, write_report
+from preflight import HORIZON, band_text, finish_preflight, model_config, plan_run, target_band, write_preflight
+from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from report import MetricsFile, Trackers, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from dryrun import dryrun
 from prepare import check_tokenizer_loads, load_tokenizer
@@ -192,7 +183,6 @@ matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 ten
 
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
 GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's
                                 # slow step overshot max_hours when they kept back the average)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
@@ -218,29 +208,32 @@ def check_config(cfg):
                 "eval_gsm8k_samples", "ckpt_every_minutes", "stop_at_step"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
-    if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-        fail(f"compile_mode={cfg.compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
-             f"max-autotune-no-cudagraphs")
+    for key, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+                         ("matmul_precision", ("highest", "high", "medium")), ("dist_mode", ("ddp", "fsdp")),
+                         ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
+        if cfg[key] not in choices:
+            fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
     if cfg.gate_profile not in HORIZON:
         fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
     try:
         target_band(cfg.target_val_loss)
     except ValueError as e:
         fail(str(e), 2)
-    if cfg.matmul_precision not in ("highest", "high", "medium"):
-        fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
-    if cfg.dist_mode not in ("ddp", "fsdp"):
-        fail(f"dist_mode={cfg.dist_mode!r} is not one of ddp, fsdp")
     check_optimizer(cfg)
     if cfg.spike_factor <= 1:
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
-    check_budget(cfg)
+    if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
+        fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
+    if not 0 < cfg.decay_frac <= 1:
+        fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
+    if cfg.budget_file and not cfg.budget_usd:
+        fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
+    if cfg.budget_file and not os.path.isfile(cfg.budget_file):
+        fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
 
 
 def check_optimizer(cfg):
     """Refuse an optimizer or learning rates that cannot work."""
-    if cfg.optimizer not in ("adamw", "muon"):
-        fail(f"optimizer={cfg.optimizer!r} is not one of adamw, muon")
     if cfg.optimizer == "muon":
         if not hasattr(torch.optim, "Muon"):
             fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
@@ -260,20 +253,6 @@ def check_optimizer(cfg):
              f"learning_rate to min_lr")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         fail(f"beta1={cfg.beta1}, beta2={cfg.beta2}: both must be in [0, 1)")
-
-
-def check_budget(cfg):
-    """Refuse a schedule or a budget that cannot work."""
-    if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
-        fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
-    if cfg.lr_schedule not in ("cosine", "wsd"):
-        fail(f"lr_schedule={cfg.lr_schedule!r} is not one of cosine, wsd")
-    if not 0 < cfg.decay_frac <= 1:
-        fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
-    if cfg.budget_file and not cfg.budget_usd:
-        fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
-    if cfg.budget_file and not os.path.isfile(cfg.budget_file):
-        fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
 
 
 # -----------------------------------------------------------------------------
@@ -454,11 +433,7 @@ class Trainer:
             except ValueError as e:
                 fail(f"eval_gsm8k_samples={cfg.eval_gsm8k_samples}: {e}")
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
-        if proc.rank == 0:
-            rewrite_metrics(self.metrics_path, state.step)
-        # appended a line at a time with os.write: no buffer holds half a line that a later flush could add
-        self.metrics = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
-            if proc.rank == 0 else None
+        self.metrics = MetricsFile(self.metrics_path, state.step) if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
         self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
         self.recent = deque(maxlen=POSTMORTEM_STEPS)  # (step, loss, grad norm, lr) of the steps a post-mortem shows
@@ -466,15 +441,10 @@ class Trainer:
             if proc.rank == 0 else None
 
     def write_metrics(self, row):
-        if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
-            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-            line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.metrics, 0, os.SEEK_END)
+        if self.metrics is not None:
             try:
-                while line:  # a full disk may take part of it before it refuses
-                    line = line[os.write(self.metrics, line):]
-            except OSError as e:  # the line is taken back whole (truncating needs no space)
-                os.ftruncate(self.metrics, end)
-                os.close(self.metrics)
+                row = self.metrics.write(row)
+            except OSError as e:
                 self.metrics = None
                 out_of_space(self.metrics_path, e, self.ckpts)
             if self.trackers:
@@ -542,21 +512,15 @@ class Trainer:
         cfg = self.cfg
         if limit := over_limit(cfg, self.state, self.reserve(), self.gpu_rate):
             return limit
-        if cfg.budget_file and time.time() >= self.next_budget_check:
-            self.next_budget_check = time.time() + cfg.budget_check_minutes * 60
-            read = read_budget_file(cfg.budget_file)
-            if isinstance(read, str):
-                warn(f"budget_file {cfg.budget_file} unreadable ({read}); retrying in {cfg.budget_check_minutes} min")
-                return None
-            spent, projected = read
-            if spent > cfg.budget_usd:
-                return "budget_file_spent"
-            if projected > cfg.budget_usd:
-                return "budget_file_projected"
-            if spent > BUDGET_WARN * cfg.budget_usd:
-                self.event("budget_warning", f"spent ${spent:.2f} of budget_usd=${cfg.budget_usd:.2f} "
-                           f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
-        return None
+        if not cfg.budget_file or time.time() < self.next_budget_check:
+            return None
+        self.next_budget_check = time.time() + cfg.budget_check_minutes * 60
+        limit, spend = budget_file_verdict(cfg)
+        if spend:
+            spent, projected = spend
+            self.event("budget_warning", f"spent ${spent:.2f} of budget_usd=${cfg.budget_usd:.2f} "
+                       f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
+        return limit
 
     def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, sups=None):
         """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
@@ -795,20 +759,10 @@ class Trainer:
                        f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
 
     def fit(self, tokens_per_sec, t_start):
-        """A new run's horizon: what max_hours and budget_usd pay for at preflight's tokens_per_sec, after the
-        startup so far and keeping back a last evaluation and save (fit_budget; rank 0's, for every rank)."""
-        cfg, st = self.cfg, self.state
-        fitted = [(cfg.max_steps, "max_steps")]
-        if cfg.fit_budget and tokens_per_sec and self.proc.rank == 0:
-            spent = time.time() - t_start
-            fitted = [fit_horizon(cfg, tokens_per_sec, self.proc.world, spent_s=spent,
-                                  spent_usd=spent * self.gpu_rate, reserve_s=self.save_seconds)]
-        if self.proc.distributed:
-            dist.broadcast_object_list(fitted)
-        st.horizon, st.horizon_by = fitted[0]
-        if st.horizon < cfg.max_steps:
-            log(f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,} steps at "
-                f"{tokens_per_sec:,.0f} tokens/s: the {cfg.lr_schedule} schedule ends there")
+        """A new run's horizon (schedule.start_horizon), the startup so far spent."""
+        self.state.horizon, self.state.horizon_by = start_horizon(self.cfg, self.proc, tokens_per_sec,
+                                                                  time.time() - t_start, self.gpu_rate,
+                                                                  self.save_seconds)
 
     def decay_to(self):
         """wsd, rank 0: the horizon to decay to from the next step on, or 0 (schedule.decay_horizon)."""
@@ -900,7 +854,7 @@ class Trainer:
                        **refinement_fields(self.val_sups if val_loss is not None else None, "final_val_"))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
-        os.close(self.metrics)
+        self.metrics.close()
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
             self.trackers.close(status)
