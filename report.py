@@ -5,19 +5,16 @@ The run report: a human-readable page and portable files, written from what a ru
 
 writes into out_dir:
 - summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours, dollars,
-                MFU, the preflight verdict, and the plots (when matplotlib is installed; without it, a line
-                saying so)
+                MFU, the preflight verdict, and the plots (or a line saying why there are none)
 - metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
                 (refine: the loss of each supervision step)
 
-train.py calls write_report(out_dir) after every evaluation (live=True: the run is still going) and at the end
-of a run (and, for a dry run, dryrun_report; on a resume, rewrite_metrics drops the metrics lines past the
-checkpoint); with log_to, Trackers mirrors every metrics line to TensorBoard, Weights & Biases or MLflow as
-the run writes it. It only reads the small files of the out_dir
-(never a model or optimizer state), and every piece is optional: a missing or damaged file leaves its part of
-the report empty rather than raising, because a report must never turn a finished run into a failed one.
+train.py writes metrics.jsonl through MetricsFile, calls write_report after every evaluation (live=True) and at
+the end, and with log_to mirrors every metrics line to TensorBoard, Weights & Biases or MLflow (Trackers). The
+report reads only the small files of out_dir, and a missing or damaged one leaves its part empty rather than
+raising: a report must never turn a finished run into a failed one.
 """
 
 import csv
@@ -287,8 +284,7 @@ def write_plots(out_dir, rows):
     folder = os.path.join(out_dir, PLOTS)
     written = []
     for name, title, x, ys, ylabel in figures(rows):
-        # fixed margins, not tight_layout, which measures every label's text: the six plots at the end of
-        # every run take 0.41 s instead of 0.62 (matplotlib imported; 2-core CPU, matplotlib 3.11)
+        # fixed margins, not tight_layout, which measures every label's text at every evaluation
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100, gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
         try:
             drawn = 0
