@@ -1,30 +1,17 @@
 """
 Checkpoints: write, verify, commit, rotate, find, load, and the resume that continues a run exactly.
 
-ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, every file fsync'd, complete.json (sizes
-and CRC32 of every file) last, then renamed into place; only then are ckpt/latest (and ckpt/best)
-pointed at it. A kill at any moment leaves the previous checkpoint intact, and a damaged one is
-recognized when read back.
+ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, every file fsync'd, complete.json (sizes and CRC32s)
+last, then renamed into place; only then do ckpt/latest (and ckpt/best) point at it. A kill at any moment leaves
+the previous checkpoint intact, and a damaged one is recognized when read back. A periodic save holds the loop
+only while the state is copied into CPU memory (Staging); a background thread (Writer) does the rest, one save
+at a time: the next save, a rollback and the exit wait for it, and what its write raised reaches the loop.
 
-A ddp or single-process checkpoint holds model.pt and optimizer.pt, written by rank 0. An fsdp
-checkpoint holds state/, written by every rank with torch.distributed.checkpoint (DCP): each rank
-its own shards, which it checksums; rank 0 the rest. Either resumes under the other mode and at
-another world size; load_model reads either whole, for sample.py and export.py.
-
-Why two formats and not DCP for both (DCP runs in one process too): model.pt is a plain state dict
-that torch.load opens in one line, in a fork, a notebook or sanity.py's round trip, and every
-checkpoint written so far is one; DCP files need DCP's reader. What two formats cost is small: a
-restore path per format (Checkpoints.restore), and load_model's two branches. Sharded runs, which
-cannot gather a 13B model's AdamW state on one rank, are the ones that need DCP.
-
-A periodic save holds the loop only while the state is copied into CPU memory (Staging): a
-background thread (Writer) writes, checksums and fsyncs the files, complete.json last, then moves
-the pointers, with exactly the steps above, so a kill during the background write also leaves the
-previous checkpoint as latest. One save at a time: the next save, a rollback and the end of the run
-wait for the one in flight first, and what its write raised is raised to the loop there.
-
-train.py's loop asks one Checkpoints object: due() (is a save owed now?), save(), poll() (has the
-background write ended?), wait(), resume() at the start, and newest() + restore() for a rollback.
+A ddp or single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens
+anywhere), written by rank 0; an fsdp one holds state/, which every rank writes with torch.distributed.checkpoint
+(a sharded run cannot gather its AdamW state on one rank). Either resumes under the other mode and at another
+world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
+object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback.
 """
 
 import fcntl

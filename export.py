@@ -5,36 +5,13 @@ Export a podgpt checkpoint as a Hugging Face Llama folder (transformers, vLLM).
     python export.py --ckpt=out/tiny --which=latest --out=export/tiny --dtype=bfloat16
     python export.py config/tiny.py --out=export/tiny               # the run a config file describes
 
-The folder holds:
-- config.json: LlamaForCausalLM, written field by field from the checkpoint's model config;
-- model.safetensors ({"format": "pt"} metadata), or model-0000i-of-0000n.safetensors shards and
-  model.safetensors.index.json when the weights pass max_shard_gb; a tied head is stored once
-  (as model.embed_tokens.weight: safetensors has no shared tensors, transformers re-ties it);
-- generation_config.json: bos = eos = podgpt's BOS id (every document starts with it, so it also
-  ends the previous one), padding ids suppressed; no max_length, which transformers' generate would
-  warn about beside every max_new_tokens (config.json's max_position_embeddings holds the context);
-- tokenizer.json, tokenizer_config.json: the tokenizer for transformers (AutoTokenizer), made with
-  transformers' tiktoken converter; it encodes exactly as podgpt's and puts BOS first. Written for
-  byte, gpt2 and bpe:N; the char tokenizer (ids index characters, not bytes) has none: export.py
-  prints a note and the model card says so;
-- podgpt_tokenizer/: the checkpoint's own tokenizer files (tokenizer.json, tokenizer.tiktoken), which
-  tokenizer.load_tokenizer reads (kept in a subfolder: the top-level tokenizer.json is transformers');
-- podgpt.json: podgpt's model config, where the export came from (as run/ckpt/checkpoint: no local path
-  in a folder that is made to be shared), its step and validation loss (load_export and sample.py's /info
-  read it), and the export's files: a later export to the same --out replaces the folder only when it
-  holds nothing else;
-- README.md: a model card (recipe, data, tokens, losses, preflight verdict, limitations).
-Every file gets the mode a new file gets (0644 under the usual umask 022), readable by whoever serves it.
-
-Vocabulary: podgpt pads the embedding and head to a multiple of vocab_multiple. The export keeps the
-padded matrices and sets vocab_size = padded_vocab: the weights stay bit for bit the checkpoint's (a
-tied matrix stays one matrix), the round size keeps the matmuls fast, and the tokenizer never emits
-the padding ids. Their logits are never trained upwards (never targets); generation_config.json lists
-them in suppress_tokens, which transformers' generate applies (vLLM does not: see the card).
-
-RoPE: model.py rotates halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with
-inv_freq = theta^(-2i/head_dim), exactly transformers' rotate_half, so q/k rows map unpermuted
-(tests/test_export.py checks logits against LlamaForCausalLM, and that a permuted layout fails).
+The folder holds config.json (LlamaForCausalLM), model.safetensors (or shards and an index past max_shard_gb; a
+tied head stored once, as the embedding), generation_config.json (bos = eos = podgpt's BOS id, the padding ids
+suppressed), tokenizer.json and tokenizer_config.json for transformers (none for the char tokenizer: export.py
+and the model card say why), podgpt_tokenizer/ (the checkpoint's own tokenizer files, which sample.py reads),
+podgpt.json (the model config; where the export came from, as run/ckpt/checkpoint, never a local path; its step
+and losses; and the files a later export to the same --out may replace) and README.md, a model card. Every file
+gets the mode a new file gets (0644 under the usual umask 022), readable by whoever serves it.
 """
 
 import errno
@@ -114,6 +91,10 @@ def finite(x):
 
 
 def hf_config(cfg, torch_dtype):
+    """config.json. vocab_size is the padded vocabulary: the weights stay bit for bit the checkpoint's (a tied
+    matrix stays one matrix) and the round size keeps the matmuls fast; the padding ids are never targets in
+    training, the tokenizer never emits them, and generation_config.json suppresses them (vLLM does not: the
+    model card says so)."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -145,7 +126,9 @@ def hf_config(cfg, torch_dtype):
 
 
 def hf_tensors(cfg, state_dict, dt):
-    """{HF name: contiguous tensor}; a tied head only once (as the embedding)."""
+    """{HF name: contiguous tensor}; a tied head only once (as the embedding). model.py rotates halves for RoPE
+    (inv_freq = theta^(-2i/head_dim)), exactly as transformers' rotate_half, so q and k map unpermuted
+    (tests/test_export.py checks the logits against LlamaForCausalLM, and that a permuted layout fails)."""
     tensors = {}
     for name, t in state_dict.items():
         if name == "lm_head.weight":
@@ -260,9 +243,9 @@ def card_usage(cfg, tokenizer_note):
                  "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
 
 
-def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
-    """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why there is no
-    transformers tokenizer (None: there is one)."""
+def card_training(path, run_cfg, trainer, out_dir):
+    """The model card's Training section for checkpoint `path` of the run in out_dir: its data, recipe, losses
+    and preflight verdict, from what the run left there."""
     summary = read_json(os.path.join(out_dir, "summary.json")) or {}
     if summary.get("checkpoint") and os.path.basename(str(summary["checkpoint"])) != os.path.basename(path):
         summary = {}  # the run went on (or ended) at another checkpoint: its numbers are not this one's
@@ -275,20 +258,8 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
         train_loss = losses[-1] if losses else None
     recipe_keys = ("max_steps", "total_batch_tokens", "micro_batch_size", "learning_rate", "min_lr", "warmup_steps",
                    "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype", "world_size", "grad_accum")
-    p = param_counts(cfg)
     fmt = lambda x: "n/a" if x is None else (f"{x:.4f}" if isinstance(x, float) else str(x))  # noqa: E731
     lines = [
-        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, podgpt]", "---", "",
-        f"# {os.path.basename(os.path.normpath(out_dir)) or 'podgpt'} (podgpt export)", "",
-        f"A Llama-architecture decoder pretrained from scratch with podgpt, exported from `{source}` "
-        f"(step {trainer.get('step', 'n/a')}). Weights: {weight_dtype}.", "",
-        "## Model", "",
-        f"- {p['total']:,} parameters ({p['non_embedding']:,} non-embedding); {cfg.n_layer} layers, d_model "
-        f"{cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} KV heads (head_dim {cfg.head_dim}), SwiGLU "
-        f"{cfg.ffn_hidden}, RoPE theta {cfg.rope_theta}, RMSNorm eps {cfg.norm_eps}, "
-        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, context {cfg.block_size}",
-        f"- vocabulary: {cfg.vocab_size} tokens (BOS = EOS = id {cfg.vocab_size - 1}), padded to "
-        f"{cfg.padded_vocab} rows", "",
         "## Training", "",
         f"- data: `{run_cfg.get('data_dir', 'n/a')}` (fingerprint `{run_cfg.get('data_fingerprint', 'n/a')}`), "
         f"tokenizer `{tok.get('spec', 'n/a')}`",
@@ -307,8 +278,27 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
                      + (f" (blocked: {', '.join(blocked)})" if blocked else ""))
     else:
         lines.append("- preflight verdict: none recorded (no preflight.json in the out_dir)")
+    return lines
+
+
+def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
+    """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why there is no
+    transformers tokenizer (None: there is one)."""
+    p = param_counts(cfg)
     use, tokenizer_line = card_usage(cfg, tokenizer_note)
-    lines += [
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, podgpt]", "---", "",
+        f"# {os.path.basename(os.path.normpath(out_dir)) or 'podgpt'} (podgpt export)", "",
+        f"A Llama-architecture decoder pretrained from scratch with podgpt, exported from `{source}` "
+        f"(step {trainer.get('step', 'n/a')}). Weights: {weight_dtype}.", "",
+        "## Model", "",
+        f"- {p['total']:,} parameters ({p['non_embedding']:,} non-embedding); {cfg.n_layer} layers, d_model "
+        f"{cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} KV heads (head_dim {cfg.head_dim}), SwiGLU "
+        f"{cfg.ffn_hidden}, RoPE theta {cfg.rope_theta}, RMSNorm eps {cfg.norm_eps}, "
+        f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, context {cfg.block_size}",
+        f"- vocabulary: {cfg.vocab_size} tokens (BOS = EOS = id {cfg.vocab_size - 1}), padded to "
+        f"{cfg.padded_vocab} rows", "",
+        *card_training(path, run_cfg, trainer, out_dir),
         "", "## Use", "",
         "```python", *use, "```", "",
         "`python sample.py --ckpt=<this folder>` streams text with podgpt's own tokenizer "

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from data import contamination, load_manifest
 from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
-from util import fail, first_line, format_bytes, write_atomic, write_json
+from schedule import fit_horizon
+from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
 HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
 # epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
@@ -236,23 +237,6 @@ def attention_gate(cfg, mconfig, runtime):
         return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
 
 
-def fit_horizon(cfg, tokens_per_sec, world, spent_s=0.0, spent_usd=0.0, reserve_s=0.0):
-    """(steps, what sets them): where the run's schedule ends at tokens_per_sec. max_steps, or fewer when
-    max_hours or budget_usd (after spent_s and spent_usd, keeping back reserve_s and a step, as the guards do)
-    pays for fewer. A step's time includes its share of the evaluations: eval_steps micro-batches forward every
-    eval_every steps, a forward pass being about a third of a training micro-batch's forward and backward."""
-    accum = cfg.total_batch_tokens / (cfg.micro_batch_size * cfg.block_size * world)
-    step_s = cfg.total_batch_tokens / tokens_per_sec * (1 + cfg.eval_steps / (3 * accum * cfg.eval_every))
-    limits = [(cfg.max_steps, "max_steps")]
-    if cfg.max_hours:
-        limits.append(((cfg.max_hours * 3600 - spent_s - reserve_s) / step_s, "max_hours"))
-    if cfg.budget_usd and cfg.usd_per_gpu_hour:
-        usd_per_s = world * cfg.usd_per_gpu_hour / 3600
-        limits.append((((cfg.budget_usd - spent_usd) / usd_per_s - reserve_s) / step_s, "budget_usd"))
-    steps, by = min(limits)
-    return max(0, int(steps) - (by != "max_steps")), by
-
-
 def time_gate(cfg, tokens_per_sec, source, world):
     """time_and_cost: hours and dollars of the planned tokens, and the horizon: where max_hours or budget_usd end
     the schedule (fit_budget), or would stop the run before it ends (a block without fit_budget)."""
@@ -325,7 +309,7 @@ def loss_gate(cfg, plan, manifest):
 # -----------------------------------------------------------------------------
 # the report
 
-def gates_report(cfg, proc, mconfig, manifest, dt, warn):
+def gates_report(cfg, proc, mconfig, manifest, dt):
     """Every gate that needs no model on the device, checked on rank 0 before anything is allocated and
     sent to every rank: the report {profile, gates, plan}. A block stops the run here (allow_unsafe: a
     warning; preflight_only: reported at the end). Planning from a CPU for a GPU pod (preflight_only with
@@ -427,6 +411,34 @@ def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block
         torch.cuda.synchronize()
     model.zero_grad(set_to_none=True)
     return 3 * micro_batch_size * block_size / (time.time() - t0)
+
+
+def plan_run(cfg, proc, dt, mconfig, data, build_model):
+    """The preflight report of the run about to train, and its model once one is needed: (report, model or None).
+    data: (manifest, train Loader, validation Loader), all None before the data exists; build_model(): the model on
+    this rank's device. Time and cost are planned at a planned throughput, or measured here on the real model (not
+    when planning another machine, and not for a model that cannot fit)."""
+    manifest, train_data, _ = data
+    report = gates_report(cfg, proc, mconfig, manifest, dt)
+    tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
+    measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
+        and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
+    model = None
+    if measure or not cfg.preflight_only:
+        model = build_model()
+    if measure:
+        tokens_per_sec = proc.world * mean_over_ranks(measure_tokens_per_sec(
+            model, train_data, proc.dev, autocast(proc.dev, dt), cfg.micro_batch_size, cfg.block_size),
+            proc.distributed, proc.dev)
+        source = f"measured here, {proc.world} x {proc.dev.type}"
+    plan_time(cfg, proc, report, tokens_per_sec, source)
+    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
+    time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
+    if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
+        if not cfg.allow_unsafe:
+            fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
+        warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
+    return report, model
 
 
 def verdict_of(gates):

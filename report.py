@@ -5,19 +5,16 @@ The run report: a human-readable page and portable files, written from what a ru
 
 writes into out_dir:
 - summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours, dollars,
-                MFU, the preflight verdict, and the plots (when matplotlib is installed; without it, a line
-                saying so)
+                MFU, the preflight verdict, and the plots (or a line saying why there are none)
 - metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
 - manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
                 (refine: the loss of each supervision step)
 
-train.py calls write_report(out_dir) after every evaluation (live=True: the run is still going) and at the end
-of a run (and, for a dry run, dryrun_report; on a resume, rewrite_metrics drops the metrics lines past the
-checkpoint); with log_to, Trackers mirrors every metrics line to TensorBoard, Weights & Biases or MLflow as
-the run writes it. It only reads the small files of the out_dir
-(never a model or optimizer state), and every piece is optional: a missing or damaged file leaves its part of
-the report empty rather than raising, because a report must never turn a finished run into a failed one.
+train.py writes metrics.jsonl through MetricsFile, calls write_report after every evaluation (live=True) and at
+the end, and with log_to mirrors every metrics line to TensorBoard, Weights & Biases or MLflow (Trackers). The
+report reads only the small files of out_dir, and a missing or damaged one leaves its part empty rather than
+raising: a report must never turn a finished run into a failed one.
 """
 
 import csv
@@ -112,6 +109,32 @@ def rewrite_metrics(path, last_step):
     os.replace(tmp, path)
 
 
+class MetricsFile:
+    """metrics.jsonl as a run writes it (rank 0): from the step it starts at (rewrite_metrics), a JSON object a
+    line, appended with os.write, so no buffer holds half a line that a later flush could add."""
+
+    def __init__(self, path, step):
+        rewrite_metrics(path, step)
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, row):
+        """The row in strict JSON (a non-finite value as null: its event line says what), as written. A write the
+        disk refuses is taken back whole (truncating needs no space), the file closed, and the OSError raised."""
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            while line:  # a full disk may take part of it before it refuses
+                line = line[os.write(self.fd, line):]
+        except OSError:
+            os.ftruncate(self.fd, end)
+            os.close(self.fd)
+            raise
+        return row
+
+    def close(self):
+        os.close(self.fd)
+
+
 def is_number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -125,37 +148,6 @@ def run_config(out_dir):
     except OSError:
         return None
     return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
-
-
-def dryrun_report(root, n, first, resumed, activities):
-    """Rank 0's verdict on the two passes, written to root/dryrun.json; `problems` lists what is off."""
-    half, problems = n // 2, []
-    # training rows with a loss (a non-finite one is written as null, and counted in nonfinite_steps)
-    a, b = ({m["step"]: m for m in read_metrics(os.path.join(root, run, "metrics.jsonl")) if m.get("loss") is not None}
-            for run in ("first", "resumed"))
-    tolerance = 1e-5 if activities[0]["dtype"] == "float32" else 1e-2  # bf16 kernels may reduce in another order
-    diffs = {k: abs(b[k]["loss"] - a[k]["loss"]) / abs(a[k]["loss"]) for k in range(half + 1, n + 1) if k in a and k in b}
-    worst = max(diffs.values(), default=float("inf"))
-    if len(diffs) != n - half or not worst <= tolerance:
-        problems.append(f"the resumed run does not reproduce steps {half + 1}..{n}: largest relative loss "
-                        f"difference {worst:.3g} (tolerance {tolerance:g})")
-    idle = [x["rank"] for x in activities if x["steps"] != n]
-    if idle:
-        problems.append(f"ranks {idle} did not run all {n} steps")
-    if first["nonfinite_steps"]:
-        problems.append(f"{first['nonfinite_steps']} non-finite steps")
-    losses = [a[k]["loss"] for k in sorted(a)]
-    k = max(1, len(losses) // 4)
-    trend = (sum(losses[:k]) / k, sum(losses[-k:]) / k)
-    if trend[1] > trend[0]:
-        problems.append(f"the loss rose: {trend[0]:.4f} over the first {k} steps, {trend[1]:.4f} over the last {k}")
-    report = dict(ok=not problems, problems=problems, steps=n, world_size=len(activities), ranks=activities,
-                  tokens_per_sec=a[max(a)]["tokens_per_sec"], peak_mem_gb=max(x["peak_mem_gb"] for x in activities),
-                  loss_first=trend[0], loss_last=trend[1], spikes=first["spikes"],
-                  resume_check=dict(from_step=half, steps=sorted(diffs), max_rel_diff=worst, tolerance=tolerance),
-                  first=first, resumed=resumed)
-    write_json(os.path.join(root, "dryrun.json"), report)
-    return report
 
 
 # ----------------------------------------------------------------------------
@@ -292,8 +284,7 @@ def write_plots(out_dir, rows):
     folder = os.path.join(out_dir, PLOTS)
     written = []
     for name, title, x, ys, ylabel in figures(rows):
-        # fixed margins, not tight_layout, which measures every label's text: the six plots at the end of
-        # every run take 0.41 s instead of 0.62 (matplotlib imported; 2-core CPU, matplotlib 3.11)
+        # fixed margins, not tight_layout, which measures every label's text at every evaluation
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100, gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
         try:
             drawn = 0
@@ -328,6 +319,18 @@ def fmt(v, spec=".4f"):
 def last(rows, name):
     vals = [r[name] for r in rows if is_number(r.get(name))]
     return vals[-1] if vals else None
+
+
+def target_verdict(band, status, val_loss):
+    """Whether the run got where target_val_loss (as preflight.target_band) says, judged on its final validation
+    loss (done means the final one, not the best): met or missed; not reached when a guard or a signal stopped the
+    run before its last step, or it failed; None without a target. An early stop completes a run."""
+    if band is None:
+        return None
+    if status != "completed" or val_loss is None:
+        return "not reached"
+    low, high = band
+    return "met" if (low is None or low <= val_loss) and val_loss <= high else "missed"
 
 
 def target_text(band):

@@ -1,31 +1,18 @@
 """
-Sanity checks before paying for a run: does this machine compute what the configured
-run needs, correctly, and does the model fit? Each check has a status (pass / fail /
-skip), the seconds it took and a detail line; the report goes to out_dir/sanity.json
-and out_dir/sanity.md, and the exit status is 1 when any check failed (on any rank).
+Sanity checks before paying for a run: does this machine compute what the configured run needs, correctly, and
+does the model fit? Each check has a status (pass / fail / skip), its seconds and a detail line; the report goes
+to out_dir/sanity.json and .md, and the exit status is 1 when any check failed on any rank.
 
     python sanity.py config/tiny.py
     python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141    # plan a pod's memory from here
     torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
 
-The checks, in order:
-- environment: python, torch, CUDA and driver, the GPUs (name, capability, memory), NCCL;
-  disk: free space where out_dir is;
-- attention:*: each attention backend of model.py (ATTENTION_BACKENDS, sdpa, and the one auto
-  picks here), forward and backward against model.py's float64 reference, at the configured head
-  layout, in the run's dtype; a backend that cannot run here is skipped, saying why.
-  attention:doc_mask: the dense document mask against the reference within documents;
-- train_step, kv_cache, checkpoint: a 2-layer model of the configured head layout takes a
-  step in the run's dtype with finite loss and gradients, gives the same logits with the
-  KV cache as without, and reads back bit for bit through checkpoint.py's save and load;
-- dataset: data_dir's manifest and shards agree with the config (once prepare.py ran);
-- compile: torch.compile's forward and backward match eager (compile=True only);
-- allreduce: under torchrun, the sum on every rank and the bus bandwidth;
-- capacity (--capacity): parameters, FLOPs/token and model.memory_estimate's bytes per GPU
-  for DDP and for a sharded layout, with and without activation checkpointing; on a GPU
-  also one real training step's peak memory and the largest micro-batch that fits (not for an
-  fsdp model whose whole state one GPU cannot hold: there the plan decides). run.sh passes
-  --capacity on a machine with a GPU.
+The checks, in order: environment (python, torch, CUDA, the GPUs, NCCL, free disk); attention:* (each attention
+backend, and auto's pick, forward and backward against the float64 reference at the configured head layout and
+dtype; doc_mask within documents); train_step, kv_cache, checkpoint (a 2-layer model of that head layout trains
+a finite step, decodes the same with the KV cache, and reads back bit for bit); dataset (data_dir agrees with the
+config); compile (compile=True: compiled matches eager); allreduce (under torchrun); capacity (--capacity: the
+planned memory per GPU of each layout, and on a GPU one real step's peak and the largest micro-batch that fits).
 Under torchrun every rank runs every check on its own GPU and rank 0 writes the report.
 """
 
@@ -180,7 +167,7 @@ def check_attention(name, cfg, dev, dt, mask=None):
     reference at the configured head layout: the output and the gradients of q, k and v
     (model.parity_errors; mask: None for causal, or a kind of model.MASKS). Skipped, saying why, where it cannot run."""
     # a GPU's kernels work in 128-row tiles: T=256 crosses them; a CPU kernel has none to cross, and T=64 (what
-    # model.py's own parity check uses there) keeps a 64-head layout's check at ~0.1 s instead of ~0.7
+    # model.py's own parity check uses there) keeps the check quick on a CPU
     T, hd = min(cfg["block_size"], 256 if dev.type == "cuda" else 64), cfg["n_embd"] // cfg["n_head"]
     note = ""
     if name == "auto":
@@ -273,7 +260,7 @@ def check_compile(cfg, dev, dt):
     x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
     eager = [t.clone() for t in loss_and_grads(model, x, dev, dt)]
     compiled = loss_and_grads(torch.compile(model), x, dev, dt)
-    # held to the kernels' bound against float64 (measured on CPU: 8e-3 in bf16)
+    # held to the kernels' bound against float64
     err, tol = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True)), PARITY_TOLERANCE[dt]
     ok = err <= tol
     return ("pass" if ok else "fail"), (f"{dtype_name(dt)} loss and gradients: compiled differs "
@@ -387,6 +374,13 @@ def check_capacity(cfg, dev, dt, world, out):
                    if budget else "; give gpu_mem_gb for a verdict")
         return ("fail" if budget and not run["fits"] else "pass"), (
             f"{summary}{verdict}; not on a GPU: estimate only (built on the meta device: {built:,} parameters)")
+    return check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out)
+
+
+def check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out):
+    """check_capacity on a GPU: one real training step's peak memory and the largest micro-batch that fits,
+    against the plan, into out["measured"] (not for a model whose whole state this GPU cannot hold)."""
+    mb, fsdp, run = cfg["micro_batch_size"], cfg["dist_mode"] == "fsdp", out["layouts"]["run"]
     # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU would save nothing
     one = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes, budget)
     total = torch.cuda.get_device_properties(dev).total_memory

@@ -1,46 +1,18 @@
 """
-Train a GPT on the shards that prepare.py writes: one process (CPU or one GPU), or
-under torchrun (gloo on CPU, nccl on CUDA) either data-parallel (dist_mode=ddp: each
-GPU holds the whole model and AdamW state) or sharded (dist_mode=fsdp: FSDP2 splits
-weights, gradients and AdamW state over the GPUs, for models DDP cannot fit).
+Train a GPT on the shards that prepare.py writes: one process (CPU or one GPU), or under torchrun (gloo on
+CPU, nccl on CUDA), data-parallel (dist_mode=ddp) or sharded by FSDP2 (dist_mode=fsdp, for models DDP cannot fit).
 
     python train.py config/tiny.py
     python train.py config/a100_50m.py --max_steps=500 --compile=False
     torchrun --standalone --nproc_per_node=8 train.py config/h200_1b_ddp8.py
     torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      # fsdp
 
-Config: the globals between the config markers below, overridden by config files and
---key=val (configurator.py; --help lists them). Everything a run writes goes to out_dir:
-config.json (the resolved config; the console shows the keys that differ from the defaults),
-preflight.json/.md, metrics.jsonl (a JSON object per logged step, and one per event: spike,
-non-finite step, rollback, budget warning, checkpoint written), ckpt/ (checkpoints, written in
-the background; ckpt/latest and ckpt/best name the newest and the best complete one), the run
-report (summary.md, plots/: refreshed at every evaluation), summary.json when the run ends or stops,
-spike-postmortem.md/.json at a spike or non-finite step (its batch, and the command that replays it); with
-log_to, every metrics line also goes to TensorBoard (out_dir/tensorboard), Weights & Biases or MLflow as it is
-written.
-
-The batch of optimizer step s is always the same set of sequences, whatever the
-number of GPUs or the micro-batch: the loader walks one global, seeded order of
-windows (see Loader), and each step takes the next total_batch_tokens worth of it,
-split across ranks and micro-steps. So a run resumes exactly where it stopped, and
-1 GPU with gradient accumulation k computes the same step as k GPUs. That also holds
-across world sizes: a run checkpointed on 8 GPUs resumes on 4 (grad accumulation
-doubles) with the same batches; only the per-rank RNG states, which training does not
-use, are re-seeded. An fsdp checkpoint is sharded (ckpt/step_N/state/, written by every
-rank with torch.distributed.checkpoint) and reshards on load: it resumes at another
-world size, or under ddp, and a ddp checkpoint resumes under fsdp; sample.py and
-export.py read it whole.
-
-A run survives what a rented pod does to it:
-- the same command again resumes from the newest checkpoint that is complete and reads
-  back (resume=auto); a kill at any moment, even mid-save, loses at most the steps
-  since the last checkpoint, and the resumed run is bit-identical to one never stopped;
-- SIGTERM, SIGINT and SIGUSR1 (preemption notices) make every rank stop at the same
-  step boundary, save, and exit 0; so do max_hours and the budget guards, before their
-  limit is crossed;
-- a non-finite loss or gradient skips the step on every rank; max_bad_steps spikes or
-  non-finite steps in a row roll back to the last checkpoint at half the learning rate.
+Config: the globals between the config markers below, overridden by config files and --key=val
+(configurator.py; --help lists them). A run writes into out_dir only (docs/long-runs.md lists its files).
+The batch of optimizer step s is the same set of sequences whatever the number of GPUs or the micro-batch
+(data.Loader), so the same command again resumes bit-identically from the newest complete checkpoint, at any
+world size; a preemption signal, max_hours or a budget guard stops every rank at one step boundary, with a
+checkpoint; bad steps are skipped, then rolled back.
 
 objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
 step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
@@ -49,15 +21,13 @@ AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (b
 diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
-import json
 import math
 import os
 import random
-import shlex
 import signal
 import sys
 import time
-from collections import Counter, deque
+from collections import deque
 from contextlib import nullcontext
 from types import SimpleNamespace
 
@@ -68,16 +38,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
 from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
-                  format_seconds, is_master, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup,
-                  warn, write_atomic, write_json)
+                  format_seconds, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup, warn,
+                  write_json)
 from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
                    resolve_backend, shard_model)
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, gates_report, loss_gate,
-                       measure_tokens_per_sec, model_config, plan_time, planned_speed, planning, target_band,
-                       write_preflight)
-from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
+from preflight import HORIZON, band_text, finish_preflight, model_config, plan_run, target_band, write_preflight
+from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from report import MetricsFile, Trackers, target_verdict, tracker_names, write_report
+from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
+from dryrun import dryrun
 from tasks import gsm8k_accuracy, gsm8k_problems
 from tokenizer import check_tokenizer_loads, load_tokenizer
 
@@ -213,21 +184,12 @@ matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 ten
 
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
 GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's
                                 # slow step overshot max_hours when they kept back the average)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
-POSTMORTEM = "spike-postmortem"  # out_dir/spike-postmortem.md and .json: every spike and non-finite step of the run
-POSTMORTEM_STEPS = 8            # steps (the bad one last) whose loss and grad norm a post-mortem shows
-POSTMORTEM_SAMPLES = 4          # samples of a bad step's batch shown decoded
-POSTMORTEM_TOKENS = 32          # tokens of each
-# keys a replay command leaves at their defaults or sets itself: none changes what a step computes
-REPLAY_DROPS = ("out_dir", "resume", "stop_at_step", "log_every", "eval_every", "ckpt_every", "ckpt_every_minutes",
-                "early_stop_patience", "max_hours", "budget_usd", "budget_file", "budget_check_minutes", "log_to",
-                "run_name", "run_tags")
 
 
 def check_config(cfg):
@@ -247,27 +209,38 @@ def check_config(cfg):
                 "eval_gsm8k_samples", "ckpt_every_minutes", "stop_at_step"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
-    if cfg.compile_mode not in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
-        fail(f"compile_mode={cfg.compile_mode!r} is not one of default, reduce-overhead, max-autotune, "
-             f"max-autotune-no-cudagraphs")
+    for key, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+                         ("matmul_precision", ("highest", "high", "medium")), ("dist_mode", ("ddp", "fsdp")),
+                         ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
+        if cfg[key] not in choices:
+            fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
     if cfg.gate_profile not in HORIZON:
         fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
     try:
         target_band(cfg.target_val_loss)
     except ValueError as e:
         fail(str(e), 2)
-    if cfg.matmul_precision not in ("highest", "high", "medium"):
-        fail(f"matmul_precision={cfg.matmul_precision!r} is not one of highest, high, medium")
-    if cfg.dist_mode not in ("ddp", "fsdp"):
-        fail(f"dist_mode={cfg.dist_mode!r} is not one of ddp, fsdp")
-    if cfg.optimizer not in ("adamw", "muon"):
-        fail(f"optimizer={cfg.optimizer!r} is not one of adamw, muon")
+    check_optimizer(cfg)
+    if cfg.spike_factor <= 1:
+        fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
+    if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
+        fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
+    if not 0 < cfg.decay_frac <= 1:
+        fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
+    if cfg.budget_file and not cfg.budget_usd:
+        fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
+    if cfg.budget_file and not os.path.isfile(cfg.budget_file):
+        fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
+
+
+def check_optimizer(cfg):
+    """Refuse an optimizer or learning rates that cannot work."""
     if cfg.optimizer == "muon":
         if not hasattr(torch.optim, "Muon"):
             fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
         # Newton-Schulz multiplies whole matrices, which FSDP2 splits over the ranks: on its DTensor shards torch's
-        # Muon gets the update right (to bf16 rounding) by all-gathering a square matrix 15 times a step (measured,
-        # 2 ranks, torch 2.13), where FSDP's own forward and backward gather it twice
+        # Muon gets the update right only by all-gathering each matrix many times a step, where FSDP's own forward
+        # and backward gather it twice
         if cfg.dist_mode == "fsdp":
             fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each whole matrix, which "
                  "FSDP splits over the GPUs; use dist_mode=ddp, or optimizer=adamw")
@@ -281,92 +254,6 @@ def check_config(cfg):
              f"learning_rate to min_lr")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         fail(f"beta1={cfg.beta1}, beta2={cfg.beta2}: both must be in [0, 1)")
-    if cfg.spike_factor <= 1:
-        fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
-    if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
-        fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or budget_file")
-    if cfg.lr_schedule not in ("cosine", "wsd"):
-        fail(f"lr_schedule={cfg.lr_schedule!r} is not one of cosine, wsd")
-    if not 0 < cfg.decay_frac <= 1:
-        fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
-    if cfg.budget_file and not cfg.budget_usd:
-        fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
-    if cfg.budget_file and not os.path.isfile(cfg.budget_file):
-        fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
-
-
-# -----------------------------------------------------------------------------
-# the schedule, the model on the devices, the run's files
-
-def lr_at(step, cfg, horizon, decay_start=-1, decay_lr=None):
-    """Learning rate of optimizer step `step` (0-based) of a schedule whose last step is horizon - 1: linear
-    warmup, then cosine to min_lr at the last step; wsd: learning_rate until decay_start (-1: not yet), then
-    linear from decay_lr (learning_rate, or where an earlier decay had come when the horizon moved closer)
-    to min_lr at the last step."""
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "wsd":
-        if decay_start < 0 or step < decay_start:
-            return cfg.learning_rate
-        start = cfg.learning_rate if decay_lr is None else decay_lr
-        return start + (cfg.min_lr - start) * min(1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, horizon - 1 - cfg.warmup_steps))
-    return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def finite_or_text(x):
-    """A float as strict JSON takes it: NaN and inf as the text "nan", "inf"."""
-    return x if math.isfinite(x) else str(x)
-
-
-def postmortem_md(cfg, bad_steps):
-    """spike-postmortem.md: the bad steps (Trainer.postmortem) oldest first, each with its replay command."""
-    def shown(x):
-        return f"{x:.4f}" if isinstance(x, float) else str(x)
-
-    lines = [f"# Spike post-mortem: {cfg.out_dir}", "",
-             f"{len(bad_steps)} bad steps: a spike is a loss above spike_factor={cfg.spike_factor:g} x the average of "
-             f"the losses before it (a decay-{LOSS_EMA_DECAY} EMA), a non-finite step a NaN or inf loss or gradient. "
-             f"Every step is in metrics.jsonl; this, in full, in {POSTMORTEM}.json."]
-    for bad in bad_steps:
-        (a, z), batch = bad["batch"]["samples"], bad["batch"]
-        lines += ["", f"## Step {bad['step']}: {'spike' if bad['kind'] == 'spike' else 'non-finite'}, loss "
-                      f"{shown(bad['loss'])} (average before it {shown(bad['loss_ema'])})", "",
-                  f"What the run did: {bad['action']}.", "", "| step | loss | grad norm | lr |", "|---|---|---|---|"]
-        lines += [f"| {r['step']} | {shown(r['loss'])} | {shown(r['grad_norm'])} | {r['lr']:.3g} |"
-                  for r in bad["recent"]]
-        if batch["drill"]:
-            lines += ["", f"The batch: the fire drill's, rarest tokens (data.rare_token_batch) in place of samples "
-                          f"{a:,}..{z - 1:,}; the first tokens of rank 0's first rows:", "", "```"]
-            lines += [json.dumps(t, ensure_ascii=False) for t in batch["text"]]
-        else:
-            shards = Counter(s["shard"] for s in batch["sources"])
-            lines += ["", f"The batch: samples {a:,}..{z - 1:,} (data.Loader's order), windows from "
-                          f"{', '.join(f'{name} ({k})' for name, k in shards.items())}; the first tokens of the first "
-                          f"ones (a document is its index in the shard's docs.npy):", "", "```"]
-            lines += [f"sample {s['sample']:,} ({s['shard']}, document {s['doc']:,}, token {s['token']:,}): "
-                      f"{json.dumps(t, ensure_ascii=False)}" for s, t in zip(batch["sources"], batch["text"])]
-        lines += ["```", ""]
-        if bad["replay_command"] is None:
-            lines += [f"No replay: {bad['replay_note']}."]
-            continue
-        start = "the start" if bad["replay_from"] < 0 else \
-            f"ckpt/step_{bad['replay_from']:07d} (kept while among the keep_last={cfg.keep_last} newest)"
-        lines += [f"Replay: trains from {start} to step {bad['step']} with this run's config, logs every step and "
-                  f"stops there (a checkpoint in the replay's out_dir); its loss at step {bad['step']} is this one "
-                  f"(bit for bit on CPU in fp32, tests/test_guards.py; a GPU's kernels may differ in the last bits):", "",
-                  "```bash", bad["replay_command"], "```"]
-    return "\n".join(lines) + "\n"
-
-
-def read_budget_file(path):
-    """(spent_usd, projected_total_usd) from the budget file, or the reason it cannot be read."""
-    try:
-        with open(path) as f:
-            b = json.load(f)
-        return float(b["spent_usd"]), float(b.get("projected_total_usd", b["spent_usd"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return first_line(e)
 
 
 # -----------------------------------------------------------------------------
@@ -387,18 +274,6 @@ def format_refinement(sups):
     if not sups:
         return ""
     return f" | steps {' -> '.join(f'{v:.4f}' for v in sups)} ({refinement_fields(sups)['refinement']:.1f}% refined)"
-
-
-def target_verdict(band, status, val_loss):
-    """Whether the run got where target_val_loss (as target_band) says, judged on its final validation loss (seed
-    002's definition of done is the final one, not the best): met or missed; not reached when a guard or a signal
-    stopped the run before its last step, or it failed; None without a target. An early stop completes a run."""
-    if band is None:
-        return None
-    if status != "completed" or val_loss is None:
-        return "not reached"
-    low, high = band
-    return "met" if (low is None or low <= val_loss) and val_loss <= high else "missed"
 
 
 def catch_signals():
@@ -460,7 +335,11 @@ def check_segments(cfg, manifest):
 def build_model(cfg, proc, dt, mconfig):
     """The model on this rank's device (its share of it under fsdp), its attention kernel resolved first
     (before torch.compile traces it) and logged in one short line (verbose: with the kernels auto skipped and
-    why, which preflight.md always has). fp8: its linear layers in float8, or one line why that cannot run here."""
+    why, which preflight.md always has). fp8: its linear layers in float8, or one line why that cannot run here.
+    The seeds are set first: its init, and every RNG the run uses, start from cfg.seed."""
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed + proc.rank)
+    np.random.seed((cfg.seed + proc.rank) % 2**32)  # numpy's range; the configurator keeps seed in it
     if cfg.fp8 and (why := fp8_unavailable(proc.dev, dt, cfg.compile)):
         fail(why, 2)
     try:
@@ -478,20 +357,6 @@ def build_model(cfg, proc, dt, mconfig):
     if cfg.dist_mode == "fsdp":
         shard_model(model, proc.dev, dt)
     return model
-
-
-def restore_clock(cfg, state):
-    """The guards also count what a killed run spent after its last checkpoint (clock.json, see log_step)."""
-    path = os.path.join(cfg.out_dir, "clock.json")
-    if cfg.resume == "never" or not os.path.exists(path):
-        return
-    try:
-        with open(path) as f:
-            clock = json.load(f)
-        state.elapsed = max(state.elapsed, float(clock["elapsed"]))
-        state.cost_usd = max(state.cost_usd, float(clock["cost_usd"]))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        warn(f"ignoring {path} ({first_line(e)}): time and cost count from the checkpoint")
 
 
 def check_writable(cfg, proc, report, folder):
@@ -533,36 +398,6 @@ def wrap_model(cfg, proc, raw_model):
     return model
 
 
-def plan(cfg, proc, dt, mconfig, data):
-    """The preflight report, and the model on the device once one is needed: (report, model or None).
-    Time and cost are planned at a planned throughput, or measured here on the real model (not when
-    planning another machine, and not for a model that cannot fit)."""
-    manifest, train_data, _ = data
-    report = gates_report(cfg, proc, mconfig, manifest, dt, warn)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed + proc.rank)
-    np.random.seed((cfg.seed + proc.rank) % 2**32)  # numpy's range; the configurator keeps seed in it
-    tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
-    measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
-        and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
-    model = None
-    if measure or not cfg.preflight_only:
-        model = build_model(cfg, proc, dt, mconfig)
-    if measure:
-        tokens_per_sec = proc.world * mean_over_ranks(measure_tokens_per_sec(
-            model, train_data, proc.dev, autocast(proc.dev, dt), cfg.micro_batch_size, cfg.block_size),
-            proc.distributed, proc.dev)
-        source = f"measured here, {proc.world} x {proc.dev.type}"
-    plan_time(cfg, proc, report, tokens_per_sec, source)
-    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
-    time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
-    if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
-        if not cfg.allow_unsafe:
-            fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
-        warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
-    return report, model
-
-
 # -----------------------------------------------------------------------------
 # the loop
 
@@ -598,30 +433,18 @@ class Trainer:
             except ValueError as e:
                 fail(f"eval_gsm8k_samples={cfg.eval_gsm8k_samples}: {e}")
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
-        if proc.rank == 0:
-            rewrite_metrics(self.metrics_path, state.step)
-        # appended a line at a time with os.write: no buffer holds half a line that a later flush could add
-        self.metrics = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) \
-            if proc.rank == 0 else None
+        self.metrics = MetricsFile(self.metrics_path, state.step) if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
         self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
-        # the post-mortem of bad steps (rank 0 writes it): the recent steps' (step, loss, grad norm, lr), and the
-        # oldest checkpoint a replay may start from (-1: none needed; after a rollback, only one saved since holds
-        # its lr_scale)
-        self.recent, self.replay_floor = deque(maxlen=POSTMORTEM_STEPS), -1
-        self.postmortem_path = os.path.join(cfg.out_dir, POSTMORTEM)
-        self.bad_steps = self.read_postmortem() if proc.rank == 0 else []
+        self.recent = deque(maxlen=POSTMORTEM_STEPS)  # (step, loss, grad norm, lr) of the steps a post-mortem shows
+        self.postmortem = PostMortem(cfg, __file__, proc.world, ckpts.root, state.step, LOSS_EMA_DECAY) \
+            if proc.rank == 0 else None
 
     def write_metrics(self, row):
-        if self.metrics is not None:  # strict JSON: a non-finite value is written as null (its event line says what)
-            row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
-            line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.metrics, 0, os.SEEK_END)
+        if self.metrics is not None:
             try:
-                while line:  # a full disk may take part of it before it refuses
-                    line = line[os.write(self.metrics, line):]
-            except OSError as e:  # the line is taken back whole (truncating needs no space)
-                os.ftruncate(self.metrics, end)
-                os.close(self.metrics)
+                row = self.metrics.write(row)
+            except OSError as e:
                 self.metrics = None
                 out_of_space(self.metrics_path, e, self.ckpts)
             if self.trackers:
@@ -686,27 +509,18 @@ class Trainer:
         """Rank 0's verdict: the name of the guard that must stop the run now, or None. The reserve is what
         one more step (as slow as the slowest recent one), an evaluation and the final save take, so no limit is
         crossed."""
-        cfg, st = self.cfg, self.state
-        reserve = self.reserve()
-        if cfg.max_hours and st.elapsed + reserve > cfg.max_hours * 3600:
-            return "max_hours"
-        if cfg.budget_usd and cfg.usd_per_gpu_hour and st.cost_usd + reserve * self.gpu_rate > cfg.budget_usd:
-            return "budget_usd"
-        if cfg.budget_file and time.time() >= self.next_budget_check:
-            self.next_budget_check = time.time() + cfg.budget_check_minutes * 60
-            read = read_budget_file(cfg.budget_file)
-            if isinstance(read, str):
-                warn(f"budget_file {cfg.budget_file} unreadable ({read}); retrying in {cfg.budget_check_minutes} min")
-                return None
-            spent, projected = read
-            if spent > cfg.budget_usd:
-                return "budget_file_spent"
-            if projected > cfg.budget_usd:
-                return "budget_file_projected"
-            if spent > BUDGET_WARN * cfg.budget_usd:
-                self.event("budget_warning", f"spent ${spent:.2f} of budget_usd=${cfg.budget_usd:.2f} "
-                           f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
-        return None
+        cfg = self.cfg
+        if limit := over_limit(cfg, self.state, self.reserve(), self.gpu_rate):
+            return limit
+        if not cfg.budget_file or time.time() < self.next_budget_check:
+            return None
+        self.next_budget_check = time.time() + cfg.budget_check_minutes * 60
+        limit, spend = budget_file_verdict(cfg)
+        if spend:
+            spent, projected = spend
+            self.event("budget_warning", f"spent ${spent:.2f} of budget_usd=${cfg.budget_usd:.2f} "
+                       f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
+        return limit
 
     def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, sups=None):
         """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
@@ -753,8 +567,10 @@ class Trainer:
         else:
             st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
-        if (spike or not finite) and self.proc.rank == 0:
-            self.postmortem("spike" if finite else "nonfinite")
+        if (spike or not finite) and self.postmortem:
+            batch = bad_batch(cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir))
+            self.postmortem.add("spike" if finite else "nonfinite", st, self.recent, batch, self.ckpts.on_disk)
+            self.write_postmortem()
 
     def rollback(self):
         """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
@@ -775,83 +591,16 @@ class Trainer:
         self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
                    f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",
                    from_step=bad_at, lr_scale=st.lr_scale, rollbacks=st.rollbacks)
-        self.replay_floor = st.step + 1
-        if self.proc.rank == 0:
-            for bad in self.bad_steps:
-                if bad["step"] > st.step and bad["rolled_back_to"] is None:
-                    bad["rolled_back_to"] = st.step
-                    bad["action"] += f"; then the run rolled back to step {st.step} at lr x {st.lr_scale:g}"
+        if self.postmortem:
+            self.postmortem.rolled_back(st.step, st.lr_scale)
             self.write_postmortem()
         return None
 
-    # the post-mortem of bad steps: out_dir/spike-postmortem.md and .json
-
-    def read_postmortem(self):
-        """The bad steps the post-mortem of this out_dir holds up to the step resumed from (none at a start)."""
-        try:
-            with open(self.postmortem_path + ".json") as f:
-                return [bad for bad in json.load(f)["bad_steps"] if bad["step"] <= self.state.step]
-        except (OSError, ValueError, KeyError, TypeError):
-            return []
-
     def write_postmortem(self):
         try:
-            write_json(self.postmortem_path + ".json", dict(out_dir=self.cfg.out_dir, bad_steps=self.bad_steps))
-            write_atomic(self.postmortem_path + ".md", postmortem_md(self.cfg, self.bad_steps))
+            self.postmortem.write()
         except OSError as e:
-            out_of_space(self.postmortem_path + ".md", e, self.ckpts)
-
-    def postmortem(self, kind):
-        """Add the step just taken, a spike or a non-finite step, to the post-mortem: the steps up to it, its batch
-        (samples, shards, documents, the first tokens decoded), what the run did, and the command that replays it."""
-        cfg, st = self.cfg, self.state
-        n = cfg.total_batch_tokens // cfg.block_size
-        first, drill = st.samples - n, f"spike@{st.step}" in st.injected
-        if drill:  # rank 0's first micro-batch, as micro_batch drew it in place of the step's samples
-            rows = rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, st.step - 1, first],
-                                    torch.device("cpu"), cfg.objective == "bd3lm")[0].numpy()
-            sources = None
-        else:
-            sources = self.train_data.sources(range(first, first + n))
-            rows = [self.train_data.window(s["window"]) for s in sources[:POSTMORTEM_SAMPLES]]
-        tok = load_tokenizer(cfg.data_dir)
-        text = [tok.decode(row[:POSTMORTEM_TOKENS]) for row in rows[:POSTMORTEM_SAMPLES]]
-        recent = [dict(step=s, loss=finite_or_text(loss), grad_norm=finite_or_text(g.item()), lr=lr)
-                  for s, loss, g, lr in self.recent]
-        action = ("skipped on every rank: no weight or optimizer state changed" if kind == "nonfinite" else
-                  "counted, not skipped: its update was applied")
-        args, note = self.replay_args(st.step)
-        launch = [sys.executable] if self.proc.world == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.proc.world}"]
-        self.bad_steps.append(dict(
-            **recent[-1], kind=kind, loss_ema=st.loss_ema, recent=recent,
-            batch=dict(samples=[first, first + n], drill=drill, sources=sources, text=text),
-            action=f"{action} ({st.bad_in_a_row} bad in a row; max_bad_steps={cfg.max_bad_steps} in a row roll back)",
-            rolled_back_to=None, replay_from=self.ckpts.on_disk if args else None, replay_args=args,
-            replay_command=args and f"cd {shlex.quote(os.getcwd())} && "
-                                    f"{shlex.join([*launch, os.path.relpath(__file__), *args])}",
-            replay_note=note))
-        self.write_postmortem()
-
-    def replay_args(self, step):
-        """(train.py's arguments that run this run again up to `step` and stop, None) or (None, why there are none):
-        the keys that differ from the defaults, less REPLAY_DROPS, from the newest checkpoint on disk (none yet: from
-        the start, which is as deterministic)."""
-        cfg, st, on_disk = self.cfg, self.state, self.ckpts.on_disk
-        if on_disk < self.replay_floor:
-            return None, (f"no checkpoint since the rollback to step {on_disk}, and one from before it would train at "
-                          f"its learning rate, not this one's x {self.state.lr_scale:g}")
-        if st.horizon_by == "time or money left" and on_disk < st.decay_start:
-            return None, (f"the learning rate's decay began at step {st.decay_start}, after the newest checkpoint, on "
-                          f"the time or money then left, which a replay does not repeat")
-        defaults = configurator.read_defaults(__file__)
-        args = [f"--{k}={v}" for k, v in cfg.items() if v != defaults[k][0] and k not in REPLAY_DROPS]
-        if on_disk < 0 and st.horizon < cfg.max_steps:  # the schedule's end, which the dropped budget keys had set
-            args.append(f"--max_steps={st.horizon}")
-        resume = os.path.join(self.ckpts.root, f"step_{on_disk:07d}") if on_disk >= 0 else "never"
-        return [*args, f"--out_dir={cfg.out_dir.rstrip('/')}-replay-{step}", f"--resume={resume}",
-                f"--stop_at_step={step}", "--log_every=1", f"--eval_every={cfg.max_steps}",
-                f"--ckpt_every={cfg.max_steps}"], None
+            out_of_space(self.postmortem.path + ".md", e, self.ckpts)
 
     # one step
 
@@ -995,47 +744,15 @@ class Trainer:
                        f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
 
     def fit(self, tokens_per_sec, t_start):
-        """A new run's horizon: what max_hours and budget_usd pay for at preflight's tokens_per_sec, after the
-        startup so far and keeping back a last evaluation and save (fit_budget; rank 0's, for every rank)."""
-        cfg, st = self.cfg, self.state
-        fitted = [(cfg.max_steps, "max_steps")]
-        if cfg.fit_budget and tokens_per_sec and self.proc.rank == 0:
-            spent = time.time() - t_start
-            fitted = [fit_horizon(cfg, tokens_per_sec, self.proc.world, spent_s=spent,
-                                  spent_usd=spent * self.gpu_rate, reserve_s=self.save_seconds)]
-        if self.proc.distributed:
-            dist.broadcast_object_list(fitted)
-        st.horizon, st.horizon_by = fitted[0]
-        if st.horizon < cfg.max_steps:
-            log(f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,} steps at "
-                f"{tokens_per_sec:,.0f} tokens/s: the {cfg.lr_schedule} schedule ends there")
+        """A new run's horizon (schedule.start_horizon), the startup so far spent."""
+        self.state.horizon, self.state.horizon_by = start_horizon(self.cfg, self.proc, tokens_per_sec,
+                                                                  time.time() - t_start, self.gpu_rate,
+                                                                  self.save_seconds)
 
     def decay_to(self):
-        """wsd, rank 0: the horizon to decay to from the next step on, when the decay should start (or, already
-        decaying, end sooner) now; 0 otherwise. It starts decay_frac of the horizon before its end, or sooner when
-        the time or money left pays for no more than the decay at the pace of the recent steps (saves,
-        evaluations and all); a decay the money can no longer finish ends sooner, from where it has come."""
-        cfg, st = self.cfg, self.state
-        self.pace.append((st.step + 1, st.elapsed))  # this step's end, as the next tick will count it
-        if cfg.lr_schedule != "wsd" or st.step + 1 < cfg.warmup_steps or len(self.pace) < 2:
-            return 0
-        decay = max(1, round(cfg.decay_frac * st.horizon))
-        if st.decay_start < 0 and st.horizon - (st.step + 1) <= decay:
-            return st.horizon
-        (s0, t0), (s1, t1) = self.pace[0], self.pace[-1]
-        step_s = (t1 - t0) / (s1 - s0)
-        reserve = self.reserve() + step_s  # the guard's, and a step to spare: the horizon comes before the guard
-        left = []
-        if cfg.max_hours:
-            left.append((cfg.max_hours * 3600 - st.elapsed - reserve) / step_s)
-        if cfg.budget_usd and cfg.usd_per_gpu_hour:
-            left.append(((cfg.budget_usd - st.cost_usd) / self.gpu_rate - reserve) / step_s)
-        if not left:
-            return 0
-        end = st.step + 1 + max(1, int(min(left)))
-        if st.decay_start < 0:
-            return end if end - (st.step + 1) <= decay else 0
-        return end if end < st.horizon else 0
+        """wsd, rank 0: the horizon to decay to from the next step on, or 0 (schedule.decay_horizon)."""
+        self.pace.append((self.state.step + 1, self.state.elapsed))  # this step's end, as the next tick will count it
+        return decay_horizon(self.cfg, self.state, self.pace, self.reserve(), self.gpu_rate)
 
     def unsaved(self, reason):
         """Why the run ends without its model on disk (every stop saves the step it stopped at, but a stop over
@@ -1122,7 +839,7 @@ class Trainer:
                        **refinement_fields(self.val_sups if val_loss is not None else None, "final_val_"))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
-        os.close(self.metrics)
+        self.metrics.close()
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
             self.trackers.close(status)
@@ -1142,70 +859,30 @@ class Trainer:
 
 
 # -----------------------------------------------------------------------------
-# dry run: the real config for a few steps, a checkpoint halfway, and a resume from it in the
-# same invocation that must reproduce the second half; everything a long run needs, in minutes
-
-def dryrun(argv, n, root):
-    """The real config for n steps into root/first with a checkpoint at n/2, then n/2+1..n again from it into
-    root/resumed, in one invocation: everything a long run needs, in minutes. The exit status. A stop (a signal,
-    a guard) in the first pass ends the dry run there: there is nothing to compare."""
-    ddp, master = "RANK" in os.environ, is_master()
-    if n < 2:
-        fail(f"dryrun_steps={n}: need at least 2 (a checkpoint at half, then the resume)")
-    half = n // 2
-    folder = Folder(root, "out_dir", legacy=("dryrun.json", "first", "resumed"))  # the names a dry run writes
-    if master:  # each dry run starts from nothing: the folders of the one before go (podgpt's own, and no one's now)
-        folder.hold()
-        for sub in ("first", "resumed"):
-            if os.path.lexists(os.path.join(root, sub)):
-                remove(os.path.join(root, sub))
-        folder.claim()
-    try:
-        common = ["--dryrun_steps=0", f"--max_steps={n}", "--fit_budget=False", "--log_every=1", f"--eval_every={n}",
-                  "--save_best=False", "--early_stop_patience=0", f"--keep_last={n}"]
-        _, first, activity = train(configure([*argv, *common, f"--out_dir={root}/first", "--resume=never",
-                                              f"--ckpt_every={half}"]), keep_group=True)
-        if activity["stop_reason"] != "max_steps":  # agreed by every rank
-            if ddp:
-                dist.barrier()
-                dist.destroy_process_group()
-            log(f"dry run stopped at step {activity['steps']} of its first pass ({activity['stop_reason']}): nothing "
-                f"to compare; run the same command again to start it over")
-            return 0
-        _, resumed, _ = train(configure([*argv, *common, f"--out_dir={root}/resumed", f"--ckpt_every={n}",
-                                         f"--resume={root}/first/ckpt/step_{half:07d}"]), keep_group=True)
-    finally:
-        folder.release()
-    activities = [activity]
-    if ddp:
-        activities = [None] * dist.get_world_size()
-        dist.all_gather_object(activities, activity)
-    report = dryrun_report(root, n, first, resumed, activities) if master else None
-    if ddp:  # every rank leaves together: one exiting while another still works can abort gloo
-        verdict = [report]
-        dist.broadcast_object_list(verdict)
-        report = verdict[0]
-        dist.barrier()
-        dist.destroy_process_group()
-    if report["problems"]:
-        if master:
-            fail(f"dry run failed: {'; '.join(report['problems'])} (report in {root}/dryrun.json)")
-        return 1
-    if master:
-        print(f"dry run ok: {n} steps on {len(activities)} rank(s), loss {report['loss_first']:.4f} -> "
-              f"{report['loss_last']:.4f}, resume from step {n // 2} reproduces steps {n // 2 + 1}..{n} (largest "
-              f"difference {report['resume_check']['max_rel_diff']:.2g}), {report['tokens_per_sec']:,.0f} tokens/s, "
-              f"peak {report['peak_mem_gb']:.2f} GB | {root}/dryrun.json")
-    return 0
-
-
-# -----------------------------------------------------------------------------
 
 def configure(argv):
     """This script's config from argv, checked."""
     cfg = configurator.configure(__file__, argv)
     check_config(cfg)
     return cfg
+
+
+def new_state(cfg):
+    """The loop's state at the start: all of it goes into every checkpoint, so a resumed run continues exactly."""
+    return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
+                           evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
+                           rollbacks=0, lr_scale=1.0, injected=[], order_broken=0,
+                           horizon=cfg.max_steps, horizon_by="max_steps", decay_start=-1, decay_lr=None)
+
+
+def log_run(cfg, proc, dt, mconfig, data, grad_accum):
+    """The run's first console lines: the keys that differ from the defaults, the model, the data and the batch."""
+    (manifest, train_data, val_data), counts = data, param_counts(mconfig)
+    log(f"config: {configurator.changed(cfg, __file__)} (every key: {os.path.join(cfg.out_dir, 'config.json')})")
+    log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+        f"{flops_per_token(mconfig) / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train "
+        f"and {val_data.n:,} validation windows | world {proc.world} x micro {cfg.micro_batch_size} x accum "
+        f"{grad_accum} = {cfg.total_batch_tokens} tokens/step | {proc.dev} {dtype_name(dt)}")
 
 
 def train(cfg, keep_group=False):
@@ -1218,9 +895,9 @@ def train(cfg, keep_group=False):
     with Folder(cfg.out_dir, "out_dir", legacy=("ckpt/latest",)) as folder:
         on_rank0(proc.distributed, folder.hold)
         data = open_data(cfg)
-        manifest, train_data, val_data = data
+        manifest = data[0]
         mconfig = model_config(cfg, manifest)
-        report, raw_model = plan(cfg, proc, dt, mconfig, data)
+        report, raw_model = plan_run(cfg, proc, dt, mconfig, data, lambda: build_model(cfg, proc, dt, mconfig))
         if cfg.preflight_only:
             on_rank0(proc.distributed, folder.claim)
             return finish_preflight(cfg, report, proc.rank == 0), None, None
@@ -1232,22 +909,12 @@ def train(cfg, keep_group=False):
         ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, cfg.dist_mode == "fsdp",
                             files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
                             cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
-        # the loop's state: all of it goes into every checkpoint, so a resumed run continues exactly
-        state = SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"), best_step=-1,
-                                evals_since_best=0, loss_ema=None, spikes=0, nonfinite_steps=0, bad_in_a_row=0,
-                                rollbacks=0, lr_scale=1.0, injected=[], order_broken=0,
-                                horizon=cfg.max_steps, horizon_by="max_steps", decay_start=-1, decay_lr=None)
+        state = new_state(cfg)
         resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
         restore_clock(cfg, state)
         check_writable(cfg, proc, report, folder)
         model = wrap_model(cfg, proc, raw_model)
-
-        counts = param_counts(mconfig)
-        log(f"config: {configurator.changed(cfg, __file__)} (every key: {os.path.join(cfg.out_dir, 'config.json')})")
-        log(f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
-            f"{flops_per_token(mconfig) / 1e9:.3f} GFLOP/token | data: {manifest['tokenizer']}, {train_data.n:,} train "
-            f"and {val_data.n:,} validation windows | world {proc.world} x micro {cfg.micro_batch_size} x accum "
-            f"{grad_accum} = {cfg.total_batch_tokens} tokens/step | {proc.dev} {dtype_name(dt)}")
+        log_run(cfg, proc, dt, mconfig, data, grad_accum)
         if resumed:
             log(f"resumed from {resumed} at step {state.step} ({format_seconds(state.elapsed)} and "
                 f"${state.cost_usd:.2f} so far)")
@@ -1278,7 +945,7 @@ def main(argv):
     """The script: a training run, a dry run (dryrun_steps) or a preflight (preflight_only); the exit status."""
     cfg = configure(argv)
     if cfg.dryrun_steps:
-        return dryrun(argv, cfg.dryrun_steps, cfg.out_dir)
+        return dryrun(argv, cfg.dryrun_steps, cfg.out_dir, lambda args: train(configure(args), keep_group=True))
     if cfg.warmup_steps > cfg.max_steps:  # not for a dry run, which runs a long run's config for a few steps
         warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
              f"{lr_at(cfg.max_steps - 1, cfg, cfg.max_steps):.3g}, short of learning_rate={cfg.learning_rate:g}")

@@ -14,7 +14,10 @@ BELOW = {
     "data": {"util"},
     "report": {"util", "configurator"},
     "checkpoint": {"util", "model", "data"},
-    "preflight": {"util", "model", "data"},
+    "schedule": {"util"},
+    "preflight": {"util", "model", "data", "schedule"},
+    "postmortem": {"util", "configurator", "data"},
+    "dryrun": {"util", "report"},
     "tokenizer": {"util"},
     "download": {"util"},
     "tasks": {"util", "data", "tokenizer"},
@@ -22,7 +25,8 @@ BELOW = {
     "export": {"util", "configurator", "model", "checkpoint", "tokenizer", "report"},
     "sample": {"util", "configurator", "model", "checkpoint", "tokenizer", "export"},
     "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
-    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report", "tasks", "tokenizer"},
+    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "schedule", "report", "postmortem",
+              "dryrun", "tasks", "tokenizer"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}
