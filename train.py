@@ -43,10 +43,10 @@ A run survives what a rented pod does to it:
   non-finite steps in a row roll back to the last checkpoint at half the learning rate.
 
 objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
-step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
+step (objectives.py: Refine); its metrics lines, console lines and summary.json also carry each
 step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
 AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (block diffusion on GSM8K) trains a block
-diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
+diffusion model (objectives.py: BlockDiffusionLM) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
 import json
@@ -70,13 +70,15 @@ import configurator
 from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
                   format_seconds, is_master, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup,
                   warn, write_atomic, write_json)
-from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
-                   resolve_backend, shard_model)
+from attention import resolve_backend
+from model import float8_linears, fp8_unavailable, shard_model
+from objectives import make_model
+from optim import make_optimizer
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, gates_report, loss_gate,
-                       measure_tokens_per_sec, model_config, plan_time, planned_speed, planning, target_band,
-                       write_preflight)
+from preflight import (HORIZON, band_text, finish_preflight, fit_horizon, flops_per_token, gates_report, loss_gate,
+                       measure_tokens_per_sec, model_config, param_counts, peak_flops, plan_time, planned_speed,
+                       planning, target_band, write_preflight)
 from report import Trackers, dryrun_report, rewrite_metrics, tracker_names, write_report
 from prepare import check_tokenizer_loads, load_tokenizer
 
@@ -99,7 +101,7 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
-# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: model.py's GPTConfig
+# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: objectives.py's Refine
 # says how y and z move) | bd3lm (block diffusion). refine's loss is the objective below; val_loss is the last
 # supervision step's cross-entropy. bd3lm's loss and val_loss are the NELBO per token (an upper bound on its cross-entropy)
 objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
@@ -469,7 +471,7 @@ def build_model(cfg, proc, dt, mconfig):
     log(f"attention: {note}" if cfg.verbose or cfg.attn_backend != "auto" else
         f"attention: {backend} (auto: the first that passes its parity check here; why not the others: "
         f"{os.path.join(cfg.out_dir, 'preflight.md')})")
-    model = GPT(mconfig).to(proc.dev)
+    model = make_model(mconfig).to(proc.dev)
     if cfg.fp8:  # before FSDP wraps the layers, and before torch.compile traces them
         converted, kept = float8_linears(model)
         log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); kept in bfloat16: "

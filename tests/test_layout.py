@@ -1,5 +1,6 @@
-"""The modules import one way, from the bottom up: util -> model, data -> checkpoint, preflight -> train
-and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
+"""The modules import one way, from the bottom up: util -> attention -> model -> optim, and objectives beside
+model (it imports model and attention), data -> checkpoint (which builds models through objectives), preflight
+-> train and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
 so each can be read, copied and tested without the ones above it; no script imports train.py's insides."""
 import ast
 import os
@@ -10,18 +11,22 @@ from conftest import ROOT
 BELOW = {
     "util": set(),
     "configurator": {"util"},
-    "model": {"util"},
+    "attention": {"util"},
+    "model": {"util", "attention"},
+    "optim": set(),
+    "objectives": {"model", "attention"},
     "data": {"util"},
     "report": {"util", "configurator"},
-    "checkpoint": {"util", "model", "data"},
-    "preflight": {"util", "model", "data"},
+    "checkpoint": {"util", "model", "objectives", "data"},
+    "preflight": {"util", "attention", "model", "data"},
     "prepare": {"util", "configurator", "data"},
-    "export": {"util", "configurator", "model", "checkpoint", "prepare", "report"},
-    "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export"},
-    "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
+    "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "prepare", "report"},
+    "sample": {"util", "configurator", "objectives", "preflight", "checkpoint", "prepare", "export"},
+    "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     # train.py evaluates GSM8K answers (eval_gsm8k_samples) with prepare.py's tokenizer and its reading of the
     # format prepare.py writes; prepare.py imports nothing of train's
-    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "report", "prepare"},
+    "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
+              "report", "prepare"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}
