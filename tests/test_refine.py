@@ -14,13 +14,12 @@ import objectives
 from checkpoint import find_checkpoint
 from conftest import read_metrics, run_script, train_tiny
 from model import GPT, GPTConfig, KVCache
-from objectives import make_model, refine_objective
+from objectives import Refine, make_model, refine_objective
 from preflight import flops_per_token, memory_estimate, memory_phases, param_counts
 from test_fsdp import FSDP, assert_close_losses
 from test_model import measure_step
 from test_resume import ARGS, train
 from test_sanity import sanity
-from train import Trainer
 
 SHAPE = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
@@ -157,12 +156,11 @@ def test_an_order_broken_for_patience_evaluations_is_a_warning(capfd):
     """refinement_order: a later supervision step no better than the one before, refine_order_patience
     evaluations in a row, is one warning (and a metrics event); in order again, the count starts over."""
     events = []
-    trainer = SimpleNamespace(state=SimpleNamespace(order_broken=0, step=0), cfg=SimpleNamespace(refine_order_patience=2),
-                              event=lambda name, message, **f: events.append((name, message, f)))
-    for step, sups in enumerate([[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0],
-                                 [3.0, 3.0, 2.9], [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]):
-        trainer.state.step, trainer.val_sups = step, sups
-        Trainer.check_order(trainer)
+    state, cfg = SimpleNamespace(order_broken=0), SimpleNamespace(refine_order_patience=2)
+    for sups in [[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0], [3.0, 3.0, 2.9],
+                 [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]:
+        if warning := Refine.check_validation(sups, state, cfg):
+            events.append(warning)
     assert [(e[2]["evaluations"], e[2]["val_sup_losses"]) for e in events] == [(2, [3.0, 2.9, 2.95]),
                                                                                (2, [3.0, 3.0, 2.9]),
                                                                                (4, [2.0, 2.1, 2.2])]
