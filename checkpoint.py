@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from data import tokenizer_fingerprint
-from model import DIFFUSION_FIELDS, GPT, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
+from model import DIFFUSION_FIELDS, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
+from objectives import make_model
 from util import CutShortThread, fail, first_line, format_bytes, lock_file, log, remove, warn
 
 CKPT_FORMAT = 2
@@ -478,7 +479,8 @@ def load_model(ckpt, device="cpu", verify=True):
     try:
         with open(os.path.join(ckpt, "config.json")) as f:
             config = json.load(f)
-        model = GPT(GPTConfig(**dict(config["model"], attn_backend="auto")))  # trained elsewhere: this machine's kernel
+        # trained elsewhere: this machine's kernel
+        model = make_model(GPTConfig(**dict(config["model"], attn_backend="auto")))
     except (OSError, ValueError, KeyError, TypeError) as e:  # a field this model.py does not know, a missing one
         raise ValueError(f"config.json does not describe a model this model.py builds ({first_line(e)})") from None
     if os.path.isdir(os.path.join(ckpt, STATE_DIR)):  # sharded (fsdp): DCP gathers the model's shards whole
@@ -508,7 +510,7 @@ def set_rng_state(state):
 
 def optimizer_by_name(model, optimizer, saved):
     """A plain optimizer.state_dict() (parameters numbered in param_groups order) keyed by parameter
-    name instead, the form FSDP's loader takes; both runs build their groups with model.make_optimizer."""
+    name instead, the form FSDP's loader takes; both runs build their groups with optim.make_optimizer."""
     names = {id(p): n for n, p in model.named_parameters()}
     number_to_name = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
                               (names[id(p)] for g in optimizer.param_groups for p in g["params"]), strict=True))

@@ -312,7 +312,7 @@ class Loader:
 def diffusion_draws(seed, keys, block_size):
     """objective="bd3lm"'s noise, (len(keys), 2, block_size) float32 uniform in [0, 1): row j from a generator of
     (seed, keys[j]) alone, so a sample's noise is the same whatever the world size, the micro-batch or a resume
-    (model.GPT.diffuse reads it: [:, 0] masks tokens, [:, 1] draws each block's t)."""
+    (objectives.BlockDiffusionLM.diffuse reads it: [:, 0] masks tokens, [:, 1] draws each block's t)."""
     return np.stack([np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32) for k in keys])
 
 

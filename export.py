@@ -26,7 +26,9 @@ import torch
 
 import configurator
 from checkpoint import find_checkpoint, load_model, reading
-from model import GPT, RUNTIME_FIELDS, GPTConfig, param_counts
+from model import RUNTIME_FIELDS, GPTConfig
+from objectives import make_model
+from preflight import param_counts
 from report import read_json, read_metrics
 from tokenizer import read_ranks
 from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, finish_scratch, first_line,
@@ -425,7 +427,7 @@ def load_export(path, device="cpu"):
     try:
         with open(os.path.join(path, PODGPT_FILE)) as f:
             meta = json.load(f)
-        model = GPT(GPTConfig(**meta["model"]))
+        model = make_model(GPTConfig(**meta["model"]))
         state = load_export_state(path)
         if model.config.tie_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -1,5 +1,5 @@
 """
-The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
+The GPT of podgpt: a Llama-compatible decoder-only transformer.
 
 - RMSNorm (pre-norm), rotate-half RoPE with a configurable theta, SwiGLU MLP with a
   configurable hidden size (by default Llama's: 8/3 of the width rounded up to a multiple of
@@ -8,47 +8,29 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer in one file.
   is Llama's, so the weights map one to one onto transformers' LlamaForCausalLM.
 - The vocabulary is padded to a multiple of `vocab_multiple` (matmuls with a round
   inner size run faster); padded ids are never targets and never sampled.
-- Attention goes through `attention()`, one place that dispatches on
-  `config.attn_backend`: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one
-  kernel (cudnn, flash, efficient, math) or left to choose ("sdpa"), FlexAttention, or
-  "auto", the fastest of them that runs here and agrees with a float64 reference.
-  FlashAttention 4 through SDPA ("fa4") runs only when named: never auto's pick.
-- doc_mask: tokens attend only within their document (documents start at bos_id), so
-  packed rows train like separate sequences.
+- Attention runs on the kernel `config.attn_backend` names (attention.py). doc_mask: tokens attend only
+  within their document (documents start at bos_id), so packed rows train like separate sequences.
 - Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
   (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
-- objective="refine" (deep-supervision refinement): the same weights applied recursively, with a loss after each pass
-  through the layers (deep supervision, GPT.refine); its KV cache has an entry per block application.
-- objective="bd3lm": block diffusion on GSM8K, BD3-LM's NELBO over a noisy and a clean copy of each row
-  in one pass (GPT.diffuse, BlockDiffusion's mask; HDP's question / plan / execution segments), sampled a
-  block at a time with the earlier blocks in the KV cache (GPT.generate_blocks).
-- fp8 (train.py's key, opt-in): torchao's float8 training for the linear layers, float8_linears.
-- Arithmetic that planning needs without building the model: parameter counts,
-  FLOPs per token, bytes per GPU, and the datasheet peak of known GPUs for MFU.
+- For train.py: fp8 (torchao's float8 training for the linear layers) and FSDP2 sharding.
+GPT is the autoregressive model (objective="ar"); the other objectives' models subclass it in objectives.py.
 """
 
 import importlib
 import importlib.util
 import math
-import warnings
-from contextlib import nullcontext
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention, resolve_backend
 from util import device_mesh, first_line
 
-# fastest first: the order attn_backend="auto" tries them in
-ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
-# backends that run only when attn_backend names them, never auto's pick: fa4 is a beta package, and turning it
-# on swaps SDPA's flash kernel for the whole process
-OPT_IN_BACKENDS = ("fa4",)
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
 # on them, export has nothing to map them to, and a resumed run may change them
@@ -63,8 +45,6 @@ REFINE_FIELDS = ("objective", "n_loops", "T_recursion", "n_sup_train", "n_sup_in
 # and objective="bd3lm"'s, likewise left out of other models' records
 DIFFUSION_FIELDS = ("objective", "diffusion_block", "noise_schedule", "clip_low", "clip_high", "hdp_segments")
 NOISE_SCHEDULES = ("loglinear", "clipped")
-UNMASKING = ("schedule", "confidence")  # how bd3lm's sampler picks the tokens each denoising pass fills (generate_blocks)
-LOGLINEAR_EPS = 1e-3  # loglinear's t ~ U[eps, 1] (BD3-LM's sampling_eps_min): 1/t stays finite
 
 
 @dataclass
@@ -85,11 +65,8 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    # objective="refine", deep-supervision refinement (GPT.refine): the same weights, each block applied
-    # many times. The embedding x stays; an answer y (from x) and a latent z (from zeros) pass through every
-    # layer: the layer's block updates z n_loops times reading x + y + z, then y once reading y + z (its
-    # pre-norms read the sum, its residual adds to the state it updates), all of it T_recursion times. One pass
-    # through every layer is a supervision step; the head then reads y and the step's cross-entropy is taken
+    # objective="refine", deep-supervision refinement (objectives.py's Refine: how the states move): the same
+    # weights, each block applied many times; a pass through every layer is a supervision step, with a loss
     objective: str = "ar"         # ar: next-token prediction | refine
     n_loops: int = 2              # refine: latent updates per layer and repetition (the seed system's default)
     T_recursion: int = 1          # refine: repetitions per layer; in training all but the last run without gradients
@@ -99,11 +76,9 @@ class GPTConfig:
     supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
     improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
     detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the seed's 2)
-    # objective="bd3lm", block diffusion (BD3-LM, Arriola et al. 2025; GPT.diffuse): the sequence is cut
-    # into blocks of diffusion_block tokens; in each, every token is replaced by [MASK] (the vocabulary's last id:
-    # model_config adds it to the data's) with probability t, drawn per block, and the model predicts the clean
-    # tokens from the noisy block and the clean blocks before it (one pass over both copies, BlockDiffusion). The
-    # loss is the NELBO: each masked token's cross-entropy x 1/t, averaged over the tokens
+    # objective="bd3lm", block diffusion (objectives.py's BlockDiffusionLM): the sequence is cut into blocks of
+    # diffusion_block tokens, each noised to [MASK] (the vocabulary's last id: model_config adds it to the data's)
+    # at a rate t drawn per block, and denoised from the clean blocks before it
     diffusion_block: int = 16     # bd3lm: tokens per block (1: the NELBO is the autoregressive loss)
     noise_schedule: str = "loglinear"  # bd3lm: loglinear, t ~ U[1e-3, 1] | clipped, t ~ U[clip_low, clip_high] in training
     clip_low: float = 0.3         # bd3lm, clipped: the paper's beta (a lower-variance, biased training loss;
@@ -241,455 +216,6 @@ class GPTConfig:
 
 
 # -----------------------------------------------------------------------------
-# attention kernels: (q, k, v) are (B, heads, T, head_dim); k and v may have fewer heads (GQA:
-# query head h reads key/value head h // (n_head / n_kv_head), every kernel's convention).
-# `causal`: True for causal, aligned bottom-right when there are more keys than queries (the new
-# queries of the KV cache come after the cached keys); False for no mask; or a boolean tensor
-# (T_q, T_k), True where a query may attend (SDPA kernels only).
-# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each document), or
-# BlockDiffusion (bd3lm's 2T rows).
-
-class Mask:
-    """An attention mask in the form each kind of kernel takes (FORMS: backend -> form), each made on first use
-    and kept: GPT.forward makes one per batch before the blocks run, so every layer and every recomputation
-    under activation checkpointing reuses it."""
-    FORMS = {}
-
-    def __init__(self):
-        self.made = {}
-
-    def get(self, form):
-        if form not in self.made:
-            self.made[form] = getattr(self, form)()
-        return self.made[form]
-
-
-class Documents(Mask):
-    """Causal attention within documents: doc_ids (B, T) is the document of every token (doc_mask)."""
-
-    def __init__(self, doc_ids):
-        super().__init__()
-        self.ids = doc_ids
-
-    def dense(self):
-        """(B, 1, T, T) bool for SDPA: causal and the same document."""
-        T = self.ids.size(1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=self.ids.device).tril()
-        return (causal & (self.ids[:, :, None] == self.ids[:, None, :]))[:, None]
-
-    def block(self):
-        """FlexAttention's BlockMask: blocks wholly outside every document are skipped, not computed."""
-        from torch.nn.attention.flex_attention import create_block_mask
-        ids = self.ids
-
-        def same_document(b, h, q, kv):
-            return (q >= kv) & (ids[b, q] == ids[b, kv])
-
-        B, T = ids.shape
-        return create_block_mask(same_document, B, None, T, T, device=ids.device)
-
-    def varlen(self):
-        """(cu_seqlens, longest) for FlashAttention's varlen kernels: each document of each row is one
-        sequence of the flattened batch. The longest needs one host sync per batch."""
-        B, T = self.ids.shape
-        starts = torch.ones_like(self.ids, dtype=torch.bool)
-        starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
-        first = starts.flatten().nonzero().flatten()
-        cu_seqlens = torch.cat([first, first.new_tensor([B * T])]).to(torch.int32)
-        return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-
-
-class BlockDiffusion(Mask):
-    """objective="bd3lm"'s attention over a 2T row, the noisy copy of a sequence (positions [0, T)) then its clean
-    copy ([T, 2T)), both at RoPE positions 0..T-1; blocks (T,) numbers the diffusion block of each position,
-    in order. A noisy token sees its own noisy block (both ways) and the clean blocks before it; a clean token
-    sees the clean blocks up to its own (both ways within it); nothing sees a noisy token from elsewhere.
-    BD3-LM's mask (Arriola et al. 2025: block diagonal, offset block causal, block causal); HDP's question is
-    one block that no other block precedes, so it sees only itself."""
-
-    def __init__(self, blocks):
-        super().__init__()
-        self.blocks = blocks
-        self.positions = torch.arange(blocks.numel(), device=blocks.device).repeat(2)
-
-    def allowed(self, q, kv):
-        T = self.blocks.numel()
-        q_clean, kv_clean = q >= T, kv >= T
-        bq, bkv = self.blocks[q - T * q_clean], self.blocks[kv - T * kv_clean]
-        return ((bq == bkv) & ~q_clean & ~kv_clean  # a noisy token: its own noisy block
-                | (bkv < bq) & ~q_clean & kv_clean  # and the clean blocks before it
-                | (bkv <= bq) & q_clean & kv_clean)  # a clean token: the clean blocks up to its own
-
-    def dense(self):
-        """(1, 1, 2T, 2T) bool for SDPA."""
-        i = torch.arange(2 * self.blocks.numel(), device=self.blocks.device)
-        return self.allowed(i[:, None], i[None, :])[None, None]
-
-    def block(self):
-        """FlexAttention's BlockMask: the noisy copy's tiles outside its own block are skipped, not computed."""
-        from torch.nn.attention.flex_attention import create_block_mask
-        n = 2 * self.blocks.numel()
-        return create_block_mask(lambda b, h, q, kv: self.allowed(q, kv), None, None, n, n, device=self.blocks.device)
-
-
-def sdpa_attention(q, k, v, causal, mask=None):
-    """PyTorch's scaled_dot_product_attention, on the kernel it picks (or the one sdpa_kernel pins)."""
-    dense, is_causal = None, False
-    if mask is not None:
-        dense = mask.get("dense")
-    elif isinstance(causal, torch.Tensor):
-        dense = causal
-    elif causal and q.size(2) == k.size(2):
-        is_causal = True
-    elif causal and q.size(2) > 1:  # SDPA's is_causal aligns top-left: spell bottom-right out (one query needs none)
-        dense = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=is_causal,
-                                          enable_gqa=k.size(1) != q.size(1))
-
-
-def pinned_sdpa(kernel, q, k, v, causal, mask=None):
-    with sdpa_kernel([kernel]):
-        return sdpa_attention(q, k, v, causal, mask)
-
-
-def flash_sdpa(impl, q, k, v, causal, mask=None):
-    """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4", FlashAttention 4
-    (fa4). torch.nn.attention.activate_flash_attention_impl swaps the CUDA implementation for the whole
-    process, so each call puts back the one its backend names: flash and fa4 can both run in one process
-    (bench/attention.py, tests/test_gpu.py). A compiled graph calls whichever is active when it runs: the
-    eager trial call that resolved the backend set it before anything was traced."""
-    if q.is_cuda and not torch.compiler.is_compiling():
-        registry = torch.nn.attention  # before torch 2.10 there is none: PyTorch's own is the only one
-        if getattr(registry, "current_flash_attention_impl", lambda: None)() != impl:
-            if impl is None:
-                registry.restore_flash_attention_impl()
-            else:
-                registry.activate_flash_attention_impl(impl)
-    return pinned_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal, mask)
-
-
-# name: (module, what it is, how to get it)
-FLASH_PACKAGES = {
-    "fa3": ("flash_attn_interface", "FlashAttention 3",
-            "build it from flash-attention's hopper/ folder: cd hopper && python setup.py install"),
-    "fa2": ("flash_attn", "FlashAttention 2", "pip install flash-attn --no-build-isolation"),
-}
-
-
-def flash_attention(name, q, k, v, causal, mask=None):
-    """FlashAttention 2 or 3: (B, T, heads, head_dim) layout, GQA native, causal aligned bottom-right;
-    documents through the varlen kernel, each document its own sequence."""
-    if isinstance(causal, torch.Tensor):
-        raise ValueError(f"attn_backend={name} takes causal=True or False, not a mask tensor: use an SDPA backend")
-    module = importlib.import_module(FLASH_PACKAGES[name][0])
-    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    if mask is None:
-        out = module.flash_attn_func(q, k, v, causal=causal)
-    else:
-        B, T = q.shape[:2]
-        cu_seqlens, longest = mask.get("varlen")
-        out = module.flash_attn_varlen_func(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
-                                            v.reshape(B * T, *v.shape[2:]), cu_seqlens_q=cu_seqlens,
-                                            cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
-                                            causal=True)
-    out = out[0] if isinstance(out, tuple) else out  # some releases also return the log-sum-exp
-    return out.view(q.shape[:2] + out.shape[-2:]).transpose(1, 2)
-
-
-@lru_cache(maxsize=16)
-def causal_block_mask(q_len, kv_len, device):
-    from torch.nn.attention.flex_attention import create_block_mask
-    offset = kv_len - q_len
-
-    def causal(b, h, q, kv):
-        return q + offset >= kv
-
-    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
-
-
-@lru_cache(maxsize=1)
-def compiled_flex_attention():
-    from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False)
-
-
-def flex_attention(q, k, v, causal, mask=None):
-    """FlexAttention with a block mask. Uncompiled it computes the whole score matrix, so on CUDA
-    the training shapes (as many queries as keys) run compiled; the KV cache's changing shapes
-    would each compile anew, so they run eagerly (one query row at a time is cheap)."""
-    from torch.nn.attention.flex_attention import flex_attention as eager
-    if isinstance(causal, torch.Tensor):
-        raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an SDPA backend")
-    block_mask = None
-    if mask is not None:
-        block_mask = mask.get("block")
-    elif causal and q.size(2) > 1:  # one query (the KV cache's next token) sees every key
-        block_mask = causal_block_mask(q.size(2), k.size(2), q.device)
-    if q.is_cuda and q.size(2) == k.size(2):
-        return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
-    # eager on purpose: torch's warning about it (slow, and "may produce incorrect results", which concerns only its
-    # debug mode) would alarm every sampler run; the sampler's logits equal the math kernel's (tests/test_diffusion.py)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        return eager(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
-
-
-ATTENTION_KERNELS = {
-    "fa3": partial(flash_attention, "fa3"),
-    "fa2": partial(flash_attention, "fa2"),
-    "fa4": partial(flash_sdpa, "FA4"),
-    "cudnn": partial(pinned_sdpa, SDPBackend.CUDNN_ATTENTION),
-    "flash": partial(flash_sdpa, None),
-    "efficient": partial(pinned_sdpa, SDPBackend.EFFICIENT_ATTENTION),
-    "flex": flex_attention,
-    "math": partial(pinned_sdpa, SDPBackend.MATH),
-    "sdpa": sdpa_attention,
-}
-# the backends that can take each kind of mask, and the form each takes; SDPA's flash kernel takes no mask on
-# CUDA, and cudnn's support of one varies with the torch release. bd3lm's mask has no varlen form: its blocks
-# see other blocks
-Documents.FORMS = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense", "math": "dense",
-                   "sdpa": "dense"}
-BlockDiffusion.FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}
-MASKS = {"documents": Documents, "diffusion": BlockDiffusion}  # the kinds resolve_backend's `mask` names
-# largest error over largest value against float64, per compute dtype: a right kernel is well inside
-# (measured on CPU: 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32), a wrong one (scale, mask, GQA) is off by ~1
-PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
-
-
-def parity_tolerance(dtype, device):
-    """PARITY_TOLERANCE of dtype; float32 on a GPU whose fp32 matmuls run in TF32 (matmul_precision high or
-    medium) gets float16's: TF32 keeps float16's 10-bit mantissa (an H200 measured math at 8.0e-4 and flex at
-    2.3e-3 there, over float32's 1e-4, so that auto found no kernel at all)."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
-        return PARITY_TOLERANCE[torch.float16]
-    return PARITY_TOLERANCE.get(dtype, 1e-4)
-
-
-def reference_attention(q, k, v, mask=None):
-    """Causal attention (or as a Mask says) in float64, written out: the yardstick. Who sees whom is derived
-    here from the mask's own data (document ids, blocks), not taken from the forms the kernels get."""
-    rep = q.size(1) // k.size(1)
-    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
-    T = q.size(2)
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    if isinstance(mask, Documents):
-        allowed = allowed & (mask.ids[:, None, :, None] == mask.ids[:, None, None, :])
-    elif isinstance(mask, BlockDiffusion):  # [noisy copy, clean copy]: block of each position, and which copy
-        block, clean = mask.blocks.repeat(2), torch.arange(T, device=q.device) >= T // 2
-        earlier, same = block[None, :] < block[:, None], block[None, :] == block[:, None]
-        allowed = torch.where(clean[:, None], clean[None, :] & (earlier | same),
-                              ~clean[None, :] & same | clean[None, :] & earlier)
-    scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
-    return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
-
-
-def example_mask(kind, T, device):
-    """A Mask of `kind` (MASKS) over two rows of T positions, for parity checks and trial calls: three documents
-    in one row and one in the other; or T/2 positions in blocks of 4 (T >= 16) or 16 (T >= 128), both copies."""
-    if kind == "documents":
-        doc_ids = torch.zeros(2, T, dtype=torch.long, device=device)
-        doc_ids[0, T // 3:] += 1
-        doc_ids[0, T // 2 + 5:] += 1
-        return Documents(doc_ids)
-    return BlockDiffusion(torch.arange(T // 2, device=device) // (16 if T >= 128 else 4))
-
-
-def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=2, T=None):
-    """Largest error of a kernel's output and of its q/k/v gradients ({output, dq, dk, dv}) against
-    reference_attention, relative to the largest value, on random inputs of n_head query and n_kv_head
-    key/value heads (rounded to dtype first, so only the kernel's error counts), causal or under an
-    example_mask of kind `mask`. T None: 256 on a GPU (past FlexAttention's and FlashAttention's 128-row
-    tiles), 64 on a CPU. sanity.py checks every backend with these at the run's head layout."""
-    device = torch.device(device)
-    T = T or (256 if device.type == "cuda" else 64)
-    g = torch.Generator().manual_seed(0)
-    shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
-              (2, n_head, T, head_dim)]
-    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
-    example = None if mask is None else example_mask(mask, T, device)
-    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    reference_attention(*ref_in, example).backward(grad.double())
-    test_in = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = ATTENTION_KERNELS[name](*test_in, True, example)
-    out.backward(grad)
-    with torch.no_grad():
-        ref = reference_attention(*ref_in, example)
-        pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip(test_in, ref_in, strict=True)]
-        return {part: ((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item()
-                for part, (a, b) in zip(("output", "dq", "dk", "dv"), pairs, strict=True)}
-
-
-def parity_error(name, device, dtype, head_dim, mask=None):
-    """The largest of parity_errors at the default shapes: what auto holds against PARITY_TOLERANCE."""
-    return max(parity_errors(name, device, dtype, head_dim, mask).values())
-
-
-def fa4_unavailable(device, dtype, head_dim):
-    """Why fa4 cannot run here, or None: PyTorch 2.10+ routes SDPA's flash kernel to flash_attn.cute (the
-    flash-attn-4 package: CuTe DSL kernels, compiled at first use) on Hopper and Blackwell GPUs."""
-    label, install = "FlashAttention 4", "pip install --pre flash-attn-4"
-    if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
-        return (f"{label} runs through SDPA from torch 2.10 on (torch.nn.attention.activate_flash_attention_impl); "
-                f"this is torch {torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
-    if importlib.util.find_spec("flash_attn") is None:
-        return f"flash_attn.cute is not installed ({label}): {install}"
-    if device.type != "cuda":
-        return f"{label} is CUDA only; this is {device.type}"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):  # the GPUs PyTorch's FA4 route accepts
-        return (f"{label} runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU is {major}.{minor}: "
-                f"use fa2 or flash")
-    if head_dim % 8 or head_dim > 256 or (major == 10 and 128 < head_dim < 256):
-        return (f"{label} takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to 128, or 256), "
-                f"not {head_dim}")
-    try:  # flash_attn may be FlashAttention 2 alone, without the cute kernels
-        importlib.import_module("flash_attn.cute.interface")
-    except ImportError as e:
-        return f"flash_attn.cute does not import ({first_line(e)}): {install}"
-    return None
-
-
-def backend_unavailable(name, device, dtype, head_dim, mask=None):
-    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of kind `mask`:
-    None, or one of MASKS), else one line saying why not and what would make it run."""
-    device = torch.device(device)
-    if name not in ATTENTION_KERNELS:
-        return f"unknown attention backend {name!r}: choose auto or one of {', '.join(ATTENTION_KERNELS)}"
-    if mask == "documents" and name not in Documents.FORMS:
-        return f"{name} cannot mask documents (doc_mask=True); {', '.join(Documents.FORMS)} can"
-    if mask == "diffusion" and name not in BlockDiffusion.FORMS:
-        return f"{name} cannot take bd3lm's block-diffusion mask; {', '.join(BlockDiffusion.FORMS)} can"
-    if name in FLASH_PACKAGES:
-        module, label, install = FLASH_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({label}): {install}"
-        if device.type != "cuda":
-            return f"{label} is CUDA only; this is {device.type}"
-        if dtype not in (torch.bfloat16, torch.float16):
-            return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-        if head_dim % 8 or head_dim > 256:
-            return f"{label} takes a head_dim that is a multiple of 8 up to 256, not {head_dim}"
-        major, minor = torch.cuda.get_device_capability(device)
-        if name == "fa3" and major != 9:
-            return f"{label} is built for Hopper, compute capability 9.0; this GPU is {major}.{minor}: use fa2"
-        if name == "fa2" and major < 8:
-            return f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is {major}.{minor}"
-        try:
-            imported = importlib.import_module(module)
-        except ImportError as e:
-            return f"{module} is installed but does not import ({first_line(e)}): reinstall it for this torch"
-        if not hasattr(imported, "flash_attn_func"):  # flash-attn-4 alone installs flash_attn/cute/, nothing above
-            return f"{module} has no flash_attn_func (flash-attn-4 alone installs only flash_attn.cute): {install}"
-    elif name == "fa4":
-        why = fa4_unavailable(device, dtype, head_dim)
-        if why:
-            return why
-    elif name == "flex":
-        if device.type != "cuda":
-            return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
-        if importlib.util.find_spec("triton") is None:
-            return "FlexAttention compiles Triton kernels and triton is not installed: pip install triton"
-        return None  # a trial call would compile kernels for its shapes: the parity check (auto) or sanity.py runs it
-    elif name in ("cudnn", "efficient") and device.type != "cuda":
-        return f"the {name} kernel is CUDA only; this is {device.type}"
-    elif name in ("math", "sdpa"):
-        return None  # PyTorch's math kernel runs everywhere
-    return trial_call(name, device, dtype, head_dim, mask)
-
-
-def trial_call(name, device, dtype, head_dim, mask):
-    """A tiny causal GQA forward and backward (under an example_mask of kind `mask`): None when it runs,
-    else why not. SDPA gives its reasons for refusing a kernel in warnings."""
-    g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the model's init
-    q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (2, 1))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            ATTENTION_KERNELS[name](q, kv, kv, True, mask and example_mask(mask, 16, device)).sum().backward()
-            return None
-        except Exception as e:  # whatever a kernel raises, it cannot train here
-            reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split())
-                                    for w in caught)
-            why = "; ".join(reasons) or first_line(e)
-    return f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: {why[:400]}"
-
-
-resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
-
-
-def resolve_backend(name, device, dtype, head_dim, mask=None):
-    """(backend, note): the kernel attn_backend=name runs here, and one line saying why.
-
-    "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error within
-    PARITY_TOLERANCE); the note says which faster ones were skipped and why. A named backend that
-    cannot run here is a ValueError that lists the ones that can: never a silent substitute.
-    mask: None (causal), or the kind of Mask it will get (MASKS). Cached per (name, device type, dtype,
-    head_dim, mask)."""
-    if mask not in (None, *MASKS):
-        raise ValueError(f"mask={mask!r}: None or one of {', '.join(MASKS)}")
-    key = (name, torch.device(device).type, dtype, head_dim, mask)
-    if key not in resolved:
-        # trial and parity runs are eager work, never part of a compiled graph (disabling compilation at
-        # import would import torch._dynamo, a second, into every process)
-        resolve = torch.compiler.disable(resolve_uncached) if torch.compiler.is_compiling() else resolve_uncached
-        resolved[key] = resolve(*key)
-    return resolved[key]
-
-
-def resolve_uncached(name, device_type, dtype, head_dim, mask):
-    # they run forward and backward in their own dtypes, whatever the caller's grad and autocast modes
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
-        return resolve_in_eager(name, torch.device(device_type), dtype, head_dim, mask)
-
-
-def resolve_in_eager(name, device, dtype, head_dim, mask):
-    if name != "auto":
-        why = backend_unavailable(name, device, dtype, head_dim, mask)
-        if why is None:
-            return name, f"{name}: as configured"
-        here = [b for b in ATTENTION_KERNELS if b != name and not backend_unavailable(b, device, dtype, head_dim,
-                                                                                       mask)]
-        raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
-                         f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
-                         f"{dict(documents=', doc_mask', diffusion=', bd3lm mask').get(mask, '')}): "
-                         f"{', '.join(here) or 'none'}")
-    skipped = []
-    tol = parity_tolerance(dtype, device)
-    # bd3lm's mask leaves most tiles of its 2T x 2T scores empty, and only FlexAttention skips them
-    for candidate in sorted(ATTENTION_BACKENDS, key=lambda b: mask == "diffusion" and b != "flex"):
-        why = backend_unavailable(candidate, device, dtype, head_dim, mask)
-        if why is None:
-            try:
-                err = parity_error(candidate, device, dtype, head_dim, mask)
-                why = None if err <= tol else f"largest error {err:.1e} against float64, over {tol:g}"
-            except Exception as e:  # a kernel that fails its first real call is skipped, saying how
-                why = f"failed its parity check: {first_line(e)}"
-        if why is None:
-            return candidate, (f"auto: {candidate} (largest error {err:.1e} against float64)"
-                               + "".join(f"; skipped {s}" for s in skipped))
-        skipped.append(f"{candidate} ({why})")
-    raise ValueError("attn_backend=auto: no attention backend runs here: " + "; ".join(skipped))
-
-
-def attention(backend, q, k, v, causal, mask=None):
-    """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T', D) on `backend` (an attn_backend value).
-    causal: True, False, or a bool mask tensor (see above). mask: None, a Mask, or a (B, T) tensor of each
-    token's document (made into Documents: attention is then causal and within documents).
-    The first call for a (backend, device, dtype, head_dim, kind of mask) resolves it, which runs a backward
-    of its own: call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
-    if isinstance(mask, torch.Tensor):
-        mask = Documents(mask)
-    if isinstance(mask, Documents) and causal is not True:
-        raise ValueError("doc_ids makes attention causal within each document: pass causal=True")
-    kind = next((k for k, cls in MASKS.items() if isinstance(mask, cls)), None)
-    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), kind)[0]
-    return ATTENTION_KERNELS[name](q, k, v, causal, mask)
-
-
-# -----------------------------------------------------------------------------
 # rotary position embedding, Llama's rotate-half convention: the first and second
 # halves of each head are the two coordinates of each rotated pair.
 
@@ -746,8 +272,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         hd = self.config.head_dim
         start = cache.pos if cache is not None else 0
-        # bd3lm's 2T rows hold two copies of positions 0..T-1
-        at = mask.positions if isinstance(mask, BlockDiffusion) else slice(start, start + T)
+        positions = mask.positions if isinstance(mask, Mask) else None  # bd3lm's 2T rows: positions 0..T-1 twice
+        at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
@@ -818,6 +344,9 @@ selective_checkpointing = partial(create_selective_checkpoint_contexts, selectiv
 
 
 class GPT(nn.Module):
+    """The autoregressive model (objective="ar"): embedding, blocks, head. objectives.py's models of the other
+    objectives subclass it (objectives.make_model builds the one a config asks for)."""
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -840,108 +369,49 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None):
         """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
         or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits.
-        objective="refine" adds a third item, each supervision step's cross-entropy (GPT.refine).
-        objective="bd3lm": with targets, the noise draws (GPT.diffuse), (None, the NELBO per token); without,
-        idx is the next block after the cache's, whole (GPT.denoise), and the cache keeps it."""
-        config = self.config
-        T = idx.size(1)
-        start = cache.pos if cache is not None else 0
-        if start + T > config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={config.block_size}")
-        if config.objective == "bd3lm":
-            out = self.diffuse(idx, targets) if targets is not None else (self.denoise(idx, cache), None)
-            if cache is not None:
-                cache.pos += T
-            return out
+        With a cache, idx comes after the positions it holds, and idx's keys and values join them.
+        An objective's model (objectives.py) may add a third item, its stats: a 1-D tensor of numbers of the
+        batch, summed over micro-batches and ranks by train.py and named by the model's metrics()."""
+        T = self.check_length(idx, cache)
         x = self.embed_tokens(idx)
-        # the backend is resolved here, before any block runs under checkpoint (auto's parity check runs a
-        # backward of its own), as the blocks will ask: in the compute dtype, with documents or not
-        doc_mask = config.doc_mask and cache is None  # the KV cache (generation) reads one document at a time
-        mask = None
-        if doc_mask:
-            mask = Documents(torch.cumsum(idx == config.bos_id, dim=1))
-            mask.get(Documents.FORMS[self.backend(x, "documents")])  # made once for all layers, not in a checkpoint
-        else:
-            self.backend(x, None)
-        if config.objective == "refine":
-            out = self.refine(x, targets, cache, mask)
-        else:
-            for i, block in enumerate(self.layers):
-                x = block(x, cache, mask, i)
-            out = self.head(x, targets)
+        doc_mask = self.config.doc_mask and cache is None  # the KV cache (generation) reads one document at a time
+        mask = self.ready(x, Documents(torch.cumsum(idx == self.config.bos_id, dim=1)) if doc_mask else None)
+        out = self.predict(x, targets, cache, mask)
         if cache is not None:
             cache.pos += T
         return out
 
-    def backend(self, x, mask):
-        """The attention backend the blocks will run on x under a mask of kind `mask`, resolved as they will ask:
-        in the compute dtype."""
+    def check_length(self, idx, cache):
+        """idx's length, once it is known to fit after the cache's positions."""
+        start, T = cache.pos if cache is not None else 0, idx.size(1)
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        return T
+
+    def ready(self, x, mask=None):
+        """mask (None: causal), with the attention backend the blocks will run x on resolved as they will ask, in
+        the compute dtype, and the mask's form for it made: here, once for all layers, not in a checkpoint (auto's
+        parity check runs a backward of its own)."""
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        return resolve_backend(self.config.attn_backend, x.device, dtype, self.config.head_dim, mask)[0]
+        kind = None if mask is None else mask.kind
+        backend = resolve_backend(self.config.attn_backend, x.device, dtype, self.config.head_dim, kind)[0]
+        if mask is not None:
+            mask.get(mask.FORMS[backend])
+        return mask
 
-    def diffuse(self, x0, draws):
-        """objective="bd3lm"'s loss: (None, the NELBO per token) of the clean tokens x0 (B, T). draws (B, 2, T), uniform
-        in [0, 1) and made by the loader from each sample's index (data.diffusion_draws: the same whatever the world
-        size or a resume): block b's t is drawn from draws[:, 1, b] and token i is masked when draws[:, 0, i] < its
-        block's t. One pass over the noisy copy and the clean copy (2T positions) under BlockDiffusion's mask; the
-        loss is the cross-entropy of the masked tokens, each x 1/t, over the tokens that can be noised."""
-        c = self.config
-        B, T = x0.shape
-        blocks = c.diffusion_blocks(x0.device)[:T]
-        low, high = (c.clip_low, c.clip_high) if self.training and c.noise_schedule == "clipped" else (LOGLINEAR_EPS, 1.0)
-        t = low + (high - low) * draws[:, 1].float().gather(1, blocks.expand(B, T))  # each token's block's t
-        masked = (draws[:, 0] < t) & (torch.arange(T, device=x0.device) >= c.noised_from)
-        x = self.embed_tokens(torch.cat([torch.where(masked, c.mask_id, x0), x0], dim=1))
-        mask = BlockDiffusion(blocks)
-        mask.get(BlockDiffusion.FORMS[self.backend(x, "diffusion")])  # made once for all layers, not in a checkpoint
+    def predict(self, x, targets, cache, mask):
+        """forward()'s result for the embedded tokens x: the blocks, then the head."""
+        return self.head(self.blocks(x, cache, mask), targets)
+
+    def blocks(self, x, cache=None, mask=None):
+        """x through every layer, each with its own KV-cache slot. mask: as Attention.forward takes it."""
         for i, block in enumerate(self.layers):
-            x = block(x, None, mask, i)
-        _, loss = self.head(x[:, :T], x0, masked / t)
-        return None, loss * T / (T - c.noised_from)
-
-    def denoise(self, block, cache=None):
-        """objective="bd3lm": logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) after the clean blocks
-        in the cache, which it sees whole, as it sees itself: what training's noisy copy sees. Its keys and values
-        go into the cache past cache.pos, kept only when forward() runs the finished block again."""
-        x = self.embed_tokens(block)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cache, False, i)
-        return self.head(x, None)[0]
-
-    def refine(self, x, targets, cache, mask):
-        """objective="refine" (GPTConfig says how the states move): (the last step's logits, as head() returns
-        them, the objective refine_objective() makes of the steps' losses, the steps' cross-entropies
-        (detached, shape (steps,)); both None without targets). n_sup_train steps in training, n_sup_inference
-        in eval mode. Reduces to the plain GPT with one step, n_loops=0 and T_recursion=1."""
-        c = self.config
-        n_sup = c.n_sup_train if self.training else c.n_sup_inference
-        y, z, slot, losses, logits = x, None if c.n_loops == 0 else torch.zeros_like(x), 0, [], None
-        for step in range(n_sup):
-            for block in self.layers:
-                for r in range(c.T_recursion):
-                    # TRM's deep recursion: the repetitions before the last move the states without gradients
-                    with torch.no_grad() if r < c.T_recursion - 1 else nullcontext():
-                        if z is not None:  # n_loops > 0
-                            xy = x + y  # what every latent update reads besides z
-                            for _ in range(c.n_loops):
-                                z = block(z, cache, mask, slot, context=xy)
-                                slot += 1
-                        y = block(y, cache, mask, slot, context=z)
-                        slot += 1
-            if targets is not None or step == n_sup - 1:
-                logits, loss = self.head(y, targets)
-                losses.append(loss)
-            if c.detach_threshold <= step < n_sup - 1:  # later steps' losses stop reaching back through this one
-                y, z = y.detach(), None if z is None else z.detach()
-        if targets is None:
-            return logits, None, None
-        return (logits, refine_objective(losses, c.supervision_weight_base, c.improvement_reward_scale),
-                torch.stack(losses).detach())
+            x = block(x, cache, mask, i)
+        return x
 
     def head(self, x, targets, weights=None):
-        """The final norm, the LM head and the loss of forward()'s first two items. weights (bd3lm, the shape of
-        targets): each token's cross-entropy is weighed, [MASK] is never a prediction, and the loss is the
-        weighted sum over the number of targets."""
+        """The final norm, the LM head and the loss of forward()'s first two items. weights (the shape of targets):
+        each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets."""
         config = self.config
         x = self.norm(x)
         if targets is None:
@@ -970,27 +440,20 @@ class GPT(nn.Module):
         return self.cross_entropy_sum(self.lm_head(x), targets, weights)
 
     def cross_entropy_sum(self, logits, targets, weights=None):
-        """The summed cross-entropy of logits against targets (N,); weights (bd3lm): each token's weighed, the
-        [MASK] id never predicted (BD3-LM's SUBS parameterization: its logit is minus infinity)."""
+        """The summed cross-entropy of logits against targets (N,), each token's weighed by weights (N,) if given."""
         logits = logits.float().view(targets.numel(), -1)
         if weights is None:
             return F.cross_entropy(logits, targets, reduction="sum")
-        logits = logits.index_fill(-1, torch.tensor([self.config.mask_id], device=logits.device), float("-inf"))
         return (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None,
-                 steps=None, unmask="schedule"):
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
         """Yields the next token of each row, shape (B,), max_new_tokens times.
 
         With the cache, the prompt runs once and each new token costs one position.
         When the context would pass block_size the cache restarts from the last
         block_size // 2 tokens (a sliding window, amortised over the next half block).
-        objective="bd3lm": block by block (generate_blocks; steps and unmask are its).
         """
-        if self.config.objective == "bd3lm":
-            yield from self.generate_blocks(idx, max_new_tokens, temperature, top_k, top_p, generator, steps, unmask)
-            return
         block = self.config.block_size
         param = next(self.parameters())
         cache, feed = None, idx
@@ -1006,158 +469,6 @@ class GPT(nn.Module):
             idx = torch.cat([idx, token[:, None]], dim=1)
             feed = token[:, None]
             yield token
-
-    @torch.no_grad()
-    def generate_blocks(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, steps=None,
-                        unmask="schedule"):
-        """objective="bd3lm"'s sampler: yields the next token of each row, shape (B,), a block at a time.
-
-        The prompt's whole blocks go into the KV cache a block at a time (a clean block sees itself whole and the
-        blocks before it, as in training); the block it ends in is finished around its tokens, which stay. Each
-        block starts all-[MASK] and is unmasked in `steps` denoising passes (None: one token per pass, the block's
-        length; the KV cache holds the blocks before it, so a pass costs one block's positions), then goes into
-        the cache whole and its tokens are yielded. Which masked tokens a pass fills (each with a token drawn from
-        the model, at temperature / top_k / top_p): unmask="schedule", BD3-LM's own, t falls from 1 to 0 in `steps`
-        even steps and each masked token is filled with probability (t - s) / t at the step from t to s, in random
-        order as training masks; "confidence", those whose drawn token is most probable, as many as an even share
-        of the passes left asks (a small model's most probable token is often a space: config/tiny_bd3lm.py's
-        samples were all whitespace this way).
-        HDP: the prompt is the question, padded with BOS to its segment as prepare.py pads it; then come the plan
-        and the execution. Ends after max_new_tokens, at block_size (no sliding window: a block's tokens are
-        drawn for their positions), or once every row has made BOS, the end of a document (HDP: in the execution,
-        as the plan's padding is BOS too)."""
-        c = self.config
-        if unmask not in UNMASKING:
-            raise ValueError(f"unmask={unmask!r}: choose one of {', '.join(UNMASKING)}")
-        B, device = idx.size(0), idx.device
-        if c.hdp_segments:
-            if idx.size(1) > c.segments[0]:
-                raise ValueError(f"the question is {idx.size(1)} tokens, longer than its segment "
-                                 f"(hdp_segments={c.hdp_segments})")
-            idx = F.pad(idx, (0, c.segments[0] - idx.size(1)), value=c.bos_id)
-        blocks = c.diffusion_blocks(device)
-        bounds = [0, *((blocks[1:] != blocks[:-1]).nonzero().flatten() + 1).tolist(), c.block_size]
-        P = idx.size(1)
-        end, end_from = min(c.block_size, P + max_new_tokens), sum(c.segments[:2]) if c.hdp_segments else P
-        cache = KVCache(c, B, c.block_size, device, next(self.parameters()).dtype)
-        ended = torch.zeros(B, dtype=torch.bool, device=device)
-        for a, b in zip(bounds, bounds[1:]):
-            if a >= end:
-                return
-            if b <= P:
-                self(idx[:, a:b], cache=cache)
-                continue
-            new = b - max(a, P)
-            x = torch.cat([idx[:, a:P], torch.full((B, new), c.mask_id, device=device)], dim=1)
-            x = self.unmask(x, cache, steps or new, unmask, temperature, top_k, top_p, generator)
-            self(x, cache=cache)
-            for i in range(max(a, P), min(b, end)):
-                yield x[:, i - a]
-                ended |= (x[:, i - a] == c.bos_id) & (i >= end_from)
-                if ended.all():
-                    return
-
-    def unmask(self, x, cache, steps, how, temperature, top_k, top_p, generator):
-        """generate_blocks' denoising of one block x (B, L), [MASK] where still open, after the cache's blocks."""
-        c = self.config
-        for step in range(steps):
-            masked = x == c.mask_id
-            if not masked.any():
-                break
-            logits = self.denoise(x, cache)[..., :c.mask_id]  # never [MASK], never a padded id
-            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p, generator).view_as(x)
-            if how == "confidence":
-                confidence = logits.float().softmax(-1).gather(-1, drawn[..., None])[..., 0].masked_fill(~masked, -1.0)
-                share = (masked.sum(1, keepdim=True) + steps - step - 1) // (steps - step)  # ceil: none left at the end
-                fill = masked & (confidence.argsort(1, descending=True).argsort(1) < share)
-            else:
-                t, s = 1 - step / steps, 1 - (step + 1) / steps
-                fill = masked & (torch.rand(x.shape, generator=generator, device=x.device) < (t - s) / t)
-            x = torch.where(fill, drawn, x)
-        return x
-
-
-def random_batch(config, rows, device, seq_len=None):
-    """(inputs, targets) of random tokens as a training step of config's objective takes them, for the probes that
-    time or measure a step (sanity.py's capacity, bench/): the compute does not depend on the tokens. bd3lm's
-    targets are its noise draws (data.diffusion_draws)."""
-    shape = (rows, seq_len or config.block_size)
-    if config.objective == "bd3lm":
-        return (torch.randint(0, config.mask_id, shape, device=device),
-                torch.rand(rows, 2, shape[1], device=device))
-    return tuple(torch.randint(0, config.vocab_size, shape, device=device) for _ in range(2))
-
-
-def refine_objective(losses, base, reward):
-    """Refinement's training objective from the supervision steps' cross-entropies (0-d tensors, first to
-    last): step i weighs base^i / sum_j base^j, so the last steps count most; from the second step on,
-    reward * (prev - cur) / prev is subtracted, prev detached, so a step gains from improving on the one
-    before it, and the one before is not pushed to be worse. One step: its loss, unchanged."""
-    weights = [base ** i for i in range(len(losses))]
-    objective = sum(w / sum(weights) * loss for w, loss in zip(weights, losses, strict=True))
-    for prev, cur in zip(losses, losses[1:]):
-        objective = objective - reward * (prev.detach() - cur) / prev.detach()
-    return objective
-
-
-class MuonAdamW:
-    """optimizer=muon's two optimizers stepped as one, as train.py's loop, GradScaler and checkpoint.py use an
-    optimizer: param_groups (Muon's, then AdamW's, each with its peak_lr), step, zero_grad, and a state_dict
-    holding both. A resume keeps this run's peaks, as it keeps learning_rate (train.py sets every lr from the
-    config), and takes the rest from the checkpoint as torch's load_state_dict does: momentum buffers, moments,
-    step counts, betas, momentum."""
-
-    def __init__(self, muon, adamw):
-        self.muon, self.adamw = muon, adamw
-        self.peaks = [g["peak_lr"] for g in self.param_groups]
-
-    @property
-    def param_groups(self):
-        return self.muon.param_groups + self.adamw.param_groups
-
-    def step(self):
-        self.muon.step()
-        self.adamw.step()
-
-    def zero_grad(self, set_to_none=True):
-        self.muon.zero_grad(set_to_none)
-        self.adamw.zero_grad(set_to_none)
-
-    def state_dict(self):
-        return dict(muon=self.muon.state_dict(), adamw=self.adamw.state_dict())
-
-    def load_state_dict(self, state):
-        self.muon.load_state_dict(state["muon"])
-        self.adamw.load_state_dict(state["adamw"])
-        for g, peak in zip(self.param_groups, self.peaks, strict=True):
-            g["peak_lr"] = peak
-
-
-def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02, embedding_lr=4e-3,
-                   momentum=0.95):
-    """AdamW over the model's parameters, decaying matrices only: norms (1-D) and the embedding table
-    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA).
-
-    kind="muon", nanochat's split: torch.optim.Muon (Nesterov, `momentum`) for the blocks' matrices at peak
-    matrix_lr, and that AdamW for the rest (embedding, untied head, norms) at peak embedding_lr: a MuonAdamW,
-    whose groups carry their peak_lr for train.py's schedule (the defaults are train.py's). Under ddp every
-    rank orthogonalizes every matrix, the same all-reduced gradients into the same update."""
-    matrices, decay, no_decay = [], [], []
-    for name, p in model.named_parameters():
-        if kind == "muon" and name.startswith("layers.") and p.dim() == 2:
-            matrices.append(p)
-        else:
-            (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
-    if kind == "adamw":
-        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-    # no weight decay on Muon's matrices, as in nanochat's Muon setup and Keller Jordan's: torch's Muon would decay
-    # by lr x weight_decay per step, at 0.02 some 70x what AdamW's decay does at 3e-4 with the same weight_decay
-    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr, momentum=momentum,
-                            weight_decay=0.0)
-    groups = [dict(params=decay, weight_decay=weight_decay, peak_lr=embedding_lr),
-              dict(params=no_decay, weight_decay=0.0, peak_lr=embedding_lr)]
-    return MuonAdamW(muon, torch.optim.AdamW(groups, lr=embedding_lr, betas=betas, fused=fused))
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
@@ -1175,132 +486,6 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# -----------------------------------------------------------------------------
-# arithmetic: from the config alone, so planning never has to allocate the model
-
-def param_counts(config):
-    """Parameter counts: total (unique), embedding (input table), head (untied output
-    matrix, 0 when tied), non_embedding (the rest: blocks and final norm)."""
-    d, hd = config.n_embd, config.head_dim
-    attn = d * config.n_head * hd * 2 + d * config.n_kv_head * hd * 2
-    mlp = 3 * d * config.ffn_hidden
-    non_embedding = config.n_layer * (attn + mlp + 2 * d) + d
-    embedding = config.padded_vocab * d
-    head = 0 if config.tie_embeddings else embedding
-    return dict(total=non_embedding + embedding + head, embedding=embedding, head=head,
-                non_embedding=non_embedding)
-
-
-def flops_per_token(config, seq_len=None):
-    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
-    parameters including the LM head but not the input embedding lookup. refine counts every block
-    application (and the final norm and head once per supervision step); the ones without gradients
-    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T. bd3lm runs the blocks over
-    2T positions (config.stream) per T tokens, each attending over 2T, and the head over the T noisy ones."""
-    L, d, stream = config.n_layer, config.n_embd, config.stream
-    T = (seq_len or config.block_size) * stream
-    n_sup, with_grad, without = config.applications()
-    layer = (param_counts(config)["non_embedding"] - d) // L  # a block's parameters
-    attention = config.n_head * config.head_dim * T
-    return (6 * (L * with_grad * n_sup * stream * layer + n_sup * (d + config.padded_vocab * d))
-            + 12 * L * with_grad * n_sup * stream * attention + L * without * n_sup * (2 * layer + 4 * attention))
-
-
-def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
-                    compute_bytes=2):
-    """Bytes per GPU at the peak of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4
-    in fp32. activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None:
-    config.grad_ckpt). The parts are what is held at that moment, so they add up to the total.
-
-    Always held: weights (fp32, 4 bytes/param), AdamW's two fp32 moments (8), DDP's fp32 gradient buckets (4,
-    world_size > 1). sharded (FSDP): weights, gradients and moments divided over world_size, plus two layers
-    gathered at a time. The rest peaks at one of three moments of the step (memory_phases), whichever is
-    largest: the end of the forward (every weight's compute-dtype cast, which autocast caches until the
-    forward ends; what the forward keeps for the backward; one loss chunk's fp32 logits and log-softmax);
-    the loss's backward (the same, minus the casts checkpointed layers do not keep, plus the fp32 logit
-    gradients and the head's weight gradient); or the end of the backward (every gradient, and the first
-    layer's activations and weight casts).
-
-    Activations kept per token, as model.py saves them on CPU (tests/test_model.py measures each case).
-    With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden: a layer keeps 16*d of
-    fp32 (its output, the residual between attention and MLP, each RMSNorm's x * rsqrt), c*(4*d + 2*dkv +
-    4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's four hidden-wide tensors),
-    4*n_head of attention log-sum-exp and 8 of norm scales; outside the layers 8*d + c*d + 4 (the
-    embedding, the final norm). full checkpointing: a layer keeps only its 4*d output, and the backward
-    rebuilds one layer at a time; selective: a layer keeps its output and what its matmuls and attention
-    return, 4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head, and one layer at a time rebuilds the rest.
-
-    Calibrated against peaks measured on an H100 (bench/results/memory.jsonl; tests/test_model.py holds
-    every row): 1B, 50M and d64-width shapes, each layout, within -1%..+5%. What remains: the kept
-    activations are counted as model.py saves them on a CPU, and CUDA's fused kernels keep a little less
-    (the 1B's measured activations grow 3.5% slower per sequence than counted); cuBLAS workspaces, the
-    allocator's rounding and short-lived temporaries (gradient clipping's norms) are not counted.
-    """
-    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing, compute_bytes)
-    peak = max(phases.values(), key=lambda parts: parts["total"])
-    return dict(params=param_counts(config)["total"], **peak)
-
-
-def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
-                  compute_bytes=2):
-    """{moment: {part: bytes, "total": their sum}} for the three moments where a training step can peak:
-    forward_end, loss_backward and backward_end (memory_estimate's docstring says what each holds)."""
-    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
-    if mode not in GRAD_CKPT:
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: one of {', '.join(GRAD_CKPT)}")
-    counts = param_counts(config)
-    n, head = counts["total"], config.padded_vocab * config.n_embd
-    tokens = micro_batch_size * config.block_size
-    L, d, dkv, f, c = config.n_layer, config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
-    layer_params = counts["non_embedding"] // L
-    shard = world_size if sharded else 1
-    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer while prefetching the next
-    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8  # all a layer keeps without checkpointing
-    # per token: what a layer keeps for the backward, and what the backward rebuilds of it
-    kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
-                           "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
-                                         12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
-    outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
-    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
-    # refine: every application with gradients keeps what a layer keeps, and each step its final norm's share;
-    # under checkpointing a layer's latent updates also keep the x + y they read, and rebuild the sums the
-    # norms read. An unchunked loss keeps each earlier step's log-softmax (4 bytes per logit)
-    n_sup, per_layer, _ = config.applications()
-    sums = 4 * d if config.objective == "refine" and config.n_loops and mode != "none" else 0
-    # bd3lm: the blocks and the embedding run on the noisy and the clean copy (config.stream), the final norm on one
-    kept = config.stream * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (config.stream - 1) * 4 * d
-    earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
-    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
-    held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
-                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy of the gradients
-    phases = dict(
-        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * kept,
-                         logits=logit_rows * config.padded_vocab * 8 + earlier_logits),
-        # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
-        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=casts if mode == "none" or c == 4 else
-                           c * head // shard, activations=tokens * kept,
-                           logits=logit_rows * config.padded_vocab * 12 + earlier_logits),
-        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
-                          activations=tokens * (config.stream * (kept_layer + rebuilt + 2 * sums + 4 * d) + outside
-                                                - 4 * d), logits=0))
-    for parts in phases.values():
-        parts["total"] = sum(parts.values())
-    return phases
-
-
-# dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-                   ("A100", 312e12))
-
-
-def peak_flops(device_name):
-    """Datasheet dense bf16 FLOP/s for a GPU name, or None if unknown (then no MFU rather than a wrong one)."""
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return flops
-    return None
 
 
 def fp8_unavailable(device, dtype, compiled):

@@ -4,9 +4,10 @@ Preflight: the gates a run passes before any GPU-hour is paid for, and the plan 
 out_dir/preflight.json and .md (--preflight_only: nothing else); sanity.py --capacity plans the
 same memory; bench/ builds its models from a config the same way.
 
-Every number comes from model.py's arithmetic, the prepared data's manifest, or a measurement
-here. A gate's verdict: pass, warn, block (the run does not start, unless allow_unsafe), or skip
-(nothing to check it against, said why). Functions take the run's config (configurator.Config).
+Every number comes from the arithmetic here (parameters, FLOPs and bytes per GPU, from the model's
+config alone), the prepared data's manifest, or a measurement here. A gate's verdict: pass, warn,
+block (the run does not start, unless allow_unsafe), or skip (nothing to check it against, said
+why). Functions take the run's config (configurator.Config).
 """
 
 import math
@@ -19,8 +20,9 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from attention import resolve_backend
 from data import contamination, load_manifest
-from model import GPTConfig, flops_per_token, memory_estimate, param_counts, peak_flops, resolve_backend
+from model import GRAD_CKPT, GPTConfig
 from schedule import fit_horizon
 from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
@@ -71,7 +73,133 @@ def model_config(cfg, manifest=None, **overrides):
 
 
 # -----------------------------------------------------------------------------
-# memory: model.memory_estimate's bytes per GPU, for this run's layout and the others
+# arithmetic: from the config alone, so planning never has to allocate the model
+
+def param_counts(config):
+    """Parameter counts: total (unique), embedding (input table), head (untied output
+    matrix, 0 when tied), non_embedding (the rest: blocks and final norm)."""
+    d, hd = config.n_embd, config.head_dim
+    attn = d * config.n_head * hd * 2 + d * config.n_kv_head * hd * 2
+    mlp = 3 * d * config.ffn_hidden
+    non_embedding = config.n_layer * (attn + mlp + 2 * d) + d
+    embedding = config.padded_vocab * d
+    head = 0 if config.tie_embeddings else embedding
+    return dict(total=non_embedding + embedding + head, embedding=embedding, head=head,
+                non_embedding=non_embedding)
+
+
+def flops_per_token(config, seq_len=None):
+    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
+    parameters including the LM head but not the input embedding lookup. refine counts every block
+    application (and the final norm and head once per supervision step); the ones without gradients
+    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T. bd3lm runs the blocks over
+    2T positions (config.stream) per T tokens, each attending over 2T, and the head over the T noisy ones."""
+    L, d, stream = config.n_layer, config.n_embd, config.stream
+    T = (seq_len or config.block_size) * stream
+    n_sup, with_grad, without = config.applications()
+    layer = (param_counts(config)["non_embedding"] - d) // L  # a block's parameters
+    attention = config.n_head * config.head_dim * T
+    return (6 * (L * with_grad * n_sup * stream * layer + n_sup * (d + config.padded_vocab * d))
+            + 12 * L * with_grad * n_sup * stream * attention + L * without * n_sup * (2 * layer + 4 * attention))
+
+
+def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
+                    compute_bytes=2):
+    """Bytes per GPU at the peak of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4
+    in fp32. activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None:
+    config.grad_ckpt). The parts are what is held at that moment, so they add up to the total.
+
+    Always held: weights (fp32, 4 bytes/param), AdamW's two fp32 moments (8), DDP's fp32 gradient buckets (4,
+    world_size > 1). sharded (FSDP): weights, gradients and moments divided over world_size, plus two layers
+    gathered at a time. The rest peaks at one of three moments of the step (memory_phases), whichever is
+    largest: the end of the forward (every weight's compute-dtype cast, which autocast caches until the
+    forward ends; what the forward keeps for the backward; one loss chunk's fp32 logits and log-softmax);
+    the loss's backward (the same, minus the casts checkpointed layers do not keep, plus the fp32 logit
+    gradients and the head's weight gradient); or the end of the backward (every gradient, and the first
+    layer's activations and weight casts).
+
+    Activations kept per token, as model.py saves them on CPU (tests/test_model.py measures each case).
+    With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden: a layer keeps 16*d of
+    fp32 (its output, the residual between attention and MLP, each RMSNorm's x * rsqrt), c*(4*d + 2*dkv +
+    4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's four hidden-wide tensors),
+    4*n_head of attention log-sum-exp and 8 of norm scales; outside the layers 8*d + c*d + 4 (the
+    embedding, the final norm). full checkpointing: a layer keeps only its 4*d output, and the backward
+    rebuilds one layer at a time; selective: a layer keeps its output and what its matmuls and attention
+    return, 4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head, and one layer at a time rebuilds the rest.
+
+    Calibrated against peaks measured on an H100 (bench/results/memory.jsonl; tests/test_model.py holds
+    every row): 1B, 50M and d64-width shapes, each layout, within -1%..+5%. What remains: the kept
+    activations are counted as model.py saves them on a CPU, and CUDA's fused kernels keep a little less
+    (the 1B's measured activations grow 3.5% slower per sequence than counted); cuBLAS workspaces, the
+    allocator's rounding and short-lived temporaries (gradient clipping's norms) are not counted.
+    """
+    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing, compute_bytes)
+    peak = max(phases.values(), key=lambda parts: parts["total"])
+    return dict(params=param_counts(config)["total"], **peak)
+
+
+def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
+                  compute_bytes=2):
+    """{moment: {part: bytes, "total": their sum}} for the three moments where a training step can peak:
+    forward_end, loss_backward and backward_end (memory_estimate's docstring says what each holds)."""
+    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
+    if mode not in GRAD_CKPT:
+        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: one of {', '.join(GRAD_CKPT)}")
+    counts = param_counts(config)
+    n, head = counts["total"], config.padded_vocab * config.n_embd
+    tokens = micro_batch_size * config.block_size
+    L, d, dkv, f, c = config.n_layer, config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
+    layer_params = counts["non_embedding"] // L
+    shard = world_size if sharded else 1
+    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer while prefetching the next
+    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8  # all a layer keeps without checkpointing
+    # per token: what a layer keeps for the backward, and what the backward rebuilds of it
+    kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
+                           "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
+                                         12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
+    outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
+    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
+    # refine: every application with gradients keeps what a layer keeps, and each step its final norm's share;
+    # under checkpointing a layer's latent updates also keep the x + y they read, and rebuild the sums the
+    # norms read. An unchunked loss keeps each earlier step's log-softmax (4 bytes per logit)
+    n_sup, per_layer, _ = config.applications()
+    sums = 4 * d if config.objective == "refine" and config.n_loops and mode != "none" else 0
+    # bd3lm: the blocks and the embedding run on the noisy and the clean copy (config.stream), the final norm on one
+    kept = config.stream * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (config.stream - 1) * 4 * d
+    earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
+    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
+    held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
+                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy of the gradients
+    phases = dict(
+        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * kept,
+                         logits=logit_rows * config.padded_vocab * 8 + earlier_logits),
+        # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
+        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=casts if mode == "none" or c == 4 else
+                           c * head // shard, activations=tokens * kept,
+                           logits=logit_rows * config.padded_vocab * 12 + earlier_logits),
+        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
+                          activations=tokens * (config.stream * (kept_layer + rebuilt + 2 * sums + 4 * d) + outside
+                                                - 4 * d), logits=0))
+    for parts in phases.values():
+        parts["total"] = sum(parts.values())
+    return phases
+
+
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+                   ("A100", 312e12))
+
+
+def peak_flops(device_name):
+    """Datasheet dense bf16 FLOP/s for a GPU name, or None if unknown (then no MFU rather than a wrong one)."""
+    for key, flops in PEAK_BF16_FLOPS:
+        if key.lower() in device_name.lower():
+            return flops
+    return None
+
+
+# -----------------------------------------------------------------------------
+# memory: memory_estimate's bytes per GPU, for this run's layout and the others
 
 def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
     """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
@@ -87,7 +215,7 @@ def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
 
 
 def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
-    """model.memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
+    """memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
     largest micro-batch that would."""
     estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded, activation_checkpointing=ckpt,
                        compute_bytes=cbytes)

@@ -12,7 +12,7 @@ nothing else (no data folder, no network) is needed. Each sample starts with the
 BOS token that begins every training document, followed by the prompt. --ckpt may
 also name a folder written by export.py. A block-diffusion model (objective=bd3lm) writes a
 block at a time: diffusion_steps denoising passes per block, filling the tokens unmask picks
-(model.py: GPT.generate_blocks); it is not served.
+(objectives.py: BlockDiffusionLM.generate); it is not served.
 
 --serve=True answers HTTP requests instead (standard library only; one generation at
 a time, the others wait in line, within bounds (below); no authentication, so keep host=127.0.0.1 or
@@ -93,7 +93,8 @@ import torch
 import configurator
 from checkpoint import find_checkpoint, load_model, reading
 from export import finite, is_export, load_export, tokenizer_dir
-from model import UNMASKING, param_counts
+from objectives import UNMASKING
+from preflight import param_counts
 from tokenizer import load_tokenizer
 from util import fail, first_line, run_main, setup
 
@@ -262,13 +263,15 @@ def print_samples(config, model, tok, text, ids, dev):
     """config.num_samples continuations of text (token ids: ids), each streamed to stdout as it is generated."""
     ids = torch.tensor([[tok.bos_id] + ids], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config.seed)
+    # a block-diffusion model's sampler also takes how it denoises each block
+    blocks = dict(steps=config.diffusion_steps or None, unmask=config.unmask) \
+        if model.config.objective == "bd3lm" else {}
     for i in range(config.num_samples):
         # tokens may end inside a multi-byte character: decode the byte stream incrementally
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(text)
         for token in model.generate(ids, config.max_new_tokens, temperature=config.temperature,
-                                    top_k=config.top_k or None, top_p=config.top_p, generator=generator,
-                                    steps=config.diffusion_steps or None, unmask=config.unmask):
+                                    top_k=config.top_k or None, top_p=config.top_p, generator=generator, **blocks):
             sys.stdout.write(decoder.decode(tok.decode_bytes([token.item()])))
             sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")

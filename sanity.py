@@ -34,9 +34,13 @@ import torch.distributed as dist
 import configurator
 from checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
 from data import Loader, check_prepared, load_manifest
-from model import (ATTENTION_BACKENDS, GPT, PARITY_TOLERANCE, GPTConfig, KVCache, backend_unavailable, flops_per_token,
-                   make_optimizer, param_counts, parity_errors, parity_tolerance, random_batch, resolve_backend)
-from preflight import MEMORY_USABLE, largest_fitting, layout_label, model_config, plan_layout, plan_vocab
+from attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable, parity_errors, parity_tolerance,
+                       resolve_backend)
+from model import GPT, GPTConfig, KVCache
+from objectives import make_model, random_batch
+from optim import make_optimizer
+from preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label, model_config, param_counts,
+                       plan_layout, plan_vocab)
 from util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
                   make_scratch, on_rank0, remove_scratch, run_main, setup)
 
@@ -163,11 +167,11 @@ def check_disk(path, min_gb):
 
 
 def check_attention(name, cfg, dev, dt, mask=None):
-    """A backend of model.py, or the one auto picks here (saying why), against model.py's float64
-    reference at the configured head layout: the output and the gradients of q, k and v
-    (model.parity_errors; mask: None for causal, or a kind of model.MASKS). Skipped, saying why, where it cannot run."""
+    """A backend of attention.py, or the one auto picks here (saying why), against attention.py's float64
+    reference at the configured head layout: the output and the gradients of q, k and v (attention.parity_errors;
+    mask: None for causal, or a kind of attention.MASKS). Skipped, saying why, where it cannot run."""
     # a GPU's kernels work in 128-row tiles: T=256 crosses them; a CPU kernel has none to cross, and T=64 (what
-    # model.py's own parity check uses there) keeps the check quick on a CPU
+    # attention.py's own parity check uses there) keeps the check quick on a CPU
     T, hd = min(cfg["block_size"], 256 if dev.type == "cuda" else 64), cfg["n_embd"] // cfg["n_head"]
     note = ""
     if name == "auto":
@@ -295,7 +299,7 @@ def check_allreduce(dev, megabytes):
                                         f"{size / seconds / 1e9:.2f} GB/s, busbw {busbw / 1e9:.2f} GB/s")
 
 
-# capacity: the plan from model.py's arithmetic, and on a GPU the measurement
+# capacity: the plan from preflight.py's arithmetic, and on a GPU the measurement
 
 def step_peak(model, optimizer, mb, dev, dt):
     """Peak bytes allocated by one forward/backward/AdamW step of mb sequences, or None when out of memory."""
@@ -320,7 +324,7 @@ def measure_capacity(mconfig, mb, dev, dt, ddp_buckets):
     """Peak memory of a real training step at micro-batch mb (the second: the first allocates AdamW's
     moments) and the largest micro-batch that fits, eager, on this GPU."""
     with torch.device(dev):  # built in place: a 1B model initialised on the CPU first would take a minute
-        model = GPT(mconfig)
+        model = make_model(mconfig)
     optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=True)
     # one process stands in for a DDP rank: hold aside DDP's fp32 copy of the gradients (its buckets)
     reserve = torch.empty(ddp_buckets, dtype=torch.uint8, device=dev)
@@ -351,7 +355,7 @@ def check_capacity(cfg, dev, dt, world, out):
     memory = cfg["gpu_mem_gb"] * 1e9 or (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0)
     budget = MEMORY_USABLE * memory or None
     with torch.device("meta"):  # the real module's shapes at no cost: its parameter count must match the arithmetic
-        built = sum(p.numel() for p in GPT(mconfig).parameters())
+        built = sum(p.numel() for p in make_model(mconfig).parameters())
     counts = param_counts(mconfig)
     out.update(model={k: v for k, v in asdict(mconfig).items() if k not in ("init_std", "attn_backend")},
                vocab_from=vocab_from, params=counts, meta_params=built, flops_per_token=flops_per_token(mconfig),
@@ -368,7 +372,7 @@ def check_capacity(cfg, dev, dt, world, out):
                f"micro-batch {mb}, world {world}: "
                + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f} GB" for lay in out["layouts"].values()))
     if built != counts["total"]:
-        return "fail", f"the model builds with {built:,} parameters, model.param_counts says {counts['total']:,}"
+        return "fail", f"the model builds with {built:,} parameters, preflight.param_counts says {counts['total']:,}"
     if dev.type != "cuda":
         verdict = (f"; this run {'fits' if run['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}"
                    if budget else "; give gpu_mem_gb for a verdict")

@@ -15,10 +15,10 @@ world size; a preemption signal, max_hours or a budget guard stops every rank at
 checkpoint; bad steps are skipped, then rolled back.
 
 objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
-step (model.py: GPT.refine); its metrics lines, console lines and summary.json also carry each
+step (objectives.py: Refine); its metrics lines, console lines and summary.json also carry each
 step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
 AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (block diffusion on GSM8K) trains a block
-diffusion model (model.py: GPT.diffuse) on noise each sample draws from its own index (data.py:
+diffusion model (objectives.py: BlockDiffusionLM) on noise each sample draws from its own index (data.py:
 diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
 """
 import math
@@ -40,11 +40,14 @@ import configurator
 from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
                   format_seconds, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup, warn,
                   write_json)
-from model import (GPT, float8_linears, flops_per_token, fp8_unavailable, make_optimizer, param_counts, peak_flops,
-                   resolve_backend, shard_model)
+from attention import resolve_backend
+from model import float8_linears, fp8_unavailable, shard_model
+from objectives import make_model
+from optim import make_optimizer
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import HORIZON, band_text, finish_preflight, model_config, plan_run, target_band, write_preflight
+from preflight import (HORIZON, band_text, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
+                       plan_run, target_band, write_preflight)
 from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
@@ -71,7 +74,7 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
-# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: model.py's GPTConfig
+# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: objectives.py's Refine
 # says how y and z move) | bd3lm (block diffusion). refine's loss is the objective below; val_loss is the last
 # supervision step's cross-entropy. bd3lm's loss and val_loss are the NELBO per token (an upper bound on its cross-entropy)
 objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
@@ -259,21 +262,6 @@ def check_optimizer(cfg):
 # -----------------------------------------------------------------------------
 # the steps of main
 
-def refinement_fields(sups, prefix=""):
-    """refine's metrics of losses per supervision step (first to last): sup_loss_0, sup_loss_1, ... (numbers
-    of their own, so metrics.csv, the trackers and the plots take them as they take the rest), and the
-    refinement, the share of the first step's loss the last one removes, in percent; {} for "ar"."""
-    if not sups:
-        return {}
-    return {**{f"{prefix}sup_loss_{i}": v for i, v in enumerate(sups)},
-            f"{prefix}refinement": 100 * (sups[0] - sups[-1]) / sups[0]}
-
-
-def format_refinement(sups):
-    """The console's view of refinement_fields: " | steps 5.1000 -> 4.9000 -> 4.8000 (5.9% refined)", or ""."""
-    if not sups:
-        return ""
-    return f" | steps {' -> '.join(f'{v:.4f}' for v in sups)} ({refinement_fields(sups)['refinement']:.1f}% refined)"
 
 
 def catch_signals():
@@ -349,7 +337,7 @@ def build_model(cfg, proc, dt, mconfig):
     log(f"attention: {note}" if cfg.verbose or cfg.attn_backend != "auto" else
         f"attention: {backend} (auto: the first that passes its parity check here; why not the others: "
         f"{os.path.join(cfg.out_dir, 'preflight.md')})")
-    model = GPT(mconfig).to(proc.dev)
+    model = make_model(mconfig).to(proc.dev)
     if cfg.fp8:  # before FSDP wraps the layers, and before torch.compile traces them
         converted, kept = float8_linears(model)
         log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); kept in bfloat16: "
@@ -425,7 +413,7 @@ class Trainer:
         self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
         self.pace = deque(maxlen=GUARD_STEPS)  # (steps done, elapsed) at the recent steps' ends: wsd's projection
-        self.refine, self.val_sups = raw_model.config.objective == "refine", None
+        self.val_stats = None  # the objective's numbers of the last evaluation (evaluate), if it has any
         self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
         if cfg.eval_gsm8k_samples:
             try:
@@ -460,25 +448,33 @@ class Trainer:
         self.write_metrics(dict(step=self.state.step, event=name, **fields))
         warn(f"step {self.state.step}: {message}")
 
+    def objective_metrics(self, stats, prefix=""):
+        """The objective's numbers beyond the loss (stats: its forward's third item, objectives.py) by the names it
+        gives them for metrics.jsonl; {} for an objective without."""
+        return {} if stats is None else self.raw_model.metrics(stats, prefix)
+
+    def objective_console(self, stats):
+        """The same numbers as the objective shows them on a console line; "" without."""
+        return "" if stats is None else self.raw_model.console(stats)
+
     def evaluate(self):
-        """The validation loss over eval_steps micro-batches per rank, averaged over the ranks; refine: the
-        last supervision step's cross-entropy, and each step's in self.val_sups."""
+        """The validation loss over eval_steps micro-batches per rank, averaged over the ranks; the objective's
+        stats of them (its forward's third item), averaged alike, in self.val_stats."""
         cfg, proc, val = self.cfg, self.proc, self.val_data
         self.model.eval()
         # float64, as the Python floats summed before: the same validation loss, without a sync per batch
-        total = torch.zeros(self.raw_model.config.n_sup_inference if self.refine else 1, device=proc.dev,
-                            dtype=torch.float64)
+        total = torch.zeros((), device=proc.dev, dtype=torch.float64)
         with torch.no_grad():
             for i in range(cfg.eval_steps):
                 first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
                 x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
                 with self.autocast:
-                    out = self.raw_model(x, y)
-                total += out[2] if self.refine else out[1]
+                    loss, *stats = self.raw_model(x, y)[1:]
+                total = total + torch.cat([loss.reshape(1), *stats]).double()
         self.model.train()
         means = [mean_over_ranks(v / cfg.eval_steps, self.proc.distributed, proc.dev) for v in total.tolist()]
-        self.val_sups = means if self.refine else None
-        return means[-1]
+        self.val_stats = means[1:] or None
+        return means[0]
 
     def checkpoint(self, val_loss, best):
         st = self.state
@@ -522,24 +518,23 @@ class Trainer:
                        f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
         return limit
 
-    def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, sups=None):
-        """One all-reduce per step: the summed loss (refine: and the summed losses per supervision step), and
+    def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, stats=None):
+        """One all-reduce per step: the summed loss (and the objective's summed stats, if it has any), and
         whether any rank saw a non-finite step, a signal, or (rank 0) a guard, rank 0's decay_to (wsd: the horizon
         to decay to from the next step; 0: none) and whether a save is due by rank 0's clock. Every rank then takes
-        the same decisions. (mean loss, finite, stop reason or None, decay_to, save due, mean losses per
-        supervision step or None)."""
+        the same decisions. (mean loss, finite, stop reason or None, decay_to, save due, mean stats or None)."""
         flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
                  float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
                  1.0 if save_due else 0.0]
         # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
         v = torch.cat([loss_sum.double().reshape(1), torch.tensor(flags, device=self.proc.dev, dtype=torch.float64),
-                       *([] if sups is None else [sups.double()])])
+                       *([] if stats is None else [stats.double()])])
         if self.proc.distributed:
             dist.all_reduce(v)
         v = v.tolist()
         reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
         n = self.grad_accum * self.proc.world
-        return v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0, [s / n for s in v[6:]] if sups is not None else None
+        return v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0, [s / n for s in v[6:]] if stats is not None else None
 
     # bad steps: drills, spikes, rollbacks
 
@@ -623,41 +618,15 @@ class Trainer:
             g["lr"] = lr * g["peak_lr"] / cfg.learning_rate if "peak_lr" in g else lr
         spike_drill, nan_drill = self.injecting("spike", cfg.inject_spike_at_step), \
             self.injecting("nan", cfg.inject_nan_at_step)
-        loss_sum = torch.zeros((), device=proc.dev)
-        sups = torch.zeros(self.raw_model.config.n_sup_train, device=proc.dev) if self.refine else None
-        batch = self.micro_batch(0, spike_drill)
-        for micro in range(self.grad_accum):
-            x, y = batch
-            last = micro == self.grad_accum - 1
-            # gradients are reduced across ranks once per step, after the last micro-step
-            if self.sharded:
-                self.raw_model.set_requires_gradient_sync(last)
-            with nullcontext() if self.sharded or not proc.distributed or last else self.model.no_sync():
-                with self.autocast:
-                    # [1:] alone: with loss_chunk=0 a name for the logits would hold them through the backward
-                    micro_loss, *steps = self.model(x, y)[1:]
-                if nan_drill and proc.rank == proc.world - 1:
-                    micro_loss = micro_loss * float("nan")
-                self.scaler.scale(micro_loss / self.grad_accum).backward()
-            loss_sum += micro_loss.detach()
-            if self.refine:
-                sups += steps[0]
-            if not last:  # read and copy the next one while the GPU still works on this one
-                batch = self.micro_batch(micro + 1, spike_drill)
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(),
-                                                   cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if self.sharded:  # a DTensor: the norm over every rank's shards
-            grad_norm = grad_norm.full_tensor()
-        # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
-        finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
+        loss_sum, stats = self.forward_backward(spike_drill, nan_drill)
+        grad_norm, finite = self.clip_gradients(loss_sum)
         if 0 <= cfg.inject_slow_at_step <= st.step:
             time.sleep(cfg.inject_slow_seconds)
         self.tick()
         guard, decay_to, save_due = (self.guard(), self.decay_to(), self.ckpts.time_due()) if proc.rank == 0 \
             else (None, 0, False)
-        loss, finite, reason, decay_to, self.save_due, sups = self.agree(loss_sum, finite, guard, decay_to, save_due,
-                                                                         sups)
+        loss, finite, reason, decay_to, self.save_due, stats = self.agree(loss_sum, finite, guard, decay_to, save_due,
+                                                                          stats)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
@@ -680,13 +649,51 @@ class Trainer:
         self.account(loss, finite, grad_norm)
         self.step_times.append(time.time() - t_step)
         if st.step % cfg.log_every == 0 or st.step == st.horizon:
-            self.log_step(loss, lr, grad_norm.item(), sups)
+            self.log_step(loss, lr, grad_norm.item(), stats)
         self.last_loss = loss
         return reason
 
-    def log_step(self, loss, lr, grad_norm, sups):
-        """A metrics line, clock.json (what the guards resume with), and a console line; refine: with the
-        step's losses per supervision step (sups) and its refinement."""
+    def forward_backward(self, spike_drill, nan_drill):
+        """This rank's micro-steps of the step, forward and backward: (their summed loss, and the objective's
+        summed stats or None)."""
+        proc = self.proc
+        loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
+        batch = self.micro_batch(0, spike_drill)
+        for micro in range(self.grad_accum):
+            x, y = batch
+            last = micro == self.grad_accum - 1
+            # gradients are reduced across ranks once per step, after the last micro-step
+            if self.sharded:
+                self.raw_model.set_requires_gradient_sync(last)
+            with nullcontext() if self.sharded or not proc.distributed or last else self.model.no_sync():
+                with self.autocast:
+                    # [1:] alone: with loss_chunk=0 a name for the logits would hold them through the backward
+                    micro_loss, *stats = self.model(x, y)[1:]
+                if nan_drill and proc.rank == proc.world - 1:
+                    micro_loss = micro_loss * float("nan")
+                self.scaler.scale(micro_loss / self.grad_accum).backward()
+            loss_sum += micro_loss.detach()
+            if stats:
+                stats_sum = stats[0] if stats_sum is None else stats_sum + stats[0]
+            if not last:  # read and copy the next one while the GPU still works on this one
+                batch = self.micro_batch(micro + 1, spike_drill)
+        return loss_sum, stats_sum
+
+    def clip_gradients(self, loss_sum):
+        """The gradients unscaled and clipped to grad_clip: (their norm before clipping, whether the step is
+        finite)."""
+        self.scaler.unscale_(self.optimizer)
+        grad_clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), grad_clip)
+        if self.sharded:  # a DTensor: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
+        # fp16's scaler skips overflowing gradients itself; any other non-finite value skips the step here
+        finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
+        return grad_norm, finite
+
+    def log_step(self, loss, lr, grad_norm, stats):
+        """A metrics line, clock.json (what the guards resume with), and a console line; with the objective's
+        numbers of the step (stats), if it has any."""
         cfg, st, now = self.cfg, self.state, time.time()
         tok_s = (st.step - self.step_at_log) * cfg.total_batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / (self.peak * self.proc.world) if self.peak else None
@@ -694,13 +701,13 @@ class Trainer:
         self.t_log, self.step_at_log = now, st.step
         row = dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=st.step * cfg.total_batch_tokens,
                    tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
-                   cost_usd=st.cost_usd, **refinement_fields(sups))
+                   cost_usd=st.cost_usd, **self.objective_metrics(stats))
         self.write_metrics(row)
         if self.metrics is not None:
             self.write_clock()
         log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
             f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{format_refinement(sups)}", flush=True)
+            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{self.objective_console(stats)}", flush=True)
 
     def validate(self):
         """Evaluate now: (validation loss, whether it is a new best), logged."""
@@ -715,13 +722,13 @@ class Trainer:
         accuracy = self.gsm8k_accuracy() if self.problems else None
         self.write_metrics(dict(step=st.step, val_loss=val_loss, val_bpb=val_loss * self.bpb_scale,
                                 tokens=st.step * self.cfg.total_batch_tokens,
-                                **refinement_fields(self.val_sups, "val_"),
+                                **self.objective_metrics(self.val_stats, "val_"),
                                 **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
         log(f"step {st.step} | val loss {val_loss:.4f} | val bpb {val_loss * self.bpb_scale:.4f}"
-            f"{' (best)' if new_best else ''}{format_refinement(self.val_sups)}"
+            f"{' (best)' if new_best else ''}{self.objective_console(self.val_stats)}"
             + ("" if accuracy is None else f" | gsm8k {100 * accuracy:.1f}% of {len(self.problems)}"), flush=True)
-        if self.refine:
-            self.check_order()
+        if self.val_stats is not None:
+            self.check_validation()
         if self.metrics is not None:  # the live report: summary.md and plots/ as of this evaluation
             write_report(self.cfg.out_dir, self.cfg.plots, live=True)
         return val_loss, new_best
@@ -730,18 +737,12 @@ class Trainer:
         return gsm8k_accuracy(self.raw_model, self.problems, load_tokenizer(self.cfg.data_dir), self.cfg.block_size,
                               self.autocast, self.proc, self.sharded)
 
-    def check_order(self):
-        """refine: a later supervision step should never do worse than the one before it on validation; a
-        warning (a refinement_order event) when the order has been broken refine_order_patience evaluations
-        in a row, and again at each such run of evaluations."""
-        st, sups, patience = self.state, self.val_sups, self.cfg.refine_order_patience
-        inverted = [i for i in range(1, len(sups)) if sups[i] >= sups[i - 1]]
-        st.order_broken = st.order_broken + 1 if inverted else 0
-        if inverted and st.order_broken % patience == 0:
-            self.event("refinement_order", f"validation loss per supervision step out of order for {st.order_broken} "
-                       f"evaluations in a row (now {' -> '.join(f'{v:.4f}' for v in sups)}; step "
-                       f"{', '.join(map(str, inverted))} no better than the one before): lower learning_rate, or "
-                       f"check supervision_weight_base and grad_clip", val_sup_losses=sups, evaluations=st.order_broken)
+    def check_validation(self):
+        """The objective's check of the evaluation just made (a warning event, when it has one to give)."""
+        warning = self.raw_model.check_validation(self.val_stats, self.state, self.cfg)
+        if warning:
+            name, message, fields = warning
+            self.event(name, message, **fields)
 
     def fit(self, tokens_per_sec, t_start):
         """A new run's horizon (schedule.start_horizon), the startup so far spent."""
@@ -836,7 +837,7 @@ class Trainer:
                        params=param_counts(self.raw_model.config), flops_per_token=self.flops_tok,
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
                        best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
-                       **refinement_fields(self.val_sups if val_loss is not None else None, "final_val_"))
+                       **self.objective_metrics(self.val_stats if val_loss is not None else None, "final_val_"))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
         self.metrics.close()

@@ -1,5 +1,5 @@
 """
-Causal attention forward+backward TFLOP/s of every backend model.py offers, over sequence
+Causal attention forward+backward TFLOP/s of every backend attention.py offers, over sequence
 lengths and head dims, with and without document masking.
 
     python bench/attention.py                                   # a GPU's defaults (a CPU's: tiny shapes)
@@ -12,7 +12,7 @@ matmuls, QK^T recomputed, against two). TFLOP/s = 3.5 x forward / time. With doc
 masking (random document lengths, each token attends only within its document) the same
 causal count is used, so its TFLOP/s are comparable with the plain causal ones (above them:
 the kernel skips the masked blocks); useful_tflops counts only the pairs that are attended.
-A backend model.backend_unavailable rules out here is reported with its reason.
+A backend attention.backend_unavailable rules out here is reported with its reason.
 """
 
 import sys
@@ -21,7 +21,7 @@ from collections import Counter
 import common
 import torch
 
-import model
+import attention
 from util import dtype_name, fail, first_line, run_main
 
 # --- config
@@ -31,7 +31,7 @@ width = 0                       # query heads x head dim (heads = width / D); 0:
 gqa = 1                         # query heads per key/value head (1: multi-head attention)
 tokens = 0                      # tokens per batch (B = tokens / T, at least 1); 0: 16384 on a GPU, 256 on a CPU
 docs_per_row = 4                # documents per sequence in the masked cases, cut at random positions
-backends = ""                   # comma-separated attn_backend names (fa4 too); "": model.ATTENTION_BACKENDS, then sdpa
+backends = ""                   # comma-separated attn_backend names (fa4 too); "": attention.ATTENTION_BACKENDS, then sdpa
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
 dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
 warmup = 3                      # untimed forward+backward per case
@@ -60,12 +60,12 @@ def attended_pairs(ids):
 
 def measure(backend, q, k, v, grad, docs, dev, dt, cfg):
     """{status, ms, tflops, useful_tflops} of one backend's causal forward+backward, or why it has none."""
-    reason = model.backend_unavailable(backend, dev, dt, q.size(-1), "documents" if docs is not None else None)
+    reason = attention.backend_unavailable(backend, dev, dt, q.size(-1), "documents" if docs is not None else None)
     if reason:
         return dict(status="unavailable", reason=reason)
 
     def fwd_bwd():  # autograd.grad: fresh gradients each time, none accumulated into q, k, v
-        torch.autograd.grad(model.attention(backend, q, k, v, True, docs), (q, k, v), grad)
+        torch.autograd.grad(attention.attention(backend, q, k, v, True, docs), (q, k, v), grad)
 
     common.free_memory(dev)
     try:
@@ -89,12 +89,12 @@ def main(argv):
     lens = common.int_list("seq_lens", cfg["seq_lens"] or lens)
     dims = common.int_list("head_dims", cfg["head_dims"] or dims)
     width, tokens_per_batch = cfg["width"] or width, cfg["tokens"] or tokens_per_batch
-    offered = [*model.ATTENTION_BACKENDS, "sdpa"]  # sdpa: the default attn_backend, SDPA's own kernel choice
+    offered = [*attention.ATTENTION_BACKENDS, "sdpa"]  # sdpa: the default attn_backend, SDPA's own kernel choice
     names = [b.strip() for b in cfg["backends"].split(",") if b.strip()] or offered
-    known = offered + list(model.OPT_IN_BACKENDS)  # and those that run only when named
+    known = offered + list(attention.OPT_IN_BACKENDS)  # and those that run only when named
     unknown = [b for b in names if b not in known]
     if unknown:
-        fail(f"backends: {', '.join(unknown)} not offered by model.py: choose among {', '.join(known)}")
+        fail(f"backends: {', '.join(unknown)} not offered by attention.py: choose among {', '.join(known)}")
     for D in dims:
         if width % D or (width // D) % cfg["gqa"]:
             fail(f"width={width} must be a multiple of each head dim ({D}) times gqa={cfg['gqa']}")
@@ -111,8 +111,8 @@ def main(argv):
                        for h in (H, H // cfg["gqa"], H // cfg["gqa"]))
             grad = torch.randn_like(q)
             for masked in (False, True):
-                # training makes a batch's mask once (model.Documents) for all layers: here in the warmup, untimed
-                docs = model.Documents(doc_ids(B, T, cfg["docs_per_row"]).to(dev)) if masked else None
+                # training makes a batch's mask once (attention.Documents) for all layers: here in the warmup, untimed
+                docs = attention.Documents(doc_ids(B, T, cfg["docs_per_row"]).to(dev)) if masked else None
                 for backend in names:
                     r = dict(backend=backend, seq_len=T, head_dim=D, batch=B, heads=H, kv_heads=H // cfg["gqa"],
                              doc_mask=masked, **measure(backend, q, k, v, grad, docs, dev, dt, cfg))

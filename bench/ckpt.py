@@ -31,8 +31,7 @@ import torch
 
 import configurator
 from checkpoint import PREEMPT_SAVE_SECONDS, Checkpoints, too_slow_for_preemption
-from model import param_counts
-from preflight import model_config
+from preflight import model_config, param_counts
 from util import fail, make_scratch, remove_scratch, run_main, warn
 
 # --- config

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from model import GPT, GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, make_optimizer, random_batch
+from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable
+from objectives import make_model, random_batch
+from optim import make_optimizer
 from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
@@ -90,7 +92,7 @@ def run_device(run):
 
 
 def device_name(dev):
-    """The GPU's name (model.peak_flops knows it by this), or the CPU's model and core count."""
+    """The GPU's name (preflight.peak_flops knows it by this), or the CPU's model and core count."""
     if dev.type == "cuda":
         return torch.cuda.get_device_name(dev)
     cpu = platform.processor() or platform.machine()
@@ -147,14 +149,14 @@ def build(mconfig, run, dev):
     if run["fp8"] and (why := fp8_unavailable(dev, compute_dtype(run["dtype"], dev), run["compile"])):
         fail(why, 2)
     with torch.device(dev):
-        model = GPT(mconfig)
+        model = make_model(mconfig)
     if run["fp8"]:
         float8_linears(model)
     return model, run_optimizer(model, run, dev)
 
 
 def run_optimizer(model, run, dev):
-    """model.make_optimizer with the run's hyperparameters, as train.py makes it."""
+    """optim.make_optimizer with the run's hyperparameters, as train.py makes it."""
     return make_optimizer(model, run["learning_rate"], (run["beta1"], run["beta2"]), run["weight_decay"],
                           fused=dev.type == "cuda")
 

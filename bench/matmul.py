@@ -6,7 +6,7 @@ over square sizes and the shapes an LLM's training step multiplies.
     python bench/matmul.py --sizes=8192,16384x2048x5461 --iters=50
 
 Prints TFLOP/s per shape and the best, with the best's fraction of the datasheet dense
-peak (model.peak_flops; null on a CPU or an unknown GPU). The best is the figure to pass
+peak (preflight.peak_flops; null on a CPU or an unknown GPU). The best is the figure to pass
 to bench/mfu.py as --ceiling_tflops: MFU against what the chip can actually do.
 """
 
@@ -15,7 +15,7 @@ import sys
 import common
 import torch
 
-from model import peak_flops
+from preflight import peak_flops
 from util import dtype_name, fail, run_main
 
 # --- config

@@ -9,10 +9,10 @@ micro-batch sweep and each activation-checkpointing setting.
     python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
 
 Per (grad_ckpt, micro-batch): step time, tokens/s, MFU against the datasheet peak
-(model.peak_flops; null on a CPU or an unknown GPU) and against a measured matmul ceiling
+(preflight.peak_flops; null on a CPU or an unknown GPU) and against a measured matmul ceiling
 (--ceiling_tflops, bench/matmul.py's best), and peak memory (torch.cuda.max_memory_allocated;
 on a CPU the process's peak RSS). A micro-batch that runs out of memory is recorded as OOM
-and the sweep goes on. FLOPs are model.flops_per_token's: the recomputation of activation
+and the sweep goes on. FLOPs are preflight.flops_per_token's: the recomputation of activation
 checkpointing is not counted, so checkpointing shows as lower MFU, as it should.
 
 A model too big for one device: --n_layer=K (below the config file's own n_layer) builds a
@@ -28,8 +28,7 @@ import common
 import torch
 
 import configurator
-from model import flops_per_token, param_counts, peak_flops
-from preflight import model_config
+from preflight import flops_per_token, model_config, param_counts, peak_flops
 from util import dtype_name, fail, run_main
 
 # --- config

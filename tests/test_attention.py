@@ -1,4 +1,4 @@
-"""model.py's attention backends on CPU: each one that runs here against float64 (forward and backward,
+"""attention.py's backends on CPU: each one that runs here against float64 (forward and backward,
 GQA, document masks), the refusals of the ones that cannot, what auto picks, and FlashAttention's and
 FlexAttention's wrappers (their GPU kernels replaced by a stand-in package, or run forward only)."""
 import importlib.machinery
@@ -10,9 +10,10 @@ import warnings
 import pytest
 import torch
 
+import attention as attn
 import model
-from model import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
-                   resolve_backend)
+from attention import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
+                       resolve_backend)
 
 F32 = torch.float32
 HERE = [b for b in (*ATTENTION_BACKENDS, "sdpa") if backend_unavailable(b, "cpu", F32, 16) is None]
@@ -109,13 +110,13 @@ def test_the_block_diffusion_mask_runs_on_the_backends_that_take_a_mask(monkeypa
     """bd3lm's 2T mask: math and sdpa match a float64 reference under its dense form (rows: 20 noisy then 20
     clean positions, blocks of 4); flash, which takes no mask, is refused saying which can; auto picks math here
     and says why not flex, the backend it tries first for this mask."""
-    monkeypatch.setattr(model, "resolved", {})
-    mask = model.BlockDiffusion(torch.arange(20) // 4)
+    monkeypatch.setattr(attn, "resolved", {})
+    mask = attn.BlockDiffusion(torch.arange(20) // 4)
     for name in ("math", "sdpa"):
         q, k, v = inputs()
         out = attention(name, q, k, v, True, mask)
         ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref = model.reference_attention(*ref_in, mask)
+        ref = attn.reference_attention(*ref_in, mask)
         grad = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
         ref.backward(grad)
         out.backward(grad.float())
@@ -165,12 +166,12 @@ def test_fa4_names_what_it_lacks_in_one_line(monkeypatch):
 
 
 def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
-    monkeypatch.setattr(model, "resolved", {})
+    monkeypatch.setattr(attn, "resolved", {})
     chosen, note = resolve_backend("auto", "cpu", F32, 16)
     assert chosen == "flash" and note.startswith("auto: flash (largest error ")
     assert "; skipped fa3 (" in note and "; skipped cudnn (the cudnn kernel is CUDA only; this is cpu)" in note
     assert "fa4" not in note  # it runs only when named
-    assert resolve_backend("auto", "cpu", F32, 16) is model.resolved[("auto", "cpu", F32, 16, None)]  # cached
+    assert resolve_backend("auto", "cpu", F32, 16) is attn.resolved[("auto", "cpu", F32, 16, None)]  # cached
     chosen, note = resolve_backend("auto", "cpu", F32, 16, "documents")
     assert chosen == "math" and "skipped flash (flash cannot mask documents" in note
     q, k, v = inputs()
@@ -180,7 +181,7 @@ def test_auto_picks_the_fastest_that_runs_and_says_why(monkeypatch):
 def test_resolving_leaves_the_global_rng_alone(monkeypatch):
     """Ranks resolve at different moments (rank 0 also in preflight); if resolving drew from the global
     RNG, the ranks would initialise different weights, which FSDP (unlike DDP) never re-broadcasts."""
-    monkeypatch.setattr(model, "resolved", {})
+    monkeypatch.setattr(attn, "resolved", {})
     before = torch.get_rng_state()
     for doc_mask in (False, True):  # on this CPU, SDPA's flash kernel gets a trial call
         resolve_backend("auto", "cpu", F32, 16, "documents" if doc_mask else None)
@@ -195,17 +196,17 @@ def test_the_model_resolves_auto_whatever_mode_it_runs_in(grad_ckpt, monkeypatch
                                     attn_backend="auto", grad_ckpt=grad_ckpt))
     x = torch.randint(0, 64, (2, 16))
     for mode in (torch.inference_mode, torch.no_grad, lambda: torch.autocast("cpu", dtype=torch.bfloat16)):
-        monkeypatch.setattr(model, "resolved", {})
+        monkeypatch.setattr(attn, "resolved", {})
         with mode():
             gpt(x, x)
-        assert list(model.resolved.values())[0][0] in ("flash", "math")
-    monkeypatch.setattr(model, "resolved", {})
+        assert list(attn.resolved.values())[0][0] in ("flash", "math")
+    monkeypatch.setattr(attn, "resolved", {})
     gpt(x, x)[1].backward()
-    assert model.resolved[("auto", "cpu", F32, 16, None)][0] == "flash"
+    assert attn.resolved[("auto", "cpu", F32, 16, None)][0] == "flash"
 
 
 def test_auto_skips_a_backend_that_disagrees_with_float64(monkeypatch):
-    monkeypatch.setattr(model, "resolved", {})
+    monkeypatch.setattr(attn, "resolved", {})
     right = ATTENTION_KERNELS["flash"]
     monkeypatch.setitem(ATTENTION_KERNELS, "flash", lambda *args: 1.5 * right(*args))
     chosen, note = resolve_backend("auto", "cpu", F32, 16)
@@ -288,13 +289,13 @@ def test_fp32_under_tf32_is_held_to_float16s_tolerance_and_no_kernel_is_one_line
     precision = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("high")
-        assert model.parity_tolerance(torch.float32, torch.device("cuda")) == model.PARITY_TOLERANCE[torch.float16]
-        assert model.parity_tolerance(torch.float32, torch.device("cpu")) == 1e-4
+        assert attn.parity_tolerance(torch.float32, torch.device("cuda")) == attn.PARITY_TOLERANCE[torch.float16]
+        assert attn.parity_tolerance(torch.float32, torch.device("cpu")) == 1e-4
         torch.set_float32_matmul_precision("highest")
-        assert model.parity_tolerance(torch.float32, torch.device("cuda")) == 1e-4
+        assert attn.parity_tolerance(torch.float32, torch.device("cuda")) == 1e-4
     finally:
         torch.set_float32_matmul_precision(precision)
-    monkeypatch.setattr(model, "resolved", {})  # what earlier tests resolved in this process stays theirs
-    monkeypatch.setattr(model, "backend_unavailable", lambda name, *a: f"{name} stood in as unavailable")
+    monkeypatch.setattr(attn, "resolved", {})  # what earlier tests resolved in this process stays theirs
+    monkeypatch.setattr(attn, "backend_unavailable", lambda name, *a: f"{name} stood in as unavailable")
     with pytest.raises(ValueError, match="attn_backend=auto: no attention backend runs here: "):
-        model.resolve_backend("auto", torch.device("cpu"), torch.float32, 16)
+        attn.resolve_backend("auto", torch.device("cpu"), torch.float32, 16)

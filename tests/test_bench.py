@@ -14,7 +14,8 @@ import torch
 
 from conftest import ROOT, TORCHRUN, run
 from configurator import read_defaults
-from model import GPTConfig, flops_per_token, memory_estimate, param_counts
+from model import GPTConfig
+from preflight import flops_per_token, memory_estimate, param_counts
 
 PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt")
 RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take train.py's config files and keys
@@ -103,15 +104,15 @@ def test_matmul(tmp_path, capfd):
 
 def test_attention_every_backend_with_and_without_documents(tmp_path, capfd):
     rec = probe(capfd, tmp_path, "attention", "--device=cpu", *FAST)  # the CPU defaults: T 64 and 128, head dim 16
-    import model
-    backends = [*model.ATTENTION_BACKENDS, "sdpa"]
+    import attention
+    backends = [*attention.ATTENTION_BACKENDS, "sdpa"]
     assert rec["backends"] == backends
     assert [(r["head_dim"], r["seq_len"], r["doc_mask"], r["backend"]) for r in rec["rows"]] == \
         [(16, T, masked, b) for T in (64, 128) for masked in (False, True) for b in backends]
     for r in rec["rows"]:
-        reason = model.backend_unavailable(r["backend"], "cpu", torch.float32, 16, "documents" if r["doc_mask"] else None)
+        reason = attention.backend_unavailable(r["backend"], "cpu", torch.float32, 16, "documents" if r["doc_mask"] else None)
         assert r["status"] == ("unavailable" if reason else "ok"), r
-        if reason:  # reported with model.py's reason, not dropped
+        if reason:  # reported with attention.py's reason, not dropped
             assert r["reason"] == reason
             continue
         # causal forward 4*B*H*T*T*D / 2, backward 2.5x that
@@ -249,7 +250,7 @@ def test_help_lists_every_key(monkeypatch, capsys, name):
     (["memory", "config/nonexistent.py"], "config file 'config/nonexistent.py' not found"),
     (["memory", "config/tiny.py", "--micro_batchs=2"], "unknown key 'micro_batchs'"),
     (["matmul", "--sizes=64x64"], "sizes: '64x64' is neither N nor MxKxN"),
-    (["attention", "--backends=fa5"], "backends: fa5 not offered by model.py"),
+    (["attention", "--backends=fa5"], "backends: fa5 not offered by attention.py"),
     (["loader", "--data_dir=/nonexistent"], "no manifest.json in /nonexistent"),
     (["comms"], "run it under torchrun"),
     (["ckpt", *TINY, "--saves=0"], "saves=0 must be positive")])

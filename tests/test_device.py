@@ -9,8 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
 from conftest import FAKE_CUDA, RANKS, TINY_MODEL, run, shared
-from model import GPT, GRAD_CKPT, GPTConfig
-from model import shard_model
+from model import GPT, GRAD_CKPT, GPTConfig, shard_model
 from util import resolve_device, setup
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)

@@ -9,14 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model as model_module
+import attention
+import objectives
 import report
 from conftest import read_metrics, run_script, train_tiny
 from checkpoint import find_checkpoint, load_model
 from data import Loader, diffusion_draws, load_manifest
 from export import tokenizer_dir
-from model import GPT, LOGLINEAR_EPS, BlockDiffusion, GPTConfig, KVCache, flops_per_token, memory_phases, param_counts
+from attention import BlockDiffusion
+from model import GPTConfig, KVCache
+from objectives import LOGLINEAR_EPS, make_model
+from preflight import flops_per_token, memory_phases, param_counts
 from tasks import gsm8k_problems
+from tokenizer import load_tokenizer
 from test_model import LiveBytes
 from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
 from tokenizer import load_tokenizer
@@ -27,7 +32,7 @@ DIFFUSION = ["--objective=bd3lm", "--diffusion_block=8"]
 
 def tiny(seed=0, **kw):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **kw})).eval()
+    return make_model(GPTConfig(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **kw})).eval()
 
 
 def tokens(rows, T=32, seed=0):
@@ -190,7 +195,7 @@ def test_memory_plan_counts_both_copies(grad_ckpt, loss_chunk):
     config = GPTConfig(vocab_size=257, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, objective="bd3lm",
                        diffusion_block=16, grad_ckpt=grad_ckpt, loss_chunk=loss_chunk)
     torch.manual_seed(0)
-    model = GPT(config)
+    model = make_model(config)
     x0 = torch.randint(0, 256, (4, 128))
     draws = torch.rand(4, 2, 128)
     with LiveBytes(model, x0, draws) as live:
@@ -298,15 +303,15 @@ def test_sampler_on_flex_computes_what_math_does(monkeypatch):
     model = tiny()
     c = model.config
     # resolve_backend refuses flex on a CPU, which cannot train on it (no backward): the sampler needs no backward
-    monkeypatch.setitem(model_module.resolved, ("flex", "cpu", torch.float32, c.head_dim, None), ("flex", "flex"))
+    monkeypatch.setitem(attention.resolved, ("flex", "cpu", torch.float32, c.head_dim, None), ("flex", "flex"))
     prompt = tokens(2, 6, seed=1)
     flex_tokens, err = sample_on(model, "flex", "math", prompt, 24, seed=0)
     assert err <= 1e-5, err
     math_tokens, err = sample_on(model, "math", "flex", prompt, 24, seed=0)
     assert err <= 1e-5 and torch.equal(flex_tokens, math_tokens)
     # a wrong kernel is seen: flex attending only to the block, not to the cached keys
-    flex = model_module.ATTENTION_KERNELS["flex"]
-    monkeypatch.setitem(model_module.ATTENTION_KERNELS, "flex", lambda q, k, v, causal, mask=None:
+    flex = attention.ATTENTION_KERNELS["flex"]
+    monkeypatch.setitem(attention.ATTENTION_KERNELS, "flex", lambda q, k, v, causal, mask=None:
                         flex(q, k[:, :, -q.size(2):], v[:, :, -q.size(2):], causal, mask))
     assert sample_on(model, "flex", "math", prompt, 24, seed=0)[1] > 1e-2
 
@@ -427,7 +432,7 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     r = train_tiny(capfd, tmp_path / "out", data, *args)
     assert "step 1 | val loss" in r.stdout and "| gsm8k 0.0% of 1" in r.stdout
     right = tok.encode("Weng earns 12/60 = $0.2 per minute.\n#### 10")
-    monkeypatch.setattr(model_module.GPT, "generate",
+    monkeypatch.setattr(objectives.BlockDiffusionLM, "generate",
                         lambda self, idx, n, **kw: iter(torch.tensor([t]) for t in right))
     train_tiny(capfd, tmp_path / "out2", data, *args)
     rows = read_metrics(tmp_path / "out2")

@@ -23,7 +23,7 @@ What it covers, in file order (each part shares its training runs through module
    the same text twice and as sample.py's, so greedy is deterministic across requests and processes),
    and export.py's folder of the 1B slice loaded by transformers' LlamaForCausalLM on the GPU: its
    logits against podgpt's, fp32 and bf16;
-8. every attention backend of model.py against float64 in bf16 (or the reason it cannot run), and
+8. every attention backend of attention.py against float64 in bf16 (or the reason it cannot run), and
    what attn_backend=auto picks on this GPU;
 9. the opt-in speed paths on section 1's 12 compiled steps: fp8=True (torchao's float8 linear layers) and
    attn_backend=fa4 (FlashAttention 4 through SDPA) each train and track the bf16 run, or train.py refuses
@@ -61,8 +61,9 @@ import torch
 
 from conftest import ROOT, read_metrics, run, train_losses
 from test_bench import close, model_of, run_probe
-from model import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, flops_per_token, fp8_unavailable,
-                   parity_error, peak_flops, resolve_backend)
+from attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, parity_error, resolve_backend
+from model import fp8_unavailable
+from preflight import flops_per_token, peak_flops
 from checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
 from sanity import largest_fits
 from test_diffusion import sampled_text
@@ -116,8 +117,8 @@ FSDP_TOL = 2e-3
 # (tests/test_export.py's permuted RoPE rows) is off by more than 1e-1
 EXPORT_TOL = {torch.float32: 1e-4, BF16: 2e-2}
 
-# 8. attention: bf16 against float64, largest error over the largest value (model.parity_error). Measured
-# on an H100: 2.7e-3 (math) to 7.1e-3 (sdpa, doc_mask); model.py's own gate (PARITY_TOLERANCE) is 5e-2;
+# 8. attention: bf16 against float64, largest error over the largest value (attention.parity_error). Measured
+# on an H100: 2.7e-3 (math) to 7.1e-3 (sdpa, doc_mask); attention.py's own gate (PARITY_TOLERANCE) is 5e-2;
 # a wrong kernel (scale, mask, GQA mapping) is off by ~1
 ATTN_HEAD_DIM = 128
 ATTN_TOL = 2e-2
@@ -470,7 +471,7 @@ def test_bench_attention(tmp_path):
     for r in rec["rows"]:
         reason = backend_unavailable(r["backend"], "cuda", BF16, 128, "documents" if r["doc_mask"] else None)
         assert r["status"] == ("unavailable" if reason else "ok"), r
-        if reason:  # model.py's reason, not dropped
+        if reason:  # attention.py's reason, not dropped
             assert r["reason"] == reason
             continue
         assert (r["batch"], r["heads"], r["kv_heads"]) == (8, 8, 4)
@@ -679,17 +680,17 @@ def test_auto_finds_a_kernel_for_float32_under_tf32():
     """float32 on a GPU whose fp32 matmuls run in TF32 (train.py's matmul_precision=high): auto holds kernels to
     float16's tolerance there and finds one (against float32's, config/tiny.py --device=cuda found none on an
     H200: math 8.0e-4, flex 2.3e-3)."""
-    import model
-    precision, cached = torch.get_float32_matmul_precision(), dict(model.resolved)
+    import attention
+    precision, cached = torch.get_float32_matmul_precision(), dict(attention.resolved)
     try:
         torch.set_float32_matmul_precision("high")
-        model.resolved.clear()  # a choice made at another precision is not this one's
+        attention.resolved.clear()  # a choice made at another precision is not this one's
         chosen, note = resolve_backend("auto", "cuda", torch.float32, ATTN_HEAD_DIM)
         assert chosen in ATTENTION_BACKENDS and note.startswith(f"auto: {chosen} (largest error "), note
     finally:
         torch.set_float32_matmul_precision(precision)
-        model.resolved.clear()
-        model.resolved.update(cached)
+        attention.resolved.clear()
+        attention.resolved.update(cached)
 
 
 @MASK_KINDS
@@ -791,11 +792,12 @@ def test_trm_fast_dry_run_under_torchrun(tmp_path, data):
 def test_refine_kv_cache_on_cuda_equals_recomputation():
     """The refine model's cache (one entry per block application) on CUDA in fp32: greedy tokens and
     logits equal recomputing every position."""
-    from model import GPT, GPTConfig
+    from model import GPTConfig
+    from objectives import make_model
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
                        objective="refine", n_loops=2, n_sup_inference=3, T_recursion=2)
-    model = GPT(config).cuda().eval()
+    model = make_model(config).cuda().eval()
     prompt = torch.randint(0, 256, (2, 8), device="cuda")
     cached = torch.stack(list(model.generate(prompt, 32, temperature=0)), 1)
     full = torch.stack(list(model.generate(prompt, 32, temperature=0, use_cache=False)), 1)
@@ -808,7 +810,8 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
 def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
     """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the
     gradients of the dense mask on SDPA's math kernel, within bf16's parity tolerance; HDP's too."""
-    from model import GPT, GPTConfig
+    from model import GPTConfig
+    from objectives import make_model
     if backend_unavailable("flex", "cuda", BF16, 64, "diffusion") is not None:
         pytest.skip(f"flex cannot run on {gpu_name()}")
     for hdp in ("", "128,128,256"):
@@ -817,7 +820,7 @@ def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
             torch.manual_seed(0)
             config = GPTConfig(vocab_size=50258, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256,
                                objective="bd3lm", diffusion_block=16, hdp_segments=hdp, attn_backend=backend)
-            model = GPT(config).cuda()
+            model = make_model(config).cuda()
             g = torch.Generator(device="cuda").manual_seed(1)
             x = torch.randint(0, 50257, (4, 512), device="cuda", generator=g)
             draws = torch.rand(4, 2, 512, device="cuda", generator=g)

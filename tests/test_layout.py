@@ -1,5 +1,6 @@
-"""The modules import one way, from the bottom up: util -> model, data -> checkpoint, preflight -> train
-and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
+"""The modules import one way, from the bottom up: util -> attention -> model -> optim, and objectives beside
+model (it imports model and attention), data -> checkpoint (which builds models through objectives), preflight
+-> train and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
 so each can be read, copied and tested without the ones above it; no script imports train.py's insides."""
 import ast
 import os
@@ -10,23 +11,26 @@ from conftest import ROOT
 BELOW = {
     "util": set(),
     "configurator": {"util"},
-    "model": {"util"},
+    "attention": {"util"},
+    "model": {"util", "attention"},
+    "optim": set(),
+    "objectives": {"model", "attention"},
     "data": {"util"},
     "report": {"util", "configurator"},
-    "checkpoint": {"util", "model", "data"},
+    "checkpoint": {"util", "model", "objectives", "data"},
     "schedule": {"util"},
-    "preflight": {"util", "model", "data", "schedule"},
+    "preflight": {"util", "attention", "model", "data", "schedule"},
     "postmortem": {"util", "configurator", "data"},
     "dryrun": {"util", "report"},
     "tokenizer": {"util"},
     "download": {"util"},
     "tasks": {"util", "data", "tokenizer"},
     "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer"},
-    "export": {"util", "configurator", "model", "checkpoint", "tokenizer", "report"},
-    "sample": {"util", "configurator", "model", "checkpoint", "tokenizer", "export"},
-    "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
-    "train": {"util", "configurator", "model", "data", "checkpoint", "preflight", "schedule", "report", "postmortem",
-              "dryrun", "tasks", "tokenizer"},
+    "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
+    "sample": {"util", "configurator", "objectives", "preflight", "checkpoint", "tokenizer", "export"},
+    "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
+    "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
+              "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}

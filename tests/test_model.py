@@ -1,5 +1,5 @@
-"""model.py: causality, KV cache, sampling, document masks, activation checkpointing, the chunked loss,
-and the parameter/FLOP/memory arithmetic the configs quote."""
+"""model.py: causality, KV cache, sampling, document masks, activation checkpointing, the chunked loss;
+and preflight.py's parameter/FLOP/memory arithmetic the configs quote."""
 import dataclasses
 import json
 import os
@@ -12,9 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import configurator
-from preflight import plan_layout
-from model import (RUNTIME_FIELDS, GPT, GPTConfig, flops_per_token, memory_estimate, memory_phases, param_counts,
-                   peak_flops, sample_next)
+from model import RUNTIME_FIELDS, GPT, GPTConfig, sample_next
+from objectives import make_model
+from preflight import flops_per_token, memory_estimate, memory_phases, param_counts, peak_flops, plan_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def test_seed_config_arithmetic(name, total, non_embedding, gflops):
     assert counts["non_embedding"] == pytest.approx(non_embedding, rel=1e-3)
     assert flops_per_token(config) / 1e9 == pytest.approx(gflops, rel=1e-3)
     with torch.device("meta"):  # the arithmetic matches the module the config builds
-        model = GPT(config)
+        model = make_model(config)
     assert sum(p.numel() for p in model.parameters()) == counts["total"]
 
 
@@ -175,7 +175,7 @@ def measure_step(config, micro_batch):
     """One fp32 CPU step: (bytes the forward leaves for the backward, the most the backward rebuilds
     at once inside blocks and outside them, the model after its step, its optimizer)."""
     torch.manual_seed(0)
-    model = GPT(config)
+    model = make_model(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = torch.randint(0, config.vocab_size, (2, micro_batch, config.block_size))
     with LiveBytes(model, x, y) as live:

@@ -10,16 +10,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import model as model_module
+import objectives
 from checkpoint import find_checkpoint
 from conftest import read_metrics, run_script, train_tiny
-from model import (GPT, GPTConfig, KVCache, flops_per_token, memory_estimate, memory_phases, param_counts,
-                   refine_objective)
+from model import GPT, GPTConfig, KVCache
+from objectives import Refine, make_model, refine_objective
+from preflight import flops_per_token, memory_estimate, memory_phases, param_counts
 from test_fsdp import FSDP, assert_close_losses
 from test_model import measure_step
 from test_resume import ARGS, train
 from test_sanity import sanity
-from train import Trainer
 
 SHAPE = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
@@ -34,8 +34,8 @@ def test_one_step_without_loops_is_the_plain_gpt(loss_chunk, grad_ckpt):
     """n_sup_train=1, n_loops=0, T_recursion=1: the same loss and the same gradients as the plain GPT with
     the same weights, to the bit."""
     plain = GPT(GPTConfig(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt))
-    refine = GPT(GPTConfig(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt, objective="refine", n_sup_train=1,
-                           n_loops=0, T_recursion=1))
+    refine = make_model(GPTConfig(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt, objective="refine",
+                                  n_sup_train=1, n_loops=0, T_recursion=1))
     refine.load_state_dict(plain.state_dict())
     x, y = batch(plain.config)
     loss = plain(x, y)[1]
@@ -64,12 +64,12 @@ def test_detach_threshold_decides_which_steps_later_losses_reach(threshold, monk
     """Step i's loss reaches back into the answer y of an earlier step j only while no step in between was
     detached: y is detached after each step k with threshold <= k < last. The latent z goes with it."""
     config = GPTConfig(**SHAPE, objective="refine", n_sup_train=4, n_loops=1, detach_threshold=threshold)
-    model = GPT(config)
+    model = make_model(config)
     answers, latents, losses = [], [], []
     # the final norm reads each step's y; the last layer's last application of a step is its y update (context z)
     model.norm.register_forward_pre_hook(lambda m, args: answers.append(args[0]))
     model.layers[-1].register_forward_pre_hook(lambda m, args, kw: latents.append(kw["context"]), with_kwargs=True)
-    monkeypatch.setattr(model_module, "refine_objective", lambda ls, *a: losses.extend(ls) or sum(ls))
+    monkeypatch.setattr(objectives, "refine_objective", lambda ls, *a: losses.extend(ls) or sum(ls))
     x, y = batch(config)
     model(x, y)
     latents = latents[1::2]  # per layer: the z update (context x + y), then the y update (context z)
@@ -86,7 +86,7 @@ def test_kv_cache_generation_equals_full_recomputation():
     """Greedy generation through the KV cache (one entry per block application) gives the tokens and
     logits of recomputing every position from scratch."""
     config = GPTConfig(**SHAPE, objective="refine", n_sup_inference=3, n_loops=2, T_recursion=2)
-    model = GPT(config).eval()
+    model = make_model(config).eval()
     assert config.cache_slots == 3 * 2 * 2 * 3
     x = batch(config)[0]
     with torch.no_grad():
@@ -156,12 +156,11 @@ def test_an_order_broken_for_patience_evaluations_is_a_warning(capfd):
     """refinement_order: a later supervision step no better than the one before, refine_order_patience
     evaluations in a row, is one warning (and a metrics event); in order again, the count starts over."""
     events = []
-    trainer = SimpleNamespace(state=SimpleNamespace(order_broken=0, step=0), cfg=SimpleNamespace(refine_order_patience=2),
-                              event=lambda name, message, **f: events.append((name, message, f)))
-    for step, sups in enumerate([[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0],
-                                 [3.0, 3.0, 2.9], [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]):
-        trainer.state.step, trainer.val_sups = step, sups
-        Trainer.check_order(trainer)
+    state, cfg = SimpleNamespace(order_broken=0), SimpleNamespace(refine_order_patience=2)
+    for sups in [[3.0, 2.9, 2.95], [3.0, 2.9, 2.95], [3.0, 2.9, 2.8], [3.1, 3.2, 3.0], [3.0, 3.0, 2.9],
+                 [3.0, 2.9, 2.95], [2.0, 2.1, 2.2]]:
+        if warning := Refine.check_validation(sups, state, cfg):
+            events.append(warning)
     assert [(e[2]["evaluations"], e[2]["val_sup_losses"]) for e in events] == [(2, [3.0, 2.9, 2.95]),
                                                                                (2, [3.0, 3.0, 2.9]),
                                                                                (4, [2.0, 2.1, 2.2])]

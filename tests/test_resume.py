@@ -28,7 +28,8 @@ import torch
 import checkpoint
 from checkpoint import Checkpoints, read_pointer
 from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, popen, read_metrics, run, shared, train_losses
-from model import GPT, GPTConfig, make_optimizer
+from model import GPT, GPTConfig
+from optim import make_optimizer
 
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
 # 8 sequences of 64 tokens per step: accumulation 2 on one process, 1 on each of two ranks;

@@ -7,23 +7,26 @@ import pytest
 import torch
 
 import configurator
+import attention
 import model
 import sanity as sanity_script
 from conftest import TORCHRUN, run, run_script
-from model import ATTENTION_BACKENDS, GPTConfig, memory_estimate
+from attention import ATTENTION_BACKENDS
+from model import GPTConfig
+from preflight import memory_estimate
 
 CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
           "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce", "capacity"]
 
 
-# sanity.main run after making model.py's attention wrong, its document mask only causal, or its KV cache crash
+# sanity.main run after making attention.py's attention wrong, its document mask only causal, or its KV cache crash
 def wrong_scale(monkeypatch):
-    right = model.ATTENTION_KERNELS["math"]
-    monkeypatch.setitem(model.ATTENTION_KERNELS, "math", lambda *args: 1.5 * right(*args))
+    right = attention.ATTENTION_KERNELS["math"]
+    monkeypatch.setitem(attention.ATTENTION_KERNELS, "math", lambda *args: 1.5 * right(*args))
 
 
 def no_documents(monkeypatch):
-    monkeypatch.setattr(model.Documents, "dense",
+    monkeypatch.setattr(attention.Documents, "dense",
                         lambda self: torch.ones(self.ids.size(1), self.ids.size(1), dtype=torch.bool).tril())
 
 
@@ -35,10 +38,10 @@ def crash(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch):
-    """sanity.py's main runs in this process (conftest.run_script) with model.py's cache of resolved attention
+    """sanity.py's main runs in this process (conftest.run_script) with attention.py's cache of resolved attention
     backends empty, as in a new interpreter (its patches above reach what auto resolves, and nothing resolved
     under them stays)."""
-    monkeypatch.setattr(model, "resolved", {})
+    monkeypatch.setattr(attention, "resolved", {})
 
 
 def read_report(out):

@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import attention
 import model
 from conftest import train_tiny, tree
 from model import fp8_unavailable
@@ -60,7 +61,7 @@ def test_train_py_refuses_fp8_where_it_cannot_run(capfd, tmp_path, stdlib_data):
 
 
 def test_train_py_refuses_fa4_where_it_cannot_run(capfd, tmp_path, stdlib_data):
-    why = model.backend_unavailable("fa4", "cpu", torch.float32, 8)  # the tiny model: 4 heads of 8
+    why = attention.backend_unavailable("fa4", "cpu", torch.float32, 8)  # the tiny model: 4 heads of 8
     assert refused(capfd, tmp_path, stdlib_data, "--attn_backend=fa4") == \
         (1, f"error: preflight blocks: attention_backend_runtime: ValueError: attn_backend=fa4 cannot run here: {why}. "
             f"Available here (cpu, float32, head_dim 8): flash, math, sdpa (or allow_unsafe=True to train anyway)")

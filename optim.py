@@ -1,0 +1,65 @@
+"""
+The optimizers train.py steps: AdamW over parameter groups that decay only the matrices, or (optimizer=muon)
+nanochat's split, Muon for the blocks' matrices and AdamW for the rest, stepped as one (MuonAdamW).
+"""
+import torch
+
+
+class MuonAdamW:
+    """optimizer=muon's two optimizers stepped as one, as train.py's loop, GradScaler and checkpoint.py use an
+    optimizer: param_groups (Muon's, then AdamW's, each with its peak_lr), step, zero_grad, and a state_dict
+    holding both. A resume keeps this run's peaks, as it keeps learning_rate (train.py sets every lr from the
+    config), and takes the rest from the checkpoint as torch's load_state_dict does: momentum buffers, moments,
+    step counts, betas, momentum."""
+
+    def __init__(self, muon, adamw):
+        self.muon, self.adamw = muon, adamw
+        self.peaks = [g["peak_lr"] for g in self.param_groups]
+
+    @property
+    def param_groups(self):
+        return self.muon.param_groups + self.adamw.param_groups
+
+    def step(self):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self):
+        return dict(muon=self.muon.state_dict(), adamw=self.adamw.state_dict())
+
+    def load_state_dict(self, state):
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+        for g, peak in zip(self.param_groups, self.peaks, strict=True):
+            g["peak_lr"] = peak
+
+
+def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02, embedding_lr=4e-3,
+                   momentum=0.95):
+    """AdamW over the model's parameters, decaying matrices only: norms (1-D) and the embedding table
+    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA).
+
+    kind="muon", nanochat's split: torch.optim.Muon (Nesterov, `momentum`) for the blocks' matrices at peak
+    matrix_lr, and that AdamW for the rest (embedding, untied head, norms) at peak embedding_lr: a MuonAdamW,
+    whose groups carry their peak_lr for train.py's schedule (the defaults are train.py's). Under ddp every
+    rank orthogonalizes every matrix, the same all-reduced gradients into the same update."""
+    matrices, decay, no_decay = [], [], []
+    for name, p in model.named_parameters():
+        if kind == "muon" and name.startswith("layers.") and p.dim() == 2:
+            matrices.append(p)
+        else:
+            (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
+    if kind == "adamw":
+        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+    # no weight decay on Muon's matrices, as in nanochat's Muon setup and Keller Jordan's: torch's Muon would decay
+    # by lr x weight_decay per step, at 0.02 some 70x what AdamW's decay does at 3e-4 with the same weight_decay
+    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr, momentum=momentum,
+                            weight_decay=0.0)
+    groups = [dict(params=decay, weight_decay=weight_decay, peak_lr=embedding_lr),
+              dict(params=no_decay, weight_decay=0.0, peak_lr=embedding_lr)]
+    return MuonAdamW(muon, torch.optim.AdamW(groups, lr=embedding_lr, betas=betas, fused=fused))
