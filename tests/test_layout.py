@@ -17,7 +17,8 @@ BELOW = {
     "preflight": {"util", "model", "data"},
     "prepare": {"util", "configurator", "data"},
     "export": {"util", "configurator", "model", "checkpoint", "prepare", "report"},
-    "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export"},
+    "serve": {"util", "model"},
+    "sample": {"util", "configurator", "model", "checkpoint", "prepare", "export", "serve"},
     "sanity": {"util", "configurator", "model", "data", "checkpoint", "preflight"},
     # train.py evaluates GSM8K answers (eval_gsm8k_samples) with prepare.py's tokenizer and its reading of the
     # format prepare.py writes; prepare.py imports nothing of train's
