@@ -1,6 +1,6 @@
 """sample.py --serve=True (serve.py): the HTTP API gives sample.py's text, streams it, echoes the prompt and scores
-tokens with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would), lists
-its model, refuses bad requests and parameters it does not implement with a JSON error
+tokens with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would, and
+OpenAI's own client), lists its model, refuses bad requests and parameters it does not implement with a JSON error
 naming the field, survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile clients (long
 stop strings, trickled or malformed requests, clients that leave) cannot hold it up, and requests behind long ones
 wait in a bounded line, for a bounded time, or get a 503 with a Retry-After. And sample.py's command line refuses
@@ -372,6 +372,23 @@ def test_lm_eval_generate_until_requests_get_the_greedy_text(server, local):
         r = complete(server, prompt=[ids], model="export/tiny", max_tokens=8, temperature=0, stop=stop, seed=1234)
         cut = min((greedy.find(s) for s in stop if s in greedy), default=len(greedy))
         assert sorted(r["choices"], key=lambda c: c["index"])[0]["text"] == greedy[:cut], (until, greedy)
+
+
+def test_the_openai_client_gets_the_models_text(server, local, ckpt):
+    """OpenAI's own Python client pointed at the server: its greedy completion is the model's greedy text here, and
+    a seeded one, streamed or not, is the server's answer to the same request (sample.py's text, as above)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    ids = local.tok.encode("def main():\n")
+    drawn = local.model.generate(torch.tensor([[local.tok.bos_id] + ids]), 12, temperature=0)
+    greedy = local.tok.decode(list(itertools.takewhile(lambda t: t != local.tok.bos_id, (t.item() for t in drawn))))
+    r = client.completions.create(model="podgpt", prompt="def main():\n", max_tokens=12, temperature=0)
+    assert (r.model, r.choices[0].text, r.usage.prompt_tokens) == (ckpt, greedy, len(ids))
+    seeded = dict(model="podgpt", prompt="import os\n", max_tokens=40, temperature=1.0, seed=3)
+    text = complete(server, **seeded)["choices"][0]["text"]
+    assert client.completions.create(**seeded).choices[0].text == text
+    chunks = list(client.completions.create(**seeded, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "length"
 
 
 BAD = [  # (body, param the error names)
