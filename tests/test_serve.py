@@ -1,10 +1,10 @@
-"""sample.py --serve=True: the HTTP API gives sample.py's text, streams it, echoes the prompt and scores tokens
-with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would), lists
-its model, refuses bad requests and parameters it does not implement with a JSON error naming the field,
-survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile
-clients (long stop strings, trickled or malformed requests, clients that leave) cannot hold it up, and requests
-behind long ones wait in a bounded line, for a bounded time, or get a 503 with a Retry-After. And sample.py's
-command line refuses bad settings, prompts and damaged exports with one line."""
+"""sample.py --serve=True (serve.py): the HTTP API gives sample.py's text, streams it, echoes the prompt and scores
+tokens with the model's own log-probabilities (answering lm-evaluation-harness's requests as the model would, and
+OpenAI's own client), lists its model, refuses bad requests and parameters it does not implement with a JSON error
+naming the field, survives a client that leaves mid-stream, and stops cleanly on SIGTERM; hostile clients (long
+stop strings, trickled or malformed requests, clients that leave) cannot hold it up, and requests behind long ones
+wait in a bounded line, for a bounded time, or get a 503 with a Retry-After. And sample.py's command line refuses
+bad settings, prompts and damaged exports with one line."""
 import contextlib
 import http.client
 import itertools
@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import sample
+import serve
 from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
 from conftest import ROOT, Captured, popen, run, shared, train_tiny
 from tokenizer import load_tokenizer
@@ -162,8 +163,8 @@ def test_health_and_info(server, ckpt):
     assert info["model"] == config["model"] and info["block_size"] == 64 and info["tokenizer"] == "byte"
     weights = torch.load(os.path.join(ckpt, "model.pt"), weights_only=True)
     assert info["parameters"] == sum(t.numel() for k, t in weights.items() if k != "lm_head.weight")  # tied head
-    assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": sample.MAX_BODY_BYTES,
-                              "stop_strings": 4, "stop_chars": sample.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
+    assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": serve.MAX_BODY_BYTES,
+                              "stop_strings": 4, "stop_chars": serve.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
                               "logprobs": 5, "queue": sample.serve_max_queue,
                               "wait_seconds": sample.serve_max_wait}
     assert info["device"] == "cpu"  # the one setup's device, as text
@@ -281,7 +282,7 @@ def test_logprobs_past_the_context_are_of_the_window_the_model_read(local):
     ctx = SimpleNamespace(model=local.model, tok=tok, dev="cpu", stopping=threading.Event())
     ids, scored = tok.encode("x" * 55), []
     p = dict(max_tokens=40, temperature=1.0, top_k=None, top_p=1.0, seed=3, stop=[], logprobs=2)
-    list(sample.complete(ctx, p, ids, lambda: False, scored))
+    list(serve.complete(ctx, p, ids, lambda: False, scored))
     seq, start = [tok.bos_id] + ids + [token for token, _ in scored], 0
     for i, (token, (logprob, _)) in enumerate(scored):
         end = len(ids) + 1 + i  # the tokens before this one
@@ -306,7 +307,7 @@ def test_openai_parameters_at_values_that_change_nothing_are_accepted(server):
     body = dict(prompt="def main(", max_tokens=8, temperature=1.0, seed=4)
     neutral = dict(n=1, best_of=1, presence_penalty=0, frequency_penalty=0.0, suffix="", logit_bias={},
                    stream_options=None, user="someone", model="any", echo=False, logprobs=None)
-    assert set(sample.UNSUPPORTED) <= set(neutral)
+    assert set(serve.UNSUPPORTED) <= set(neutral)
     assert complete(server, **body, **neutral)["choices"][0]["text"] == complete(server, **body)["choices"][0]["text"]
 
 
@@ -373,6 +374,23 @@ def test_lm_eval_generate_until_requests_get_the_greedy_text(server, local):
         assert sorted(r["choices"], key=lambda c: c["index"])[0]["text"] == greedy[:cut], (until, greedy)
 
 
+def test_the_openai_client_gets_the_models_text(server, local, ckpt):
+    """OpenAI's own Python client pointed at the server: its greedy completion is the model's greedy text here, and
+    a seeded one, streamed or not, is the server's answer to the same request (sample.py's text, as above)."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+    ids = local.tok.encode("def main():\n")
+    drawn = local.model.generate(torch.tensor([[local.tok.bos_id] + ids]), 12, temperature=0)
+    greedy = local.tok.decode(list(itertools.takewhile(lambda t: t != local.tok.bos_id, (t.item() for t in drawn))))
+    r = client.completions.create(model="podgpt", prompt="def main():\n", max_tokens=12, temperature=0)
+    assert (r.model, r.choices[0].text, r.usage.prompt_tokens) == (ckpt, greedy, len(ids))
+    seeded = dict(model="podgpt", prompt="import os\n", max_tokens=40, temperature=1.0, seed=3)
+    text = complete(server, **seeded)["choices"][0]["text"]
+    assert client.completions.create(**seeded).choices[0].text == text
+    chunks = list(client.completions.create(**seeded, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text and chunks[-1].choices[0].finish_reason == "length"
+
+
 BAD = [  # (body, param the error names)
     (b"{not json", None),
     (b"[1, 2]", None),
@@ -419,8 +437,8 @@ BAD = [  # (body, param the error names)
     ({"prompt": "x", "min_p": 0.1}, "min_p"),  # a vLLM extension
     ({"prompt": "x", "max_new_tokens": 8}, "max_new_tokens"),  # a misspelt max_tokens
     ({"prompt": "x", "k" * 100: 1}, "k" * 40 + "..."),  # named, cut short
-    ({"prompt": "x", "stop": ["a"] * (sample.MAX_STOPS + 1)}, "stop"),
-    ({"prompt": "x", "stop": "a" * (sample.MAX_STOP_CHARS + 1)}, "stop"),
+    ({"prompt": "x", "stop": ["a"] * (serve.MAX_STOPS + 1)}, "stop"),
+    ({"prompt": "x", "stop": "a" * (serve.MAX_STOP_CHARS + 1)}, "stop"),
     ({"prompt": "x", "stop": "a" * 1_000_000}, "stop"),  # once held the model ~14 s per token
     (b"[" * 100_000, None),  # nested too deeply for the JSON parser (a RecursionError)
     (b'{"prompt": "\\udcff"}', "prompt"),  # a lone surrogate: no UTF-8 for it
@@ -448,7 +466,7 @@ def test_wrong_path_method_and_size(server):
     # a body over the limit is refused from its Content-Length, unread
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.putrequest("POST", "/v1/completions")
-    conn.putheader("Content-Length", str(sample.MAX_BODY_BYTES + 1))
+    conn.putheader("Content-Length", str(serve.MAX_BODY_BYTES + 1))
     conn.endheaders()
     r = conn.getresponse()
     assert r.status == 413 and "limit" in json.loads(r.read())["error"]["message"]
@@ -497,7 +515,7 @@ def test_client_leaving_mid_stream_does_not_stop_the_server(server):
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True}))
         r = conn.getresponse()
-        assert r.status == 200 and r.fp.readline().startswith(b"data: ")
+        assert r.status == 200 and r.readline().startswith(b"data: ")
         r.close()  # leave without reading the rest
     assert call(server, "GET", "/health")[0] == 200
     r = complete(server, prompt="x", max_tokens=3, temperature=0)
@@ -519,10 +537,10 @@ def test_completion_ends_at_bos_and_never_splits_a_character(ckpt):
 
     ctx = SimpleNamespace(model=SimpleNamespace(generate=generate), tok=tok, dev="cpu", stopping=threading.Event())
     p = dict(max_tokens=len(tokens), temperature=1.0, top_k=None, top_p=1.0, seed=0, stop=[])
-    parts = list(sample.complete(ctx, p, tok.encode("hi"), lambda: False))
+    parts = list(serve.complete(ctx, p, tok.encode("hi"), lambda: False))
     assert [t for t, _, _ in parts if t] == ["é", "€"]
     assert parts[-1][1:] == ("stop", 6)  # 5 bytes and BOS
-    parts = list(sample.complete(ctx, dict(p, max_tokens=4), tok.encode("hi"), lambda: False))
+    parts = list(serve.complete(ctx, dict(p, max_tokens=4), tok.encode("hi"), lambda: False))
     assert "".join(t for t, _, _ in parts) == "é\ufffd" and parts[-1][1:] == ("length", 4)  # a cut character
 
 
@@ -557,11 +575,15 @@ def test_sigterm_during_a_generation_exits_0_within_seconds(ckpt, tmp_path):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True}))
     r = conn.getresponse()
-    assert r.fp.readline().startswith(b"data: ")
+    assert r.readline().startswith(b"data: ")
     waiting = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
     waiting.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 8}))
     stop_server(server, within=5)  # mid-stream: the generation stops at its next token
-    assert b"data: [DONE]" not in r.read()
+    try:
+        rest = r.read()
+    except http.client.IncompleteRead as e:  # an HTTP/1.1 stream is chunked: cut short, it ends mid-chunk
+        rest = e.partial
+    assert b"data: [DONE]" not in rest
     for c in (conn, waiting, slow):
         c.close()
 
@@ -579,7 +601,7 @@ def stand_in(pieces):
 
 def run_complete(pieces, stops):
     p = dict(max_tokens=len(pieces), temperature=1.0, top_k=None, top_p=1.0, seed=0, stop=stops)
-    return list(sample.complete(stand_in(pieces), p, [], lambda: False))
+    return list(serve.complete(stand_in(pieces), p, [], lambda: False))
 
 
 def test_stop_strings_end_the_text_as_a_search_of_the_whole_text_would(ckpt):
@@ -611,7 +633,7 @@ def test_stop_strings_end_the_text_as_a_search_of_the_whole_text_would(ckpt):
 def test_stop_matching_is_linear_in_the_text():
     """4 stop strings of the longest length, which the text keeps almost matching: matching them costs about
     what generating costs (the old search took seconds for this: quadratic in the stop strings' length)."""
-    pieces, stops = ["a"] * 4000, ["a" * (sample.MAX_STOP_CHARS - 1) + c for c in "bcde"]
+    pieces, stops = ["a"] * 4000, ["a" * (serve.MAX_STOP_CHARS - 1) + c for c in "bcde"]
     costs = []
     for s in ([], stops):
         start = time.process_time()
@@ -663,7 +685,7 @@ def test_hostile_clients_do_not_hold_up_a_normal_one(server):
 
     huge = json.dumps({"prompt": "x", "stop": "a" * 1_000_000})
     at_limits = {"prompt": "x", "max_tokens": 200, "temperature": 0,
-                 "stop": ["a" * (sample.MAX_STOP_CHARS - 1) + c for c in "bcde"]}
+                 "stop": ["a" * (serve.MAX_STOP_CHARS - 1) + c for c in "bcde"]}
 
     def refused_at_once():
         while not done.is_set():
@@ -691,7 +713,7 @@ def test_hostile_clients_do_not_hold_up_a_normal_one(server):
             t.join(timeout=60)
     assert set(refused) == {400, 411, 413} and set(allowed) == {200}, (refused, allowed)
     assert results["body"][0] == b"HTTP/1.0 408 Request Timeout", results
-    assert results["headers"][0] == b"", results  # http.server drops a request line or header cut short
+    assert results["headers"][0] == b"", results  # a request line or header cut short is dropped unanswered
     assert all(READ_TIMEOUT - 0.5 < seconds < READ_TIMEOUT + 2 for _, seconds in results.values()), results
 
     log = wait_for_log(server, start, lambda log: "generation stopped after" in log)
@@ -727,7 +749,7 @@ def generating(server):
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": LONG, "temperature": 0,
                                                          "stream": True}))
     r = conn.getresponse()
-    assert r.status == 200 and r.fp.readline().startswith(b"data: ")
+    assert r.status == 200 and r.readline().startswith(b"data: ")
     try:
         yield
     finally:
@@ -793,7 +815,7 @@ def test_model_queue_is_first_come_first_served_and_retry_after_is_measured():
     """In process: two requests that held the model 0.3 s and 0.5 s make 0.4 s a request; with one generating and
     two waiting (max_waiting=2), another is refused at once, Retry-After ceil(3 x 0.4) = 2 s; those waiting get the
     model in the order they came."""
-    q = sample.ModelQueue(max_waiting=2, max_wait=30)
+    q = serve.ModelQueue(max_waiting=2, max_wait=30)
     for seconds in (0.3, 0.5):
         with q.turn():
             time.sleep(seconds)
@@ -811,7 +833,7 @@ def test_model_queue_is_first_come_first_served_and_retry_after_is_measured():
         while (order != ["first"] or len(q.line) < waiting) and time.monotonic() < deadline:
             time.sleep(0.01)
     assert order == ["first"] and len(q.line) == 2
-    with pytest.raises(sample.RequestError) as e:
+    with pytest.raises(serve.RequestError) as e:
         with q.turn():
             pass
     assert (e.value.status, e.value.headers) == (503, {"Retry-After": "2"}) and "serve_max_queue" in str(e.value)
@@ -896,6 +918,6 @@ def test_a_damaged_export_is_refused_in_one_line(export_dir, tmp_path, capfd, na
 
 def test_server_refuses_a_prompt_outside_a_char_tokenizer(ckpt, tmp_path):
     ctx = SimpleNamespace(tok=load_tokenizer(char_checkpoint(ckpt, tmp_path / "char")), max_tokens=16, max_prompt=63)
-    with pytest.raises(sample.RequestError) as e:
-        sample.parse_completion(json.dumps({"prompt": "abxc"}).encode(), ctx)
+    with pytest.raises(serve.RequestError) as e:
+        serve.parse_completion(json.dumps({"prompt": "abxc"}).encode(), ctx)
     assert (e.value.status, e.value.param) == (400, "prompt") and "'x'" in str(e.value), e.value
