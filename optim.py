@@ -4,6 +4,31 @@ nanochat's split, Muon for the blocks' matrices and AdamW for the rest, stepped 
 """
 import torch
 
+from util import fail
+
+
+def check_optimizer(cfg):
+    """Refuse an optimizer or learning rates that cannot work (train.py's keys), before anything is read or written."""
+    if cfg.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):
+            fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
+        # Newton-Schulz multiplies whole matrices, which FSDP2 splits over the ranks: on its DTensor shards torch's
+        # Muon gets the update right only by all-gathering each matrix many times a step, where FSDP's own forward
+        # and backward gather it twice
+        if cfg.dist_mode == "fsdp":
+            fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each whole matrix, which "
+                 "FSDP splits over the GPUs; use dist_mode=ddp, or optimizer=adamw")
+        for key in ("matrix_lr", "embedding_lr"):
+            if cfg[key] <= 0:
+                fail(f"{key}={cfg[key]} must be positive")
+        if not 0 <= cfg.muon_momentum < 1:
+            fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
+    if cfg.min_lr > cfg.learning_rate:
+        fail(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}: the schedule decays from "
+             f"learning_rate to min_lr")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
+        fail(f"beta1={cfg.beta1}, beta2={cfg.beta2}: both must be in [0, 1)")
+
 
 class MuonAdamW:
     """optimizer=muon's two optimizers stepped as one, as train.py's loop, GradScaler and checkpoint.py use an

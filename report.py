@@ -33,7 +33,7 @@ import threading
 import time
 
 import configurator
-from util import fail, first_line, run_main, warn, write_atomic, write_json
+from util import fail, first_line, format_seconds, run_main, warn, write_atomic, write_json
 
 # --- config
 out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -337,6 +337,26 @@ def target_text(band):
     """summary.json's target_val_loss, [low or null, high], as train.py's console says it."""
     low, high = band
     return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
+
+
+def outcome(summary, max_steps, out_dir):
+    """train.py's last console line from its summary.json: what a completed or stopped run did; "" for a failed
+    run, whose error line says it."""
+    s, band = summary, summary["target_val_loss"]
+    if s["status"] == "completed":
+        why = f"horizon: {s['horizon_by']} pays for {s['horizon']:,} of max_steps={max_steps:,}" \
+            if s["stop_reason"] == "horizon" else s["stop_reason"]
+        return (f"done ({why}): {s['steps']} steps in {format_seconds(s['elapsed_s'])} | final val loss "
+                f"{s['final_val_loss']:.4f} (best {fmt(s['best_val_loss'])} at step {s['best_step']}, unigram baseline "
+                f"{s['unigram_val_loss']:.4f})" + (f" | target_val_loss {target_text(band)}: {s['target']}" if band else "")
+                + f" | summary in {out_dir}/summary.json")
+    if s["status"] == "stopped":
+        signal_name = f" {s['signal']}" if s["stop_reason"] == "signal" else ""
+        return (f"stopped at step {s['steps']} ({s['stop_reason']}{signal_name}) after {format_seconds(s['elapsed_s'])}, "
+                f"${s['cost_usd']:.2f} | " + ("no checkpoint written: already over budget_usd"
+                                              if s["stop_reason"] == "budget_file_spent"
+                                              else f"checkpoint {s['checkpoint']}: the same command resumes"))
+    return ""
 
 
 def summary_md(out_dir, summary, clock, preflight, rows, plots):

@@ -14,12 +14,8 @@ The batch of optimizer step s is the same set of sequences whatever the number o
 world size; a preemption signal, max_hours or a budget guard stops every rank at one step boundary, with a
 checkpoint; bad steps are skipped, then rolled back.
 
-objective=refine (deep-supervision refinement) trains the same model recursively with a loss after each supervision
-step (objectives.py: Refine); its metrics lines, console lines and summary.json also carry each
-step's loss and the refinement. optimizer=muon is nanochat's split: Muon for the blocks' matrices,
-AdamW for the rest, each at its own peak on the one schedule. objective=bd3lm (block diffusion on GSM8K) trains a block
-diffusion model (objectives.py: BlockDiffusionLM) on noise each sample draws from its own index (data.py:
-diffusion_draws); eval_gsm8k_samples adds the accuracy of sampled GSM8K answers to each evaluation.
+optimizer=muon is nanochat's split: Muon for the blocks' matrices, AdamW for the rest. The objectives beyond
+next-token prediction (objective=refine, bd3lm) are objectives.py's: train.py logs the numbers each returns.
 """
 import math
 import os
@@ -43,16 +39,16 @@ from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_
 from attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
 from objectives import make_model
-from optim import make_optimizer
+from optim import check_optimizer, make_optimizer
 from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, band_text, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
+from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
 from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
-from report import MetricsFile, Trackers, target_verdict, tracker_names, write_report
+from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from dryrun import dryrun
-from tasks import gsm8k_accuracy, gsm8k_problems
+from tasks import check_segments, gsm8k_accuracy, gsm8k_problems
 from tokenizer import check_tokenizer_loads, load_tokenizer
 
 # --- config
@@ -74,9 +70,7 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
-# objective: ar (next-token prediction) | refine (deep supervision, recursive blocks: objectives.py's Refine
-# says how y and z move) | bd3lm (block diffusion). refine's loss is the objective below; val_loss is the last
-# supervision step's cross-entropy. bd3lm's loss and val_loss are the NELBO per token (an upper bound on its cross-entropy)
+# objective (objectives.py): refine's val_loss is its last supervision step's cross-entropy; bd3lm's is the NELBO per token
 objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
 n_loops = 2                     # refine: latent (z) updates per layer and repetition
 T_recursion = 1                 # refine: repetitions per layer; in training all but the last run without gradients
@@ -92,8 +86,7 @@ noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]: the NELBO) |
 clip_low = 0.3                  # bd3lm, clipped: lowest mask rate drawn in training (BD3-LM's beta)
 clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation always draws from loglinear
 hdp_segments = ""               # bd3lm: "128,128,256" is HDP (question, plan, execution: prepare.py's hdp format); "": plain
-eval_gsm8k_samples = 0          # gsm8k data: at each evaluation, answer this many test problems (greedy) and log the
-                                # share whose "#### <number>" is right (gsm8k_accuracy); 0: off
+eval_gsm8k_samples = 0          # gsm8k data: answer this many test problems (greedy) at each evaluation, log the accuracy
 # speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
 attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa | fa4 (never auto's pick)
 doc_mask = False                # attention stays inside each document (BOS boundaries); this one does change the model
@@ -112,9 +105,7 @@ lr_schedule = "cosine"          # cosine: to min_lr at the horizon | wsd: flat, 
 decay_frac = 0.2                # wsd: the decay's share of the horizon; it starts sooner when the money or hours left cover
                                 # just the decay at the speed measured so far
 matrix_lr = 0.02                # muon: Muon's peak learning rate for the blocks' matrices (nanochat's default)
-embedding_lr = 4e-3             # muon: AdamW's peak learning rate for the embedding, the untied head and the norms
-                                # (nanochat's original head LR, at width 768: a tied table is the head; nanochat scales
-                                # it by sqrt(768/n_embd), e.g. 8e-3 at 192)
+embedding_lr = 4e-3             # muon: AdamW's peak for the embedding, untied head and norms (nanochat's head LR at width 768)
 muon_momentum = 0.95            # muon: Muon's Nesterov momentum (torch's default; nanochat's after a 0.85 -> 0.95 warmup)
 weight_decay = 0.1              # AdamW's, on matrices only, never on norms or embeddings (muon: only an untied head)
 beta1 = 0.9                     # AdamW beta1
@@ -187,8 +178,7 @@ matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 ten
 
 INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (a loaded machine's
-                                # slow step overshot max_hours when they kept back the average)
+GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (their mean let one overshoot)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
@@ -236,33 +226,8 @@ def check_config(cfg):
         fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
 
 
-def check_optimizer(cfg):
-    """Refuse an optimizer or learning rates that cannot work."""
-    if cfg.optimizer == "muon":
-        if not hasattr(torch.optim, "Muon"):
-            fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
-        # Newton-Schulz multiplies whole matrices, which FSDP2 splits over the ranks: on its DTensor shards torch's
-        # Muon gets the update right only by all-gathering each matrix many times a step, where FSDP's own forward
-        # and backward gather it twice
-        if cfg.dist_mode == "fsdp":
-            fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each whole matrix, which "
-                 "FSDP splits over the GPUs; use dist_mode=ddp, or optimizer=adamw")
-        for key in ("matrix_lr", "embedding_lr"):
-            if cfg[key] <= 0:
-                fail(f"{key}={cfg[key]} must be positive")
-        if not 0 <= cfg.muon_momentum < 1:
-            fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
-    if cfg.min_lr > cfg.learning_rate:
-        fail(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}: the schedule decays from "
-             f"learning_rate to min_lr")
-    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
-        fail(f"beta1={cfg.beta1}, beta2={cfg.beta2}: both must be in [0, 1)")
-
-
 # -----------------------------------------------------------------------------
 # the steps of main
-
-
 
 def catch_signals():
     """Preemption notices: noted in the list returned, acted on at the next step boundary by every rank."""
@@ -301,23 +266,10 @@ def open_data(cfg):
         fail(str(e))
     check_prepared(cfg.data_dir, manifest, cfg.vocab_size)
     check_tokenizer_loads(cfg.data_dir, manifest)  # every checkpoint carries a copy, which sample.py loads
-    check_segments(cfg, manifest)
+    if cfg.objective == "bd3lm":
+        check_segments(cfg.data_dir, manifest, cfg.hdp_segments, cfg.block_size)
     return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed, cfg.objective == "bd3lm")
                        for split in ("train", "val"))
-
-
-def check_segments(cfg, manifest):
-    """bd3lm on data of fixed-length documents (prepare.py's segments): a row must be one document from its first
-    token, and HDP's segments must be the data's."""
-    segments = manifest.get("prepare_args", {}).get("segments", "")
-    if cfg.objective != "bd3lm" or not (segments or cfg.hdp_segments):
-        return
-    if cfg.hdp_segments and cfg.hdp_segments != segments:
-        fail(f"hdp_segments={cfg.hdp_segments} but {cfg.data_dir} was prepared with segments={segments or 'none'}: "
-             f"prepare it with --gsm8k_format=hdp --segments={cfg.hdp_segments}, or set hdp_segments to match")
-    if sum(int(n) for n in segments.split(",")) != cfg.block_size:
-        fail(f"block_size={cfg.block_size} but every document of {cfg.data_dir} is {segments.replace(',', '+')} "
-             f"tokens: set block_size to their sum, so that each row is one document")
 
 
 def build_model(cfg, proc, dt, mconfig):
@@ -844,18 +796,8 @@ class Trainer:
         write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
         if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
             self.trackers.close(status)
-        if status == "completed":
-            why = f"horizon: {st.horizon_by} pays for {st.horizon:,} of max_steps={cfg.max_steps:,}" \
-                if reason == "horizon" else reason
-            log(f"done ({why}): {st.step} steps in {format_seconds(st.elapsed)} | final val loss {val_loss:.4f} "
-                f"(best {st.best_val_loss:.4f} at step {st.best_step}, unigram baseline {unigram:.4f})"
-                + (f" | target_val_loss {band_text(band)}: {summary['target']}" if band else "")
-                + f" | summary in {cfg.out_dir}/summary.json")
-        elif status == "stopped":
-            log(f"stopped at step {st.step} ({reason}{' ' + signal_name if reason == 'signal' else ''}) after "
-                f"{format_seconds(st.elapsed)}, ${st.cost_usd:.2f} | "
-                + ("no checkpoint written: already over budget_usd" if reason == "budget_file_spent"
-                   else f"checkpoint {summary['checkpoint']}: the same command resumes"))
+        if line := outcome(summary, cfg.max_steps, cfg.out_dir):
+            log(line)
         return summary
 
 

@@ -13,7 +13,7 @@ BELOW = {
     "configurator": {"util"},
     "attention": {"util"},
     "model": {"util", "attention"},
-    "optim": set(),
+    "optim": {"util"},
     "objectives": {"model", "attention"},
     "data": {"util"},
     "report": {"util", "configurator"},
@@ -91,3 +91,41 @@ def test_bench_imports_no_script_insides():
             with open(os.path.join(bench, f)) as fh:
                 wrong = podgpt_imports(fh.read()) & BENCH_MAY_NOT
             assert not wrong, f"bench/{f} imports {wrong}"
+
+
+# a file is read in one sitting and a function on one screen: the model itself in well under the rest's bound
+MAX_LINES = {"model": 600}
+MAX_FILE_LINES = 900
+MAX_FUNCTION_LINES = 60
+
+
+def sources():
+    """(name, source) of every top-level module and bench probe."""
+    bench = os.path.join(ROOT, "bench")
+    paths = [os.path.join(ROOT, f"{m}.py") for m in sorted(OURS)]
+    paths += [os.path.join(bench, f) for f in sorted(os.listdir(bench)) if f.endswith(".py")]
+    for path in paths:
+        with open(path) as f:
+            yield os.path.relpath(path, ROOT), f.read()
+
+
+def long_functions(source, limit):
+    """'name (N lines)' for each function of source longer than limit lines, def to last line."""
+    return [f"{n.name} ({n.end_lineno - n.lineno + 1} lines)" for n in ast.walk(ast.parse(source))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno >= limit]
+
+
+def test_the_length_checks_see_a_long_function():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def f():\n{body}\n", MAX_FUNCTION_LINES) == [f"f ({MAX_FUNCTION_LINES + 1} lines)"]
+    assert long_functions("def f():\n    return 1\n", MAX_FUNCTION_LINES) == []
+
+
+def test_files_and_functions_stay_short():
+    too_long = []
+    for name, source in sources():
+        limit = MAX_LINES.get(name.removesuffix(".py"), MAX_FILE_LINES)
+        if source.count("\n") > limit:
+            too_long.append(f"{name} has {source.count(chr(10))} lines (at most {limit})")
+        too_long += [f"{name}: {f}" for f in long_functions(source, MAX_FUNCTION_LINES)]
+    assert not too_long, "; ".join(too_long)
