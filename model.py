@@ -68,14 +68,14 @@ class GPTConfig:
     # objective="refine", deep-supervision refinement (objectives.py's Refine: how the states move): the same
     # weights, each block applied many times; a pass through every layer is a supervision step, with a loss
     objective: str = "ar"         # ar: next-token prediction | refine
-    n_loops: int = 2              # refine: latent updates per layer and repetition (the seed system's default)
+    n_loops: int = 2              # refine: latent updates per layer and repetition (the recipe's default)
     T_recursion: int = 1          # refine: repetitions per layer; in training all but the last run without gradients
-    n_sup_train: int = 4          # refine: supervision steps per training forward (the seed system's default)
+    n_sup_train: int = 4          # refine: supervision steps per training forward (the recipe's default)
     n_sup_inference: int = 4      # refine: supervision steps in evaluation and generation
     refine_preset: str = "aggressive"  # moderate | aggressive | extreme: the next two when they are None
     supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
     improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
-    detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the seed's 2)
+    detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the recipe's 2)
     # objective="bd3lm", block diffusion (objectives.py's BlockDiffusionLM): the sequence is cut into blocks of
     # diffusion_block tokens, each noised to [MASK] (the vocabulary's last id: model_config adds it to the data's)
     # at a rate t drawn per block, and denoised from the clean blocks before it

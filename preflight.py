@@ -262,7 +262,7 @@ def sqrt_scaled_lr(base_lr, base_batch, batch):
 
 def lr_scaling_gate(cfg):
     """lr_scaling: learning_rate against sqrt_scaled_lr of lr_base at this run's batch; a warning outside
-    LR_SLACK either way (the seed's own table, 5e-4 at 512 and 7e-4 at 1024, is within 18% of its rule)."""
+    LR_SLACK either way (the recipe's own table, 5e-4 at 512 and 7e-4 at 1024, is within 18% of its rule)."""
     if not cfg.lr_base:
         return gate("lr_scaling", "skip", cfg.learning_rate, None, "lr_base=0: no rule to hold learning_rate to")
     batch = cfg.total_batch_tokens // cfg.block_size

@@ -4,7 +4,7 @@
 #   python prepare.py config/a100_50m.py          (downloads and tokenizes FineWeb-Edu)
 #   python train.py config/a100_50m.py
 #
-# Where the recipe's arithmetic is wrong (computed by model.py's param_counts and
+# Where the recipe's arithmetic is wrong (computed by preflight.param_counts and
 # flops_per_token, see tests/test_model.py):
 # - "8 x 12 x 768^2 x 4 = 226M, net ~50M" is not how the count goes: the blocks hold
 #   50.3M parameters (attention 2.4*768^2 with GQA 12:4, SwiGLU 3*768*2048), plus
@@ -37,7 +37,7 @@ init_std = 0.02
 # Micro-batch 64 without the chunked loss, from measured memory and speed on one H100 80GB (no
 # A100 was lent; bench/results/, compiled, bf16, 2026-11-22/23): 36.3% MFU at micro-batch 32 with
 # loss_chunk=8192, 41.2% at 64 with loss_chunk=0 (669k tokens/s, peak 34.8 GB compiled; 59.2 GB
-# eager, model.memory_estimate 60.3: 82% of the usable 0.92 x 80 GB), 41.6% at 128 (68.2 GB
+# eager, preflight.memory_estimate 60.3: 82% of the usable 0.92 x 80 GB), 41.6% at 128 (68.2 GB
 # compiled, but over 80 GB eager, where sanity.py's and the preflight's estimates plan).
 out_dir = "out/a100_50m"
 micro_batch_size = 64

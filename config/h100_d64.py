@@ -2,7 +2,7 @@
 #   python prepare.py config/h100_d64.py --source=/workspace/combined_output.txt
 #   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      (dist_mode=fsdp, below)
 #
-# Where the recipe's arithmetic is wrong (model.py's param_counts; tests/test_model.py):
+# Where the recipe's arithmetic is wrong (preflight.param_counts; tests/test_model.py):
 # - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
 #   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922 rounded up to a multiple of
 #   256 (multiple_of): 11008, Llama-7B's, so its matmuls run on whole tiles: 12.953B in
@@ -36,7 +36,7 @@ tie_embeddings = True
 # training: 524,288 tokens per step = 8 GPUs x 8 sequences x 2048 tokens x accumulation 4.
 # Micro-batch 8 from measured memory: this width at 4 layers (one H100 80GB, eager, full
 # checkpointing, 2026-11-23) peaked at 13.3 GB at micro-batch 1 and 14.8 at 4, within 5% of
-# model.memory_estimate, which puts all 64 layers sharded over 8 GPUs at 42.1 GB per GPU at 8
+# preflight.memory_estimate, which puts all 64 layers sharded over 8 GPUs at 42.1 GB per GPU at 8
 # (53% of the usable 0.92 x 80 GB; 16 would be 60.0 GB). The headroom is for what one GPU could
 # not measure: FSDP's collectives at 64 layers. Each micro-step gathers all 13B weights twice,
 # so fewer, larger micro-steps (8 rather than 4) halve that traffic per token.

@@ -9,14 +9,14 @@
 # tied GPT-2 embedding of 50,257 tokens + [MASK]), micro-batch 128, global batch 512 (accumulation 4),
 # LR 5e-4, 50K steps, bf16, compile, FlashAttention where it applies (bd3lm's mask: FlexAttention, which
 # auto picks on a GPU), gradient checkpointing only when memory runs short.
-# model.memory_estimate per H200 at each of the seed's batch presets (bf16, no checkpointing; the seed's
+# preflight.memory_estimate per H200 at each of the recipe's batch presets (bf16, no checkpointing; the recipe's
 # expectation in brackets): conservative 64: 37.0 GB [40-50] | recommended 128: 67.2 GB [60-80] |
 # aggressive 192: 97.4 GB [90-110] | extreme 256: 127.6 GB [110-130], 98% of the usable 0.92 x 141 GB:
-# there take grad_ckpt="selective" (72.6 GB). The seed's LR per global batch: 256: 4e-4, 512: 5e-4,
+# there take grad_ckpt="selective" (72.6 GB). The recipe's LR per global batch: 256: 4e-4, 512: 5e-4,
 # 768: none given (its square-root rule: 7.3e-4), 1024: 7e-4; preflight's lr_scaling checks the rule.
-# The seed's num_workers=16 has no counterpart: podgpt's loader reads memory-mapped shards in the
+# The recipe's num_workers=16 has no counterpart: podgpt's loader reads memory-mapped shards in the
 # training process (bench/loader.py measures its rate against the GPU's).
-# Not in the seed, chosen here: the tokenizer (GPT-2's), the block length, the warmup (the seed's
+# Not in the recipe, chosen here: the tokenizer (GPT-2's), the block length, the warmup (the recipe's
 # troubleshooting says "instead of 5000"), the evaluation cadence, the early stop and the price.
 
 # data: GSM8K's own split (its 7,473 training problems, and its 1,319 test problems as validation), each
@@ -46,9 +46,9 @@ max_steps = 50000
 learning_rate = 5e-4
 min_lr = 5e-5
 warmup_steps = 5000
-lr_base = 3e-4              # the seed's rule: 3e-4 at a batch of 128, times sqrt(batch / 128)
+lr_base = 3e-4              # the recipe's rule: 3e-4 at a batch of 128, times sqrt(batch / 128)
 lr_base_batch = 128
-# 50K steps of 512 problems are 3,425 passes over GSM8K's 7,473: the seed's plan, which preflight's
+# 50K steps of 512 problems are 3,425 passes over GSM8K's 7,473: the recipe's plan, which preflight's
 # corpus_model_fit gate would block (above 100 passes) unless it is said here. The early stop ends the run
 # once the validation loss has not improved for 10 evaluations (10,000 steps)
 max_epochs = 3500
@@ -59,7 +59,7 @@ early_stop_patience = 10
 ckpt_every = 1000
 compile = True
 dtype = "bfloat16"
-usd_per_gpu_hour = 4.5      # the seed's "~$4-5/hour"
+usd_per_gpu_hour = 4.5      # the recipe's "~$4-5/hour"
 plan_vocab_size = 50257     # GPT-2's vocabulary, for planning before the data is prepared ([MASK] is added)
 
 # sampling (sample.py): the answer after a question, a block of 16 at a time

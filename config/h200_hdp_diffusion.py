@@ -6,10 +6,10 @@
 #   python train.py config/h200_hdp_diffusion.py
 #   python sample.py config/h200_hdp_diffusion.py --prompt="<a GSM8K question>"
 #
-# The seed's settings are config/h200_gsm8k_bd3lm.py's (micro-batch 128, global 512, LR 5e-4, 50K steps,
-# bf16, compile); its memory expectation here is 70-90 GB at micro-batch 128, and model.memory_estimate
+# The recipe's settings are config/h200_gsm8k_bd3lm.py's (micro-batch 128, global 512, LR 5e-4, 50K steps,
+# bf16, compile); its memory expectation here is 70-90 GB at micro-batch 128, and preflight.memory_estimate
 # gives 67.2 GB, as for the baseline: the plan's mask changes which tiles attention skips, not what it keeps.
-# The batch presets, the LR table and what is not in the seed: see config/h200_gsm8k_bd3lm.py.
+# The batch presets, the LR table and what is not in the recipe: see config/h200_gsm8k_bd3lm.py.
 
 # data: a GSM8K problem as three segments, each BOS-padded or cut to its length (prepare.py prints the share
 # of problems cut): the question; the plan, the answer's reasoning without its <<calculator>> annotations;
@@ -42,7 +42,7 @@ min_lr = 5e-5
 warmup_steps = 5000
 lr_base = 3e-4
 lr_base_batch = 128
-max_epochs = 3500           # 50K steps are 3,425 passes over the 7,473 training problems (the seed's plan)
+max_epochs = 3500           # 50K steps are 3,425 passes over the 7,473 training problems (the recipe's plan)
 eval_every = 1000
 eval_steps = 4
 eval_gsm8k_samples = 64     # and the accuracy of greedy answers to the first 64 of them (each a few hundred passes)

@@ -1,5 +1,5 @@
 # The deep-supervision refinement recipe on the embedded default's data, CPU-sized: a tiny byte-level model run
-# recursively (model.py: GPT.refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
+# recursively (objectives.py: Refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
 # (config/h100_trm_fast.py, config/h100_trm_extreme.py) are for: the validation loss falls from each
 # supervision step to the next (the console's "steps a -> b -> c (x% refined)", metrics.jsonl's
 # val_sup_loss_<i>, plots/refinement.png).
@@ -21,7 +21,7 @@ min_val_tokens = 500_000
 #   1 layer x 64, n_loops=1, 250 steps: 2.8155 -> 2.6385 -> 2.6200 (6.9%), in order from step 100, 44 s
 #   1 layer x 64, n_loops=0, 250 steps (this config): 2.7542 -> 2.5304 -> 2.5131 (8.8%), in order from
 #   step 100, 26 s. At this size the latent loops cost twice the time and refine less; the H100 configs
-#   keep the seed system's n_loops=2
+#   keep the recipe's n_loops=2
 block_size = 128
 n_layer = 1
 n_head = 4
@@ -31,7 +31,7 @@ objective = "refine"
 n_loops = 0
 n_sup_train = 3
 n_sup_inference = 3
-refine_preset = "aggressive"   # the seed's phase 1
+refine_preset = "aggressive"   # the recipe's phase 1
 
 # training
 out_dir = "out/tiny_refine"

@@ -779,7 +779,7 @@ TRM = ["config/h100_trm_fast.py", "--n_layer=2", "--micro_batch_size=2", f"--tot
 
 
 def test_trm_fast_dry_run_under_torchrun(tmp_path, data):
-    """The seed's recipe as shipped (refine, Muon split, grad_ckpt=full, compile, bf16) at 2 of its 12
+    """The recipe as shipped (refine, Muon split, grad_ckpt=full, compile, bf16) at 2 of its 12
     layers: every block applied 12 times per forward, each application gathering nothing (DDP) but
     recomputed in the backward; the dry run's resume must reproduce its steps."""
     out = tmp_path / "trm"

@@ -1,4 +1,4 @@
-"""optimizer=muon: Muon for the blocks' matrices, AdamW for the rest (model.make_optimizer, MuonAdamW), each group
+"""optimizer=muon: Muon for the blocks' matrices, AdamW for the rest (optim.make_optimizer, MuonAdamW), each group
 on the schedule at its own peak; what it refuses; and a killed run resumed bit-identically, on 1 process and on
 2 ranks, with Muon's momentum buffers in the checkpoint (test_resume.py's kill wrapper and comparison). The runs
 train the refinement recipe: Muon with objective="refine" (each block applied 4 times, 2 supervision steps)."""

@@ -1,4 +1,4 @@
-"""Preflight: the gates a run passes before any GPU-hour is spent, on the seed configs (planned
+"""Preflight: the gates a run passes before any GPU-hour is spent, on the shipped configs (planned
 from this CPU, no data) and on real data that is contaminated or mismatched."""
 import json
 import os
@@ -60,7 +60,7 @@ def test_h200_1b_is_its_planned_tokens_and_fits(tmp_path, capfd):
     assert plan["planned_tokens"] == pytest.approx(22.4e9, rel=1e-3)
     assert plan["planned_tokens"] / plan["params"]["total"] == pytest.approx(19.5, rel=0.01)
     assert gates["memory_fit"]["verdict"] == "pass" and gates["world_size"]["verdict"] == "skip"
-    # 8 GPUs at 40% of 989 TFLOP/s, 8.10 GFLOP/token: the hours follow from model.py's arithmetic
+    # 8 GPUs at 40% of 989 TFLOP/s, 8.10 GFLOP/token: the hours follow from preflight.py's arithmetic
     assert gates["time_and_cost"]["value"] == pytest.approx(plan["planned_tokens"] / (0.4 * 989e12 * 8 /
                                                             plan["flops_per_token"]) / 3600, rel=1e-6)
 
@@ -169,8 +169,8 @@ def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data, capfd):
 @pytest.mark.parametrize("config", ["config/h200_gsm8k_bd3lm.py", "config/h200_hdp_diffusion.py"])
 def test_seed_004_configs_fit_an_h200_and_hold_the_seeds_lr_rule(tmp_path, capfd, config):
     """Block diffusion on one H200, planned from this CPU before the data exists: the 85M-non-embedding model at
-    micro-batch 128 fits (model.memory_estimate counts both copies of each 512-token row: 67.2 GB), 5e-4 at a
-    batch of 512 is 0.83x the seed's rule 3e-4 x sqrt(512 / 128) (a pass), and 3e-4 there is a warning that
+    micro-batch 128 fits (preflight.memory_estimate counts both copies of each 512-token row: 67.2 GB), 5e-4 at a
+    batch of 512 is 0.83x the recipe's rule 3e-4 x sqrt(512 / 128) (a pass), and 3e-4 there is a warning that
     names the rule's rate."""
     plan = [config, "--gpu_mem_gb=141", NO_DATA, "--plan_vocab_size=50257"]
     r, report, gates = preflight(capfd, tmp_path, *plan)
