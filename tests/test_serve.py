@@ -112,6 +112,15 @@ def stream(server, **body):
     return [json.loads(e[len("data: "):]) for e in events[:-2]]
 
 
+def long_seed(server, n=64):
+    """A seed whose sampled completion of "x" runs n tokens without the model ending it (BOS): a stream with it
+    is still generating when its client leaves, so the server must notice the leaving, not an end of its own."""
+    for seed in range(100):
+        if complete(server, prompt="x", max_tokens=n, seed=seed)["choices"][0]["finish_reason"] == "length":
+            return seed
+    raise AssertionError(f"every seed below 100 made the model end its text within {n} tokens")
+
+
 def raw_request(server, data):
     """Send `data` (a request's bytes, as they are) on a new connection and shut the sending side:
     (status, error body) of the reply."""
@@ -510,10 +519,12 @@ def test_client_leaving_before_its_error_reply_costs_one_log_line(server):
 
 
 def test_client_leaving_mid_stream_does_not_stop_the_server(server):
+    seed = long_seed(server)
     start = len(server.stderr.read_text())
     for _ in range(2):  # the second must find the model free again
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True}))
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True,
+                                                            "seed": seed}))
         r = conn.getresponse()
         assert r.status == 200 and r.readline().startswith(b"data: ")
         r.close()  # leave without reading the rest
@@ -570,10 +581,12 @@ def test_sigterm_during_a_generation_exits_0_within_seconds(ckpt, tmp_path):
     """Also while a client trickles its request (its thread reads for up to serve_read_timeout, 60 s here) and
     another waits in line for the model (up to serve_max_wait): the exit must wait for neither."""
     server = start_server(ckpt, tmp_path / "stderr.txt", read_timeout=60)
+    seed = long_seed(server)
     slow = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     slow.sendall(POST + b"Content-Length: 100\r\n\r\n{")  # and never the rest
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True}))
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": MAX_TOKENS, "stream": True,
+                                                        "seed": seed}))
     r = conn.getresponse()
     assert r.readline().startswith(b"data: ")
     waiting = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
