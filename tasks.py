@@ -24,8 +24,12 @@ def gsm8k_document(question, answer, form):
     if form == "qa":
         return f"Question: {question}\nAnswer: {answer}"
     reasoning, _, final = answer.rpartition("####")
-    plan = re.sub(r"<<[^<>]*>>", "", reasoning).strip()
-    return SEGMENT.join([question.strip(), plan, f"{reasoning.strip()}\n#### {final.strip()}"])
+    return SEGMENT.join([question.strip(), gsm8k_plan(answer), f"{reasoning.strip()}\n#### {final.strip()}"])
+
+
+def gsm8k_plan(answer):
+    """The reasoning lines of a GSM8K answer (before its "####") without their <<calculator>> annotations."""
+    return re.sub(r"<<[^<>]*>>", "", answer.rpartition("####")[0]).strip()
 
 
 def gsm8k_documents(path, questions, answers, form):
