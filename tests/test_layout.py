@@ -26,6 +26,7 @@ BELOW = {
     "download": {"util"},
     "tasks": {"util", "data", "tokenizer"},
     "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer"},
+    "skills": {"util", "configurator", "download", "tasks", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
     "sample": {"util", "configurator", "objectives", "preflight", "checkpoint", "tokenizer", "export", "serve"},

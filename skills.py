@@ -1,0 +1,613 @@
+"""
+The skills pack: rows a base model is fine-tuned on (sft.jsonl) and judged on (eval.jsonl), and manifest.json.
+
+    python skills.py --out_dir=data/skills --sft_rows=1600 --eval_rows=320 --answer_style=scratchpad --seed=0
+    python skills.py --source=my_rows.jsonl --out_dir=data/mine     # local rows in the same schema
+    python skills.py --source=gsm8k --out_dir=data/gsm8k_skills      # GSM8K: train rows SFT, test rows eval
+
+A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the assistant's reply is the answer alone
+(answer_style direct) or the scratchpad's worked steps, then the answer on a line of its own (scratchpad).
+
+The templates (source=templates) are offline task families in named categories (CATEGORIES), each a function
+of a random.Random. Row i of category c in a split comes from its own generator, seeded from (seed, c, split, i,
+draw) by sha256, so the pack is the same for any number of workers. Eval rows are drawn first; a draw is
+skipped when its normalised prompt (lowercase, whitespace collapsed) was made already, and an SFT draw also when
+it shares a 13-gram of words (prompt and reply) with an eval row. A row that takes more than max_draws draws
+ends its category there: a pack short of the rows asked is refused, and nothing is written.
+
+Whatever the source, the rows are checked as they will be written: unique prompts in and across the splits, and
+no SFT row sharing a 13-gram with an eval row (overlap). The files are written atomically into out_dir, which
+must be new, empty or a pack's own (util.Folder), manifest.json last.
+"""
+
+import calendar
+import datetime
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import sys
+
+import configurator
+from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
+
+# --- config
+out_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
+sft_rows = 1600  # rows to fine-tune on
+eval_rows = 320  # rows to judge on, never an SFT row's prompt and no 13-gram shared with one
+answer_style = "scratchpad"  # direct (the answer alone) | scratchpad (steps, then the answer) | mixed (alternating)
+seed = 0  # the templates' seed: the same seed makes the same pack
+source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k (the prepare.py preset)
+categories = ""  # the template categories to make, comma-separated ("": all of CATEGORIES)
+max_draws = 100  # draws per row before its category counts as run out
+workers = 1  # processes making the template rows (the pack is the same for any count)
+download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's go to its cache), as for prepare.py
+# --- end config
+
+VERSION = 1  # the generator's: a change to any template makes other rows from the same seed
+NGRAM = 13  # words an SFT row may not share in a row with an eval row
+FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")
+STYLES = ("direct", "scratchpad")
+FILES = {"eval": "eval.jsonl", "sft": "sft.jsonl"}
+MANIFEST = "manifest.json"
+
+WORDS = ("apple banana cherry garden window pencil rocket silver planet mirror castle forest bottle candle "
+         "dragon button yellow orange purple marble pepper ladder tunnel rabbit turtle parrot basket jacket "
+         "hammer kettle lemon melon river valley island desert summer winter autumn spring bridge harbor "
+         "market school doctor farmer sailor pirate wizard knight artist singer camera pillow blanket carpet "
+         "cookie muffin butter cheese coffee teapot saucer spoon").split()
+NAMES = "Ava Ben Chloe Dan Ella Finn Grace Hugo Iris Jack Kate Leo Maya Noah Omar Pia".split()
+ITEMS = "apples pencils stickers marbles cookies cards stamps shells coins books beads toys".split()
+WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+ANCHOR = datetime.date(2000, 1, 1)  # a Saturday: weekdays are counted from it
+
+
+# -----------------------------------------------------------------------------
+# The task families: each makes (prompt, answer, scratchpad lines) from a random.Random
+
+
+def place_parts(n):
+    """n by place value, largest first, zeros left out: 3407 -> [3000, 400, 7]."""
+    digits = str(n)
+    return [int(d) * 10 ** (len(digits) - k - 1) for k, d in enumerate(digits) if d != "0"]
+
+
+def carries(a, b, sign):
+    """Whether a + b (sign 1) carries or a - b (sign -1) borrows in some column."""
+    while b:
+        if (a % 10 + b % 10 > 9) if sign > 0 else (a % 10 < b % 10):
+            return True
+        a, b = a // 10, b // 10
+    return False
+
+
+def arithmetic(rng):
+    op = rng.choice("+-*")
+    if op == "*":
+        a, b = rng.randint(120, 9999), rng.randint(1, 9) * 10 + rng.randint(2, 9)  # two partial products
+        parts = [(a * p, p) for p in place_parts(b)]
+        steps = [f"{a} * {p} = {v}" for v, p in parts] + [f"{parts[0][0]} + {parts[1][0]} = {a * b}"]
+        return f"Compute {a} * {b}.", str(a * b), steps
+    while True:
+        a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
+        if carries(a, b, 1 if op == "+" else -1):
+            break
+    total, steps = a, []
+    for p in place_parts(b):
+        new = total + p if op == "+" else total - p
+        steps.append(f"{total} {op} {p} = {new}")
+        total = new
+    return f"Compute {a} {op} {b}.", str(total), steps
+
+
+def word_problem(rng):
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(4)
+    a, b, c = rng.randint(5, 90), rng.randint(2, 12), rng.randint(3, 25)
+    if kind == 0:
+        d = rng.randint(1, a + b * c - 1)
+        return (f"{name} has {a} {item}, buys {b} packs of {c} {item}, then gives away {d}. How many {item} are "
+                f"left?", str(a + b * c - d), [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}",
+                                                  f"{a + b * c} - {d} = {a + b * c - d}"])
+    if kind == 1:
+        a = b * c + rng.randint(1, 60)
+        return (f"{name} has {a} {item} and gives {b} to each of {c} friends. How many {item} does {name} keep?",
+                str(a - b * c), [f"{b} * {c} = {b * c}", f"{a} - {b * c} = {a - b * c}"])
+    if kind == 2:
+        paid = b * c + rng.randint(1, 50)
+        return (f"{name} buys {b} {item} at {c} dollars each and pays with {paid} dollars. What is the change in "
+                f"dollars?", str(paid - b * c), [f"{b} * {c} = {b * c}", f"{paid} - {b * c} = {paid - b * c}"])
+    d = rng.randint(2, 9)
+    a += -(a + b * c) % d  # the share is whole
+    return (f"{name} has {a} {item}, buys {b} boxes of {c}, and shares them equally among {d} friends. How many "
+            f"{item} does each friend get?", str((a + b * c) // d),
+            [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}", f"{a + b * c} / {d} = {(a + b * c) // d}"])
+
+
+def counting(rng):
+    if rng.random() < 0.5:
+        word = rng.choice(WORDS) + rng.choice(WORDS)
+        letter = rng.choice(word)
+        at = [str(k + 1) for k, ch in enumerate(word) if ch == letter]
+        return (f"How many times does the letter '{letter}' appear in '{word}'?", str(len(at)),
+                [f"{word}: {' '.join(word)}", f"'{letter}' at positions {', '.join(at)}"])
+    items = rng.sample(WORDS, rng.randint(5, 12))
+    return (f"How many items are in this list: {', '.join(items)}?", str(len(items)),
+            [f"{k + 1}: {w}" for k, w in enumerate(items)])
+
+
+def sorting(rng):
+    if rng.random() < 0.5:
+        words = rng.sample(WORDS, rng.randint(4, 7))
+        ordered = sorted(words)
+        return (f"Sort these words alphabetically: {' '.join(words)}. Give them comma-separated.", ",".join(ordered),
+                [f"first letters: {' '.join(w[0] for w in words)}", f"in order: {' '.join(ordered)}"])
+    numbers = rng.sample(range(1, 1000), rng.randint(4, 7))
+    down = rng.random() < 0.5
+    ordered = sorted(numbers, reverse=down)
+    steps = [f"{'largest' if down else 'smallest'} left: {n}" for n in ordered]
+    return (f"Sort {', '.join(map(str, numbers))} in {'descending' if down else 'ascending'} order, comma-separated.",
+            ",".join(map(str, ordered)), steps)
+
+
+UNITS = [("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("kg", "g", 1000), ("g", "mg", 1000),
+         ("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7)]
+
+
+def units(rng):
+    big, small, factor = rng.choice(UNITS)
+    n = rng.randint(2, 999)
+    kind = rng.randrange(3)
+    if kind == 0:
+        return f"Convert {n} {big} to {small}.", str(n * factor), [f"1 {big} = {factor} {small}",
+                                                                    f"{n} * {factor} = {n * factor}"]
+    if kind == 1:
+        return f"Convert {n * factor} {small} to {big}.", str(n), [f"1 {big} = {factor} {small}",
+                                                                   f"{n * factor} / {factor} = {n}"]
+    extra = rng.randint(1, factor - 1)
+    return (f"How many {small} are {n} {big} and {extra} {small}?", str(n * factor + extra),
+            [f"{n} * {factor} = {n * factor}", f"{n * factor} + {extra} = {n * factor + extra}"])
+
+
+def random_date(rng, first, last):
+    return datetime.date(first, 1, 1) + datetime.timedelta(rng.randrange((datetime.date(last + 1, 1, 1)
+                                                                           - datetime.date(first, 1, 1)).days))
+
+
+def date_add(rng):
+    start, days = random_date(rng, 2000, 2030), rng.randint(5, 120)
+    day, left, steps = start, days, []
+    while True:  # a month at a time: to the first of the next month while the days reach it
+        to_next = calendar.monthrange(day.year, day.month)[1] - day.day + 1
+        if left < to_next:
+            break
+        nxt = day + datetime.timedelta(to_next)
+        steps.append(f"{day} + {to_next} = {nxt}, {left - to_next} days left")
+        day, left = nxt, left - to_next
+    end = day + datetime.timedelta(left)
+    steps.append(f"{day} + {left} = {end}")
+    return f"What date is {days} days after {start}? Answer as YYYY-MM-DD.", end.isoformat(), steps
+
+
+def weekday(rng):
+    day = random_date(rng, 1950, 2049)
+    days = (day - ANCHOR).days
+    name = WEEKDAYS[(5 + days) % 7]
+    return (f"What day of the week was {day}?", name,
+            [f"{ANCHOR} was a Saturday", f"{ANCHOR} to {day}: {days} days", f"{days} mod 7 = {days % 7}",
+             f"Saturday + {days % 7} days = {name}"])
+
+
+def month_add(rng):
+    """A small family on purpose (552 prompts): a pack asking more of it than that is refused."""
+    start, n, sign = rng.randrange(12), rng.randint(1, 23), rng.choice((1, -1))
+    end = (start + sign * n) % 12
+    first, last = calendar.month_name[start + 1], calendar.month_name[end + 1]
+    return (f"What month is {n} months {'after' if sign > 0 else 'before'} {first}?", last,
+            [f"{first} is month {start + 1}", f"{start + 1} {'+' if sign > 0 else '-'} {n} = {start + 1 + sign * n}",
+             f"modulo 12: month {end + 1}, {last}"])
+
+
+def string_edit(rng):
+    kind = rng.randrange(3)
+    if kind == 0:
+        word = rng.choice(WORDS) + rng.choice(WORDS)
+        return (f"Reverse the letters of '{word}'.", word[::-1], [f"letters: {' '.join(word)}",
+                                                                  f"backwards: {' '.join(word[::-1])}"])
+    if kind == 1:
+        word = rng.choice(WORDS) + rng.choice(WORDS)
+        old, new = rng.choice(word), rng.choice("abcdefghijklmnopqrstuvwxyz")
+        at = [str(k + 1) for k, ch in enumerate(word) if ch == old]
+        return (f"Replace every '{old}' in '{word}' with '{new}'.", word.replace(old, new),
+                [f"'{old}' at positions {', '.join(at)}", f"each becomes '{new}'"])
+    words = rng.sample(WORDS, rng.randint(4, 6))
+    swapped = [words[-1]] + words[1:-1] + [words[0]]
+    return (f"Swap the first and last words of: {' '.join(words)}", " ".join(swapped),
+            [f"first: {words[0]}, last: {words[-1]}"])
+
+
+def yes_no(rng):
+    kind = rng.randrange(3)
+    if kind == 0:
+        n = rng.randint(100, 99999)
+        return (f"Is {n} even? Answer as YES or NO.", "YES" if n % 2 == 0 else "NO",
+                [f"{n} ends in {n % 10}", f"{n % 10} is {'even' if n % 2 == 0 else 'odd'}"])
+    if kind == 1:
+        a, b = rng.sample(range(100, 10000), 2)
+        return (f"Is {a} greater than {b}? Answer as YES or NO.", "YES" if a > b else "NO",
+                [f"{a} - {b} = {a - b}", f"{a - b} is {'positive' if a > b else 'negative'}"])
+    word, letter = rng.choice(WORDS) + rng.choice(WORDS), rng.choice("abcdefghijklmnopqrstuvwxyz")
+    return (f"Does '{word}' contain the letter '{letter}'? Answer as YES or NO.", "YES" if letter in word else "NO",
+            [f"{word}: {' '.join(word)}", f"'{letter}' {'is' if letter in word else 'is not'} among them"])
+
+
+def format_list(rng):
+    words = rng.sample(WORDS, 3)
+    if rng.random() < 0.5:
+        return (f"Give the three items {', '.join(words)} comma-separated in uppercase.",
+                ",".join(w.upper() for w in words), [f"uppercase: {' '.join(w.upper() for w in words)}"])
+    return (f"Write {', '.join(words)} in reverse order, separated by ' | '.", " | ".join(words[::-1]),
+            [f"last first: {', '.join(words[::-1])}"])
+
+
+# each category: its family and its chance level, the probability of its exact answer by guessing
+CATEGORIES = {
+    "arithmetic": (arithmetic, 0.0), "word_problem": (word_problem, 0.0), "counting": (counting, 0.0),
+    "sorting": (sorting, 0.0), "units": (units, 0.0), "date_add": (date_add, 0.0), "weekday": (weekday, 1 / 7),
+    "month_add": (month_add, 1 / 12),
+    "string_edit": (string_edit, 0.0), "yes_no": (yes_no, 0.5), "format": (format_list, 0.0),
+}
+CHANCE = {"gsm8k": 0.0} | {name: chance for name, (_, chance) in CATEGORIES.items()}
+
+
+# -----------------------------------------------------------------------------
+# Rows, their normal form and their overlap
+
+
+def reply_text(row):
+    """The assistant's reply to a row's prompt (chat.md's layout): the answer, after the scratchpad's lines."""
+    return row["answer"] if row["answer_style"] == "direct" else row["scratchpad"] + "\n" + row["answer"]
+
+
+def normal(text):
+    return " ".join(text.lower().split())
+
+
+def ngrams(row):
+    """The row's NGRAM-word runs over its prompt and reply, normalised."""
+    words = normal(row["prompt"] + "\n" + reply_text(row)).split()
+    return {tuple(words[k:k + NGRAM]) for k in range(len(words) - NGRAM + 1)}
+
+
+class EvalIndex:
+    """The eval rows' normalised prompts and 13-grams, each to the first eval row that has it."""
+
+    def __init__(self, eval_rows):
+        self.prompts, self.grams = {}, {}
+        for k, row in enumerate(eval_rows):
+            self.prompts.setdefault(normal(row["prompt"]), k)
+            for gram in ngrams(row):
+                self.grams.setdefault(gram, k)
+
+    def clash(self, row):
+        """(the eval row's index, what they share) for an SFT row that must not be, else None."""
+        if (k := self.prompts.get(normal(row["prompt"]))) is not None:
+            return k, "the same prompt"
+        shared = min((gram for gram in ngrams(row) if gram in self.grams), default=None)
+        return (self.grams[shared], f"the {NGRAM}-gram '{' '.join(shared)}'") if shared else None
+
+
+def overlap(sft_rows, eval_rows):
+    """[(SFT row index, eval row index, what they share)] for each SFT row whose prompt is an eval prompt or
+    that shares a 13-gram with an eval row."""
+    index = EvalIndex(eval_rows)
+    return [(k, *found) for k, row in enumerate(sft_rows) if (found := index.clash(row))]
+
+
+def duplicates(rows):
+    """[(index, index of the earlier row with the same normalised prompt)]."""
+    seen, found = {}, []
+    for k, row in enumerate(rows):
+        if (first := seen.setdefault(normal(row["prompt"]), k)) != k:
+            found.append((k, first))
+    return found
+
+
+def check_pack(splits, origins):
+    """Refuse, in one line naming the first offending pair, a pack whose prompts repeat within or across the
+    splits or whose SFT rows share a 13-gram with an eval row. origins[split][k]: where row k came from."""
+    for split in ("eval", "sft"):
+        if found := duplicates(splits[split]):
+            k, first = found[0]
+            fail(f"{origins[split][k]} and {origins[split][first]} have the same prompt after normalisation "
+                 f"({splits[split][k]['prompt'][:60]!r}): remove one of them")
+    if found := overlap(splits["sft"], splits["eval"]):
+        k, e, what = found[0]
+        fail(f"SFT row {origins['sft'][k]} and eval row {origins['eval'][e]} share {what}: an eval row must not be "
+             f"trained on; remove or change one of them")
+
+
+# -----------------------------------------------------------------------------
+# The templates: rows per category, made in any number of processes
+
+
+def row_rng(seed, category, split, i, draw):
+    key = f"{seed}/{category}/{split}/{i}/{draw}".encode()
+    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+
+
+def style_of(answer_style, i):
+    return ("scratchpad", "direct")[i % 2] if answer_style == "mixed" else answer_style
+
+
+def category_rows(job):
+    """Up to n rows of one category in one split, each unique in it and (SFT) clear of the eval rows; the rows
+    stop at the first row that max_draws draws cannot make."""
+    category, split, n, cfg, index = job
+    family, rows, seen = CATEGORIES[category][0], [], set()
+    for i in range(n):
+        for draw in range(cfg["max_draws"]):
+            prompt, answer, steps = family(row_rng(cfg["seed"], category, split, i, draw))
+            row = dict(category=category, prompt=prompt, answer=answer, scratchpad="\n".join(steps),
+                       answer_style=style_of(cfg["answer_style"], i))
+            if normal(prompt) not in seen and not (index is not None and index.clash(row)):
+                break
+        else:
+            return rows
+        seen.add(normal(prompt))
+        rows.append(row)
+    return rows
+
+
+def shares(total, names):
+    """total rows among the names: total // len(names) each, the remainder to the first."""
+    return {name: total // len(names) + (k < total % len(names)) for k, name in enumerate(names)}
+
+
+def make_split(split, total, names, cfg, index, pool):
+    """A split's rows per category, as many as the templates could make of shares(total, names)."""
+    asked = shares(total, names)
+    jobs = [(name, split, asked[name], cfg, index) for name in names]
+    made = pool.map(category_rows, jobs) if pool else [category_rows(job) for job in jobs]
+    return asked, dict(zip(names, made))
+
+
+def interleave(by_category, names):
+    """The split in its fixed order: row 0 of each category in CATEGORIES order, then row 1, ..."""
+    longest = max((len(rows) for rows in by_category.values()), default=0)
+    return [by_category[name][i] for i in range(longest) for name in names if i < len(by_category[name])]
+
+
+def template_pack(cfg):
+    """{split: rows} from the templates; refused, with what they could make, when they make fewer than asked."""
+    names = chosen_categories(cfg.categories)
+    settings = {key: cfg[key] for key in ("seed", "answer_style", "max_draws")}
+    pool = multiprocessing.Pool(cfg.workers) if cfg.workers > 1 else None
+    try:
+        eval_asked, eval_made = make_split("eval", cfg.eval_rows, names, settings, None, pool)
+        index = EvalIndex(interleave(eval_made, names))
+        sft_asked, sft_made = make_split("sft", cfg.sft_rows, names, settings, index, pool)
+    finally:
+        if pool:
+            pool.terminate()
+    short = []
+    for split, asked, made in (("eval", eval_asked, eval_made), ("sft", sft_asked, sft_made)):
+        short += [f"{name} {split.replace('sft', 'SFT')} {len(made[name])} of {asked[name]}" for name in names
+                  if len(made[name]) < asked[name]]
+    if short:
+        counts = ", ".join(f"{sum(map(len, made.values()))} of {total} {split} rows" for split, made, total in
+                           (("eval", eval_made, cfg.eval_rows), ("SFT", sft_made, cfg.sft_rows)))
+        fail(f"the templates could make only {counts} unique and apart ({'; '.join(short)}) in {cfg.max_draws} "
+             f"draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give another --source")
+    return {"eval": interleave(eval_made, names), "sft": interleave(sft_made, names)}
+
+
+def chosen_categories(spec):
+    names = [name.strip() for name in spec.split(",") if name.strip()] or list(CATEGORIES)
+    unknown = [name for name in names if name not in CATEGORIES]
+    if unknown:
+        fail(f"categories={spec!r}: no category {unknown[0]!r} (the categories: {', '.join(CATEGORIES)})")
+    return names
+
+
+# -----------------------------------------------------------------------------
+# Other sources: local JSONL rows, GSM8K
+
+
+def check_row(row, where):
+    """Fail, naming where, unless row is an object of exactly the pack's fields, each of its type."""
+    if not isinstance(row, dict):
+        fail(f"{where}: not a JSON object (a row is {{{', '.join(FIELDS)}}})")
+    if missing := [f for f in FIELDS if f not in row]:
+        fail(f"{where}: no field '{missing[0]}' (a row is {{{', '.join(FIELDS)}}})")
+    if extra := sorted(set(row) - set(FIELDS)):
+        fail(f"{where}: unknown field '{extra[0]}' (a row is {{{', '.join(FIELDS)}}})")
+    for field in FIELDS:
+        if not isinstance(row[field], str):
+            fail(f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
+    if row["answer_style"] not in STYLES:
+        fail(f"{where}: answer_style {row['answer_style']!r} is not one of {', '.join(STYLES)}")
+    for field in ("category", "prompt", "answer"):
+        if not row[field].strip():
+            fail(f"{where}: field '{field}' is empty")
+    if "\n" in row["answer"].strip():
+        fail(f"{where}: the answer is more than one line (the steps belong in 'scratchpad')")
+
+
+def read_rows(path):
+    """The rows of a JSONL file, each checked, with where each came from ("path:line")."""
+    rows, origins = [], []
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    fail(f"{where}: not valid JSON (a row is {{{', '.join(FIELDS)}}})")
+                check_row(row, where)
+                rows.append(row)
+                origins.append(where)
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e}")
+    return rows, origins
+
+
+def prompt_hash(row):
+    return hashlib.sha256(normal(row["prompt"]).encode()).hexdigest()
+
+
+def split_rows(rows, n_eval, n_sft):
+    """{split: indexes of rows}, by the hash of their normalised prompts: the n_eval smallest to eval, the next
+    n_sft to SFT (a prompt's duplicates hash alike: check_pack then finds them in one split or across the two)."""
+    order = sorted(range(len(rows)), key=lambda k: (prompt_hash(rows[k]), k))
+    return {"eval": order[:n_eval], "sft": order[n_eval:n_eval + n_sft]}
+
+
+def jsonl_pack(cfg):
+    """A JSONL file's rows split by split_rows; refused when it holds fewer than asked."""
+    rows, origins = read_rows(cfg.source)
+    if len(rows) < cfg.eval_rows + cfg.sft_rows:
+        fail(f"{cfg.source} holds {len(rows)} rows, fewer than the {cfg.eval_rows} eval and {cfg.sft_rows} SFT rows "
+             f"asked: ask for fewer rows (--sft_rows / --eval_rows) or give another source")
+    picks = split_rows(rows, cfg.eval_rows, cfg.sft_rows)
+    return ({split: [rows[k] for k in ks] for split, ks in picks.items()},
+            {split: [origins[k] for k in ks] for split, ks in picks.items()})
+
+
+def gsm8k_rows(path):
+    """The problems of a GSM8K parquet file as pack rows: the answer the number after "####", the scratchpad
+    the reasoning lines without their calculator annotations."""
+    from prepare import read_parquet
+    from tasks import gsm8k_answer, gsm8k_plan
+
+    rows = []
+    for question, solution in zip(read_parquet(path, "question"), read_parquet(path, "answer"), strict=True):
+        answer = gsm8k_answer(solution)
+        if answer is None:
+            fail(f"{path}: an answer without its final '#### <number>' line ({solution[:60]!r}): not GSM8K's main "
+                 "config?")
+        rows.append(dict(category="gsm8k", prompt=question.strip(), answer=answer, scratchpad=gsm8k_plan(solution)))
+    return rows
+
+
+def gsm8k_pack(cfg):
+    """GSM8K through prepare.py's preset: its test problems' first eval_rows are the eval rows, its training
+    problems the SFT rows (the first sft_rows of those apart from every eval row)."""
+    from download import download
+    from prepare import preset_urls
+
+    train_url, test_url = preset_urls("gsm8k")
+    test = gsm8k_rows(download(test_url, cfg.download_dir))[:cfg.eval_rows]
+    for k, row in enumerate(test):
+        row["answer_style"] = style_of(cfg.answer_style, k)
+    index, seen, sft, left_out = EvalIndex(test), set(), [], 0
+    for row in gsm8k_rows(download(train_url, cfg.download_dir)):
+        row["answer_style"] = style_of(cfg.answer_style, len(sft))
+        if len(sft) == cfg.sft_rows:
+            break
+        if normal(row["prompt"]) in seen or index.clash(row):
+            left_out += 1
+            continue
+        seen.add(normal(row["prompt"]))
+        sft.append(row)
+    print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt or a "
+          f"{NGRAM}-gram with an eval row")
+    if len(test) < cfg.eval_rows or len(sft) < cfg.sft_rows:
+        fail(f"gsm8k gives {len(test)} of {cfg.eval_rows} eval rows and {len(sft)} of {cfg.sft_rows} SFT rows "
+             "(its training problems apart from the eval rows): ask for fewer rows (--sft_rows / --eval_rows) or "
+             "give another source")
+    splits = {"eval": test, "sft": sft}
+    return splits, {split: [f"gsm8k {split} row {k + 1}" for k in range(len(rows))] for split, rows in splits.items()}
+
+
+# -----------------------------------------------------------------------------
+# The pack's folder
+
+
+def jsonl(rows):
+    return "".join(json.dumps({field: row[field] for field in FIELDS}, ensure_ascii=False) + "\n" for row in rows)
+
+
+def manifest_of(cfg, splits, texts, description):
+    counts = {}
+    for split in FILES:
+        for row in splits[split]:
+            counts.setdefault(row["category"], {"sft": 0, "eval": 0})[split] += 1
+    return {
+        "generator_version": VERSION,
+        "seed": cfg.seed,
+        "answer_style": cfg.answer_style if cfg.source in ("templates", "gsm8k") else "the source's, row by row",
+        "source": description,
+        "ngram": NGRAM,
+        "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
+        "files": {name: {"rows": len(splits[split]), "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}
+                  for split, name in FILES.items()},
+    }
+
+
+def check_own(folder):
+    """Fail when out_dir holds anything but a pack's own files (and the mark of the podgpt run that holds it)."""
+    own = {MARK, MANIFEST, *FILES.values()}
+    if os.path.isdir(folder) and (foreign := sorted(n for n in os.listdir(folder) if n not in own)):
+        fail(f"out_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): move that out of it, "
+             "or choose another --out_dir")
+
+
+def write_pack(cfg, splits, description):
+    """The pack into out_dir, each file atomically; the old manifest goes first and the new one comes last, so a
+    manifest is only ever beside its own files."""
+    texts = {split: jsonl(rows) for split, rows in splits.items()}
+    manifest = manifest_of(cfg, splits, texts, description)
+    with Folder(cfg.out_dir, "out_dir") as folder:
+        folder.hold()
+        check_own(cfg.out_dir)
+        folder.claim()
+        try:
+            if os.path.exists(path := os.path.join(cfg.out_dir, MANIFEST)):
+                os.remove(path)
+            for split, name in FILES.items():
+                write_atomic(os.path.join(cfg.out_dir, name), texts[split])
+            write_json(os.path.join(cfg.out_dir, MANIFEST), manifest)
+        except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
+            fail(f"cannot write the pack into out_dir={cfg.out_dir} ({first_line(e)}): "
+                 + (MAKE_ROOM if disk_full(e) else "choose another --out_dir"))
+    return manifest
+
+
+def check_args(cfg):
+    if cfg.answer_style not in STYLES + ("mixed",):
+        fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed")
+    for key in ("sft_rows", "eval_rows"):
+        if cfg[key] < 0:
+            fail(f"{key}={cfg[key]} must be 0 or more")
+    if cfg.max_draws < 1 or cfg.workers < 1:
+        fail(f"max_draws={cfg.max_draws} and workers={cfg.workers} must be at least 1")
+    if cfg.source not in ("templates", "gsm8k") and not cfg.source.endswith(".jsonl"):
+        fail(f"source={cfg.source!r} is not templates, gsm8k or a .jsonl file of rows")
+
+
+def main(argv):
+    cfg = configurator.configure(__file__, argv)
+    check_args(cfg)
+    if cfg.source == "templates":
+        splits = template_pack(cfg)
+        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))] for split, rows in splits.items()}
+        description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.categories))})"
+    elif cfg.source == "gsm8k":
+        (splits, origins), description = gsm8k_pack(cfg), "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
+    else:
+        (splits, origins), description = jsonl_pack(cfg), cfg.source
+    check_pack(splits, origins)
+    manifest = write_pack(cfg, splits, description)
+    for name, n in manifest["categories"].items():
+        chance = "?" if n["chance"] is None else f"{n['chance']:.3g}"
+        print(f"{name:>14}: {n['sft']:5d} sft {n['eval']:5d} eval, chance {chance}")
+    print(f"wrote {cfg.out_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows from {description}")
+
+
+if __name__ == "__main__":
+    run_main(main, sys.argv[1:])
