@@ -431,7 +431,7 @@ def check_row(row, where):
     for field in ("category", "prompt", "answer"):
         if not row[field].strip():
             fail(f"{where}: field '{field}' is empty")
-    if "\n" in row["answer"].strip():
+    if "\n" in row["answer"] or "\r" in row["answer"]:
         fail(f"{where}: the answer is more than one line (the steps belong in 'scratchpad')")
 
 
@@ -451,6 +451,8 @@ def read_rows(path):
                 check_row(row, where)
                 rows.append(row)
                 origins.append(where)
+    except UnicodeDecodeError as e:
+        fail(f"{path}: not UTF-8 text ({first_line(e)}): save it as UTF-8")
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
     return rows, origins
