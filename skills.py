@@ -1,9 +1,9 @@
 """
 The skills pack: rows a base model is fine-tuned on (sft.jsonl) and judged on (eval.jsonl), and manifest.json.
 
-    python skills.py --out_dir=data/skills --sft_rows=1600 --eval_rows=320 --answer_style=scratchpad --seed=0
-    python skills.py --source=my_rows.jsonl --out_dir=data/mine     # local rows in the same schema
-    python skills.py --source=gsm8k --out_dir=data/gsm8k_skills      # GSM8K: train rows SFT, test rows eval
+    python skills.py --pack_dir=data/skills --sft_rows=1600 --eval_rows=320 --answer_style=scratchpad --pack_seed=0
+    python skills.py --pack_source=my_rows.jsonl --pack_dir=data/mine     # local rows in the same schema
+    python skills.py --pack_source=gsm8k --pack_dir=data/gsm8k_skills      # GSM8K: train rows SFT, test rows eval
 
 A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the assistant's reply is the answer alone
 (answer_style direct) or the scratchpad's worked steps, then the answer on a line of its own (scratchpad).
@@ -16,7 +16,7 @@ it shares a 13-gram of words (prompt and reply) with an eval row. A row that tak
 ends its category there: a pack short of the rows asked is refused, and nothing is written.
 
 Whatever the source, the rows are checked as they will be written: unique prompts in and across the splits, and
-no SFT row sharing a 13-gram with an eval row (overlap). The files are written atomically into out_dir, which
+no SFT row sharing a 13-gram with an eval row (overlap). The files are written atomically into pack_dir, which
 must be new, empty or a pack's own (util.Folder), manifest.json last.
 """
 
@@ -33,15 +33,15 @@ import configurator
 from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
 
 # --- config
-out_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
+pack_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
 sft_rows = 1600  # rows to fine-tune on
 eval_rows = 320  # rows to judge on, never an SFT row's prompt and no 13-gram shared with one
 answer_style = "scratchpad"  # direct (the answer alone) | scratchpad (steps, then the answer) | mixed (alternating)
-seed = 0  # the templates' seed: the same seed makes the same pack
-source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k (the prepare.py preset)
-categories = ""  # the template categories to make, comma-separated ("": all of CATEGORIES)
+pack_seed = 0  # the templates' seed: the same seed makes the same pack
+pack_source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k (the prepare.py preset)
+pack_categories = ""  # the template categories to make, comma-separated ("": all of CATEGORIES)
 max_draws = 100  # draws per row before its category counts as run out
-workers = 1  # processes making the template rows (the pack is the same for any count)
+pack_workers = 1  # processes making the template rows (the pack is the same for any count)
 download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's go to its cache), as for prepare.py
 # --- end config
 
@@ -348,7 +348,7 @@ def category_rows(job):
     family, rows, seen = CATEGORIES[category][0], [], set()
     for i in range(n):
         for draw in range(cfg["max_draws"]):
-            prompt, answer, steps = family(row_rng(cfg["seed"], category, split, i, draw))
+            prompt, answer, steps = family(row_rng(cfg["pack_seed"], category, split, i, draw))
             row = dict(category=category, prompt=prompt, answer=answer, scratchpad="\n".join(steps),
                        answer_style=style_of(cfg["answer_style"], i))
             if normal(prompt) not in seen and not (index is not None and index.clash(row)):
@@ -381,9 +381,9 @@ def interleave(by_category, names):
 
 def template_pack(cfg):
     """{split: rows} from the templates; refused, with what they could make, when they make fewer than asked."""
-    names = chosen_categories(cfg.categories)
-    settings = {key: cfg[key] for key in ("seed", "answer_style", "max_draws")}
-    pool = multiprocessing.Pool(cfg.workers) if cfg.workers > 1 else None
+    names = chosen_categories(cfg.pack_categories)
+    settings = {key: cfg[key] for key in ("pack_seed", "answer_style", "max_draws")}
+    pool = multiprocessing.Pool(cfg.pack_workers) if cfg.pack_workers > 1 else None
     try:
         eval_asked, eval_made = make_split("eval", cfg.eval_rows, names, settings, None, pool)
         index = EvalIndex(interleave(eval_made, names))
@@ -399,7 +399,7 @@ def template_pack(cfg):
         counts = ", ".join(f"{sum(map(len, made.values()))} of {total} {split} rows" for split, made, total in
                            (("eval", eval_made, cfg.eval_rows), ("SFT", sft_made, cfg.sft_rows)))
         fail(f"the templates could make only {counts} unique and apart ({'; '.join(short)}) in {cfg.max_draws} "
-             f"draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give another --source")
+             f"draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give another --pack_source")
     return {"eval": interleave(eval_made, names), "sft": interleave(sft_made, names)}
 
 
@@ -407,7 +407,7 @@ def chosen_categories(spec):
     names = [name.strip() for name in spec.split(",") if name.strip()] or list(CATEGORIES)
     unknown = [name for name in names if name not in CATEGORIES]
     if unknown:
-        fail(f"categories={spec!r}: no category {unknown[0]!r} (the categories: {', '.join(CATEGORIES)})")
+        fail(f"pack_categories={spec!r}: no category {unknown[0]!r} (the categories: {', '.join(CATEGORIES)})")
     return names
 
 
@@ -471,9 +471,9 @@ def split_rows(rows, n_eval, n_sft):
 
 def jsonl_pack(cfg):
     """A JSONL file's rows split by split_rows; refused when it holds fewer than asked."""
-    rows, origins = read_rows(cfg.source)
+    rows, origins = read_rows(cfg.pack_source)
     if len(rows) < cfg.eval_rows + cfg.sft_rows:
-        fail(f"{cfg.source} holds {len(rows)} rows, fewer than the {cfg.eval_rows} eval and {cfg.sft_rows} SFT rows "
+        fail(f"{cfg.pack_source} holds {len(rows)} rows, fewer than the {cfg.eval_rows} eval and {cfg.sft_rows} SFT rows "
              f"asked: ask for fewer rows (--sft_rows / --eval_rows) or give another source")
     picks = split_rows(rows, cfg.eval_rows, cfg.sft_rows)
     return ({split: [rows[k] for k in ks] for split, ks in picks.items()},
@@ -541,8 +541,8 @@ def manifest_of(cfg, splits, texts, description):
             counts.setdefault(row["category"], {"sft": 0, "eval": 0})[split] += 1
     return {
         "generator_version": VERSION,
-        "seed": cfg.seed,
-        "answer_style": cfg.answer_style if cfg.source in ("templates", "gsm8k") else "the source's, row by row",
+        "seed": cfg.pack_seed,
+        "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k") else "the source's, row by row",
         "source": description,
         "ngram": NGRAM,
         "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
@@ -552,31 +552,31 @@ def manifest_of(cfg, splits, texts, description):
 
 
 def check_own(folder):
-    """Fail when out_dir holds anything but a pack's own files (and the mark of the podgpt run that holds it)."""
+    """Fail when pack_dir holds anything but a pack's own files (and the mark of the podgpt run that holds it)."""
     own = {MARK, MANIFEST, *FILES.values()}
     if os.path.isdir(folder) and (foreign := sorted(n for n in os.listdir(folder) if n not in own)):
-        fail(f"out_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): move that out of it, "
-             "or choose another --out_dir")
+        fail(f"pack_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): move that out of it, "
+             "or choose another --pack_dir")
 
 
 def write_pack(cfg, splits, description):
-    """The pack into out_dir, each file atomically; the old manifest goes first and the new one comes last, so a
+    """The pack into pack_dir, each file atomically; the old manifest goes first and the new one comes last, so a
     manifest is only ever beside its own files."""
     texts = {split: jsonl(rows) for split, rows in splits.items()}
     manifest = manifest_of(cfg, splits, texts, description)
-    with Folder(cfg.out_dir, "out_dir") as folder:
+    with Folder(cfg.pack_dir, "pack_dir") as folder:
         folder.hold()
-        check_own(cfg.out_dir)
+        check_own(cfg.pack_dir)
         folder.claim()
         try:
-            if os.path.exists(path := os.path.join(cfg.out_dir, MANIFEST)):
+            if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):
                 os.remove(path)
             for split, name in FILES.items():
-                write_atomic(os.path.join(cfg.out_dir, name), texts[split])
-            write_json(os.path.join(cfg.out_dir, MANIFEST), manifest)
+                write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
+            write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
         except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
-            fail(f"cannot write the pack into out_dir={cfg.out_dir} ({first_line(e)}): "
-                 + (MAKE_ROOM if disk_full(e) else "choose another --out_dir"))
+            fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
+                 + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
     return manifest
 
 
@@ -586,29 +586,29 @@ def check_args(cfg):
     for key in ("sft_rows", "eval_rows"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be 0 or more")
-    if cfg.max_draws < 1 or cfg.workers < 1:
-        fail(f"max_draws={cfg.max_draws} and workers={cfg.workers} must be at least 1")
-    if cfg.source not in ("templates", "gsm8k") and not cfg.source.endswith(".jsonl"):
-        fail(f"source={cfg.source!r} is not templates, gsm8k or a .jsonl file of rows")
+    if cfg.max_draws < 1 or cfg.pack_workers < 1:
+        fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1")
+    if cfg.pack_source not in ("templates", "gsm8k") and not cfg.pack_source.endswith(".jsonl"):
+        fail(f"pack_source={cfg.pack_source!r} is not templates, gsm8k or a .jsonl file of rows")
 
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
     check_args(cfg)
-    if cfg.source == "templates":
+    if cfg.pack_source == "templates":
         splits = template_pack(cfg)
         origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))] for split, rows in splits.items()}
-        description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.categories))})"
-    elif cfg.source == "gsm8k":
+        description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.pack_categories))})"
+    elif cfg.pack_source == "gsm8k":
         (splits, origins), description = gsm8k_pack(cfg), "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
     else:
-        (splits, origins), description = jsonl_pack(cfg), cfg.source
+        (splits, origins), description = jsonl_pack(cfg), cfg.pack_source
     check_pack(splits, origins)
     manifest = write_pack(cfg, splits, description)
     for name, n in manifest["categories"].items():
         chance = "?" if n["chance"] is None else f"{n['chance']:.3g}"
         print(f"{name:>14}: {n['sft']:5d} sft {n['eval']:5d} eval, chance {chance}")
-    print(f"wrote {cfg.out_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows from {description}")
+    print(f"wrote {cfg.pack_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows from {description}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ SMALL = ["--sft_rows=111", "--eval_rows=23"]  # 11 categories: a remainder in bo
 
 
 def make(capfd, out, *args, code=0):
-    r = run_script(["skills.py", f"--out_dir={out}", *args], capfd)
+    r = run_script(["skills.py", f"--pack_dir={out}", *args], capfd)
     assert r.returncode == code, r.stderr
     return r
 
@@ -28,7 +28,7 @@ def test_the_pack_is_its_seed_s_on_any_worker_count_valid_balanced_and_apart(tmp
     are the files'."""
     files = ("sft.jsonl", "eval.jsonl", "manifest.json")
     packs = {}
-    for name, args in {"one": ["--workers=1"], "two": ["--workers=2"], "seed1": ["--seed=1"]}.items():
+    for name, args in {"one": ["--pack_workers=1"], "two": ["--pack_workers=2"], "seed1": ["--pack_seed=1"]}.items():
         make(capfd, tmp_path / name, *SMALL, *args)
         packs[name] = {f: (tmp_path / name / f).read_bytes() for f in files}
     assert packs["one"] == packs["two"]
@@ -56,16 +56,16 @@ def test_the_pack_is_its_seed_s_on_any_worker_count_valid_balanced_and_apart(tmp
                                                                                             "scratchpad"]
     (tmp_path / "one" / "notes.txt").write_text("mine")
     r = make(capfd, tmp_path / "one", *SMALL, code=1)
-    assert r.stderr == (f"error: out_dir {tmp_path / 'one'} holds what skills.py did not write (notes.txt): move "
-                        "that out of it, or choose another --out_dir\n")
+    assert r.stderr == (f"error: pack_dir {tmp_path / 'one'} holds what skills.py did not write (notes.txt): move "
+                        "that out of it, or choose another --pack_dir\n")
 
 
 def test_a_category_that_runs_out_is_refused_with_its_count(tmp_path, capfd):
     """month_add has 552 prompts: 300 eval rows and 300 SFT rows apart from them are more than it can make."""
-    r = make(capfd, tmp_path / "pack", "--categories=month_add", "--eval_rows=300", "--sft_rows=300", code=1)
+    r = make(capfd, tmp_path / "pack", "--pack_categories=month_add", "--eval_rows=300", "--sft_rows=300", code=1)
     assert r.stderr == ("error: the templates could make only 300 of 300 eval rows, 245 of 300 SFT rows unique and "
                         "apart (month_add SFT 245 of 300) in 100 draws a row: ask for fewer rows (--sft_rows / "
-                        "--eval_rows) or give another --source\n")
+                        "--eval_rows) or give another --pack_source\n")
     assert not (tmp_path / "pack").exists()
 
 
@@ -78,14 +78,14 @@ def test_a_jsonl_source_is_split_by_hash_and_a_planted_duplicate_or_13_gram_refu
     make(capfd, tmp_path / "pack", "--sft_rows=40", "--eval_rows=10")
     rows = read(tmp_path / "pack" / "sft.jsonl") + read(tmp_path / "pack" / "eval.jsonl")
     source = write_rows(tmp_path / "rows.jsonl", rows)
-    make(capfd, tmp_path / "mine", f"--source={source}", "--sft_rows=30", "--eval_rows=10")
+    make(capfd, tmp_path / "mine", f"--pack_source={source}", "--sft_rows=30", "--eval_rows=10")
     picks = skills.split_rows(rows, 10, 30)
     assert read(tmp_path / "mine" / "eval.jsonl") == [rows[k] for k in picks["eval"]]
     assert read(tmp_path / "mine" / "sft.jsonl") == [rows[k] for k in picks["sft"]]
 
     shouted = dict(rows[3], prompt="  " + rows[3]["prompt"].upper().replace(" ", "   "))  # the same, normalised
     write_rows(source, rows + [shouted])
-    r = make(capfd, tmp_path / "dup", f"--source={source}", "--sft_rows=40", "--eval_rows=10", code=1)
+    r = make(capfd, tmp_path / "dup", f"--pack_source={source}", "--sft_rows=40", "--eval_rows=10", code=1)
     assert r.stderr == (f"error: {source}:51 and {source}:4 have the same prompt after normalisation "
                         f"({shouted['prompt'][:60]!r}): remove one of them\n")
 
@@ -93,7 +93,7 @@ def test_a_jsonl_source_is_split_by_hash_and_a_planted_duplicate_or_13_gram_refu
     planted = next(row for n in range(100) if (row := dict(rows[e], prompt=f"{rows[e]['prompt']} ({n})"))
                    and 50 in skills.split_rows(rows + [row], 10, 41)["sft"])  # lands in SFT, its twin in eval
     write_rows(source, rows + [planted])
-    r = make(capfd, tmp_path / "gram", f"--source={source}", "--sft_rows=41", "--eval_rows=10", code=1)
+    r = make(capfd, tmp_path / "gram", f"--pack_source={source}", "--sft_rows=41", "--eval_rows=10", code=1)
     assert r.stderr.startswith(f"error: SFT row {source}:51 and eval row {source}:{e + 1} share the 13-gram '")
     assert r.stderr.count("\n") == 1 and not any((tmp_path / name).exists() for name in ("dup", "gram"))
 
@@ -110,7 +110,7 @@ def test_a_bad_jsonl_row_is_one_line_naming_its_file_and_line(tmp_path, capfd):
     source = tmp_path / "rows.jsonl"
     for line, message in cases.items():
         source.write_text(json.dumps(good) + "\n\n" + line + "\n")
-        r = make(capfd, tmp_path / "pack", f"--source={source}", "--sft_rows=1", "--eval_rows=1", code=1)
+        r = make(capfd, tmp_path / "pack", f"--pack_source={source}", "--sft_rows=1", "--eval_rows=1", code=1)
         assert r.stderr == f"error: {source}:3: {message}\n"
 
 
@@ -122,13 +122,13 @@ def test_gsm8k_train_problems_are_sft_rows_and_test_problems_eval_rows(server, t
     server.files[base + "train-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[::-1])
     server.files[base + "test-00000-of-00001.parquet"] = gsm8k_parquet(GSM8K[1:])
     hub_env(monkeypatch, HF_ENDPOINT=server.url, HF_HOME=tmp_path / "hf_home", HF_HUB_DISABLE_TELEMETRY=1)
-    make(capfd, tmp_path / "pack", "--source=gsm8k", "--sft_rows=1", "--eval_rows=1",
+    make(capfd, tmp_path / "pack", "--pack_source=gsm8k", "--sft_rows=1", "--eval_rows=1",
          f"--download_dir={tmp_path / 'dl'}")
     (sft,), (test,) = read(tmp_path / "pack" / "sft.jsonl"), read(tmp_path / "pack" / "eval.jsonl")
     assert (sft["prompt"], sft["answer"], sft["category"]) == (GSM8K[0][0], "72", "gsm8k")
     assert sft["scratchpad"] == ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in "
                                  "April and May.")
     assert (test["prompt"], test["answer"]) == (GSM8K[1][0], "10")
-    r = make(capfd, tmp_path / "more", "--source=gsm8k", "--sft_rows=2", "--eval_rows=1",
+    r = make(capfd, tmp_path / "more", "--pack_source=gsm8k", "--sft_rows=2", "--eval_rows=1",
              f"--download_dir={tmp_path / 'dl'}", code=1)
     assert "gsm8k gives 1 of 1 eval rows and 1 of 2 SFT rows" in r.stderr
