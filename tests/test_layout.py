@@ -30,6 +30,7 @@ BELOW = {
     "serve": {"util", "preflight"},
     "loading": {"util", "checkpoint", "tokenizer", "export"},
     "sample": {"util", "configurator", "objectives", "preflight", "loading", "serve"},
+    "eval": {"util", "configurator", "data", "tokenizer", "loading"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
               "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer"},
