@@ -30,6 +30,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -271,25 +272,29 @@ def check_same_tokens(tok, data_dir, val):
              f"({tok.spec}): its bits per byte would mean nothing; give the data the model trained on", code=2)
 
 
-def validation_loss(model, tok, cfg, proc, ctx):
-    """(summed loss, micro-batches, the val split's tokens per byte over ln 2) of this rank's eval_batches
-    micro-batches of data_dir's val split, read as train.py's evaluate reads them."""
+def read_manifest(data_dir):
     try:
-        manifest = load_manifest(cfg.data_dir)
+        return load_manifest(data_dir)
     except ValueError as e:
-        fail(f"data_dir={cfg.data_dir}: {e}", code=2)
-    val = Loader(cfg.data_dir, "val", manifest, model.config.block_size, seed=0)
-    check_same_tokens(tok, cfg.data_dir, val)
+        fail(f"data_dir={data_dir}: {e}", code=2)
+
+
+def validation_split(model, tok, data_dir, manifest):
+    """data_dir's val split in windows of the model's block_size, once its tokens are known to be the model's."""
+    val = Loader(data_dir, "val", manifest, model.config.block_size, seed=0)
+    check_same_tokens(tok, data_dir, val)
+    return val
+
+
+def validation_loss(model, val, cfg, proc):
+    """(summed loss, micro-batches) of this rank's eval_batches micro-batches of the val split, read as train.py's
+    evaluate reads them."""
     total = torch.zeros((), dtype=torch.float64)
-    with torch.no_grad():
-        for i in range(cfg.eval_batches):
-            first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
-            x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
-            with ctx:
-                total += model(x, y)[1].double().cpu()
-    split = manifest["splits"]["val"]
-    return torch.tensor([total.item(), float(cfg.eval_batches)], dtype=torch.float64), \
-        split["tokens"] / split["bytes"] / math.log(2)
+    for i in range(cfg.eval_batches):
+        first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
+        x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
+        total += model(x, y)[1].double().cpu()
+    return torch.tensor([total.item(), float(cfg.eval_batches)], dtype=torch.float64)
 
 
 # -----------------------------------------------------------------------------
@@ -382,16 +387,26 @@ def check_config(config):
         fail("nothing to evaluate: give --pack=FOLDER, --data_dir=FOLDER, --mc=FILE and/or --attach=FILE", code=2)
 
 
-def measure(config, loaded, proc, rows, chances, questions):
-    """The report's parts of the pack's rows, its chance levels, the multiple-choice questions and data_dir's
-    validation split, each rank's sums added up in one all-reduce."""
+def read_inputs(config):
+    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the attached
+    results, those given."""
+    rows, chances = read_pack(config.pack) if config.pack else ([], {})
+    return SimpleNamespace(rows=rows, chances=chances, questions=read_mc(config.mc) if config.mc else [],
+                           manifest=read_manifest(config.data_dir) if config.data_dir else None,
+                           external=read_attach(config.attach) if config.attach else None)
+
+
+def measure(config, loaded, proc, inputs):
+    """The report's parts of the inputs (read_inputs), each rank's sums added up in one all-reduce."""
     model, tok, ctx = loaded.model, loaded.tok, autocast(proc.dev, compute_dtype(config.dtype, proc.dev))
+    rows, chances, questions, manifest = inputs.rows, inputs.chances, inputs.questions, inputs.manifest
+    val = validation_split(model, tok, config.data_dir, manifest) if manifest else None
     categories = sorted({r["category"] for r in rows})
     tasks = sorted({q.get("task", "mc") for q in questions})
     with torch.no_grad(), ctx:
         parts = [score_pack(model, tok, rows, categories, config, proc), score_mc(model, tok, questions, tasks,
                                                                                    config, proc)]
-    loss, bpb_scale = validation_loss(model, tok, config, proc, ctx) if config.data_dir else (torch.zeros(2), None)
+        loss = torch.zeros(2, dtype=torch.float64) if val is None else validation_loss(model, val, config, proc)
     sums = torch.cat([*parts, loss])
     if proc.distributed:
         sums = sums.to(proc.dev)
@@ -405,8 +420,9 @@ def measure(config, loaded, proc, rows, chances, questions):
     if config.mc:
         report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
-        val_loss = loss[0].item() / loss[1].item()
-        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=val_loss * bpb_scale,
+        val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
+        bpb = val_loss * split["tokens"] / split["bytes"] / math.log(2)
+        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
                              batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
     return report
 
@@ -415,9 +431,7 @@ def main(argv):
     config = configurator.configure(__file__, argv)
     check_config(config)
     found = locate(config.ckpt or config.out_dir, config.which)
-    rows, chances = read_pack(config.pack) if config.pack else ([], {})  # every input is read before the model
-    questions = read_mc(config.mc) if config.mc else []
-    external = read_attach(config.attach) if config.attach else None
+    inputs = read_inputs(config)  # before the model: a bad input stops at once
     proc = setup(config.device)
     loaded = load_trained(found, proc.dev, info=True)
     if loaded.model.config.objective == "bd3lm":
@@ -425,9 +439,9 @@ def main(argv):
              f"models' greedy replies and log-likelihoods", code=2)
     report = {"model": {k: v for k, v in loaded.info.items() if k != "model"},
               "settings": {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size", "dtype")},
-              **measure(config, loaded, proc, rows, chances, questions)}
-    if external:
-        report["external"] = external
+              **measure(config, loaded, proc, inputs)}
+    if inputs.external:
+        report["external"] = inputs.external
     if not is_master():
         return
     out = config.out or default_out(loaded.path, loaded.exported)

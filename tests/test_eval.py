@@ -159,6 +159,7 @@ def test_an_export_and_two_ranks_give_the_same_counts(trained, inputs, capfd, tm
     (["--pack={bad_pack}"], "answer missing or not of the"),
     (["--attach={pack}/manifest.json"], "is not an lm-evaluation-harness results JSON"),
     (["--mc=nowhere.jsonl"], "cannot read the multiple-choice file nowhere.jsonl"),
+    (["--data_dir=nowhere"], "data_dir=nowhere: no manifest.json in nowhere"),
 ])
 def test_bad_inputs_are_one_line(trained, inputs, capfd, tmp_path, args, says):
     (tmp_path / "bad.jsonl").write_text('{"question": "q", "choices": ["a", "b"], "answer": 2}\n')
