@@ -226,8 +226,9 @@ def choice_logprobs(model, context, continuations, dev):
     logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
     sums = []
     for row, (s, c) in enumerate(zip(seqs, continuations, strict=True)):
-        targets = torch.tensor(s[len(s) - len(c):], device=dev)
-        positions = torch.arange(len(s) - len(c) - 1, len(s) - 1, device=dev)
+        n = min(len(c), len(s) - 1)  # a continuation longer than the window: the part it holds
+        targets = torch.tensor(s[len(s) - n:], device=dev)
+        positions = torch.arange(len(s) - n - 1, len(s) - 1, device=dev)
         sums.append(logp[row, positions, targets].sum().item())
     return sums
 
