@@ -41,7 +41,8 @@ import configurator
 from data import Loader, load_manifest
 from loading import load_trained, locate
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
-from util import autocast, compute_dtype, fail, first_line, is_master, log, run_main, setup, write_atomic, write_json
+from util import (autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup, write_atomic,
+                  write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, an out_dir (see which) or an export folder; "": out_dir
@@ -60,6 +61,7 @@ dtype = "auto"                  # auto (bfloat16 where the GPU has it, else floa
 # --- end config
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
+EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores as it does
 
 
 # -----------------------------------------------------------------------------
@@ -206,14 +208,19 @@ def reply(model, ids, stops, max_new_tokens, dev):
 
 
 def score_pack(model, tok, rows, categories, cfg, proc):
-    """(n, correct) per category of this rank's rows (rows[rank::world]), as a flat float64 tensor."""
+    """(n, correct) per category of this rank's rows (rows[rank::world]), as a flat float64 tensor, and the first
+    EXAMPLES replies of each category (prompt, answer, reply, its final answer)."""
     counts = torch.zeros(len(categories), 2, dtype=torch.float64)
     index = {c: i for i, c in enumerate(categories)}
+    examples = {c: [] for c in categories}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
         ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack} eval row {k + 1}")
         text = tok.decode(reply(model, ids, stops, cfg.max_new_tokens, proc.dev))
         counts[index[row["category"]]] += torch.tensor([1.0, final_answer(text) == normalise(row["answer"])])
-    return counts.flatten()
+        if len(examples[row["category"]]) < EXAMPLES:
+            examples[row["category"]].append(dict(prompt=row["prompt"], answer=row["answer"], reply=text,
+                                                  final_answer=final_answer(text)))
+    return counts.flatten(), examples
 
 
 def choice_logprobs(model, context, continuations, dev):
@@ -331,6 +338,12 @@ def table(title, stats, norm=False):
     return "\n".join(head + rows)
 
 
+def cell(text, width=60):
+    """text as one markdown table cell: one line, at most width characters, no column breaks."""
+    text = normalise(text).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def external_table(external):
     rows = [f"| {task} | {metric} | {value:.4g} |" for task, metrics in external["results"].items()
             for metric, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
@@ -346,7 +359,10 @@ def markdown(report):
     if "pack" in report:
         pack = report["pack"]
         parts += ["", f"## Skills pack ({pack['folder']}, {pack['layout']} prompts)", "",
-                  table("category", {**pack["categories"], "overall": pack["overall"]})]
+                  table("category", {**pack["categories"], "overall": pack["overall"]}),
+                  "", "| category | prompt | answer | the reply's final answer |", "|---|---|---|---|",
+                  *(f"| {c} | {cell(e['prompt'])} | {cell(e['answer'])} | {cell(e['final_answer'])} |"
+                    for c, shown in pack["examples"].items() for e in shown)]
     if "bpb" in report:
         bpb = report["bpb"]
         parts += ["", "## Validation", "", f"{bpb['val_bpb']:.4f} bits per byte on {bpb['data_dir']}'s val split "
@@ -405,8 +421,8 @@ def measure(config, loaded, proc, inputs):
     categories = sorted({r["category"] for r in rows})
     tasks = sorted({q.get("task", "mc") for q in questions})
     with torch.no_grad(), ctx:
-        parts = [score_pack(model, tok, rows, categories, config, proc), score_mc(model, tok, questions, tasks,
-                                                                                   config, proc)]
+        pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
+        parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
         loss = torch.zeros(2, dtype=torch.float64) if val is None else validation_loss(model, val, config, proc)
     sums = torch.cat([*parts, loss])
     if proc.distributed:
@@ -417,7 +433,8 @@ def measure(config, loaded, proc, inputs):
     report = {}
     if config.pack:
         layout = "chat" if tok.chat else "base"
-        report["pack"] = dict(folder=config.pack, layout=layout, **pack_report(pack_sums, categories, chances))
+        report["pack"] = dict(folder=config.pack, layout=layout, **pack_report(pack_sums, categories, chances),
+                              examples=examples)
     if config.mc:
         report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
@@ -439,7 +456,8 @@ def main(argv):
         fail(f"checkpoint {loaded.path} is a block-diffusion model (objective=bd3lm): eval.py scores autoregressive "
              f"models' greedy replies and log-likelihoods", code=2)
     report = {"model": {k: v for k, v in loaded.info.items() if k != "model"},
-              "settings": {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size", "dtype")},
+              "settings": {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size")} |
+              {"dtype": dtype_name(compute_dtype(config.dtype, proc.dev))},
               **measure(config, loaded, proc, inputs)}
     if inputs.external:
         report["external"] = inputs.external

@@ -127,6 +127,7 @@ def test_a_checkpoint_is_evaluated_into_its_run_folder(trained, inputs, capfd, s
     assert {c: (s["n"], s["correct"], s["chance"]) for c, s in pack["categories"].items()} \
         == {"arith": (3, inputs["right"]["arith"], 0.01), "letters": (1, inputs["right"]["letters"], 0.1)}
     assert (pack["overall"]["n"], pack["overall"]["correct"]) == (4, 2)
+    assert [e["prompt"] for e in pack["examples"]["arith"]] == ["2+2=", "3+4="]  # the first two of 3
     mc = report["mc"]["tasks"]["t"]
     assert (mc["n"], mc["correct"], mc["chance"]) == (4, inputs["mc_right"], 1 / len(CHOICES))
     assert mc["acc_norm"] == inputs["mc_norm_right"] / 4
@@ -135,7 +136,7 @@ def test_a_checkpoint_is_evaluated_into_its_run_folder(trained, inputs, capfd, s
     assert report["bpb"]["val_bpb"] == pytest.approx(val["val_bpb"], rel=1e-5)
     assert report["external"]["results"]["arc_easy"]["acc,none"] == 0.25
     md = open(os.path.join(out_dir, "eval.md")).read()
-    assert "| arith | 3 |" in md and "| arc_easy | acc,none | 0.25 |" in md and "bits per byte" in md
+    assert "| arith | 3 |" in md and "| arith | 2+2= | no such answer |" in md and "| arc_easy | acc,none | 0.25 |" in md and "bits per byte" in md
     assert "| overall | 4 | 2 |" in r.stdout
 
 
