@@ -2,7 +2,7 @@
 Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export in; eval.json and
 eval.md out, and a table on the console.
 
-    python eval.py --ckpt=out/tiny --pack=data/skills --data_dir=data/default --mc=tasks/arc.jsonl --attach=lm_eval.json
+    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default --mc=tasks/arc.jsonl --attach=lm_eval.json
     torchrun --standalone --nproc_per_node=8 eval.py ...   # the ranks split the rows; one all-reduce of the counts
 
 Each part runs when its setting is given:
@@ -49,7 +49,7 @@ ckpt = ""                       # a checkpoint folder, an out_dir (see which) or
 which = "best"                  # for an out_dir: best (lowest validation loss; latest if none evaluated) | latest
 out_dir = "out"                 # used when ckpt is empty (so a run's config file finds its checkpoint)
 out = ""                        # folder for eval.json and eval.md; "": the run's folder (see above)
-pack = ""                       # a skills pack folder (eval.jsonl, manifest.json); "": no pack rows
+pack_dir = ""                   # a skills pack folder (eval.jsonl, manifest.json); "": no pack rows
 data_dir = ""                   # prepared data whose val split gives bits per byte; "": none
 mc = ""                         # a multiple-choice JSONL file (schema above); "": none
 attach = ""                     # an lm-evaluation-harness results JSON to include; "": none
@@ -137,7 +137,7 @@ def read_pack(folder):
         with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        fail(f"pack={folder}: its manifest.json cannot be read ({first_line(e)}): build the pack again", code=2)
+        fail(f"pack_dir={folder}: its manifest.json cannot be read ({first_line(e)}): build the pack again", code=2)
     return rows, chance_levels(manifest)
 
 
@@ -214,7 +214,7 @@ def score_pack(model, tok, rows, categories, cfg, proc):
     index = {c: i for i, c in enumerate(categories)}
     examples = {c: [] for c in categories}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
-        ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack} eval row {k + 1}")
+        ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack_dir} eval row {k + 1}")
         text = tok.decode(reply(model, ids, stops, cfg.max_new_tokens, proc.dev))
         counts[index[row["category"]]] += torch.tensor([1.0, final_answer(text) == normalise(row["answer"])])
         if len(examples[row["category"]]) < EXAMPLES:
@@ -400,14 +400,14 @@ def check_config(config):
     for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1)):
         if not isinstance(config[key], int) or config[key] < least:
             fail(f"{key}={config[key]!r} is out of range: use an integer >= {least}", code=2)
-    if not (config.pack or config.data_dir or config.mc or config.attach):
-        fail("nothing to evaluate: give --pack=FOLDER, --data_dir=FOLDER, --mc=FILE and/or --attach=FILE", code=2)
+    if not (config.pack_dir or config.data_dir or config.mc or config.attach):
+        fail("nothing to evaluate: give --pack_dir=FOLDER, --data_dir=FOLDER, --mc=FILE and/or --attach=FILE", code=2)
 
 
 def read_inputs(config):
     """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the attached
     results, those given."""
-    rows, chances = read_pack(config.pack) if config.pack else ([], {})
+    rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
     return SimpleNamespace(rows=rows, chances=chances, questions=read_mc(config.mc) if config.mc else [],
                            manifest=read_manifest(config.data_dir) if config.data_dir else None,
                            external=read_attach(config.attach) if config.attach else None)
@@ -431,9 +431,9 @@ def measure(config, loaded, proc, inputs):
         sums = sums.cpu()
     pack_sums, mc_sums, loss = sums.split([parts[0].numel(), parts[1].numel(), 2])
     report = {}
-    if config.pack:
+    if config.pack_dir:
         layout = "chat" if tok.chat else "base"
-        report["pack"] = dict(folder=config.pack, layout=layout, **pack_report(pack_sums, categories, chances),
+        report["pack"] = dict(folder=config.pack_dir, layout=layout, **pack_report(pack_sums, categories, chances),
                               examples=examples)
     if config.mc:
         report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}

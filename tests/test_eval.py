@@ -119,7 +119,7 @@ def run_eval(capfd, src, *args, ranks=False):
 
 def test_a_checkpoint_is_evaluated_into_its_run_folder(trained, inputs, capfd, stdlib_data):
     out_dir = trained[0]
-    r = run_eval(capfd, out_dir, f"--pack={inputs['pack']}", f"--mc={inputs['mc']}", f"--attach={inputs['attach']}",
+    r = run_eval(capfd, out_dir, f"--pack_dir={inputs['pack']}", f"--mc={inputs['mc']}", f"--attach={inputs['attach']}",
                  f"--data_dir={stdlib_data}", "--eval_batches=2", "--micro_batch_size=4")
     report = json.load(open(os.path.join(out_dir, "eval.json")))
     pack = report["pack"]
@@ -142,7 +142,7 @@ def test_a_checkpoint_is_evaluated_into_its_run_folder(trained, inputs, capfd, s
 
 def test_an_export_and_two_ranks_give_the_same_counts(trained, inputs, capfd, tmp_path):
     out_dir, exported = trained
-    args = [f"--pack={inputs['pack']}", f"--mc={inputs['mc']}"]
+    args = [f"--pack_dir={inputs['pack']}", f"--mc={inputs['mc']}"]
     run_eval(capfd, out_dir, *args, f"--out={tmp_path / 'one'}")
     run_eval(capfd, exported, *args)  # beside the export: it holds only export.py's files
     run_eval(capfd, out_dir, *args, f"--out={tmp_path / 'two'}", ranks=True)
@@ -155,9 +155,9 @@ def test_an_export_and_two_ranks_give_the_same_counts(trained, inputs, capfd, tm
 
 @pytest.mark.parametrize("args, says", [
     ([], "nothing to evaluate"),
-    (["--pack={pack}", "--max_new_tokens=0"], "max_new_tokens=0 is out of range"),
+    (["--pack_dir={pack}", "--max_new_tokens=0"], "max_new_tokens=0 is out of range"),
     (["--mc={bad_mc}"], "answer the index of one of them"),
-    (["--pack={bad_pack}"], "answer missing or not of the"),
+    (["--pack_dir={bad_pack}"], "answer missing or not of the"),
     (["--attach={pack}/manifest.json"], "is not an lm-evaluation-harness results JSON"),
     (["--mc=nowhere.jsonl"], "cannot read the multiple-choice file nowhere.jsonl"),
     (["--data_dir=nowhere"], "data_dir=nowhere: no manifest.json in nowhere"),
