@@ -20,18 +20,14 @@ keys bound what a request may ask and how long it may wait (docs/serving.md desc
 """
 
 import codecs
-import contextlib
-import os
 import sys
 import threading
 
 import torch
 
 import configurator
-from checkpoint import find_checkpoint, load_model, reading
-from export import finite, is_export, load_export, tokenizer_dir
+from loading import load_trained, locate
 from objectives import UNMASKING
-from tokenizer import load_tokenizer
 from util import fail, first_line, run_main, setup
 
 # --- config
@@ -63,11 +59,7 @@ def main(argv):
     config = configurator.configure(__file__, argv)
     if config.which not in ("best", "latest"):
         fail(f"which={config.which!r} is not one of best, latest", code=2)
-    src = config.ckpt or config.out_dir
-    exported = is_export(src)
-    path = src if exported else find_checkpoint(src, config.which)
-    if path is None:
-        fail(f"no checkpoint in {src!r}: train first or pass --ckpt=OUT_DIR or a checkpoint folder")
+    found = locate(config.ckpt or config.out_dir, config.which)
     if config.serve:
         from serve import serve_http  # FastAPI and uvicorn: only the server needs them
         check_ranges(config, port=(lambda v: 0 <= v <= 65535, "0 to 65535 (0: any free port)"),
@@ -88,58 +80,17 @@ def main(argv):
     text = read_prompt(config.prompt, config.prompt_file)
 
     dev = setup(config.device).dev
-    with contextlib.ExitStack() as held:  # a checkpoint is held against the run's rotation while it is read
-        try:
-            if not exported:
-                path = held.enter_context(reading(src, config.which))
-            model, saved = load_exported(path, dev) if exported else load_model(path, dev, verify=False)
-            info = checkpoint_info(path, exported, saved) if config.serve else None
-        except ValueError as e:
-            fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
-        try:
-            tok = load_tokenizer(tokenizer_dir(path))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            fail(f"{path}: its tokenizer files do not load ({first_line(e)}): pick another checkpoint "
-                 f"(--ckpt=<folder>, --which=latest) or export it again")
+    loaded = load_trained(found, dev, info=config.serve)
+    path, model, tok = loaded.path, loaded.model, loaded.tok
     if config.serve:
         if model.config.objective == "bd3lm":
             fail(f"checkpoint {path} is a block-diffusion model (objective=bd3lm): --serve answers with autoregressive "
                  f"models' token log-probabilities, which it has none of; sample.py without --serve prints its samples",
                  code=2)
-        return serve_http(config, path, model, tok, info, dev)
+        return serve_http(config, path, model, tok, loaded.info, dev)
     ids = encode_prompt(tok, text)
     print(f"# {path}", file=sys.stderr)
     print_samples(config, model, tok, text, ids, dev)
-
-
-def load_exported(path, dev):
-    """load_export(path, dev), or one line naming what cannot be read and the fix: export the checkpoint again."""
-    try:
-        from safetensors import SafetensorError  # an export's weights need it, a checkpoint's do not
-    except ImportError:
-        fail(f"export {path} holds its weights in safetensors, which is not installed: pip install safetensors")
-    again = f"export its checkpoint again (python export.py --ckpt=CHECKPOINT --out={path})"
-    try:
-        return load_export(path, dev)
-    except SafetensorError as e:  # a truncated or damaged weights file (safetensors' error is no ValueError)
-        fail(f"export {path}: {', '.join(unreadable_weights(path))} cannot be read ({first_line(e)}): {again}")
-    except ValueError as e:  # podgpt.json unreadable or unknown to this model.py, or the weights do not fit it
-        fail(f"export {path} cannot be used: {e}: {again}")
-
-
-def unreadable_weights(path):
-    """The safetensors files of an export that safetensors cannot open (a truncated file holds fewer bytes than
-    its header promises); all of them if each opens, as one failed further in."""
-    from safetensors import safe_open
-
-    def opens(name):
-        try:
-            with safe_open(os.path.join(path, name), "pt"):
-                return True
-        except Exception:  # SafetensorError, or OSError for a file that cannot be read at all
-            return False
-    names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    return [n for n in names if not opens(n)] or names
 
 
 def check_ranges(config, **rules):
@@ -195,21 +146,6 @@ def print_samples(config, model, tok, text, ids, dev):
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         if i < config.num_samples - 1:
             print("-" * 40)
-
-
-def checkpoint_info(path, exported, saved):
-    """Step, validation losses and model config of a checkpoint (trainer.pt, config.json) or an export
-    (podgpt.json: `saved`, as load_export read it)."""
-    if exported:
-        trainer = saved
-    else:
-        try:
-            trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
-        except Exception as e:  # a damaged pickle can raise many kinds of error
-            raise ValueError(f"trainer.pt is unreadable ({first_line(e)})") from None
-    return {"checkpoint": path, "exported": exported, "step": trainer.get("step"),
-            "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
-            "model": saved["model"]}
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """
 The tokenizers every script loads: byte (the 256 UTF-8 bytes), char (the corpus' characters), gpt2
 (tiktoken's GPT-2 BPE) and bpe:N (trained on the training documents with rustbpe, run with tiktoken).
-BOS is always the last id (bos_id = vocab_size - 1); every document is stored as [BOS] + tokens.
+BOS is the base vocabulary's last id; every document is stored as [BOS] + tokens. A chat tokenizer (SFT)
+appends CHAT_TOKENS after it, so a base checkpoint's ids keep their meaning; chat_row and chat_prompt lay out
+a conversation with them.
 
 prepare.py trains one and saves it into data_dir as tokenizer.json (kind, vocab_size, bos_id, and the
-chars or the BPE pattern and special tokens) plus, for gpt2 and bpe:N, tokenizer.tiktoken (the ranks,
+chars or the BPE pattern and special tokens; chat_tokens when it has them) plus, for gpt2 and bpe:N, tokenizer.tiktoken (the ranks,
 "base64 rank" lines); load_tokenizer reads them back, without the network.
 """
 
@@ -18,15 +20,17 @@ from util import fail, first_line
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
+CHAT_TOKENS = ("<|user|>", "<|assistant|>", "<|end|>")  # ids V, V+1, V+2 after a base vocabulary of V
 
 
 class Tokenizer:
     """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index
-    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id = vocab_size - 1."""
+    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id is the base vocabulary's last id; `chat`
+    ({name: id}, the CHAT_TOKENS after it) is empty for a base tokenizer."""
 
-    def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None):
+    def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None, chat=None):
         self.spec, self.kind, self.vocab_size, self.bos_id = spec, kind, vocab_size, bos_id
-        self.chars, self.enc = chars, enc
+        self.chars, self.enc, self.chat = chars, enc, dict(chat or {})
         self.char_ids = {c: i for i, c in enumerate(chars or ())}
 
     def encode(self, text):
@@ -41,9 +45,19 @@ class Tokenizer:
         return self.enc.encode_ordinary(text)
 
     def decode_bytes(self, ids):
-        """The bytes of ids; BOS decodes to nothing."""
+        """The bytes of ids; BOS decodes to nothing, a chat token to its name."""
         ids = np.asarray(ids, dtype=np.int64)
         ids = ids[ids != self.bos_id].tolist()
+        names = {i: name.encode("utf-8") for name, i in self.chat.items()}
+        parts, start = [], 0
+        for k, i in enumerate(ids):
+            if i in names:
+                parts += [self.decode_base(ids[start:k]), names[i]]
+                start = k + 1
+        return b"".join(parts + [self.decode_base(ids[start:])])
+
+    def decode_base(self, ids):
+        """The bytes of base-vocabulary ids (no BOS, no chat token)."""
         if self.kind == "byte":
             return bytes(ids)
         if self.kind == "char":
@@ -128,6 +142,15 @@ def train_tokenizer(spec, texts, bpe_texts):
     return meta, ranks
 
 
+def with_chat_tokens(meta):
+    """tokenizer.json's fields with CHAT_TOKENS appended after every id (BOS stays the base's last id)."""
+    if "chat_tokens" in meta:
+        return meta
+    v = meta["vocab_size"]
+    return {**meta, "bos_id": v - 1, "vocab_size": v + len(CHAT_TOKENS),
+            "chat_tokens": {name: v + i for i, name in enumerate(CHAT_TOKENS)}}
+
+
 def save_tokenizer(out_dir, spec, meta, ranks):
     """Write tokenizer.json (+ tokenizer.tiktoken); returns the file names."""
     meta = {"spec": spec, "bos_id": meta["vocab_size"] - 1, **meta}
@@ -151,7 +174,8 @@ def load_tokenizer(data_dir):
     if meta["kind"] == "tiktoken":
         import tiktoken
         ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
-        ranks, n_ranks = read_ranks(ranks_file), meta["vocab_size"] - len(meta["special_tokens"])
+        n_ranks = meta["vocab_size"] - len(meta["special_tokens"]) - len(meta.get("chat_tokens", ()))
+        ranks = read_ranks(ranks_file)
         # checked here: tiktoken aborts on ranks that repeat (a file cut mid-line) with an exception that is not an
         # Exception (pyo3's PanicException), and takes ranks that stop short (a file cut at a line's end)
         if sorted(ranks.values()) != list(range(n_ranks)):
@@ -159,7 +183,8 @@ def load_tokenizer(data_dir):
                              f"{meta['vocab_size']} (a damaged or truncated file)")
         enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
                                 mergeable_ranks=ranks)
-    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc)
+    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc,
+                     meta.get("chat_tokens"))
 
 
 def check_tokenizer_loads(data_dir, manifest):
@@ -170,3 +195,33 @@ def check_tokenizer_loads(data_dir, manifest):
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not load "
              f"({first_line(e)}): the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force")
+
+
+def chat_ids(tok):
+    """{name: id} of CHAT_TOKENS for a tokenizer that has them."""
+    if set(tok.chat) != set(CHAT_TOKENS):
+        raise ValueError(f"the {tok.spec} tokenizer has no chat tokens {', '.join(CHAT_TOKENS)}: "
+                         "make the SFT data with prepare.py --chat=True")
+    return tok.chat
+
+
+def chat_prompt(tok, prompt):
+    """A generation prompt: BOS <|user|> prompt <|end|> <|assistant|>."""
+    ids = chat_ids(tok)
+    return [tok.bos_id, ids["<|user|>"]] + tok.encode(prompt) + [ids["<|end|>"], ids["<|assistant|>"]]
+
+
+def chat_row(tok, prompt, reply):
+    """(ids, loss mask) of a training row: the chat prompt, then reply <|end|>, which alone carry the loss."""
+    head = chat_prompt(tok, prompt)
+    tail = tok.encode(reply) + [chat_ids(tok)["<|end|>"]]
+    return head + tail, [0] * len(head) + [1] * len(tail)
+
+
+def reply_text(row):
+    """The assistant's reply to a skills-pack row: the answer, after the scratchpad's worked steps if it has them."""
+    if row["answer_style"] == "direct":
+        return row["answer"]
+    if row["answer_style"] == "scratchpad":
+        return row["scratchpad"] + "\n" + row["answer"]
+    raise ValueError(f"answer_style {row['answer_style']!r}: expected 'direct' or 'scratchpad'")

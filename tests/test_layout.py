@@ -29,7 +29,9 @@ BELOW = {
     "skills": {"util", "configurator", "download", "tasks", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
-    "sample": {"util", "configurator", "objectives", "preflight", "checkpoint", "tokenizer", "export", "serve"},
+    "loading": {"util", "checkpoint", "tokenizer", "export"},
+    "sample": {"util", "configurator", "objectives", "preflight", "loading", "serve"},
+    "eval": {"util", "configurator", "data", "tokenizer", "loading"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
               "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer"},

@@ -1,0 +1,473 @@
+"""
+Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export in; eval.json and
+eval.md out, and a table on the console.
+
+    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default --mc=tasks/arc.jsonl --attach=lm_eval.json
+    torchrun --standalone --nproc_per_node=8 eval.py ...   # the ranks split the rows; one all-reduce of the counts
+
+Each part runs when its setting is given:
+- pack: a skills pack's eval rows (eval.jsonl; its manifest.json gives each category's chance level), each answered
+  by greedy generation of up to max_new_tokens. A tokenizer with the chat tokens gets the chat prompt and stops at
+  <|end|> or BOS; a base model gets BOS + prompt + "\\n" and stops at BOS. The reply's last non-empty line is its
+  answer, compared exactly with the row's (runs of whitespace collapsed). Per category and overall: accuracy, its
+  95% Wilson score interval, the chance level, and whether the interval's low end is above chance.
+- data_dir: validation bits per byte, as train.py's val_bpb: the mean loss over eval_batches micro-batches of the
+  val split, times its tokens per byte, over ln 2 (comparable across tokenizers).
+- mc: multiple-choice questions from a local JSONL file, one object a line:
+      {"question": str, "choices": [str, ...], "answer": int (the right choice's index), "task": str (optional)}
+  Each choice is scored by the summed log-likelihood of its tokens after the question (the text question + " " +
+  choice, as lm-evaluation-harness does): acc picks the highest, acc_norm the highest per byte of the choice. Per
+  task: both accuracies, acc's interval, and chance, the mean of 1/len(choices). (The hub's ARC, HellaSwag and
+  PIQA through download.py, as the presets come, are a later step.)
+- attach: an lm-evaluation-harness results JSON ({"results": {task: {metric: value}}}), copied into the report
+  with the file it came from.
+
+out: where eval.json and eval.md go; "": the run's folder for a checkpoint of OUT_DIR/ckpt/, else a folder
+eval-NAME beside the checkpoint or export (an export holds only what export.py wrote, so that it can replace it).
+"""
+
+import json
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import configurator
+from data import Loader, load_manifest
+from loading import load_trained, locate
+from tokenizer import chat_ids, chat_prompt, load_tokenizer
+from util import (autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup, write_atomic,
+                  write_json)
+
+# --- config
+ckpt = ""                       # a checkpoint folder, an out_dir (see which) or an export folder; "": out_dir
+which = "best"                  # for an out_dir: best (lowest validation loss; latest if none evaluated) | latest
+out_dir = "out"                 # used when ckpt is empty (so a run's config file finds its checkpoint)
+out = ""                        # folder for eval.json and eval.md; "": the run's folder (see above)
+pack_dir = ""                   # a skills pack folder (eval.jsonl, manifest.json); "": no pack rows
+data_dir = ""                   # prepared data whose val split gives bits per byte; "": none
+mc = ""                         # a multiple-choice JSONL file (schema above); "": none
+attach = ""                     # an lm-evaluation-harness results JSON to include; "": none
+max_new_tokens = 256            # the longest reply generated for a pack row
+eval_batches = 20               # validation micro-batches per rank for bits per byte
+micro_batch_size = 8            # sequences per micro-batch for bits per byte
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
+dtype = "auto"                  # auto (bfloat16 where the GPU has it, else float32) | float32 | bfloat16 | float16
+# --- end config
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
+EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores as it does
+
+
+# -----------------------------------------------------------------------------
+# the arithmetic: pure functions of counts and text
+
+def wilson(correct, n, z=Z95):
+    """The Wilson score interval (low, high) of a proportion correct/n; (0, 1) when n is 0 (nothing is known)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summary(n, correct, chance):
+    """n, correct, accuracy (None when n is 0), its 95% interval, the chance level and whether the interval's low
+    end is above it."""
+    low, high = wilson(correct, n)
+    return {"n": int(n), "correct": int(correct), "accuracy": correct / n if n else None, "low": low, "high": high,
+            "chance": chance, "above_chance": bool(n) and chance is not None and low > chance}
+
+
+def normalise(text):
+    """Runs of whitespace as one space, no whitespace at the ends."""
+    return " ".join(text.split())
+
+
+def final_answer(reply):
+    """A reply's final answer: its last non-empty line, normalised; "" when it has none."""
+    lines = [line for line in reply.splitlines() if line.strip()]
+    return normalise(lines[-1]) if lines else ""
+
+
+def pooled_chance(stats):
+    """The chance level of categories pooled: their chances weighed by their rows (None where one has none)."""
+    n = sum(s["n"] for s in stats)
+    if not n or any(s["chance"] is None for s in stats if s["n"]):
+        return None
+    return sum(s["chance"] * s["n"] for s in stats if s["n"]) / n
+
+
+# -----------------------------------------------------------------------------
+# reading the inputs: one line naming the fix for anything unusable
+
+def read_jsonl(path, fields, what):
+    """The objects of a JSONL file, each with `fields` (name -> type); one line naming the first that is not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {what} {path} ({first_line(e)})", code=2)
+    rows = []
+    for i, line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            fail(f"{path} line {i} is not JSON ({first_line(e)}): {what} holds one JSON object a line", code=2)
+        wrong = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+        if wrong:
+            fail(f"{path} line {i}: {', '.join(wrong)} missing or not of the {what} schema's type", code=2)
+        rows.append(row)
+    if not rows:
+        fail(f"{path} holds no rows: {what} needs at least one", code=2)
+    return rows
+
+
+def read_pack(folder):
+    """(eval rows, {category: chance level}) of a skills pack; a category manifest.json gives no chance has None."""
+    rows = read_jsonl(os.path.join(folder, "eval.jsonl"), {"category": str, "prompt": str, "answer": str},
+                      "the pack's eval.jsonl")
+    try:
+        with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"pack_dir={folder}: its manifest.json cannot be read ({first_line(e)}): build the pack again", code=2)
+    return rows, chance_levels(manifest)
+
+
+def chance_levels(manifest):
+    """{category: chance level} from a pack's manifest.json: categories -> {name: {"chance": p, ...}}."""
+    categories = manifest.get("categories") if isinstance(manifest, dict) else None
+    if not isinstance(categories, dict):
+        return {}
+    return {name: float(c["chance"]) for name, c in categories.items()
+            if isinstance(c, dict) and isinstance(c.get("chance"), (int, float))}
+
+
+def read_mc(path):
+    """The questions of a multiple-choice JSONL file, checked against the schema."""
+    rows = read_jsonl(path, {"question": str, "choices": list, "answer": int}, "the multiple-choice file")
+    for i, row in enumerate(rows, 1):
+        choices = row["choices"]
+        if len(choices) < 2 or not all(isinstance(c, str) for c in choices) or not 0 <= row["answer"] < len(choices):
+            fail(f"{path} row {i}: choices must be 2 or more strings and answer the index of one of them", code=2)
+        if not isinstance(row.get("task", ""), str):
+            fail(f"{path} row {i}: task must be a string", code=2)
+    return rows
+
+
+def read_attach(path):
+    """{"file": path, "results": {task: {metric: value}}} of an lm-evaluation-harness results JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"attach={path} cannot be read ({first_line(e)}): give the results JSON lm_eval wrote", code=2)
+    results = saved.get("results") if isinstance(saved, dict) else None
+    if not isinstance(results, dict) or not all(isinstance(m, dict) for m in results.values()):
+        fail(f"attach={path} is not an lm-evaluation-harness results JSON (no \"results\" object of task -> "
+             f"metrics): give the results_*.json that lm_eval --output_path wrote", code=2)
+    return {"file": os.path.abspath(path), "results": results}
+
+
+# -----------------------------------------------------------------------------
+# measuring: each rank its share of the rows, as sums one all-reduce adds up
+
+def encode(tok, text, where):
+    try:
+        return tok.encode(text)
+    except ValueError as e:  # the char tokenizer knows only its corpus' characters
+        fail(f"{where}: {e}: this model cannot read it", code=2)
+
+
+def prompt_layout(tok, prompt, where):
+    """(the prompt's ids, the ids that end a reply): with the chat tokens, the chat prompt, ended by <|end|> or BOS;
+    without (a base model), BOS, the prompt and a newline, ended by BOS."""
+    if not tok.chat:
+        return [tok.bos_id] + encode(tok, prompt + "\n", where), {tok.bos_id}
+    try:
+        return chat_prompt(tok, prompt), {chat_ids(tok)["<|end|>"], tok.bos_id}
+    except ValueError as e:  # as encode's
+        fail(f"{where}: {e}: this model cannot read it", code=2)
+
+
+def reply(model, ids, stops, max_new_tokens, dev):
+    """The greedy continuation of ids up to a stop id (left out) or max_new_tokens."""
+    out = []
+    for token in model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=0):
+        if token.item() in stops:
+            break
+        out.append(token.item())
+    return out
+
+
+def score_pack(model, tok, rows, categories, cfg, proc):
+    """(n, correct) per category of this rank's rows (rows[rank::world]), as a flat float64 tensor, and the first
+    EXAMPLES replies of each category (prompt, answer, reply, its final answer)."""
+    counts = torch.zeros(len(categories), 2, dtype=torch.float64)
+    index = {c: i for i, c in enumerate(categories)}
+    examples = {c: [] for c in categories}
+    for k, row in list(enumerate(rows))[proc.rank::proc.world]:
+        ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack_dir} eval row {k + 1}")
+        text = tok.decode(reply(model, ids, stops, cfg.max_new_tokens, proc.dev))
+        counts[index[row["category"]]] += torch.tensor([1.0, final_answer(text) == normalise(row["answer"])])
+        if len(examples[row["category"]]) < EXAMPLES:
+            examples[row["category"]].append(dict(prompt=row["prompt"], answer=row["answer"], reply=text,
+                                                  final_answer=final_answer(text)))
+    return counts.flatten(), examples
+
+
+def choice_logprobs(model, context, continuations, dev):
+    """The summed log-probability of each continuation's ids after the context's, in one batch (right-padded: a
+    causal model's earlier positions do not see the padding). The window keeps the last block_size + 1 ids."""
+    span = model.config.block_size + 1
+    seqs = [(context + c)[-span:] for c in continuations]
+    width = max(len(s) for s in seqs)
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=dev)
+    logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
+    sums = []
+    for row, (s, c) in enumerate(zip(seqs, continuations, strict=True)):
+        n = min(len(c), len(s) - 1)  # a continuation longer than the window: the part it holds
+        targets = torch.tensor(s[len(s) - n:], device=dev)
+        positions = torch.arange(len(s) - n - 1, len(s) - 1, device=dev)
+        sums.append(logp[row, positions, targets].sum().item())
+    return sums
+
+
+def split_pair(tok, question, choice, where):
+    """(context ids, continuation ids) as lm-evaluation-harness splits question + " " + choice: the whole text
+    encoded, the continuation what follows the question's own encoding."""
+    context = [tok.bos_id] + encode(tok, question, where)
+    whole = [tok.bos_id] + encode(tok, question + " " + choice, where)
+    return context, whole[len(context):]
+
+
+def score_mc(model, tok, rows, tasks, cfg, proc):
+    """(n, acc, acc_norm, summed chance) per task of this rank's rows, as a flat float64 tensor."""
+    sums = torch.zeros(len(tasks), 4, dtype=torch.float64)
+    index = {t: i for i, t in enumerate(tasks)}
+    for k, row in list(enumerate(rows))[proc.rank::proc.world]:
+        pairs = [split_pair(tok, row["question"], c, f"{cfg.mc} row {k + 1}") for c in row["choices"]]
+        context = pairs[0][0]
+        scores = choice_logprobs(model, context, [c for _, c in pairs], proc.dev)
+        per_byte = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, row["choices"], strict=True)]
+        right = row["answer"]
+        sums[index[row.get("task", "mc")]] += torch.tensor(
+            [1.0, int(np.argmax(scores)) == right, int(np.argmax(per_byte)) == right, 1 / len(row["choices"])])
+    return sums.flatten()
+
+
+def check_same_tokens(tok, data_dir, val):
+    """Stop unless data_dir's tokens mean to the model what they meant to the data: the same BOS, and a stretch of
+    its validation text encoded alike by both tokenizers."""
+    try:
+        data_tok = load_tokenizer(data_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        fail(f"data_dir={data_dir}: its tokenizer does not load ({first_line(e)})", code=2)
+    text = data_tok.decode(val.window(0)[:256])
+    try:
+        same = data_tok.bos_id == tok.bos_id and tok.encode(text) == data_tok.encode(text)
+    except ValueError:
+        same = False
+    if not same:
+        fail(f"data_dir={data_dir} was tokenized with another tokenizer ({data_tok.spec}) than the model's "
+             f"({tok.spec}): its bits per byte would mean nothing; give the data the model trained on", code=2)
+
+
+def read_manifest(data_dir):
+    try:
+        return load_manifest(data_dir)
+    except ValueError as e:
+        fail(f"data_dir={data_dir}: {e}", code=2)
+
+
+def validation_split(model, tok, data_dir, manifest):
+    """data_dir's val split in windows of the model's block_size, once its tokens are known to be the model's."""
+    val = Loader(data_dir, "val", manifest, model.config.block_size, seed=0)
+    check_same_tokens(tok, data_dir, val)
+    return val
+
+
+def validation_loss(model, val, cfg, proc):
+    """(summed loss, micro-batches) of this rank's eval_batches micro-batches of the val split, read as train.py's
+    evaluate reads them."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(cfg.eval_batches):
+        first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
+        x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
+        total += model(x, y)[1].double().cpu()
+    return torch.tensor([total.item(), float(cfg.eval_batches)], dtype=torch.float64)
+
+
+# -----------------------------------------------------------------------------
+# the report
+
+def pack_report(counts, categories, chances):
+    """Each category's summary, and overall's (its chance the rows' pooled chance)."""
+    stats = {c: summary(n, right, chances.get(c)) for c, (n, right) in zip(categories, counts.view(-1, 2).tolist(),
+                                                                           strict=True)}
+    n, right = counts.view(-1, 2).sum(0).tolist()
+    return {"categories": stats, "overall": summary(n, right, pooled_chance(list(stats.values())))}
+
+
+def mc_report(sums, tasks):
+    """Each task's acc (with its interval and the mean chance) and acc_norm."""
+    report = {}
+    for task, (n, acc, acc_norm, chance) in zip(tasks, sums.view(-1, 4).tolist(), strict=True):
+        report[task] = dict(summary(n, acc, chance / n if n else None), acc_norm=acc_norm / n if n else None)
+    return report
+
+
+def percent(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def table(title, stats, norm=False):
+    """A markdown table of summaries, one row each."""
+    head = ["| " + title + " | n | correct | accuracy | 95% interval | chance | above chance |" + " acc_norm |" * norm,
+            "|---|---:|---:|---:|---|---:|---|" + "---:|" * norm]
+    rows = [f"| {name} | {s['n']} | {s['correct']} | {percent(s['accuracy'])} | {percent(s['low'])} to "
+            f"{percent(s['high'])} | {percent(s['chance'])} | {'yes' if s['above_chance'] else 'no'} |"
+            + f" {percent(s.get('acc_norm'))} |" * norm for name, s in stats.items()]
+    return "\n".join(head + rows)
+
+
+def cell(text, width=60):
+    """text as one markdown table cell: one line, at most width characters, no column breaks."""
+    text = normalise(text).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def external_table(external):
+    rows = [f"| {task} | {metric} | {value:.4g} |" for task, metrics in external["results"].items()
+            for metric, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return "\n".join(["| task | metric | value |", "|---|---|---:|", *rows])
+
+
+def markdown(report):
+    """eval.md: what was evaluated, then each part that ran."""
+    src = report["model"]
+    parts = [f"# Evaluation of {src['checkpoint']}", "",
+             f"{'Export' if src['exported'] else 'Checkpoint'} at step {src['step']}; greedy replies of up to "
+             f"{report['settings']['max_new_tokens']} tokens; intervals are 95% Wilson score intervals."]
+    if "pack" in report:
+        pack = report["pack"]
+        parts += ["", f"## Skills pack ({pack['folder']}, {pack['layout']} prompts)", "",
+                  table("category", {**pack["categories"], "overall": pack["overall"]}),
+                  "", "| category | prompt | answer | the reply's final answer |", "|---|---|---|---|",
+                  *(f"| {c} | {cell(e['prompt'])} | {cell(e['answer'])} | {cell(e['final_answer'])} |"
+                    for c, shown in pack["examples"].items() for e in shown)]
+    if "bpb" in report:
+        bpb = report["bpb"]
+        parts += ["", "## Validation", "", f"{bpb['val_bpb']:.4f} bits per byte on {bpb['data_dir']}'s val split "
+                  f"(loss {bpb['val_loss']:.4f} over {bpb['batches']} micro-batches of {bpb['micro_batch_size']})."]
+    if "mc" in report:
+        parts += ["", f"## Multiple choice ({report['mc']['file']})", "", table("task", report["mc"]["tasks"], True)]
+    if "external" in report:
+        external = report["external"]
+        parts += ["", f"## lm-evaluation-harness ({external['file']})", "", external_table(external)]
+    return "\n".join(parts) + "\n"
+
+
+def default_out(path, exported):
+    """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or export."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if not exported and os.path.basename(parent) == "ckpt":
+        return os.path.dirname(parent)
+    return os.path.join(parent, f"eval-{os.path.basename(os.path.abspath(path))}")
+
+
+def write_report(out, report):
+    try:
+        os.makedirs(out, exist_ok=True)
+        write_json(os.path.join(out, "eval.json"), report)
+        write_atomic(os.path.join(out, "eval.md"), markdown(report))
+    except OSError as e:
+        fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): give --out=FOLDER")
+
+
+# -----------------------------------------------------------------------------
+
+def check_config(config):
+    if config.which not in ("best", "latest"):
+        fail(f"which={config.which!r} is not one of best, latest", code=2)
+    for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1)):
+        if not isinstance(config[key], int) or config[key] < least:
+            fail(f"{key}={config[key]!r} is out of range: use an integer >= {least}", code=2)
+    if not (config.pack_dir or config.data_dir or config.mc or config.attach):
+        fail("nothing to evaluate: give --pack_dir=FOLDER, --data_dir=FOLDER, --mc=FILE and/or --attach=FILE", code=2)
+
+
+def read_inputs(config):
+    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the attached
+    results, those given."""
+    rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
+    return SimpleNamespace(rows=rows, chances=chances, questions=read_mc(config.mc) if config.mc else [],
+                           manifest=read_manifest(config.data_dir) if config.data_dir else None,
+                           external=read_attach(config.attach) if config.attach else None)
+
+
+def measure(config, loaded, proc, inputs):
+    """The report's parts of the inputs (read_inputs), each rank's sums added up in one all-reduce."""
+    model, tok, ctx = loaded.model, loaded.tok, autocast(proc.dev, compute_dtype(config.dtype, proc.dev))
+    rows, chances, questions, manifest = inputs.rows, inputs.chances, inputs.questions, inputs.manifest
+    val = validation_split(model, tok, config.data_dir, manifest) if manifest else None
+    categories = sorted({r["category"] for r in rows})
+    tasks = sorted({q.get("task", "mc") for q in questions})
+    with torch.no_grad(), ctx:
+        pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
+        parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
+        loss = torch.zeros(2, dtype=torch.float64) if val is None else validation_loss(model, val, config, proc)
+    sums = torch.cat([*parts, loss])
+    if proc.distributed:
+        sums = sums.to(proc.dev)
+        dist.all_reduce(sums)
+        sums = sums.cpu()
+    pack_sums, mc_sums, loss = sums.split([parts[0].numel(), parts[1].numel(), 2])
+    report = {}
+    if config.pack_dir:
+        layout = "chat" if tok.chat else "base"
+        report["pack"] = dict(folder=config.pack_dir, layout=layout, **pack_report(pack_sums, categories, chances),
+                              examples=examples)
+    if config.mc:
+        report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
+    if config.data_dir:
+        val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
+        bpb = val_loss * split["tokens"] / split["bytes"] / math.log(2)
+        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
+                             batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
+    return report
+
+
+def main(argv):
+    config = configurator.configure(__file__, argv)
+    check_config(config)
+    found = locate(config.ckpt or config.out_dir, config.which)
+    inputs = read_inputs(config)  # before the model: a bad input stops at once
+    proc = setup(config.device)
+    loaded = load_trained(found, proc.dev, info=True)
+    if loaded.model.config.objective == "bd3lm":
+        fail(f"checkpoint {loaded.path} is a block-diffusion model (objective=bd3lm): eval.py scores autoregressive "
+             f"models' greedy replies and log-likelihoods", code=2)
+    report = {"model": {k: v for k, v in loaded.info.items() if k != "model"},
+              "settings": {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size")} |
+              {"dtype": dtype_name(compute_dtype(config.dtype, proc.dev))},
+              **measure(config, loaded, proc, inputs)}
+    if inputs.external:
+        report["external"] = inputs.external
+    if not is_master():
+        return
+    out = config.out or default_out(loaded.path, loaded.exported)
+    write_report(out, report)
+    log(markdown(report))
+    log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
+
+
+if __name__ == "__main__":
+    run_main(main, sys.argv[1:])
