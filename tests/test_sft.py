@@ -1,12 +1,19 @@
 """The SFT stage: the chat layout in every tokenizer (base ids keep their meaning), SFT data whose loss covers the
 assistant's tokens only, and init_from a base checkpoint."""
 import json
+import os
+import sys
 
+import numpy as np
 import pytest
+import torch
 
 import tokenizer
+from conftest import run, shared
+from data import Loader, docs_file, load_manifest, open_shard
 from test_prepare import gpt2_or_skip
 from tokenizer import CHAT_TOKENS, chat_prompt, chat_row, load_tokenizer, reply_text, save_tokenizer
+from util import IGNORE
 
 TEXTS = ["What is 17 + 25?", "42", "Sort: pear, apple\nkiwi", "<|user|> <|end|> typed, not special"]
 
@@ -51,3 +58,43 @@ def test_reply_text():
     row = {"category": "add", "prompt": "17+25?", "answer": "42", "scratchpad": "7+5=12\n1+2+1=4"}
     assert reply_text({**row, "answer_style": "direct"}) == "42"
     assert reply_text({**row, "answer_style": "scratchpad"}) == "7+5=12\n1+2+1=4\n42"
+
+
+def pack_rows(n=40):
+    """Skills-pack rows as skills.py writes them (chat.md's schema), half of them with a scratchpad."""
+    return [{"category": "add", "prompt": f"What is {a} + {b}?", "answer": str(a + b), "scratchpad": f"{a} + {b} = {a + b}",
+             "answer_style": ("direct", "scratchpad")[i % 2]} for i, (a, b) in enumerate((i * 7 % 50, i * 13 % 50)
+                                                                                         for i in range(n))]
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory, stdlib_data):
+    """SFT data of pack_rows() in the tokenizer of stdlib_data (the base model's data) plus the chat tokens."""
+    def build(folder):
+        with open(folder / "sft.jsonl", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in pack_rows())
+        run([sys.executable, "prepare.py", f"--source={folder / 'sft.jsonl'}", "--chat=True",
+             f"--chat_base={stdlib_data}", f"--data_dir={folder / 'data'}", "--val_fraction=0.2", "--min_val_tokens=0",
+             "--workers=2"])
+    return str(shared(tmp_path_factory, "sft_byte", build) / "data")
+
+
+def test_sft_targets_are_the_replies_alone(sft_data):
+    """Every document of the SFT shards is a pack row's chat_row, its mask beside it; the Loader's targets are the
+    next tokens where that mask is 1 and IGNORE elsewhere, token by token."""
+    manifest, tok = load_manifest(sft_data), load_tokenizer(sft_data)
+    rows = {tuple(ids): mask for ids, mask in (chat_row(tok, r["prompt"], reply_text(r)) for r in pack_rows())}
+    shard = manifest["splits"]["train"]["shards"][0]
+    tokens = np.asarray(open_shard(os.path.join(sft_data, shard["file"])), dtype=np.int64)
+    mask = np.load(os.path.join(sft_data, shard["mask_file"]))
+    starts = [*np.load(docs_file(os.path.join(sft_data, shard["file"]))), len(tokens)]
+    for a, b in zip(starts, starts[1:]):
+        assert rows[tuple(tokens[a:b].tolist())] == mask[a:b].tolist()
+    loader = Loader(sft_data, "train", manifest, block_size=64, seed=0)
+    x, y = loader.batch(range(loader.n), torch.device("cpu"))
+    for w in range(loader.n):
+        _, start = loader.locate(w)
+        assert x[w].tolist() == tokens[start:start + 64].tolist()
+        want = np.where(mask[start + 1:start + 65] == 1, tokens[start + 1:start + 65], IGNORE)
+        assert y[w].tolist() == want.tolist()
+    assert (y != IGNORE).sum() == mask[1:loader.n * 64 + 1].sum() > 0
