@@ -11,6 +11,7 @@ import torch
 import tokenizer
 from conftest import run, shared
 from data import Loader, docs_file, load_manifest, open_shard
+from test_model import tiny
 from test_prepare import gpt2_or_skip
 from tokenizer import CHAT_TOKENS, chat_prompt, chat_row, load_tokenizer, reply_text, save_tokenizer
 from util import IGNORE
@@ -98,3 +99,21 @@ def test_sft_targets_are_the_replies_alone(sft_data):
         want = np.where(mask[start + 1:start + 65] == 1, tokens[start + 1:start + 65], IGNORE)
         assert y[w].tolist() == want.tolist()
     assert (y != IGNORE).sum() == mask[1:loader.n * 64 + 1].sum() > 0
+
+
+def test_the_loss_counts_only_the_targets_not_ignored():
+    """Chunked or not, the loss is the mean over the targets that are not IGNORE; without IGNORE in the batch, the
+    chunked loss is its sum over the number of targets, as before SFT, bit for bit."""
+    torch.manual_seed(0)
+    whole, chunked = tiny(), tiny(loss_chunk=20)
+    chunked.load_state_dict(whole.state_dict())
+    idx, targets = torch.randint(0, 97, (2, 48)), torch.randint(0, 97, (2, 48))
+    x = chunked.norm(chunked.blocks(chunked.embed_tokens(idx)))
+    before = sum(chunked.loss_sum(xc, yc) for xc, yc in zip(x.flatten(0, 1).split(20), targets.flatten().split(20)))
+    assert torch.equal(chunked(idx, targets)[1], before / targets.numel())
+    masked = targets.masked_fill(torch.rand(2, 48) < 0.7, IGNORE)
+    kept = masked != IGNORE
+    logits = whole(idx)[0]
+    want = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
+    for model in (whole, chunked):
+        torch.testing.assert_close(model(idx, masked)[1], want)
