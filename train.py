@@ -57,6 +57,7 @@ out_dir = "out"                 # metrics.jsonl, ckpt/, summary.json are written
 data_dir = "data/default"       # shards and manifest.json written by prepare.py
 resume = "auto"                 # auto: newest good checkpoint in out_dir, if any | never | a checkpoint folder
 allow_resume_mismatch = False   # resume even from a checkpoint trained on other data or another tokenizer
+init_from = ""                  # SFT: a fresh out_dir starts from this base checkpoint's weights (folder or out_dir)
 # model
 block_size = 1024               # context length in tokens
 n_layer = 12                    # transformer blocks
@@ -853,7 +854,7 @@ def train(cfg, keep_group=False):
                             files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
                             cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
         state = new_state(cfg)
-        resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
+        resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state, cfg.init_from)
         restore_clock(cfg, state)
         check_writable(cfg, proc, report, folder)
         model = wrap_model(cfg, proc, raw_model)

@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import tokenizer
-from conftest import run, shared
+from conftest import TINY_MODEL, run, shared, train_losses, train_tiny
 from data import Loader, docs_file, load_manifest, open_shard
+from model import GPTConfig
+from objectives import make_model
+from test_bad_input import CKPT, TINY_RUN, finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
 from test_model import tiny
 from test_prepare import gpt2_or_skip
 from tokenizer import CHAT_TOKENS, chat_prompt, chat_row, load_tokenizer, reply_text, save_tokenizer
@@ -63,9 +67,10 @@ def test_reply_text():
 
 def pack_rows(n=40):
     """Skills-pack rows as skills.py writes them (chat.md's schema), half of them with a scratchpad."""
-    return [{"category": "add", "prompt": f"What is {a} + {b}?", "answer": str(a + b), "scratchpad": f"{a} + {b} = {a + b}",
-             "answer_style": ("direct", "scratchpad")[i % 2]} for i, (a, b) in enumerate((i * 7 % 50, i * 13 % 50)
-                                                                                         for i in range(n))]
+    pairs = [(i * 7 % 50, i * 13 % 50) for i in range(n)]
+    return [{"category": "add", "prompt": f"What is {a} + {b}?", "answer": str(a + b),
+             "scratchpad": f"{a} + {b} = {a + b}", "answer_style": ("direct", "scratchpad")[i % 2]}
+            for i, (a, b) in enumerate(pairs)]
 
 
 @pytest.fixture(scope="session")
@@ -117,3 +122,50 @@ def test_the_loss_counts_only_the_targets_not_ignored():
     want = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
     for model in (whole, chunked):
         torch.testing.assert_close(model(idx, masked)[1], want)
+
+
+def sft_model(base_ckpt, vocab_size):
+    """A fresh model of the base checkpoint's shape with vocab_size, and the config.json a run of it records."""
+    with open(os.path.join(base_ckpt, "config.json")) as f:
+        config = {"model": dict(json.load(f)["model"], vocab_size=vocab_size)}
+    torch.manual_seed(1)
+    return make_model(GPTConfig(**config["model"])), config
+
+
+def test_init_from_keeps_the_base_ids_rows(finished_run, sft_data):
+    """The base ids' embedding rows (tied: the head's too) are the base checkpoint's, exactly; the chat tokens'
+    rows fall in the base's padded rows and take them, and a vocabulary that outgrows the padding keeps the new
+    model's init beyond the base ids."""
+    base_ckpt = str(finished_run / CKPT)
+    base_state = checkpoint.load_model(base_ckpt)[0].state_dict()
+    base = base_state["embed_tokens.weight"]
+    model, config = sft_model(base_ckpt, 260)
+    assert model.config.padded_vocab == base.size(0) == 320  # 257 + 3 chat tokens: within the padding
+    checkpoint.start_from(model, False, str(finished_run), config, sft_data)
+    assert torch.equal(model.embed_tokens.weight, base) and model.lm_head.weight is model.embed_tokens.weight
+    grown = sft_model(base_ckpt, 330)[0]
+    state = checkpoint.grown_state(base_state, grown, 257)["embed_tokens.weight"]
+    assert state.size(0) == grown.config.padded_vocab == 384
+    assert torch.equal(state[:257], base[:257]) and torch.equal(state[257:], grown.embed_tokens.weight[257:])
+
+
+SFT_ARGS = [*TINY_RUN[len(TINY_MODEL):], "--max_steps=6", "--ckpt_every=3", "--log_every=1", "--eval_every=1000",
+            "--doc_mask=True", "--keep_last=5"]
+
+
+def test_sft_resumes_from_its_own_checkpoints_bit_identically(finished_run, sft_data, tmp_path, capfd):
+    """An SFT run starts from the base weights at step 0; stopped at step 3 and run again with the same command,
+    it continues from its own step-3 checkpoint (not from init_from) to the same losses and weights as a run
+    that was never stopped."""
+    args = [*SFT_ARGS, f"--init_from={finished_run}"]
+    whole = train_tiny(capfd, tmp_path / "whole", sft_data, *args)
+    assert f"init_from: the weights of {finished_run / CKPT}" in whole.stdout
+    first = train_tiny(capfd, tmp_path / "split", sft_data, *args, "--stop_at_step=3")
+    assert "init_from: the weights" in first.stdout
+    again = train_tiny(capfd, tmp_path / "split", sft_data, *args)
+    assert "init_from: the weights" not in again.stdout and "resumed from" in again.stdout
+    losses = train_losses(tmp_path / "whole")
+    assert train_losses(tmp_path / "split") == losses and len(losses) == 6
+    final = "ckpt/step_0000006/model.pt"
+    a, b = (torch.load(tmp_path / run / final, weights_only=True) for run in ("whole", "split"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
