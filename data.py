@@ -213,11 +213,12 @@ def tokenizer_fingerprint(data_dir, manifest):
 
 
 def unigram_baseline(data_dir, manifest, val):
-    """Loss (nats/token) of predicting each validation token from the training tokens'
-    unigram frequencies (add-one smoothed): what a model that ignores context gets."""
+    """Loss (nats/token) of predicting each validation token (SFT data: each one its loss mask counts) from the
+    training tokens' unigram frequencies (add-one smoothed): what a model that ignores context gets."""
     counts = np.load(os.path.join(data_dir, manifest["token_counts"])).astype(np.float64) + 1.0
     log_p = np.log(counts / counts.sum())
-    val_counts = sum(np.bincount(np.asarray(s), minlength=len(counts)) for s in val.shards)
+    val_counts = sum(np.bincount(np.asarray(s), None if m is None else np.asarray(m), minlength=len(counts))
+                     for s, m in zip(val.shards, val.masks, strict=True))
     return float(-(val_counts * log_p).sum() / val_counts.sum())
 
 

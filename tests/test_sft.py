@@ -169,3 +169,20 @@ def test_sft_resumes_from_its_own_checkpoints_bit_identically(finished_run, sft_
     final = "ckpt/step_0000006/model.pt"
     a, b = (torch.load(tmp_path / run / final, weights_only=True) for run in ("whole", "split"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_dry_run_runs_sft_steps_from_a_base_checkpoint(finished_run, sft_data, tmp_path, capfd):
+    """The runbook's --base-steps then --sft-steps as a dry run: the first pass starts from the base weights, the
+    second resumes from its half-way checkpoint and reproduces its losses; the unigram baseline counts the
+    replies alone."""
+    r = train_tiny(capfd, tmp_path / "dry", sft_data, *SFT_ARGS, f"--init_from={finished_run}", "--dryrun_steps=2")
+    assert r.stdout.count("init_from: the weights") == 1, r.stdout
+    report = json.loads((tmp_path / "dry" / "dryrun.json").read_text())
+    assert report["ok"] and report["resume_check"]["max_rel_diff"] == 0, report["problems"]
+    summary = json.loads((tmp_path / "dry" / "first" / "summary.json").read_text())
+    manifest = load_manifest(sft_data)
+    counts = np.load(os.path.join(sft_data, manifest["token_counts"])) + 1.0
+    shard = manifest["splits"]["val"]["shards"][0]
+    tokens = np.asarray(open_shard(os.path.join(sft_data, shard["file"])))
+    replies = tokens[np.load(os.path.join(sft_data, shard["mask_file"])) == 1]
+    assert summary["unigram_val_loss"] == pytest.approx(-np.log(counts / counts.sum())[replies].mean())
