@@ -186,3 +186,21 @@ def test_the_dry_run_runs_sft_steps_from_a_base_checkpoint(finished_run, sft_dat
     tokens = np.asarray(open_shard(os.path.join(sft_data, shard["file"])))
     replies = tokens[np.load(os.path.join(sft_data, shard["mask_file"])) == 1]
     assert summary["unigram_val_loss"] == pytest.approx(-np.log(counts / counts.sum())[replies].mean())
+
+
+def test_an_sft_export_keeps_bos_and_ends_replies_at_end(finished_run, sft_data, tmp_path, capfd):
+    """An SFT checkpoint's export: BOS is the base's id, a reply ends at <|end|>, and transformers' tokenizer has
+    the chat tokens at their ids and encodes a chat prompt as chat_prompt does."""
+    transformers = pytest.importorskip("transformers")
+    from test_export import do_export
+    train_tiny(capfd, tmp_path / "sft", sft_data, *SFT_ARGS, f"--init_from={finished_run}", "--max_steps=1")
+    do_export(capfd, tmp_path / "sft", tmp_path / "hf")
+    tok = load_tokenizer(sft_data)
+    end = tokenizer.chat_ids(tok)["<|end|>"]
+    config, gen = (json.loads((tmp_path / "hf" / f"{name}.json").read_text())
+                   for name in ("config", "generation_config"))
+    assert (config["bos_token_id"], config["eos_token_id"], gen["eos_token_id"]) == (256, end, [end, 256])
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert [hf.convert_tokens_to_ids(name) for name in CHAT_TOKENS] == list(tokenizer.chat_ids(tok).values())
+    assert hf("<|user|> typed")["input_ids"] == [256, *tok.encode("<|user|> typed")]  # text, as podgpt's encode
+    assert hf.decode(chat_prompt(tok, "hi")[1:]) == "<|user|>hi<|end|><|assistant|>"
