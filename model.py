@@ -435,8 +435,9 @@ class GPT(nn.Module):
         rebuild = torch.is_grad_enabled() and x.size(0) > n
         total = sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
                     for xc, yc, wc in zip(xs, ys, ws, strict=True))
-        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies')
-        return total / (targets.numel() if weights is not None else (targets != IGNORE).sum())
+        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies'); a batch with none (a window of
+        # prompt tokens alone) has loss 0, not the guards' NaN
+        return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
 
     def loss_sum(self, x, targets, weights=None):
         """The summed cross-entropy of the head's logits for x (N, n_embd) against targets (N,)."""

@@ -122,6 +122,7 @@ def test_the_loss_counts_only_the_targets_not_ignored():
     want = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
     for model in (whole, chunked):
         torch.testing.assert_close(model(idx, masked)[1], want)
+    assert chunked(idx, torch.full_like(targets, IGNORE))[1].item() == 0  # a window of prompt tokens alone
 
 
 def sft_model(base_ckpt, vocab_size):
