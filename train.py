@@ -44,7 +44,7 @@ from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
-from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from dryrun import dryrun
@@ -890,9 +890,7 @@ def main(argv):
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir, lambda args: train(configure(args), keep_group=True))
-    if cfg.warmup_steps > cfg.max_steps:  # not for a dry run, which runs a long run's config for a few steps
-        warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
-             f"{lr_at(cfg.max_steps - 1, cfg, cfg.max_steps):.3g}, short of learning_rate={cfg.learning_rate:g}")
+    check_warmup(cfg)  # not for a dry run, which runs a long run's config for a few steps
     return train(cfg)[0]
 
 
