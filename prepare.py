@@ -415,17 +415,20 @@ def encode_document(tok, text, lengths):
 
 def encode_batch(docs):
     """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None) for each
-    (text, split) of a batch; chat: each text a pack_documents prompt and reply, tokenized as a chat_row."""
+    (text, split) of a batch; chat: each text a pack_documents prompt and reply, tokenized as a chat_row, and
+    n_bytes the reply's (the text its loss is on: bits per byte)."""
     dtype = token_dtype(worker_tok.vocab_size)
     out = []
     for text, split in docs:
         data = text.encode("utf-8")
+        n_bytes, mask = len(data), None
         if worker_chat:
-            tokens, mask = chat_row(worker_tok, *text.split(SEGMENT))
-            cut, mask = False, np.array(mask, dtype=np.uint8)
+            prompt, reply = text.split(SEGMENT)
+            (tokens, mask), cut, n_bytes = chat_row(worker_tok, prompt, reply), False, len(reply.encode("utf-8"))
+            mask = np.array(mask, dtype=np.uint8)
         else:
-            (tokens, cut), mask = encode_document(worker_tok, text, worker_lengths), None
-        out.append((doc_hash(data), len(data), np.array(tokens, dtype=dtype), split, cut, mask))
+            tokens, cut = encode_document(worker_tok, text, worker_lengths)
+        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask))
     return out
 
 
@@ -517,7 +520,9 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
         split["bytes"] += n_bytes
         split["tokens"] += len(tokens)
         filling[name].append(tokens)
-        masks[name] += [] if mask is None else [mask]
+        if mask is not None:  # SFT data: the tokens the loss counts, for bits per byte of the replies
+            masks[name].append(mask)
+            split["loss_tokens"] = split.get("loss_tokens", 0) + int(mask.sum())
         filled[name] += len(tokens)
         hashes[name].append(token_hash(tokens))
         if filled[name] >= shard_tokens:  # a shard closes after the document that fills it

@@ -358,7 +358,7 @@ class Trainer:
         self.flops_tok = flops_per_token(raw_model.config)
         self.peak = peak_flops(torch.cuda.get_device_name(proc.dev)) if proc.dev.type == "cuda" else None
         val = self.manifest["splits"]["val"]
-        self.bpb_scale = val["tokens"] / val["bytes"] / math.log(2)
+        self.bpb_scale = val.get("loss_tokens", val["tokens"]) / val["bytes"] / math.log(2)  # SFT: the replies
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
         self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0

@@ -104,6 +104,10 @@ def test_sft_targets_are_the_replies_alone(sft_data):
         want = np.where(mask[start + 1:start + 65] == 1, tokens[start + 1:start + 65], IGNORE)
         assert y[w].tolist() == want.tolist()
     assert (y != IGNORE).sum() == mask[1:loader.n * 64 + 1].sum() > 0
+    val = manifest["splits"]["val"]  # bits per byte are the replies': their bytes and the tokens the loss counts
+    val_mask = np.load(os.path.join(sft_data, val["shards"][0]["mask_file"]))
+    assert val["loss_tokens"] == val_mask.sum() and manifest["splits"]["train"]["loss_tokens"] == mask.sum()
+    assert val["bytes"] + manifest["splits"]["train"]["bytes"] == sum(len(reply_text(r).encode()) for r in pack_rows())
 
 
 def test_the_loss_counts_only_the_targets_not_ignored():
