@@ -11,7 +11,9 @@ A ddp or single-process checkpoint holds model.pt and optimizer.pt (plain state 
 anywhere), written by rank 0; an fsdp one holds state/, which every rank writes with torch.distributed.checkpoint
 (a sharded run cannot gather its AdamW state on one rank). Either resumes under the other mode and at another
 world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
-object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback.
+object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback. A fresh run
+with init_from (SFT) starts from a base checkpoint's weights alone (start_from), its vocabulary grown by the chat
+tokens.
 """
 
 import fcntl
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from data import tokenizer_fingerprint
 from model import DIFFUSION_FIELDS, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
 from objectives import make_model
+from tokenizer import with_chat_tokens
 from util import CutShortThread, fail, first_line, format_bytes, lock_file, log, remove, warn
 
 CKPT_FORMAT = 2
@@ -556,6 +559,62 @@ def check_compatible(path, old, new, allow_mismatch, data_dir):
              f"point data_dir at its data, or --allow_resume_mismatch=True to continue on this data")
 
 
+def same_base_vocabulary(base, data_dir):
+    """Whether data_dir's tokenizer is the one of checkpoint folder `base`, chat tokens aside: the ids the base
+    model learned mean the same in the data."""
+    def tokenizer_files(folder):
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+            meta = with_chat_tokens(json.load(f))
+        ranks = os.path.join(folder, "tokenizer.tiktoken")
+        return meta, open(ranks, "rb").read() if os.path.exists(ranks) else None
+    try:
+        return tokenizer_files(base) == tokenizer_files(data_dir)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def grown_state(base, model, base_vocab):
+    """The base model's state dict for `model`, whose vocabulary may be larger: the rows of the base ids copied
+    exactly; where the padded vocabulary grew, the rows after them keep `model`'s init (normal, init_std)."""
+    state = {}
+    for name, new in model.state_dict().items():
+        old = base[name]
+        if old.shape != new.shape:
+            new = new.full_tensor() if hasattr(new, "full_tensor") else new  # fsdp: a DTensor, gathered whole
+            old = torch.cat([old[:base_vocab], new[base_vocab:].to(old.device, old.dtype)])
+        state[name] = old
+    return state
+
+
+def start_from(model, sharded, src, config, data_dir):
+    """Load the weights of the base checkpoint `src` (a checkpoint folder or an out_dir) into a fresh run's model
+    (config: its config.json): the same shape but a vocabulary that may have grown by the chat tokens. The
+    optimizer, the schedule and the step start anew."""
+    try:
+        with reading(src) as path:
+            base, base_config = load_model(path, verify=False)
+            same_vocabulary = same_base_vocabulary(path, data_dir)
+    except ValueError as e:
+        fail(f"init_from={src}: {e}: give the base model's checkpoint folder or out_dir")
+    old, new = base_config["model"], config["model"]
+    diff = [f"{k} {old.get(k)} -> {v}" for k, v in new.items() if k not in RUNTIME_FIELDS + ("vocab_size",)
+            and old.get(k) != v]
+    if diff or old["vocab_size"] > new["vocab_size"]:
+        fail(f"init_from={src} has another model shape ({', '.join(diff) or 'a larger vocabulary'}): give this run "
+             "the base model's shape")
+    if not same_vocabulary:
+        fail(f"init_from={src} was trained with another tokenizer than {data_dir}'s: prepare the SFT data with "
+             f"python prepare.py --chat=True --chat_base={path}")
+    state = grown_state(base.state_dict(), model, old["vocab_size"])
+    if sharded:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(state)
+    log(f"init_from: the weights of {path} (vocabulary {old['vocab_size']} -> {new['vocab_size']}); a new optimizer "
+        "state and schedule, from step 0")
+
+
 # -----------------------------------------------------------------------------
 # the run's checkpoints, as train.py's loop sees them
 
@@ -593,17 +652,18 @@ class Checkpoints:
         self.wait()  # the save in flight may be that one
         return newest_good_checkpoint(self.root, self.proc.dev)
 
-    def resume(self, resume, config, allow_mismatch, data_dir, state):
+    def resume(self, resume, config, allow_mismatch, data_dir, state, init_from=""):
         """Continue from the checkpoint resume= names (auto: the newest good one, if any; never: none;
         or a folder) when it fits `config` (config.json of this run): the model, the optimizer and the
-        loop's `state` restored. The folder resumed from, or None."""
+        loop's `state` restored. The folder resumed from, or None: then the model starts from init_from's
+        weights if given (start_from)."""
         earlier = self.has_earlier()
         if resume == "never" and earlier:  # its checkpoints and ckpt/best would mix with this run's
             fail(f"resume=never but {self.root} holds checkpoints of an earlier run: use a new out_dir, or move "
                  f"them away")
         if resume == "never":
-            return None
-        if resume == "auto":
+            ckpt = None
+        elif resume == "auto":
             path, ckpt = self.newest()
             if ckpt is None and earlier:
                 fail(f"no checkpoint in {self.root} reads back intact (see the warnings): move them away to start "
@@ -617,6 +677,8 @@ class Checkpoints:
             except ValueError as e:
                 fail(f"checkpoint {path} is damaged: {e}: give another checkpoint folder or --resume=auto")
         if ckpt is None:
+            if init_from:
+                start_from(self.model, self.sharded, init_from, config, data_dir)
             return None
         check_compatible(path, ckpt["config"], config, allow_mismatch, data_dir)
         self.restore(ckpt, state)

@@ -6,7 +6,8 @@ loss is measured against.
 
 A shard is a 128-int64 little-endian header (magic, version, token itemsize, tokens, vocab_size,
 documents, bos_id) followed by the tokens; beside it, NAME.docs.npy holds the token offset at
-which each document (each a BOS token, then its text) starts.
+which each document (each a BOS token, then its text) starts. SFT data (prepare.py --chat=True) also has
+NAME.mask.npy, a uint8 per token: 1 where the token is a target the loss counts (the assistant's reply).
 """
 
 import hashlib
@@ -17,7 +18,7 @@ import zlib
 import numpy as np
 import torch
 
-from util import fail, first_line
+from util import IGNORE, fail, first_line
 
 MAGIC = 20240520  # first int64 of every shard
 VERSION = 1  # shard and manifest format version
@@ -32,6 +33,11 @@ def token_dtype(vocab_size):
 def docs_file(shard_file):
     """The document index beside a shard: train_000000.bin -> train_000000.docs.npy."""
     return shard_file[: -len(".bin")] + ".docs.npy"
+
+
+def mask_file(shard_file):
+    """The loss mask beside an SFT shard: train_000000.bin -> train_000000.mask.npy."""
+    return shard_file[: -len(".bin")] + ".mask.npy"
 
 
 def read_header(path):
@@ -207,11 +213,12 @@ def tokenizer_fingerprint(data_dir, manifest):
 
 
 def unigram_baseline(data_dir, manifest, val):
-    """Loss (nats/token) of predicting each validation token from the training tokens'
-    unigram frequencies (add-one smoothed): what a model that ignores context gets."""
+    """Loss (nats/token) of predicting each validation token (SFT data: each one its loss mask counts) from the
+    training tokens' unigram frequencies (add-one smoothed): what a model that ignores context gets."""
     counts = np.load(os.path.join(data_dir, manifest["token_counts"])).astype(np.float64) + 1.0
     log_p = np.log(counts / counts.sum())
-    val_counts = sum(np.bincount(np.asarray(s), minlength=len(counts)) for s in val.shards)
+    val_counts = sum(np.bincount(np.asarray(s), None if m is None else np.asarray(m), minlength=len(counts))
+                     for s, m in zip(val.shards, val.masks, strict=True))
     return float(-(val_counts * log_p).sum() / val_counts.sum())
 
 
@@ -234,7 +241,7 @@ class Loader:
         self.span = block_size if diffusion else block_size + 1  # tokens a window reads
         self.data_dir, self.vocab_size = data_dir, manifest["vocab_size"]
         self.paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]["shards"]]
-        self.shards = []
+        self.shards, self.masks = [], []
         for s, path in zip(manifest["splits"][split]["shards"], self.paths, strict=True):
             try:
                 header = read_header(path)
@@ -243,6 +250,7 @@ class Loader:
                     if header[key] != listed:
                         raise ValueError(f"{path}: {key} {header[key]} in its header, {listed} in manifest.json")
                 self.shards.append(open_shard(path))
+                self.masks.append(open_mask(data_dir, s, diffusion))
             except ValueError as e:  # read_header's message names the shard; most also name the fix
                 fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
             except OSError as e:
@@ -270,6 +278,12 @@ class Loader:
         s, start = self.locate(i)
         return self.shards[s][start:start + self.span]
 
+    def window_mask(self, i):
+        """The loss mask of window i: its shard's, or all ones for a shard without one (pretraining data)."""
+        s, start = self.locate(i)
+        mask = self.masks[s]
+        return np.ones(self.span, dtype=np.uint8) if mask is None else mask[start:start + self.span]
+
     def batch(self, windows, device, keys=None):
         """The windows' (inputs, targets); with diffusion (tokens, noise draws), the draws of `keys` (training's
         sample numbers; None: the windows', as validation reads them)."""
@@ -283,7 +297,9 @@ class Loader:
                  f"{self.vocab_size}) of manifest.json: the shard is damaged (manifest.json lists its sha256 to check "
                  f"it against): rebuild the data with python prepare.py --data_dir={self.data_dir} --force")
         if not self.diffusion:
-            return to_device(rows, device)
+            masked = any(m is not None for m in self.masks)  # SFT data: the targets outside the replies are IGNORE
+            return to_device(rows, device, mask=np.stack([self.window_mask(int(i)) for i in windows]) if masked
+                             else None)
         return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
                                                        windows if keys is None else keys, self.block_size))
 
@@ -316,14 +332,35 @@ def diffusion_draws(seed, keys, block_size):
     return np.stack([np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32) for k in keys])
 
 
-def to_device(rows, device, draws=None):
-    """(inputs, targets) from rows of block_size+1 tokens; with draws, (rows, draws) (objective="bd3lm")."""
-    rows = torch.from_numpy(rows.astype(np.int64))
-    extra = None if draws is None else torch.from_numpy(draws)
-    if device.type == "cuda":
-        rows = rows.pin_memory().to(device, non_blocking=True)
-        extra = None if extra is None else extra.pin_memory().to(device, non_blocking=True)
-    return (rows[:, :-1], rows[:, 1:]) if extra is None else (rows, extra)
+def open_mask(data_dir, shard, diffusion):
+    """The loss mask the manifest lists beside a shard, memory-mapped, or None (pretraining data: every target
+    counts); ValueError when it does not fit the shard."""
+    if "mask_file" not in shard:
+        return None
+    if diffusion:
+        raise ValueError(f"{shard['file']} is SFT data (a loss mask beside it): objective=bd3lm cannot train on it")
+    path = os.path.join(data_dir, shard["mask_file"])
+    mask = np.load(path, mmap_mode="r")
+    if mask.dtype != np.uint8 or mask.shape != (shard["tokens"],):
+        raise ValueError(f"{path}: holds {mask.dtype}{list(mask.shape)}, not the uint8[{shard['tokens']}] loss mask "
+                         "of its shard")
+    return mask
+
+
+def to_device(rows, device, draws=None, mask=None):
+    """(inputs, targets) from rows of block_size+1 tokens; with draws, (rows, draws) (objective="bd3lm"). mask (the
+    rows' shape): a target whose mask is 0 becomes IGNORE."""
+    if mask is not None:
+        rows = rows.astype(np.int64)  # IGNORE is negative
+        return move(rows[:, :-1], device), move(np.where(mask[:, 1:] != 0, rows[:, 1:], IGNORE), device)
+    rows = move(rows, device)
+    return (rows[:, :-1], rows[:, 1:]) if draws is None else (rows, move(draws, device))
+
+
+def move(array, device):
+    """A numpy array on device (tokens as int64), through page-locked memory to a GPU."""
+    t = torch.from_numpy(array if array.dtype == np.float32 else array.astype(np.int64))
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def rare_token_batch(rare, size, block_size, seed, device, diffusion=False):

@@ -92,11 +92,12 @@ def finite(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def hf_config(cfg, torch_dtype):
+def hf_config(cfg, torch_dtype, special=None):
     """config.json. vocab_size is the padded vocabulary: the weights stay bit for bit the checkpoint's (a tied
     matrix stays one matrix) and the round size keeps the matmuls fast; the padding ids are never targets in
     training, the tokenizer never emits them, and generation_config.json suppresses them (vLLM does not: the
-    model card says so)."""
+    model card says so). special: special_tokens' (BOS, EOS); None: a base model's, both the last id."""
+    bos, eos = special[:2] if special else (cfg.vocab_size - 1,) * 2
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -119,12 +120,21 @@ def hf_config(cfg, torch_dtype):
         "pretraining_tp": 1,
         "initializer_range": cfg.init_std,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": cfg.vocab_size - 1,
-        "eos_token_id": cfg.vocab_size - 1,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
         "use_cache": True,
         "dtype": torch_dtype,
         "torch_dtype": torch_dtype,
     }
+
+
+def special_tokens(path, cfg):
+    """(BOS id, EOS id, {chat token: id}) of checkpoint `path`'s tokenizer: a base model's text ends at BOS, an SFT
+    model's reply at <|end|> (tokenizer.CHAT_TOKENS, after BOS)."""
+    meta = read_json(os.path.join(path, "tokenizer.json")) or {}
+    chat = meta.get("chat_tokens") or {}
+    bos = meta.get("bos_id", cfg.vocab_size - 1)
+    return bos, chat.get("<|end|>", bos), chat
 
 
 def hf_tensors(cfg, state_dict, dt):
@@ -211,7 +221,8 @@ def write_hf_tokenizer(src, folder, block_size):
             return ranks
 
     try:
-        fast = Converter(pattern=pattern, extra_special_tokens=[bos]).converted()
+        # the chat tokens (an SFT model's) follow BOS, as their ids do
+        fast = Converter(pattern=pattern, extra_special_tokens=[bos, *meta.get("chat_tokens", ())]).converted()
     except Exception as e:  # e.g. a split pattern the tokenizers library cannot compile
         return f"transformers' tiktoken converter failed ({first_line(e)})"
     # every training document starts with BOS: transformers puts it first, as sample.py does
@@ -219,14 +230,15 @@ def write_hf_tokenizer(src, folder, block_size):
                                                         special_tokens=[(bos, meta["bos_id"])])
     fast.save(os.path.join(folder, "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast",  # a name transformers 4 and 5 both load
-              "bos_token": bos, "eos_token": bos, "model_max_length": block_size,
+              "bos_token": bos, "eos_token": "<|end|>" if meta.get("chat_tokens") else bos,
+              "model_max_length": block_size,
               "split_special_tokens": True,  # "<|bos|>" typed in a text is text, as in podgpt's encode
               "clean_up_tokenization_spaces": False}  # decode gives the text back as it was
     write_json(os.path.join(folder, "tokenizer_config.json"), config)
     return None
 
 
-def card_usage(cfg, tokenizer_note):
+def card_usage(cfg, tokenizer_note, bos):
     """The model card's code example and its line on the tokenizer: transformers' tokenizer where there is one,
     token ids where there is none (tokenizer_note says why)."""
     if tokenizer_note is None:
@@ -239,7 +251,7 @@ def card_usage(cfg, tokenizer_note):
                      f"converter); podgpt's own files are in `{TOKENIZER_DIR}/`.")
     use = ["from transformers import AutoModelForCausalLM",
            "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-           f"# start every prompt with the BOS id {cfg.vocab_size - 1}"]
+           f"# start every prompt with the BOS id {bos}"]
     return use, (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
                  f"in `{TOKENIZER_DIR}/` (read them with podgpt's `tokenizer.load_tokenizer`); pass token ids "
                  "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
@@ -283,11 +295,13 @@ def card_training(path, run_cfg, trainer, out_dir):
     return lines
 
 
-def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note):
+def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special):
     """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why there is no
-    transformers tokenizer (None: there is one)."""
+    transformers tokenizer (None: there is one); special: special_tokens'."""
     p = param_counts(cfg)
-    use, tokenizer_line = card_usage(cfg, tokenizer_note)
+    (bos, eos, chat), use, tokenizer_line = special, *card_usage(cfg, tokenizer_note, special[0])
+    ids = f"BOS = EOS = id {bos}" if not chat else (f"BOS id {bos}; chat tokens " + ", ".join(
+        f"{name} = id {i}" for name, i in chat.items()) + f"; a reply ends at EOS = id {eos}")
     lines = [
         "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [llama, podgpt]", "---", "",
         f"# {os.path.basename(os.path.normpath(out_dir)) or 'podgpt'} (podgpt export)", "",
@@ -298,7 +312,7 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
         f"{cfg.n_embd}, {cfg.n_head} heads / {cfg.n_kv_head} KV heads (head_dim {cfg.head_dim}), SwiGLU "
         f"{cfg.ffn_hidden}, RoPE theta {cfg.rope_theta}, RMSNorm eps {cfg.norm_eps}, "
         f"{'tied' if cfg.tie_embeddings else 'untied'} embeddings, context {cfg.block_size}",
-        f"- vocabulary: {cfg.vocab_size} tokens (BOS = EOS = id {cfg.vocab_size - 1}), padded to "
+        f"- vocabulary: {cfg.vocab_size} tokens ({ids}), padded to "
         f"{cfg.padded_vocab} rows", "",
         *card_training(path, run_cfg, trainer, out_dir),
         "", "## Use", "",
@@ -338,10 +352,11 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
     try:
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[weight_dtype]
         write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
-        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype))
-        bos = cfg.vocab_size - 1
+        special = special_tokens(path, cfg)
+        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype, special))
+        bos, eos = special[:2]
         # no max_length: generate(max_new_tokens=...) would warn that both are set, every time
-        gen = {"bos_token_id": bos, "eos_token_id": bos,
+        gen = {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos],
                "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
         write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         os.makedirs(os.path.join(tmp, TOKENIZER_DIR))
@@ -358,7 +373,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
         # (uploaded), and an absolute path names the machine's folders (a home directory, a user name)
         source = os.path.relpath(os.path.abspath(path), os.path.dirname(out_dir))
         write_atomic(os.path.join(tmp, "README.md"),
-                     model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note))
+                     model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special))
         files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [PODGPT_FILE]  # what a later export may replace
         write_json(os.path.join(tmp, PODGPT_FILE),
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),

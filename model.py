@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention, resolve_backend
-from util import device_mesh, first_line
+from util import IGNORE, device_mesh, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
@@ -411,7 +411,8 @@ class GPT(nn.Module):
 
     def head(self, x, targets, weights=None):
         """The final norm, the LM head and the loss of forward()'s first two items. weights (the shape of targets):
-        each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets."""
+        each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets; without,
+        the mean over the targets that are not IGNORE (SFT's prompt tokens)."""
         config = self.config
         x = self.norm(x)
         if targets is None:
@@ -424,8 +425,9 @@ class GPT(nn.Module):
         return None, self.chunked_loss(x.flatten(0, 1), targets.flatten(), None if weights is None else weights.flatten())
 
     def chunked_loss(self, x, targets, weights=None):
-        """The mean (weighted) cross-entropy over loss_chunk tokens at a time. Each chunk runs under checkpoint, so
-        the forward keeps none of its logits and the backward rebuilds them one chunk at a time."""
+        """The mean (weighted) cross-entropy over loss_chunk tokens at a time, of the targets that are not IGNORE
+        (weighted: over all of them). Each chunk runs under checkpoint, so the forward keeps none of its logits and
+        the backward rebuilds them one chunk at a time."""
         n = self.config.loss_chunk
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
@@ -433,7 +435,9 @@ class GPT(nn.Module):
         rebuild = torch.is_grad_enabled() and x.size(0) > n
         total = sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
                     for xc, yc, wc in zip(xs, ys, ws, strict=True))
-        return total / targets.numel()
+        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies'); a batch with none (a window of
+        # prompt tokens alone) has loss 0, not the guards' NaN
+        return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
 
     def loss_sum(self, x, targets, weights=None):
         """The summed cross-entropy of the head's logits for x (N, n_embd) against targets (N,)."""

@@ -23,6 +23,10 @@ tokens, each segment tokenized on its own (the first after BOS), padded with BOS
 document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
 block_size = the total then hold one document each, from its first token (train.py checks).
 
+chat=True makes SFT data: the source is a skills pack's sft.jsonl (tasks.pack_documents), each row a document
+in the chat layout (tokenizer.chat_row) with a loss mask beside the shards (NAME.mask.npy: the reply's tokens),
+and the tokenizer is chat_base's (the base model's data_dir or checkpoint folder) with the chat tokens added.
+
 The tokenizer (tokenizer.py: byte, char, gpt2, bpe:N trained here on the training documents) and the
 shards go into data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place when
 complete, manifest.json last; prepare.py writes only into a data_dir that holds nothing but its own files
@@ -55,11 +59,11 @@ import urllib.parse
 import numpy as np
 
 import configurator
-from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, shared_documents,
+from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
                   token_dtype, token_hash)
 from download import download, local_copy
-from tasks import gsm8k_documents
-from tokenizer import SEGMENT, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
+from tasks import gsm8k_documents, pack_documents
+from tokenizer import SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
                   remove_scratch, run_main)
 
@@ -81,6 +85,8 @@ workers = 0  # tokenizer processes (0: all cores)
 download_dir = "downloads"  # URL downloads (the hub's go to its cache, HF_HOME): beside data_dir, never inside it
 sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
+chat = False  # SFT data: source is a skills pack's sft.jsonl, each row a chat_row with the loss on the reply alone
+chat_base = ""  # with chat: the base model's data_dir or checkpoint folder, whose tokenizer (+ chat tokens) is used
 force = False  # rebuild even if data_dir already holds this exact result
 # --- end config
 
@@ -89,7 +95,7 @@ OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tok
                "min_chars", "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
 
 # output keys added since: in prepare_args only when set, so that data prepared before them is still this exact result
-LATER_KEYS = {"gsm8k_format": "qa", "segments": ""}
+LATER_KEYS = {"gsm8k_format": "qa", "segments": "", "chat": False, "chat_base": ""}
 
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
@@ -99,7 +105,8 @@ SCRATCH = ".podgpt-prepare"  # the build's folder inside data_dir: a name no use
 MANIFEST = "manifest.json"
 # the other files prepare.py writes into data_dir, and write_shard's temporary ones (a crash may leave one):
 # with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
-OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|bin\.tmp|bin\.docs\.tmp)|tokenizer\.json|tokenizer\.tiktoken"
+OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|mask\.npy|bin\.tmp|bin\.(docs|mask)\.tmp)|tokenizer\.json"
+                      r"|tokenizer\.tiktoken"
                       r"|train_counts\.npy")
 
 TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
@@ -122,8 +129,9 @@ GSM8K_FORMATS = ("qa", "hdp")
 # Shard files: the format data.py reads
 
 
-def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
-    """Write a shard (and its .docs.npy index beside it), each atomically; returns the .bin's sha256."""
+def write_shard(path, tokens, vocab_size, bos_id, doc_starts, mask=None):
+    """Write a shard (and its .docs.npy index beside it, and the loss mask if given: SFT data), each atomically;
+    returns the .bin's sha256."""
     if not path.endswith(".bin"):
         raise ValueError(f"{path}: shard files end in .bin")
     tokens, doc_starts = np.asarray(tokens), np.asarray(doc_starts, dtype=np.int64)
@@ -144,6 +152,9 @@ def write_shard(path, tokens, vocab_size, bos_id, doc_starts):
     os.replace(path + ".tmp", path)
     save_npy(path + ".docs.tmp", doc_starts)
     os.replace(path + ".docs.tmp", docs_file(path))
+    if mask is not None:
+        save_npy(path + ".mask.tmp", np.asarray(mask, dtype=np.uint8))
+        os.replace(path + ".mask.tmp", mask_file(path))
     return digest.hexdigest()
 
 
@@ -288,7 +299,7 @@ def read_parquet(path, text_field):
             yield text
 
 
-def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa"):
+def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa", chat=False):
     """All documents of the inputs in order, downloading URLs when reached: (text, the split it must go to or
     None for the hash's)."""
     n = 0
@@ -297,6 +308,8 @@ def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm
         if source.form == "gsm8k":
             columns = (list(read_parquet(path, column)) for column in ("question", "answer"))
             texts = gsm8k_documents(path, *columns, gsm8k_format)
+        elif chat:
+            texts = pack_documents(path)
         else:
             texts = read_documents(path, text_field, source.paragraphs)
         for text in texts:
@@ -374,12 +387,12 @@ def signals_held(*signals):
             signal.raise_signal(s)
 
 
-def init_worker(tok_dir, lengths):
-    global worker_tok, worker_lengths
+def init_worker(tok_dir, lengths, chat):
+    global worker_tok, worker_lengths, worker_chat
     # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints one line;
     # a worker of its own would print a KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_tok, worker_lengths = load_tokenizer(tok_dir), lengths  # from the files: nothing pickled
+    worker_tok, worker_lengths, worker_chat = load_tokenizer(tok_dir), lengths, chat  # from the files: nothing pickled
 
 
 def encode_document(tok, text, lengths):
@@ -401,13 +414,21 @@ def encode_document(tok, text, lengths):
 
 
 def encode_batch(docs):
-    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut) for each (text, split) of a batch."""
+    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None) for each
+    (text, split) of a batch; chat: each text a pack_documents prompt and reply, tokenized as a chat_row, and
+    n_bytes the reply's (the text its loss is on: bits per byte)."""
     dtype = token_dtype(worker_tok.vocab_size)
     out = []
     for text, split in docs:
         data = text.encode("utf-8")
-        tokens, cut = encode_document(worker_tok, text, worker_lengths)
-        out.append((doc_hash(data), len(data), np.array(tokens, dtype=dtype), split, cut))
+        n_bytes, mask = len(data), None
+        if worker_chat:
+            prompt, reply = text.split(SEGMENT)
+            (tokens, mask), cut, n_bytes = chat_row(worker_tok, prompt, reply), False, len(reply.encode("utf-8"))
+            mask = np.array(mask, dtype=np.uint8)
+        else:
+            tokens, cut = encode_document(worker_tok, text, worker_lengths)
+        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask))
     return out
 
 
@@ -423,7 +444,7 @@ def batched(docs):
         yield batch
 
 
-def encode_all(docs, n_workers, tok_dir, lengths):
+def encode_all(docs, n_workers, tok_dir, lengths, chat=False):
     """encode_batch's results for every document, in order, from a pool of processes."""
     from tqdm import tqdm
 
@@ -431,7 +452,7 @@ def encode_all(docs, n_workers, tok_dir, lengths):
         # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
         # stops the pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths)))
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths, chat)))
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
@@ -471,6 +492,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
     # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
     hashes = {name: array.array("Q") for name in splits}
     filling = {name: [] for name in splits}  # documents of the shard being filled
+    masks = {name: [] for name in splits}  # and their loss masks (SFT data)
     filled = dict.fromkeys(splits, 0)  # and their tokens
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
 
@@ -479,14 +501,16 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
         tokens = np.concatenate(docs)
         starts = np.cumsum([0] + [len(d) for d in docs[:-1]], dtype=np.int64)
         file = f"{name}_{len(splits[name]['shards']):06d}.bin"
-        sha = write_shard(os.path.join(out_dir, file), tokens, tok.vocab_size, tok.bos_id, starts)
+        mask = np.concatenate(masks[name]) if masks[name] else None
+        sha = write_shard(os.path.join(out_dir, file), tokens, tok.vocab_size, tok.bos_id, starts, mask)
         splits[name]["shards"].append({"file": file, "docs_file": docs_file(file), "tokens": len(tokens),
-                                       "docs": len(docs), "sha256": sha})
+                                       "docs": len(docs), "sha256": sha} | ({} if mask is None else
+                                                                             {"mask_file": mask_file(file)}))
         if name == "train":
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
-        filling[name], filled[name] = [], 0
+        filling[name], masks[name], filled[name] = [], [], 0
 
-    for h, n_bytes, tokens, forced, cut in encoded:
+    for h, n_bytes, tokens, forced, cut, mask in encoded:
         if not forced:  # only the hash's documents can be held out to reach min_val_tokens
             smallest.add(h, len(tokens))
         name = forced or ("val" if h < threshold else "train")
@@ -496,6 +520,9 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
         split["bytes"] += n_bytes
         split["tokens"] += len(tokens)
         filling[name].append(tokens)
+        if mask is not None:  # SFT data: the tokens the loss counts, for bits per byte of the replies
+            masks[name].append(mask)
+            split["loss_tokens"] = split.get("loss_tokens", 0) + int(mask.sum())
         filled[name] += len(tokens)
         hashes[name].append(token_hash(tokens))
         if filled[name] >= shard_tokens:  # a shard closes after the document that fills it
@@ -517,7 +544,7 @@ def listed_files(manifest):
     """The files a manifest lists besides itself: the tokenizer's, the counts, the shards and their indexes."""
     shards = [shard for split in manifest["splits"].values() for shard in split["shards"]]
     return (manifest["tokenizer_files"] + [manifest["token_counts"]]
-            + [shard[key] for shard in shards for key in ("file", "docs_file")])
+            + [shard[key] for shard in shards for key in ("file", "docs_file", "mask_file") if key in shard])
 
 
 def is_complete(data_dir, args):
@@ -593,21 +620,23 @@ def tokenize_corpus(scratch, cfg, inputs):
 
     def docs():
         return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256,
-                         cfg.gsm8k_format)
+                         cfg.gsm8k_format, cfg.chat)
 
     n_workers = cfg.workers or os.cpu_count()
     # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-        meta, ranks = train_tokenizer(cfg.tokenizer, lambda: (text for text, _ in docs()),
-                                      lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
-        tokenizer_files = save_tokenizer(scratch, cfg.tokenizer, meta, ranks)
+        meta, ranks = chat_tokenizer(cfg.chat_base) if cfg.chat else train_tokenizer(
+            cfg.tokenizer, lambda: (text for text, _ in docs()),
+            lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
+        tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed
-        with contextlib.closing(encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments))) as encoded:
+        encoded = encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments), cfg.chat)
+        with contextlib.closing(encoded):
             splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest)
         val = splits["val"]
         if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
@@ -666,6 +695,9 @@ def check_args(cfg):
     if cfg.gsm8k_format == "hdp" and len(lengths) != 3:
         fail(f"gsm8k_format=hdp makes each problem three segments (question, plan, execution): set segments to their "
              f"token lengths, e.g. --segments=128,128,256 (got {cfg.segments!r})")
+    if cfg.chat and (not cfg.chat_base or cfg.segments):
+        fail("chat=True makes SFT data in the tokenizer of the base model: set --chat_base to its data_dir or "
+             "checkpoint folder (and no --segments)")
     if not 0 <= cfg.val_fraction < 1:
         fail(f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     for key, zero in (("min_val_tokens", "no minimum"), ("max_docs", "all"), ("max_shards", "all"),
@@ -705,7 +737,7 @@ def build(cfg):
         save_npy(os.path.join(scratch, "train_counts.npy"), counts)
         manifest = {
             "format_version": VERSION,
-            "tokenizer": cfg.tokenizer,
+            "tokenizer": tok.spec,
             "vocab_size": tok.vocab_size,
             "bos_id": tok.bos_id,
             "token_dtype": token_dtype(tok.vocab_size).name,
@@ -734,7 +766,7 @@ def build(cfg):
         print(f"segments {cfg.segments}: every document is {sum(segment_lengths(cfg.segments))} tokens; {cut:,} of "
               f"{train['docs'] + val['docs']:,} ({cut / (train['docs'] + val['docs']):.1%}) had a segment cut to its "
               f"length (train {train['cut']:,}, validation {val['cut']:,})")
-    print(f"wrote {out_dir}: {cfg.tokenizer} tokenizer (vocab {tok.vocab_size}), fingerprint "
+    print(f"wrote {out_dir}: {tok.spec} tokenizer (vocab {tok.vocab_size}), fingerprint "
           f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
 
 

@@ -19,10 +19,16 @@
 #                 from the latest checkpoint (train.py's resume=auto); > 0 uses torchrun on one node too
 #   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train)
 #   OUT_DIR       overrides the config's out_dir (sanity, train, sample; the dry run uses OUT_DIR/dryrun)
-#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample")
+#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; also: sft)
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
 #   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default 20)
+#   SFT_CONFIG    the sft stage's config file, read after CONFIG: its data_dir and out_dir, steps, learning rate
+#                 (default CONFIG's name + _sft, e.g. config/tiny_skills_sft.py). The stage makes the chat data
+#                 of PACK_DIR/sft.jsonl in the tokenizer of the train stage's checkpoint (prepare.py --chat=True),
+#                 then fine-tunes that checkpoint on it (train.py --init_from=OUT_DIR)
+#   PACK_DIR      the skills pack's folder (default data/skills, where skills.py writes it)
+#   SFT_ARGS      extra --key=val for the sft stage's train.py, e.g. "--max_steps=50" (its data_dir: prepare.py's too)
 #   PYTHON        the interpreter (default python)
 # Arguments after run.sh are --key=val overrides for train.py (dry run included).
 #
@@ -64,10 +70,12 @@ on_signal() {
 }
 for sig in TERM INT USR1 HUP; do trap "on_signal $sig" "$sig"; done
 
-STAGE_NAMES="sanity prepare dryrun train sample"
+STAGE_NAMES="sanity prepare dryrun train sft sample"
 CONFIG=${CONFIG:-config/tiny.py}
 NPROC=${NPROC:-1}
-STAGES=${STAGES:-$STAGE_NAMES}
+STAGES=${STAGES:-sanity prepare dryrun train sample}
+SFT_CONFIG=${SFT_CONFIG:-${CONFIG%.py}_sft.py}
+PACK_DIR=${PACK_DIR:-data/skills}
 DRYRUN_STEPS=${DRYRUN_STEPS:-20}
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
@@ -95,6 +103,9 @@ done
 for s in $STAGES; do
     [[ " $STAGE_NAMES " == *" $s "* ]] || refuse "unknown stage '$s' in STAGES (choose from: $STAGE_NAMES)"
 done
+[[ " $STAGES " != *" sft "* || -f $SFT_CONFIG ]] ||
+    refuse "SFT_CONFIG=$SFT_CONFIG: no such file (the sft stage's data_dir, out_dir and steps, e.g." \
+        "config/tiny_skills_sft.py)"
 # the must-pass memory check before a paid run: on a machine with a GPU, sanity.py --capacity takes one
 # real training step of the whole model (on a CPU it would only plan, and needs the vocabulary before prepare)
 GPU=
@@ -105,6 +116,11 @@ TRAIN_ARGS=("$@")
 OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
+# the sft stage's out_dir and data_dir, as its train.py resolves them
+SFT_OUT= SFT_DATA=
+[[ " $STAGES " == *" sft "* ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
+util.run_main(lambda argv: print(*(configurator.configure("train.py", argv)[k] for k in ("out_dir", "data_dir")),
+                                 sep="\n"), sys.argv[1:])' "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-})
 
 # How torchrun is launched. Several nodes use the static rendezvous (--node_rank, --master_addr,
 # --master_port): node NODE_RANK holds ranks NODE_RANK*NPROC .. NODE_RANK*NPROC+NPROC-1, so rank 0,
@@ -163,13 +179,15 @@ stage() {
     while kill -0 "$!" 2>/dev/null; do wait "$!" || true; done  # a trapped signal ends wait early
     wait "$!" || rc=$?
     REAPED=$!
-    if [[ $name == train || $name == dryrun ]]; then
+    if [[ $name == train || $name == dryrun || $name == sft ]]; then
         local out=$OUT
         [[ $name == dryrun ]] && out=$OUT/dryrun/first
+        [[ $name == sft ]] && out=$SFT_OUT
         why=$(stopped "$out" "$since")
     fi
-    if [[ $name == train && -n $why ]]; then  # torchrun itself exits non-zero after forwarding a signal
-        echo "run.sh: train $why; run the same command to resume"
+    # torchrun itself exits non-zero after forwarding a signal
+    if [[ ($name == train || $name == sft) && -n $why ]]; then
+        echo "run.sh: $name $why; run the same command to resume"
         exit 0
     fi
     if [[ -n $SIGNAL || -n $why ]]; then  # a dry run stopped early has checked nothing
@@ -192,6 +210,10 @@ for s in $STAGES; do
         dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
                      "--dryrun_steps=$DRYRUN_STEPS" ;;
         train)   stage train "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT" ;;
+        sft)     stage sft-data $PYTHON prepare.py "$CONFIG" "$SFT_CONFIG" --chat=True "--chat_base=$OUT" \
+                     "--source=$PACK_DIR/sft.jsonl" "--data_dir=$SFT_DATA"
+                 stage sft "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-} \
+                     "--init_from=$OUT" ;;
         sample)  if [[ $NODE_RANK -eq 0 ]]; then
                      stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-}
                  else

@@ -37,6 +37,13 @@ def lr_at(step, cfg, horizon, decay_start=-1, decay_lr=None):
     return cfg.min_lr + 0.5 * (cfg.learning_rate - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def check_warmup(cfg):
+    """Warn when warmup_steps is more than max_steps: the learning rate never reaches its peak."""
+    if cfg.warmup_steps > cfg.max_steps:
+        warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
+             f"{lr_at(cfg.max_steps - 1, cfg, cfg.max_steps):.3g}, short of learning_rate={cfg.learning_rate:g}")
+
+
 def seconds_left(cfg, elapsed, cost_usd, reserve, usd_per_s):
     """{limit: seconds}: what max_hours and budget_usd (each where set) leave of a run's time after `elapsed`
     seconds and `cost_usd` dollars, keeping back `reserve` seconds; usd_per_s: what the run spends a second."""

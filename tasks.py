@@ -2,9 +2,11 @@
 The tasks a model is scored on: GSM8K, grade-school math word problems (openai/gsm8k, config main), each
 answer ending in "#### <number>". prepare.py makes its problems documents (gsm8k_documents); train.py
 answers the first test problems at each evaluation and logs the share it gets right (eval_gsm8k_samples:
-gsm8k_problems, gsm8k_accuracy).
+gsm8k_problems, gsm8k_accuracy). A skills pack's rows (sft.jsonl) become prepare.py's chat documents
+(pack_documents).
 """
 
+import json
 import os
 import re
 
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from data import open_shard
-from tokenizer import SEGMENT, load_tokenizer
+from tokenizer import SEGMENT, load_tokenizer, reply_text
 from util import fail
 
 
@@ -104,3 +106,27 @@ def check_segments(data_dir, manifest, hdp_segments, block_size):
     if sum(int(n) for n in segments.split(",")) != block_size:
         fail(f"block_size={block_size} but every document of {data_dir} is {segments.replace(',', '+')} "
              f"tokens: set block_size to their sum, so that each row is one document")
+
+
+PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")
+
+
+def pack_documents(path):
+    """The rows of a skills pack's JSONL file (sft.jsonl) as documents: the prompt and the assistant's reply
+    (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes each a tokenizer.chat_row."""
+    with open(path, encoding="utf-8-sig") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                fields = [row[k] for k in PACK_FIELDS]
+                reply = reply_text(row)
+            except (ValueError, KeyError, TypeError):
+                row, fields = None, []
+            if row is None or not all(isinstance(v, str) for v in fields):
+                fail(f"{path}:{line_no}: not a skills-pack row (a JSON object of strings {', '.join(PACK_FIELDS)}, "
+                     "answer_style direct or scratchpad)")
+            if SEGMENT in row["prompt"] + reply:
+                fail(f"{path}:{line_no}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
+            yield row["prompt"] + SEGMENT + reply

@@ -6,8 +6,8 @@ appends CHAT_TOKENS after it, so a base checkpoint's ids keep their meaning; cha
 a conversation with them.
 
 prepare.py trains one and saves it into data_dir as tokenizer.json (kind, vocab_size, bos_id, and the
-chars or the BPE pattern and special tokens; chat_tokens when it has them) plus, for gpt2 and bpe:N, tokenizer.tiktoken (the ranks,
-"base64 rank" lines); load_tokenizer reads them back, without the network.
+chars or the BPE pattern and special tokens; chat_tokens when it has them) plus, for gpt2 and bpe:N,
+tokenizer.tiktoken (the ranks, "base64 rank" lines); load_tokenizer reads them back, without the network.
 """
 
 import base64
@@ -149,6 +149,26 @@ def with_chat_tokens(meta):
     v = meta["vocab_size"]
     return {**meta, "bos_id": v - 1, "vocab_size": v + len(CHAT_TOKENS),
             "chat_tokens": {name: v + i for i, name in enumerate(CHAT_TOKENS)}}
+
+
+def chat_tokenizer(base):
+    """(tokenizer.json's fields with the chat tokens, the ranks or None) of the tokenizer saved in folder `base`
+    (a data_dir, a checkpoint folder, or an out_dir: its latest checkpoint's), for SFT data whose ids mean what
+    they meant to the base model."""
+    latest = os.path.join(base, "ckpt", "latest")  # checkpoint.py's pointer to the newest checkpoint
+    if not os.path.isfile(os.path.join(base, "tokenizer.json")) and os.path.isfile(latest):
+        with open(latest, encoding="utf-8") as f:
+            base = os.path.join(base, "ckpt", f.read().strip())
+    path = os.path.join(base, "tokenizer.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+        load_tokenizer(base)  # its files are whole
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"chat_base={base}: no tokenizer there that loads ({first_line(e)}): name the base model's data_dir "
+             "or checkpoint folder")
+    ranks = read_ranks(os.path.join(base, "tokenizer.tiktoken")) if meta["kind"] == "tiktoken" else None
+    return with_chat_tokens(meta), ranks
 
 
 def save_tokenizer(out_dir, spec, meta, ranks):

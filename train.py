@@ -44,7 +44,7 @@ from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
-from schedule import budget_file_verdict, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from dryrun import dryrun
@@ -57,6 +57,7 @@ out_dir = "out"                 # metrics.jsonl, ckpt/, summary.json are written
 data_dir = "data/default"       # shards and manifest.json written by prepare.py
 resume = "auto"                 # auto: newest good checkpoint in out_dir, if any | never | a checkpoint folder
 allow_resume_mismatch = False   # resume even from a checkpoint trained on other data or another tokenizer
+init_from = ""                  # SFT: a fresh out_dir starts from this base checkpoint's weights (folder or out_dir)
 # model
 block_size = 1024               # context length in tokens
 n_layer = 12                    # transformer blocks
@@ -357,7 +358,7 @@ class Trainer:
         self.flops_tok = flops_per_token(raw_model.config)
         self.peak = peak_flops(torch.cuda.get_device_name(proc.dev)) if proc.dev.type == "cuda" else None
         val = self.manifest["splits"]["val"]
-        self.bpb_scale = val["tokens"] / val["bytes"] / math.log(2)
+        self.bpb_scale = val.get("loss_tokens", val["tokens"]) / val["bytes"] / math.log(2)  # SFT: the replies
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
         self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0
@@ -853,7 +854,7 @@ def train(cfg, keep_group=False):
                             files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last, cfg.save_best,
                             cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
         state = new_state(cfg)
-        resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state)
+        resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state, cfg.init_from)
         restore_clock(cfg, state)
         check_writable(cfg, proc, report, folder)
         model = wrap_model(cfg, proc, raw_model)
@@ -889,9 +890,7 @@ def main(argv):
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir, lambda args: train(configure(args), keep_group=True))
-    if cfg.warmup_steps > cfg.max_steps:  # not for a dry run, which runs a long run's config for a few steps
-        warn(f"warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: the learning rate stops at "
-             f"{lr_at(cfg.max_steps - 1, cfg, cfg.max_steps):.3g}, short of learning_rate={cfg.learning_rate:g}")
+    check_warmup(cfg)  # not for a dry run, which runs a long run's config for a few steps
     return train(cfg)[0]
 
 

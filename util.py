@@ -33,6 +33,7 @@ DEVICES = "auto, cpu, cuda, cuda:N"
 # CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle; read
 # once, at the first CUDA call
 ALLOC_CONF = "expandable_segments:True"
+IGNORE = -100  # the target of a token the loss skips (SFT's prompt tokens): F.cross_entropy's default ignore_index
 
 
 class Error(Exception):

@@ -17,7 +17,7 @@ BELOW = {
     "objectives": {"model", "attention"},
     "data": {"util"},
     "report": {"util", "configurator"},
-    "checkpoint": {"util", "model", "objectives", "data"},
+    "checkpoint": {"util", "model", "objectives", "data", "tokenizer"},
     "schedule": {"util"},
     "preflight": {"util", "attention", "model", "data", "schedule"},
     "postmortem": {"util", "configurator", "data"},

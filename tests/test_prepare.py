@@ -461,7 +461,8 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
     threshold = 2**63
 
     def doc(text, h):
-        return h, len(text), np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size)), None, False
+        tokens = np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size))
+        return h, len(text), tokens, None, False, None
 
     encoded = [doc("shared", 5), doc("val only", 6), doc("shared", threshold + 5), doc("train only", threshold + 6),
                doc("shared!", threshold + 7), doc("shared", threshold + 8)]

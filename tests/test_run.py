@@ -174,8 +174,8 @@ def test_ctrl_c_stops_the_running_stage_and_run_sh(tmp_path, to):
 
 
 @pytest.mark.parametrize("env, line", [
-    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity prepare dryrun train sample)"),
-    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity prepare dryrun train sample)"),
+    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity prepare dryrun train sft sample)"),
+    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity prepare dryrun train sft sample)"),
     *[(dict(DRYRUN_STEPS=n), f"DRYRUN_STEPS={n}: the dry run needs at least 2 steps (a checkpoint at half, then the "
                              "resume from it); to skip it, leave dryrun out of STAGES") for n in ("0", "1")],
     (dict(DRYRUN_STEPS="abc"), "DRYRUN_STEPS=abc is not a whole number: write it in digits (0-9)"),
@@ -183,7 +183,9 @@ def test_ctrl_c_stops_the_running_stage_and_run_sh(tmp_path, to):
     (dict(NPROC="08", NODE_RANK="01"), "need NPROC >= 1, NNODES >= 1 and NODE_RANK < NNODES (got 8, 1, 1)"),
     (dict(MASTER_PORT="070000"), "MASTER_PORT=70000 is not a TCP port (1 to 65535)"),
     (dict(PYTHON="/no/python"), "PYTHON=/no/python: no such command (give the interpreter, e.g. PYTHON=python3)"),
-], ids=["stages", "no-stages", "dryrun-0", "dryrun-1", "dryrun-abc", "leading-zeros", "port", "python"])
+    (dict(STAGES="sft"), "SFT_CONFIG=config/tiny_sft.py: no such file (the sft stage's data_dir, out_dir and steps, "
+                         "e.g. config/tiny_skills_sft.py)"),
+], ids=["stages", "no-stages", "dryrun-0", "dryrun-1", "dryrun-abc", "leading-zeros", "port", "python", "sft-config"])
 def test_run_sh_refuses_a_bad_value_before_any_stage(tmp_path, env, line):
     """Each value run.sh reads is checked before the first stage, in one line: "train smaple" trained for an hour
     before the typo stopped run.sh, and DRYRUN_STEPS=0 ran a whole training as the dry run. Should a check let
