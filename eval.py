@@ -439,7 +439,7 @@ def measure(config, loaded, proc, inputs):
         report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
         val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
-        bpb = val_loss * split["tokens"] / split["bytes"] / math.log(2)
+        bpb = val_loss * split.get("loss_tokens", split["tokens"]) / split["bytes"] / math.log(2)  # SFT: the replies
         report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
                              batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
     return report
