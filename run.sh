@@ -19,7 +19,7 @@
 #                 from the latest checkpoint (train.py's resume=auto); > 0 uses torchrun on one node too
 #   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train)
 #   OUT_DIR       overrides the config's out_dir (sanity, train, sample; the dry run uses OUT_DIR/dryrun)
-#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; also: sft)
+#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; also: skills, sft, eval)
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
 #   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default 20)
@@ -27,7 +27,9 @@
 #                 (default CONFIG's name + _sft, e.g. config/tiny_skills_sft.py). The stage makes the chat data
 #                 of PACK_DIR/sft.jsonl in the tokenizer of the train stage's checkpoint (prepare.py --chat=True),
 #                 then fine-tunes that checkpoint on it (train.py --init_from=OUT_DIR)
-#   PACK_DIR      the skills pack's folder (default data/skills, where skills.py writes it)
+#   PACK_DIR      the skills pack's folder (default: the config's pack_dir, skills.py's data/skills); the skills
+#                 stage writes it (skills.py), the sft stage trains on its sft.jsonl, the eval stage asks its eval.jsonl
+#   EVAL_ARGS     extra --key=val for eval.py, e.g. "--mc=tasks/arc.jsonl --attach=lm_eval.json"
 #   SFT_ARGS      extra --key=val for the sft stage's train.py, e.g. "--max_steps=50" (its data_dir: prepare.py's too)
 #   PYTHON        the interpreter (default python)
 # Arguments after run.sh are --key=val overrides for train.py (dry run included).
@@ -70,12 +72,11 @@ on_signal() {
 }
 for sig in TERM INT USR1 HUP; do trap "on_signal $sig" "$sig"; done
 
-STAGE_NAMES="sanity prepare dryrun train sft sample"
+STAGE_NAMES="sanity skills prepare dryrun train sft eval sample"
 CONFIG=${CONFIG:-config/tiny.py}
 NPROC=${NPROC:-1}
 STAGES=${STAGES:-sanity prepare dryrun train sample}
 SFT_CONFIG=${SFT_CONFIG:-${CONFIG%.py}_sft.py}
-PACK_DIR=${PACK_DIR:-data/skills}
 DRYRUN_STEPS=${DRYRUN_STEPS:-20}
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
@@ -116,9 +117,11 @@ TRAIN_ARGS=("$@")
 OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
-# the sft stage's out_dir and data_dir, as its train.py resolves them
+PACK_DIR=${PACK_DIR:-$($PYTHON -c 'import sys, configurator, util
+util.run_main(lambda argv: print(configurator.configure("skills.py", argv).pack_dir), sys.argv[1:])' "$CONFIG")}
+# the sft stage's out_dir and data_dir, as its train.py resolves them (the eval stage evaluates its model too)
 SFT_OUT= SFT_DATA=
-[[ " $STAGES " == *" sft "* ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
+[[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(*(configurator.configure("train.py", argv)[k] for k in ("out_dir", "data_dir")),
                                  sep="\n"), sys.argv[1:])' "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-})
 
@@ -214,6 +217,12 @@ for s in $STAGES; do
                      "--source=$PACK_DIR/sft.jsonl" "--data_dir=$SFT_DATA"
                  stage sft "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-} \
                      "--init_from=$OUT" ;;
+        skills)  stage skills $PYTHON skills.py "$CONFIG" "--pack_dir=$PACK_DIR" ;;
+        eval)    stage eval "${LAUNCH[@]}" eval.py "$CONFIG" "--ckpt=$OUT" "--pack_dir=$PACK_DIR" ${EVAL_ARGS:-}
+                 if [[ -n $SFT_OUT && -d $SFT_OUT ]]; then
+                     stage eval-sft "${LAUNCH[@]}" eval.py "$CONFIG" "$SFT_CONFIG" "--ckpt=$SFT_OUT" \
+                         "--pack_dir=$PACK_DIR" ${EVAL_ARGS:-}
+                 fi ;;
         sample)  if [[ $NODE_RANK -eq 0 ]]; then
                      stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-}
                  else

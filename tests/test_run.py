@@ -68,6 +68,32 @@ def test_sample_is_deterministic_and_streams_from_a_checkpoint_folder(pipeline):
     assert greedy.startswith("import os\n") and greedy != a.stdout.split("-" * 40)[0]
 
 
+def test_the_skills_sft_and_eval_stages_fine_tune_the_train_stage_s_model_and_ask_both(pipeline, tmp_path):
+    """After the train stage: skills writes the pack, sft fine-tunes the train stage's checkpoint on its SFT rows
+    (the base run untouched), eval writes eval.json for the base model and the fine-tuned one, each over every
+    eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout."""
+    tmp, _ = pipeline
+    out, pack = tmp / "out", tmp_path / "pack"
+    before = (out / "ckpt" / "latest").read_text()
+    env = dict(DATA_DIR=str(tmp / "data"), OUT_DIR=str(out), PYTHON=sys.executable, PACK_DIR=str(pack),
+               STAGES="skills sft eval", SFT_CONFIG="config/tiny_skills_sft.py",
+               SFT_ARGS=f"--out_dir={tmp_path / 'sft'} --data_dir={tmp_path / 'sft_data'} --max_steps=4 "
+                        "--eval_every=4 --ckpt_every=4 --log_every=2 --micro_batch_size=8 --total_batch_tokens=2048",
+               EVAL_ARGS="--max_new_tokens=4 --eval_batches=2")
+    stdout = run(["bash", "run.sh"], env=env).stdout
+    for stage in ("skills", "sft-data", "sft", "eval", "eval-sft"):
+        assert f"=== {stage}:" in stdout
+    assert (out / "ckpt" / "latest").read_text() == before
+    rows = sum(1 for _ in open(pack / "eval.jsonl"))
+    layouts = {}
+    for run_dir in (out, tmp_path / "sft"):
+        report = json.load(open(run_dir / "eval.json"))
+        layouts[run_dir.name] = report["pack"]["layout"]
+        assert report["pack"]["overall"]["n"] == rows > 0
+    assert layouts == {"out": "base", "sft": "chat"}
+    assert json.load(open(tmp_path / "sft" / "summary.json"))["steps"] == 4
+
+
 def test_sample_without_checkpoint_fails_clearly(tmp_path):
     r = run([sys.executable, "sample.py", f"--ckpt={tmp_path}"], check=False)
     assert r.returncode == 1 and r.stderr.startswith("error: no checkpoint") and "Traceback" not in r.stderr
@@ -174,8 +200,8 @@ def test_ctrl_c_stops_the_running_stage_and_run_sh(tmp_path, to):
 
 
 @pytest.mark.parametrize("env, line", [
-    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity prepare dryrun train sft sample)"),
-    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity prepare dryrun train sft sample)"),
+    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity skills prepare dryrun train sft eval sample)"),
+    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity skills prepare dryrun train sft eval sample)"),
     *[(dict(DRYRUN_STEPS=n), f"DRYRUN_STEPS={n}: the dry run needs at least 2 steps (a checkpoint at half, then the "
                              "resume from it); to skip it, leave dryrun out of STAGES") for n in ("0", "1")],
     (dict(DRYRUN_STEPS="abc"), "DRYRUN_STEPS=abc is not a whole number: write it in digits (0-9)"),
