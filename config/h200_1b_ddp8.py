@@ -55,3 +55,9 @@ compile = True
 # for planning before the data is prepared
 expect_world_size = 8
 plan_vocab_size = 32768
+# the release skills pack (skills.py, run.sh's skills stage): the recipe's 1,600 SFT rows and 320 eval rows,
+# answered with worked steps; the eval stage asks the eval rows of the base (and a fine-tuned) checkpoint
+pack_dir = "data/skills_1b"
+sft_rows = 1600
+eval_rows = 320
+answer_style = "scratchpad"

@@ -1,8 +1,10 @@
 # The skills path on the embedded corpus, on a CPU: a byte-level base model on config/tiny.py's data (this
-# machine's Python standard library), then fine-tuned on a skills pack's SFT rows by run.sh's sft stage, which
-# reads config/tiny_skills_sft.py after this file:
-#     CONFIG=config/tiny_skills.py STAGES="prepare train sft" bash run.sh
-# The pack is PACK_DIR/sft.jsonl (default data/skills). Not yet tuned to a measured accuracy after SFT.
+# machine's Python standard library), fine-tuned on a skills pack's SFT rows (run.sh's sft stage reads
+# config/tiny_skills_sft.py after this file), then both checkpoints asked the pack's eval rows:
+#     CONFIG=config/tiny_skills.py STAGES="skills prepare train sft eval" bash run.sh
+# Measured on a 2-core CPU (torch 2.13): 5m21s in all; after SFT, counting 7 of 30 right (95% interval 11.8% to
+# 40.9%, chance and the base model 0%), yes_no 19 of 30 (chance 50%, base 0%), 31 of 330 overall against a
+# pooled chance of 6.6% (eval.md in out/tiny_skills and out/tiny_skills/sft).
 
 # data (prepare.py): config/tiny.py's, in the same data_dir (prepared once for both)
 source, tokenizer, data_dir = "stdlib", "byte", "data/stdlib_byte"
@@ -19,3 +21,9 @@ micro_batch_size, total_batch_tokens, max_steps = 32, 4096, 300
 learning_rate, min_lr, warmup_steps = 2e-3, 2e-4, 30
 eval_every, eval_steps, log_every, ckpt_every = 100, 8, 20, 300
 device, dtype = "cpu", "float32"
+
+# the skills pack (skills.py, run.sh's skills stage) and its evaluation (eval.py, the eval stage): direct answers,
+# which a model this small can learn in a few hundred steps where worked steps would take many more
+pack_dir = "data/skills_tiny"
+sft_rows, eval_rows, answer_style = 1600, 330, "direct"
+max_new_tokens = 48
