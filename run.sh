@@ -17,7 +17,7 @@
 #   RDZV_ID       the job's name, the same on every node (default podgpt)
 #   MAX_RESTARTS  times torchrun re-launches a failed train stage (default 0); each restart resumes
 #                 from the latest checkpoint (train.py's resume=auto); > 0 uses torchrun on one node too
-#   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train)
+#   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train, eval)
 #   OUT_DIR       overrides the config's out_dir (sanity, train, sample; the dry run uses OUT_DIR/dryrun)
 #   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; also: skills, sft, eval)
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
@@ -218,10 +218,11 @@ for s in $STAGES; do
                  stage sft "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-} \
                      "--init_from=$OUT" ;;
         skills)  stage skills $PYTHON skills.py "$CONFIG" "--pack_dir=$PACK_DIR" ;;
-        eval)    stage eval "${LAUNCH[@]}" eval.py "$CONFIG" "--ckpt=$OUT" "--pack_dir=$PACK_DIR" ${EVAL_ARGS:-}
+        eval)    stage eval "${LAUNCH[@]}" eval.py "$CONFIG" "--ckpt=$OUT" "--pack_dir=$PACK_DIR" \
+                     ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${EVAL_ARGS:-}
                  if [[ -n $SFT_OUT && -d $SFT_OUT ]]; then
                      stage eval-sft "${LAUNCH[@]}" eval.py "$CONFIG" "$SFT_CONFIG" "--ckpt=$SFT_OUT" \
-                         "--pack_dir=$PACK_DIR" ${EVAL_ARGS:-}
+                         "--pack_dir=$PACK_DIR" "--data_dir=$SFT_DATA" ${EVAL_ARGS:-}
                  fi ;;
         sample)  if [[ $NODE_RANK -eq 0 ]]; then
                      stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-}
