@@ -858,3 +858,27 @@ def test_bd3lm_trains_compiled_and_samples_on_cuda(tmp_path, data):
     print(f"bd3lm sampler on {sampler_backend}: largest logit difference from math {err:.1e}")
     assert r.stdout == "def " + text + "\n", (r.stdout, text)
     assert err <= SAMPLER_TOL, (sampler_backend, err)
+
+
+# -----------------------------------------------------------------------------
+# the skills path: a pack, SFT from a base checkpoint (masked loss, documents mask, compiled, bf16), eval on CUDA
+
+def test_sft_from_a_base_checkpoint_trains_compiled_and_eval_answers_on_cuda(tiny, tmp_path):
+    """The base run of `tiny` fine-tuned on a skills pack's chat rows on the GPU's path (compiled, bf16, doc_mask:
+    the kernel auto picks for documents), loss on the replies only and finite; then eval.py asks every eval row in
+    the chat layout on CUDA."""
+    pack, sft_data, sft = tmp_path / "pack", tmp_path / "sft_data", tmp_path / "sft"
+    gpu_run([sys.executable, "skills.py", f"--pack_dir={pack}", "--sft_rows=220", "--eval_rows=22"])
+    gpu_run([sys.executable, "prepare.py", *TINY[:1], "--chat=True", f"--chat_base={tiny.first}",
+             f"--source={pack / 'sft.jsonl'}", f"--data_dir={sft_data}", "--val_fraction=0.1", "--min_val_tokens=0"])
+    r = gpu_run([sys.executable, "train.py", *TINY, f"--data_dir={sft_data}", f"--out_dir={sft}",
+                 f"--init_from={tiny.first}", "--doc_mask=True", "--max_steps=6", "--eval_every=6",
+                 "--ckpt_every=6", "--total_batch_tokens=4096", *_cuda_args(compile=True)])
+    assert_on_gpu_in_bf16(r.stdout)
+    s = summary(sft)
+    assert s["status"] == "completed" and math.isfinite(s["final_val_loss"]), s
+    gpu_run([sys.executable, "eval.py", f"--ckpt={sft}", f"--pack_dir={pack}", "--device=cuda",
+             "--max_new_tokens=8"])
+    with open(sft / "eval.json") as f:
+        report = json.load(f)
+    assert report["pack"]["layout"] == "chat" and report["pack"]["overall"]["n"] == 22

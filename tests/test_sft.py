@@ -177,7 +177,7 @@ def test_sft_resumes_from_its_own_checkpoints_bit_identically(finished_run, sft_
 
 
 def test_the_dry_run_runs_sft_steps_from_a_base_checkpoint(finished_run, sft_data, tmp_path, capfd):
-    """The runbook's --base-steps then --sft-steps as a dry run: the first pass starts from the base weights, the
+    """The 1B recipe's --base-steps then --sft-steps as a dry run: the first pass starts from the base weights, the
     second resumes from its half-way checkpoint and reproduces its losses; the unigram baseline counts the
     replies alone."""
     r = train_tiny(capfd, tmp_path / "dry", sft_data, *SFT_ARGS, f"--init_from={finished_run}", "--dryrun_steps=2")
