@@ -217,12 +217,13 @@ def download(url, download_dir, sha256=""):
     try:
         if not found:
             fetch_retrying(url, path)
-            os.replace(part, path)
-        if sha256:
-            actual = file_sha256(path)
-            if actual != sha256.lower():
-                os.remove(path)
+            if sha256 and (actual := file_sha256(part)) != sha256.lower():
+                os.remove(part)  # this run's download, checked before it takes the copy's name
                 fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
+            os.replace(part, path)
+        elif sha256 and (actual := file_sha256(path)) != sha256.lower():  # a copy already there: maybe the user's
+            fail(f"{url}: sha256 of {path} is {actual}, expected {sha256}: check --sha256, or move that file away "
+                 "and rerun to download it again")
     except BaseException as e:
         if os.path.isfile(part) and os.path.getsize(part) == 0:
             os.remove(part)
