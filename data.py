@@ -12,6 +12,7 @@ NAME.mask.npy, a uint8 per token: 1 where the token is a target the loss counts 
 
 import hashlib
 import json
+import math
 import os
 import zlib
 
@@ -225,6 +226,12 @@ def unigram_baseline(data_dir, manifest, val):
 # -----------------------------------------------------------------------------
 # batches
 
+def bpb_scale(split):
+    """Bits per byte per nat per token of a split of the manifest: its counted tokens (SFT: the replies') over its
+    bytes, over ln 2."""
+    return split.get("loss_tokens", split["tokens"]) / split["bytes"] / math.log(2)
+
+
 class Loader:
     """Windows of block_size+1 tokens (input and shifted target) over a split's shards; with diffusion
     (objective="bd3lm"), windows of block_size tokens and each sample's noise draws (diffusion_draws).
@@ -255,6 +262,7 @@ class Loader:
                 fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
             except OSError as e:
                 fail(f"cannot read shard {path} ({first_line(e)}): rebuild the data with prepare.py --force")
+        self.masked = any(m is not None for m in self.masks)  # SFT data: the targets outside the replies are IGNORE
         counts = [max(0, (len(s) - self.span + block_size) // block_size) for s in self.shards]
         self.starts = np.cumsum([0] + counts)
         self.n = int(self.starts[-1])
@@ -297,8 +305,7 @@ class Loader:
                  f"{self.vocab_size}) of manifest.json: the shard is damaged (manifest.json lists its sha256 to check "
                  f"it against): rebuild the data with python prepare.py --data_dir={self.data_dir} --force")
         if not self.diffusion:
-            masked = any(m is not None for m in self.masks)  # SFT data: the targets outside the replies are IGNORE
-            return to_device(rows, device, mask=np.stack([self.window_mask(int(i)) for i in windows]) if masked
+            return to_device(rows, device, mask=np.stack([self.window_mask(int(i)) for i in windows]) if self.masked
                              else None)
         return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
                                                        windows if keys is None else keys, self.block_size))
@@ -359,7 +366,7 @@ def to_device(rows, device, draws=None, mask=None):
 
 def move(array, device):
     """A numpy array on device (tokens as int64), through page-locked memory to a GPU."""
-    t = torch.from_numpy(array if array.dtype == np.float32 else array.astype(np.int64))
+    t = torch.from_numpy(array if array.dtype == np.float32 else array.astype(np.int64, copy=False))
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import configurator
-from data import Loader, load_manifest
+from data import Loader, bpb_scale, load_manifest
 from loading import load_trained, locate
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
 from util import (autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup, write_atomic,
@@ -439,7 +439,7 @@ def measure(config, loaded, proc, inputs):
         report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
         val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
-        bpb = val_loss * split.get("loss_tokens", split["tokens"]) / split["bytes"] / math.log(2)  # SFT: the replies
+        bpb = val_loss * bpb_scale(split)
         report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
                              batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
     return report

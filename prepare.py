@@ -627,7 +627,7 @@ def tokenize_corpus(scratch, cfg, inputs):
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
-        meta, ranks = chat_tokenizer(cfg.chat_base) if cfg.chat else train_tokenizer(
+        meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base)) if cfg.chat else train_tokenizer(
             cfg.tokenizer, lambda: (text for text, _ in docs()),
             lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
         tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
@@ -710,6 +710,15 @@ def check_args(cfg):
     # side by side: a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among
     # its downloads (a local source needs no download_dir, but checking always is simpler)
     check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
+
+
+def base_tokenizer_dir(base):
+    """The folder holding the base model's tokenizer: a data_dir or a checkpoint folder as given, an out_dir's
+    latest checkpoint."""
+    if os.path.isfile(os.path.join(base, "tokenizer.json")):
+        return base
+    from checkpoint import find_checkpoint  # here: only SFT data needs torch's checkpoint code
+    return find_checkpoint(base) or base
 
 
 def build(cfg):

@@ -751,15 +751,15 @@ def serve_http(config, path, model, tok, info, dev):
                                              "logprobs": MAX_LOGPROBS, "queue": config.serve_max_queue,
                                              "wait_seconds": config.serve_max_wait})
     try:
+        # the system's longest accept queue: a burst of clients gets answers (a 503 past the queue's bound), not resets
         sock = socket.create_server((config.host, config.port), backlog=socket.SOMAXCONN)
     except OSError as e:
         fail(f"cannot listen on {config.host}:{config.port} ({first_line(e)}): "
              "pick another --port (0: any free one) or --host")
-    # the system's most connections waiting to be accepted, so that a burst of clients gets answers (a 503 past the
-    # queue's bound) rather than connections reset; one request per connection (Connection: close), as Connection
-    # reads them; uvicorn's own log lines only for what goes wrong (the access log is logged()'s)
+    # one request per connection (Connection: close), as Connection reads them; uvicorn's own log lines only for
+    # what goes wrong (the access log is logged()'s)
     settings = uvicorn.Config(make_app(ctx), http=functools.partial(Connection, read_timeout=ctx.read_timeout),
-                              loop="asyncio", ws="none", lifespan="off", proxy_headers=False, backlog=socket.SOMAXCONN,
+                              loop="asyncio", ws="none", lifespan="off", proxy_headers=False,
                               headers=[("Connection", "close")], log_config=None, log_level="warning",
                               access_log=False)
     Server(settings, ctx).run(sockets=[sock])

@@ -31,6 +31,7 @@ import sys
 
 import configurator
 from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
+from tokenizer import reply_text
 
 # --- config
 pack_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
@@ -263,11 +264,6 @@ CHANCE = {"gsm8k": 0.0} | {name: chance for name, (_, chance) in CATEGORIES.item
 
 # -----------------------------------------------------------------------------
 # Rows, their normal form and their overlap
-
-
-def reply_text(row):
-    """The assistant's reply to a row's prompt (chat.md's layout): the answer, after the scratchpad's lines."""
-    return row["answer"] if row["answer_style"] == "direct" else row["scratchpad"] + "\n" + row["answer"]
 
 
 def normal(text):

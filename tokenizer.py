@@ -153,12 +153,7 @@ def with_chat_tokens(meta):
 
 def chat_tokenizer(base):
     """(tokenizer.json's fields with the chat tokens, the ranks or None) of the tokenizer saved in folder `base`
-    (a data_dir, a checkpoint folder, or an out_dir: its latest checkpoint's), for SFT data whose ids mean what
-    they meant to the base model."""
-    latest = os.path.join(base, "ckpt", "latest")  # checkpoint.py's pointer to the newest checkpoint
-    if not os.path.isfile(os.path.join(base, "tokenizer.json")) and os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as f:
-            base = os.path.join(base, "ckpt", f.read().strip())
+    (a data_dir or a checkpoint folder), for SFT data whose ids mean what they meant to the base model."""
     path = os.path.join(base, "tokenizer.json")
     try:
         with open(path, encoding="utf-8") as f:

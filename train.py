@@ -17,7 +17,6 @@ checkpoint; bad steps are skipped, then rolled back.
 optimizer=muon is nanochat's split: Muon for the blocks' matrices, AdamW for the rest. The objectives beyond
 next-token prediction (objective=refine, bd3lm) are objectives.py's: train.py logs the numbers each returns.
 """
-import math
 import os
 import random
 import signal
@@ -40,7 +39,7 @@ from attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
 from objectives import make_model
 from optim import check_optimizer, make_optimizer
-from data import Loader, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
+from data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
 from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
@@ -357,8 +356,7 @@ class Trainer:
             if cfg.inject_spike_at_step >= 0 else None
         self.flops_tok = flops_per_token(raw_model.config)
         self.peak = peak_flops(torch.cuda.get_device_name(proc.dev)) if proc.dev.type == "cuda" else None
-        val = self.manifest["splits"]["val"]
-        self.bpb_scale = val.get("loss_tokens", val["tokens"]) / val["bytes"] / math.log(2)  # SFT: the replies
+        self.bpb_scale = bpb_scale(self.manifest["splits"]["val"])
         # the guards' clock: wall clock and spend accrue step by step, startup included
         self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
         self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0

@@ -25,8 +25,8 @@ BELOW = {
     "tokenizer": {"util"},
     "download": {"util"},
     "tasks": {"util", "data", "tokenizer"},
-    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer"},
-    "skills": {"util", "configurator", "download", "tasks", "prepare"},  # prepare: the gsm8k preset's files, read
+    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint"},
+    "skills": {"util", "configurator", "download", "tasks", "tokenizer", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
     "loading": {"util", "checkpoint", "tokenizer", "export"},
