@@ -41,6 +41,7 @@ out_dir = "out"                 # used when ckpt is empty (so a run's config fil
 out = ""                        # the folder to write (required); an earlier export there is replaced
 dtype = "float32"               # dtype of the saved weights: float32 | bfloat16
 max_shard_gb = 5.0              # weights larger than this are split into shards with an index
+chat_template = False           # an SFT model's tokenizer with the chat template, reading the chat markers as tokens
 # --- end config
 
 TOKENIZER_DIR = "podgpt_tokenizer"
@@ -49,6 +50,12 @@ PODGPT_FILE = EXPORT_MARK  # the export's record: what it holds, where it came f
 # (kernels, memory, document masking in training); anything else is an architecture Llama may not express
 LLAMA_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
                 "norm_eps", "tie_embeddings", "vocab_multiple", "init_std", *RUNTIME_FIELDS}
+# tokenizer.chat_prompt's layout, BOS <|user|> prompt <|end|> <|assistant|>, and chat_row's reply <|end|>
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
+                 "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}<|end|>"
+                 "{% elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] }}<|end|>"
+                 "{% else %}{{ raise_exception('only user and assistant messages: podgpt trained no other role') }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -195,10 +202,12 @@ def write_weights(folder, tensors, max_shard_bytes):
     return names + ["model.safetensors.index.json"]
 
 
-def write_hf_tokenizer(src, folder, block_size):
+def write_hf_tokenizer(src, folder, block_size, template=False):
     """tokenizer.json + tokenizer_config.json for transformers in `folder`, from podgpt's tokenizer files in `src`;
     None, or why none was written. transformers' tiktoken converter builds it, so it splits text with the same
-    pattern and merges by the same ranks as tiktoken: the same ids (tests/test_export.py checks)."""
+    pattern and merges by the same ranks as tiktoken: the same ids (tests/test_export.py checks). template: a chat
+    tokenizer gets CHAT_TEMPLATE and reads the chat markers in text as their tokens, which apply_chat_template needs
+    (transformers encodes the rendered template as text); otherwise a marker typed in a text stays text."""
     meta = read_json(os.path.join(src, "tokenizer.json"))
     if meta is None:
         return f"no readable podgpt tokenizer.json in {src}"
@@ -234,6 +243,8 @@ def write_hf_tokenizer(src, folder, block_size):
               "model_max_length": block_size,
               "split_special_tokens": True,  # "<|bos|>" typed in a text is text, as in podgpt's encode
               "clean_up_tokenization_spaces": False}  # decode gives the text back as it was
+    if template and meta.get("chat_tokens"):
+        config |= {"chat_template": CHAT_TEMPLATE, "split_special_tokens": False}
     write_json(os.path.join(folder, "tokenizer_config.json"), config)
     return None
 
@@ -331,7 +342,7 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
     return "\n".join(lines) + "\n"
 
 
-def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
+def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=False):
     """Write the export of checkpoint folder `path` to `out` (atomically); util.Error on a problem."""
     require("safetensors")
     if weight_dtype not in ("float32", "bfloat16"):
@@ -364,7 +375,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
             if os.path.exists(os.path.join(path, name)):
                 # copyfile, not copy: the bytes without the checkpoint file's mode, which may be private
                 shutil.copyfile(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
-        tokenizer_note = write_hf_tokenizer(path, tmp, cfg.block_size)
+        tokenizer_note = write_hf_tokenizer(path, tmp, cfg.block_size, chat_template)
         if tokenizer_note:
             print(f"note: no tokenizer.json for transformers: {tokenizer_note}; "
                   f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
@@ -391,21 +402,21 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0):
     return out
 
 
-def check_replaceable(out):
-    """Stop unless `out` is absent, empty, or an earlier export holding only the files its podgpt.json lists:
-    export.py replaces nothing it did not write."""
+def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
+    """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record` lists: `script`
+    replaces nothing it did not write."""
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out) or os.path.islink(out):
         fail(f"out={out} is a file, not a folder: give the path of a folder to write (it is created)")
     entries = set(os.listdir(out))
-    saved = read_json(os.path.join(out, PODGPT_FILE))
+    saved = read_json(os.path.join(out, record))
     listed = set(saved.get("files", ())) if isinstance(saved, dict) else set()
     foreign = sorted(entries - listed)
     if not foreign:
         return
-    what = "earlier export" if PODGPT_FILE in entries else "folder"
-    fail(f"out={out} holds what export.py did not write ({', '.join(foreign[:3])}{' ...' * (len(foreign) > 3)}): "
+    what = f"earlier {kind}" if record in entries else "folder"
+    fail(f"out={out} holds what {script} did not write ({', '.join(foreign[:3])}{' ...' * (len(foreign) > 3)}): "
          f"not replacing this {what}; choose another --out or move those away")
 
 
@@ -466,7 +477,7 @@ def main(argv):
     check_apart(out=config.out, ckpt=src)
     try:
         with reading(src, config.which) as path:  # held against a training run's rotation while it is read
-            export(path, config.out, config.dtype, config.max_shard_gb)
+            export(path, config.out, config.dtype, config.max_shard_gb, config.chat_template)
     except ValueError as e:
         fail(f"checkpoint {path} cannot be used: {e}")
     except OSError as e:  # a read-only place, a full disk
