@@ -38,7 +38,7 @@ import tokenize
 from util import Error
 
 BEGIN, END = "# --- config", "# --- end config"
-SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py", "skills.py", "eval.py")
+SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py", "skills.py", "eval.py", "handoff.py")
 
 
 class ConfigError(Error):

@@ -236,6 +236,13 @@ def export_to(out, ckpt="out"):
     return setup
 
 
+def handoff_to(out, *args):
+    def setup(ctx):
+        finished(ctx)
+        return ["handoff.py", f"--run={ctx.tmp / 'out'}", *([f"--out={ctx.tmp / out}"] if out else []), *args]
+    return setup
+
+
 def with_file(path, then):
     """A file (or, ending in /, a folder holding notes.txt) at ctx.tmp/path, then the setup `then`."""
     def setup(ctx):
@@ -395,6 +402,16 @@ ROWS = [
     ("export-scratch-name-taken", with_file(".x.podgpt-export/", export_to("x")), 1,
      "{tmp}/.x.podgpt-export is in podgpt's way and podgpt did not make it (it holds no PODGPT_SCRATCH file): "
      "move or rename it, then rerun"),
+    # handoff.py: the finished run has no release gate recorded
+    ("handoff-no-gate", handoff_to("bundle"), 1,
+     "run={tmp}/out: no release gate recorded (summary.json has no long_run_gate): not handing it off; train it with "
+     "this podgpt, or give --override_gate=True to bundle it anyway (README.md's first line then says so)"),
+    ("handoff-over-a-folder-of-mine", with_file("mine/", handoff_to("mine", "--override_gate=True")), 1,
+     "out={tmp}/mine holds what handoff.py did not write (notes.txt): not replacing this folder; choose another "
+     "--out or move those away"),
+    ("handoff-into-the-run", handoff_to("out/bundle"), 1,
+     "out={tmp}/out/bundle lies inside run={tmp}/out: give each its own folder, side by side"),
+    ("handoff-no-out", handoff_to(None), 2, "no --out: give the bundle's folder, e.g. --out=handoff/tiny_skills"),
     # prepare.py: exit 1
     ("prepare-unknown-tokenizer", prepare_bad_tokenizer, 1,
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),

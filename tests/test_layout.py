@@ -32,6 +32,8 @@ BELOW = {
     "loading": {"util", "checkpoint", "tokenizer", "export"},
     "sample": {"util", "configurator", "objectives", "preflight", "loading", "serve"},
     "eval": {"util", "configurator", "data", "tokenizer", "loading"},
+    "honesty": {"util", "configurator", "report"},
+    "handoff": {"util", "configurator", "report", "data", "prepare", "checkpoint", "export", "honesty"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
               "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer"},

@@ -1,0 +1,299 @@
+"""
+The honesty report of a run folder: every claim its model card would make, each tied to the measurement behind it
+(the file and field), what was never measured, the train/validation gap, the release gate as the run recorded it,
+and the limitations its numbers show. honesty.md (its first screen says the model, the verdict, what it can and
+cannot do) and honesty.json, into the run folder.
+
+    python honesty.py --run=out/tiny_skills/sft
+    python honesty.py config/tiny_skills.py          # the run a config file describes (its out_dir)
+
+It reads the files a run and eval.py leave (summary.json and its "long_run_gate", metrics.jsonl, eval.json,
+preflight.json, manifest.json, config.json, the data's manifest.json; for a fine-tuned run, its base run's too) and
+recomputes nothing: no model is loaded, no gate judged again. So it is a script of its own, run after eval.py (which
+adds the eval floors to the release gate) by run.sh's eval stage, and again by handoff.py into the bundle; it can
+be rerun whenever eval.py has attached another benchmark.
+"""
+
+import os
+import sys
+
+import configurator
+from report import read_json, read_metrics
+from util import fail, run_main, write_atomic, write_json
+
+# --- config
+run = ""                        # the run folder (a train.py out_dir); "": out_dir
+out_dir = "out"                 # used when run is empty (so a run's config file finds its folder)
+# --- end config
+
+COMPUTE_OPTIMAL = 20  # tokens per parameter at the compute-optimal point (Hoffmann et al., 2022)
+WIDE = 0.25  # a 95% interval wider than this: the category's accuracy is known only roughly
+GAP = 0.10  # validation loss this much (relative) above the training loss: the model fits its rows better than new ones
+FIRST_SCREEN = 25  # honesty.md's lines that must say the essentials
+
+
+def percent(x):
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def read_run(folder):
+    """What the run folder (and, for a fine-tuned run, its base run) recorded; util.Error without a summary.json."""
+    summary = read_json(os.path.join(folder, "summary.json"))
+    if not isinstance(summary, dict):
+        fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has ended")
+    config = read_json(os.path.join(folder, "config.json")) or {}
+    base = config.get("init_from") or ""
+    data_dir = config.get("data_dir") or ""
+    return dict(folder=folder, summary=summary, config=config,
+                metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
+                eval=read_json(os.path.join(folder, "eval.json")),
+                manifest=read_json(os.path.join(folder, "manifest.json")) or {},
+                data=read_json(os.path.join(data_dir, "manifest.json")) if data_dir else None,
+                base=read_run(base) if base and os.path.isfile(os.path.join(base, "summary.json")) else None,
+                base_dir=base)
+
+
+def gate_status(summary):
+    """The release gate as summary.json's long_run_gate records it: recorded, profile, verdict, the blocking and
+    warning gates (name, detail) of its preflight gates and post-run checks."""
+    gate = summary.get("long_run_gate")
+    if not isinstance(gate, dict):
+        return {"recorded": False, "verdict": None, "profile": None, "blocking": [], "warnings": []}
+    gates = [*gate.get("gates", []), *gate.get("post_run", [])]
+    pick = lambda verdict: [{"name": g.get("name"), "detail": g.get("detail")}  # noqa: E731
+                            for g in gates if isinstance(g, dict) and g.get("verdict") == verdict]
+    return {"recorded": True, "verdict": gate.get("verdict"), "profile": gate.get("profile"),
+            "blocking": pick("block"), "warnings": pick("warn")}
+
+
+def gate_line(status):
+    if not status["recorded"]:
+        return "NOT RECORDED (summary.json has no long_run_gate): not acceptable for a release"
+    named = lambda gates: ", ".join(g["name"] for g in gates) or "none"  # noqa: E731
+    return (f"{status['verdict'].upper()} under the {status['profile']} profile (blocking: "
+            f"{named(status['blocking'])}; warnings: {named(status['warnings'])})")
+
+
+def categories(report):
+    """The skills pack's categories of eval.json, each flagged when its interval's low end is not above chance."""
+    pack = (report or {}).get("pack") or {}
+    return {name: dict(s, at_or_below_chance=not s["above_chance"]) for name, s in pack.get("categories", {}).items()}
+
+
+def last_val(metrics):
+    rows = [m for m in metrics if "val_loss" in m]
+    return rows[-1] if rows else None
+
+
+def claims(run):
+    """Each number a model card would state: {claim, value, source (file: field)}."""
+    s, out = run["summary"], []
+    add = lambda claim, value, source: out.append(dict(claim=claim, value=value, source=source))  # noqa: E731
+    add("parameters", s.get("params", {}).get("total"), "summary.json: params.total")
+    add("tokens trained on", s.get("tokens"), "summary.json: tokens")
+    if (val := last_val(run["metrics"])) is not None:
+        add(f"validation loss at step {val['step']} (nats/token)", val["val_loss"],
+            f"metrics.jsonl: step {val['step']}, val_loss")
+    add("best validation loss", s.get("best_val_loss"), f"summary.json: best_val_loss (step {s.get('best_step')})")
+    add("final training loss", s.get("final_train_loss"), "summary.json: final_train_loss")
+    add("unigram baseline validation loss", s.get("unigram_val_loss"), "summary.json: unigram_val_loss")
+    report = run["eval"] or {}
+    if "bpb" in report:
+        add("validation bits per byte", report["bpb"]["val_bpb"], "eval.json: bpb.val_bpb")
+    for name, c in categories(report).items():
+        add(f"skills pack: {name} accuracy (95% interval; chance)", [c["accuracy"], c["low"], c["high"], c["chance"]],
+            f"eval.json: pack.categories.{name}")
+    if "pack" in report:
+        o = report["pack"]["overall"]
+        add("skills pack: overall accuracy (95% interval; pooled chance)",
+            [o["accuracy"], o["low"], o["high"], o["chance"]], "eval.json: pack.overall")
+    for task, t in (report.get("mc") or {}).get("tasks", {}).items():
+        add(f"multiple choice: {task} acc (95% interval; chance)", [t["accuracy"], t["low"], t["high"], t["chance"]],
+            f"eval.json: mc.tasks.{task}")
+    for task, metrics in (report.get("external") or {}).get("results", {}).items():
+        for metric, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                add(f"external: {task} {metric}", value, f"eval.json: external.results.{task}")
+    return out
+
+
+def gpu_names(run):
+    hardware = run["manifest"].get("hardware") or {}
+    return hardware.get("gpus") or [], hardware.get("cpu")
+
+
+def unmeasured(run):
+    """What was never measured, each said plainly."""
+    report, out = run["eval"], []
+    if report is None:
+        return ["no evaluation at all: eval.py never wrote eval.json into this run folder"] + hardware_gaps(run)
+    if "pack" not in report:
+        out.append("no skills-pack evaluation (eval.py --pack_dir): nothing measured of what the model can do")
+    if "mc" not in report:
+        out.append("no multiple-choice benchmark (eval.py --mc)")
+    if "external" not in report:
+        out.append("no external benchmark attached (an lm-evaluation-harness results JSON: eval.py --attach)")
+    if "bpb" not in report:
+        out.append("no validation bits per byte (eval.py --data_dir)")
+    if run["config"].get("init_from") and run["base"] is None:
+        out.append(f"the base run ({run['base_dir']}) is not there to read: its tokens and numbers are not in this "
+                   "report")
+    return out + hardware_gaps(run)
+
+
+def hardware_gaps(run):
+    """No GPU run, from manifest.json's hardware: of this run and of its base run."""
+    cpu = [(who, gpu_names(r)[1] or "unknown") for who, r in (("this run", run), ("its base run", run["base"]))
+           if r is not None and not gpu_names(r)[0]]
+    if not cpu:
+        return []
+    return [f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU ({cpu[0][1]}); the GPU paths "
+            "(bf16, compiled kernels, several ranks) never trained this model"]
+
+
+def pretraining(run):
+    """(tokens, parameters) of the pretraining behind the model: the base run's for a fine-tuned one."""
+    s = (run["base"] or run)["summary"]
+    return s.get("tokens"), s.get("params", {}).get("total")
+
+
+def limitations(run, cats):
+    """The limitations the numbers show, each with its numbers."""
+    s, out = run["summary"], []
+    tokens, params = pretraining(run)
+    if tokens and params and tokens / params < COMPUTE_OPTIMAL:
+        out.append(f"undertrained: pretrained on {tokens / params:.1f} tokens per parameter ({tokens:,} tokens, "
+                   f"{params:,} parameters), below the compute-optimal {COMPUTE_OPTIMAL}")
+    low = [n for n, c in cats.items() if c["at_or_below_chance"]]
+    if low:
+        out.append(f"at or below chance (95% interval's low end not above it) in {len(low)} of {len(cats)} "
+                   f"categories: {', '.join(low)}")
+    wide = {n: c for n, c in cats.items() if c["high"] - c["low"] > WIDE}
+    if wide:
+        widest = max(wide, key=lambda n: wide[n]["high"] - wide[n]["low"])
+        w = wide[widest]
+        out.append(f"few eval rows: {len(wide)} categories have 95% intervals wider than {percent(WIDE)} (widest "
+                   f"{widest}: {percent(w['low'])} to {percent(w['high'])} from {w['n']} rows); smaller differences "
+                   f"are noise")
+    train, val = s.get("final_train_loss"), s.get("final_val_loss")
+    if train and val and val > train * (1 + GAP):
+        out.append(f"a train/validation gap: validation loss {val:.4f} against training loss {train:.4f} "
+                   f"({100 * (val / train - 1):.0f}% higher): it fits its training rows better than new ones")
+    out += contamination(run)
+    if s.get("spikes") or s.get("rollbacks"):
+        out.append(f"training was unstable: {s.get('spikes')} loss spikes, {s.get('rollbacks')} rollbacks")
+    if (block := run["config"].get("block_size")):
+        out.append(f"context of {block} tokens: a prompt and reply longer than that were never trained on")
+    if not run["config"].get("init_from"):
+        out.append("a base model: no supervised fine-tuning (SFT), so it continues text and does not follow "
+                   "instructions")
+    return out
+
+
+def contamination(run):
+    out = []
+    found = (run["data"] or {}).get("contamination") or {}
+    if found.get("train_docs_in_val"):
+        out.append(f"contamination: {found['train_docs_in_val']} of {found.get('val_documents')} validation "
+                   "documents are also training documents (the data's manifest.json): its validation loss is "
+                   "optimistic")
+    gate = run["summary"].get("long_run_gate") or {}
+    for g in gate.get("post_run", []):
+        if isinstance(g, dict) and g.get("name") == "contamination" and g.get("verdict") in ("warn", "block"):
+            out.append(f"contamination between the corpus or SFT rows and the eval rows: {g.get('detail')}")
+    return out
+
+
+def model_line(run):
+    s, c = run["summary"], run["config"]
+    tok = (run["data"] or {}).get("tokenizer", "unknown")
+    kind = f"fine-tuned (SFT) from {c['init_from']}" if c.get("init_from") else "a base model (pretrained only)"
+    step = (run["eval"] or {}).get("model", {}).get("step")
+    at = f"; the checkpoint of step {step} evaluated" if step is not None else ""
+    return (f"{s.get('params', {}).get('total', 0):,} parameters ({c.get('n_layer')} layers, width {c.get('n_embd')}, "
+            f"context {c.get('block_size')} tokens, {tok} tokenizer), {kind}{at}")
+
+
+def build(folder):
+    """The honesty report of run folder `folder` as a dict (honesty.json)."""
+    run = read_run(folder)
+    cats = categories(run["eval"])
+    s = run["summary"]
+    train, val = s.get("final_train_loss"), s.get("final_val_loss")
+    return {"run": "/".join(os.path.normpath(os.path.abspath(folder)).split(os.sep)[-2:]), "model": model_line(run),
+            "release_gate": gate_status(s), "claims": claims(run), "categories": cats,
+            "above_chance": [n for n, c in cats.items() if not c["at_or_below_chance"]],
+            "at_or_below_chance": [n for n, c in cats.items() if c["at_or_below_chance"]],
+            "train_val_gap": {"final_train_loss": train, "final_val_loss": val,
+                              "gap": val - train if train is not None and val is not None else None,
+                              "source": "summary.json: final_train_loss, final_val_loss"},
+            "never_measured": unmeasured(run), "limitations": limitations(run, cats)}
+
+
+def category_cell(name, c):
+    return f"{name} {percent(c['accuracy'])} ({percent(c['low'])}-{percent(c['high'])}, chance {percent(c['chance'])})"
+
+
+def first_screen(h):
+    """The essentials, in the first lines of honesty.md."""
+    cats = h["categories"]
+    can = "; ".join(category_cell(n, cats[n]) for n in h["above_chance"]) or "nothing measured above chance"
+    cannot = "; ".join(category_cell(n, cats[n]) for n in h["at_or_below_chance"]) or "-"
+    if not cats:
+        can = cannot = "unknown: no skills pack was evaluated"
+    return [f"# Honesty report: {h['run']}", "",
+            f"- **Model**: {h['model']}",
+            f"- **Release gate**: {gate_line(h['release_gate'])}",
+            f"- **Can** (95% interval's low end above chance): {can}",
+            f"- **Not shown above chance** (at or below it): {cannot}",
+            "- **Never measured**: " + ("; ".join(h["never_measured"]) or "-"), "",
+            "## Known limitations", "", *(f"- {x}" for x in h["limitations"] or ["none the numbers show"])]
+
+
+def value_cell(value):
+    if isinstance(value, list):  # accuracy, interval low, high, chance
+        return f"{percent(value[0])} ({percent(value[1])} to {percent(value[2])}; chance {percent(value[3])})"
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def markdown(h):
+    gap = h["train_val_gap"]
+    lines = first_screen(h) + ["", "## Claims and their measurements", "", "| claim | value | measured in |",
+                               "|---|---|---|",
+                               *(f"| {c['claim']} | {value_cell(c['value'])} | {c['source']} |" for c in h["claims"])]
+    if h["categories"]:
+        lines += ["", "## Skills pack categories", "", "| category | n | accuracy | 95% interval | chance | flag |",
+                  "|---|---:|---:|---|---:|---|",
+                  *(f"| {n} | {c['n']} | {percent(c['accuracy'])} | {percent(c['low'])} to {percent(c['high'])} | "
+                    f"{percent(c['chance'])} | {'AT OR BELOW CHANCE' if c['at_or_below_chance'] else 'above chance'} |"
+                    for n, c in h["categories"].items())]
+    lines += ["", "## Train/validation gap", "",
+              f"final training loss {value_cell(gap['final_train_loss'])}, final validation loss "
+              f"{value_cell(gap['final_val_loss'])}: a gap of {value_cell(gap['gap'])} nats/token ({gap['source']})."]
+    status = h["release_gate"]
+    lines += ["", "## Release gate", "", gate_line(status), "",
+              *(f"- block: {g['name']}: {g['detail']}" for g in status["blocking"]),
+              *(f"- warn: {g['name']}: {g['detail']}" for g in status["warnings"])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(folder, dest=None):
+    """honesty.md and honesty.json of run folder `folder`, into dest (default the run folder); the report."""
+    h = build(folder)
+    dest = dest or folder
+    write_json(os.path.join(dest, "honesty.json"), h)
+    write_atomic(os.path.join(dest, "honesty.md"), markdown(h))
+    return h
+
+
+def main(argv):
+    config = configurator.configure(__file__, argv)
+    folder = config.run or config.out_dir
+    if not os.path.isdir(folder):
+        fail(f"run={folder}: no such folder: give a train.py out_dir", code=2)
+    print("\n".join(markdown(write(folder)).splitlines()[:FIRST_SCREEN]))
+    print(f"wrote {os.path.join(folder, 'honesty.md')} and honesty.json")
+
+
+if __name__ == "__main__":
+    run_main(main, sys.argv[1:])

@@ -1,0 +1,184 @@
+"""The honesty report (honesty.py) and the hand-off bundle (handoff.py): a category at chance is flagged and what was
+never measured is said; the bundle refuses a run whose release gate blocks or was never recorded unless told to go
+on (and then its README's first line says so), holds what the receiving team needs with a checksum for every file,
+and its model folder, loaded by transformers with its chat template, answers as podgpt's own sampler does."""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+
+import pytest
+import torch
+
+import honesty
+from checkpoint import find_checkpoint, load_model
+from conftest import Captured, run_script, shared, train_tiny, tree
+from test_bad_input import finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
+from test_sft import SFT_ARGS, sft_data  # noqa: F401 -- a fixture: SFT data in the base model's tokenizer
+from tokenizer import chat_ids, chat_prompt, load_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+PROMPTS = ["What is 7 + 5?", "Is 9 even?"]
+GATE_BLOCK = {"profile": "skill_release", "verdict": "block",
+              "gates": [{"name": "release_token_budget", "verdict": "block", "value": 0.5, "threshold": 20,
+                         "detail": "0.5 tokens per parameter, below the profile's 20"}],
+              "post_run": [{"name": "final_loss", "verdict": "warn", "value": 3.1, "threshold": 2.0,
+                            "detail": "final validation loss 3.1 above the target 2.0"}]}
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory, finished_run, sft_data):  # noqa: F811 -- pytest fixtures by name
+    """A fine-tuned run of 4 steps from the base model, evaluated by eval.py on a two-category pack: its folder."""
+    def build(root):
+        with Captured() as captured:
+            train_tiny(captured, root / "sft", sft_data, *SFT_ARGS, "--max_steps=4", "--eval_every=4",
+                       "--ckpt_every=4", f"--init_from={finished_run}")
+        pack = root / "pack"
+        pack.mkdir()
+        rows = [dict(category="add", prompt=f"What is {a} + {a}?", answer=str(2 * a)) for a in range(4)]
+        rows += [dict(category="yes_no", prompt=f"Is {a} even?", answer="yes" if a % 2 == 0 else "no") for a in range(4)]
+        (pack / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (pack / "manifest.json").write_text(json.dumps({"categories": {"add": {"eval": 4, "chance": 0.0},
+                                                                       "yes_no": {"eval": 4, "chance": 0.5}}}))
+        with Captured() as captured:
+            r = run_script(["eval.py", f"--ckpt={root / 'sft'}", f"--pack_dir={pack}", f"--data_dir={sft_data}",
+                            "--max_new_tokens=4", "--eval_batches=1", "--micro_batch_size=2", "--device=cpu"], captured)
+        assert r.returncode == 0, r.stderr[-2000:]
+    return shared(tmp_path_factory, "handoff_sft_run", build) / "sft"
+
+
+def with_gate(run, tmp_path, gate):
+    """A copy of the run whose summary.json records `gate` as its release gate."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    summary = json.loads((copy / "summary.json").read_text())
+    (copy / "summary.json").write_text(json.dumps(dict(summary, long_run_gate=gate)))
+    return copy
+
+
+def handoff(capfd, run, out, *args):
+    return run_script(["handoff.py", f"--run={run}", f"--out={out}", *args], capfd)
+
+
+def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_measured(sft_run, tmp_path):
+    run = with_gate(sft_run, tmp_path, GATE_BLOCK)
+    report = json.loads((run / "eval.json").read_text())
+    report["pack"]["categories"]["yes_no"].update(n=4, correct=3, accuracy=0.75, low=0.3, high=0.95, chance=0.5,
+                                                  above_chance=False)
+    report["pack"]["categories"]["add"].update(n=4, correct=4, accuracy=1.0, low=0.51, high=1.0, chance=0.0,
+                                               above_chance=True)
+    (run / "eval.json").write_text(json.dumps(report))
+    h = honesty.write(str(run))
+    assert h["at_or_below_chance"] == ["yes_no"] and h["above_chance"] == ["add"]
+    assert h["categories"]["yes_no"]["at_or_below_chance"]  # 75% right, but the interval reaches below chance
+    never = " ".join(h["never_measured"])
+    assert "no external benchmark attached" in never and "no multiple-choice" in never and "no GPU run" in never
+    limits = " ".join(h["limitations"])
+    assert "below the compute-optimal 20" in limits and "at or below chance" in limits and "yes_no" in limits
+    assert "wider than" in limits  # 4 rows a category: intervals of 45 points
+    sources = {c["claim"]: c["source"] for c in h["claims"]}
+    assert sources["skills pack: yes_no accuracy (95% interval; chance)"] == "eval.json: pack.categories.yes_no"
+    val = [m for m in map(json.loads, open(run / "metrics.jsonl")) if "val_loss" in m][-1]
+    assert f"metrics.jsonl: step {val['step']}, val_loss" in sources.values()
+    first = (run / "honesty.md").read_text().splitlines()[:honesty.FIRST_SCREEN]
+    screen = "\n".join(first)
+    assert "BLOCK under the skill_release profile (blocking: release_token_budget; warnings: final_loss)" in screen
+    assert "**Can** (95% interval's low end above chance): add 100.0%" in screen
+    assert "**Not shown above chance** (at or below it): yes_no 75.0%" in screen
+    assert "no external benchmark attached" in screen and "## Known limitations" in screen
+    assert json.loads((run / "honesty.json").read_text()) == h
+
+
+def test_the_bundle_refuses_a_run_without_an_acceptable_gate_unless_told(sft_run, tmp_path, capfd):
+    before = tree(tmp_path)
+    r = handoff(capfd, sft_run, tmp_path / "bundle")
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: run={sft_run}: no release gate recorded (summary.json has no long_run_gate): not handing it off; "
+        "train it with this podgpt, or give --override_gate=True to bundle it anyway (README.md's first line then "
+        "says so)"]
+    assert tree(tmp_path) == before
+    blocked = with_gate(sft_run, tmp_path, GATE_BLOCK)
+    before = tree(tmp_path)
+    r = handoff(capfd, blocked, tmp_path / "bundle")
+    assert r.returncode == 1 and "the release gate (skill_release) is block: release_token_budget: not handing" \
+        in r.stderr and "Traceback" not in r.stderr
+    assert tree(tmp_path) == before
+    assert handoff(capfd, blocked, tmp_path / "bundle", "--override_gate=True").returncode == 0
+    readme = (tmp_path / "bundle" / "README.md").read_text().splitlines()
+    assert readme[0] == ("**NOT ACCEPTABLE FOR RELEASE: the release gate (skill_release) is block: "
+                         "release_token_budget; this bundle was made anyway (handoff.py --override_gate=True).**")
+    assert json.loads((tmp_path / "bundle" / "release_gate.json").read_text()) == GATE_BLOCK
+    passed = with_gate(sft_run, tmp_path / "pass", dict(GATE_BLOCK, verdict="warn", gates=[]))
+    assert handoff(capfd, passed, tmp_path / "bundle").returncode == 0  # an earlier bundle, replaced
+    readme = (tmp_path / "bundle" / "README.md").read_text().splitlines()
+    assert readme[0] == "# pass/run: hand-off bundle" and "WARN under the skill_release profile" in readme[3]
+
+
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft_run, tmp_path, capfd):
+    run = with_gate(sft_run, tmp_path, dict(GATE_BLOCK, verdict="pass", gates=[], post_run=[]))
+    bundle = tmp_path / "bundle"
+    assert handoff(capfd, run, bundle).returncode == 0
+    files = sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
+    for name in ("README.md", "honesty.md", "honesty.json", "limitations.md", "recipe.json", "release_gate.json",
+                 "handoff.json", "model/model.safetensors", "model/config.json", "model/generation_config.json",
+                 "model/tokenizer.json", "model/tokenizer_config.json", "run/config.json", "run/preflight.md",
+                 "run/preflight.json", "run/eval.json", "run/eval.md", "run/summary.json", "base_run/preflight.json"):
+        assert name in files, name
+    listed = dict(reversed(line.split("  ", 1)) for line in (bundle / "checksums.sha256").read_text().splitlines())
+    assert sorted(listed) == [f for f in files if f != "checksums.sha256"]
+    assert all(sha256(bundle / name) == digest for name, digest in listed.items())
+    recipe = json.loads((bundle / "recipe.json").read_text())
+    sft_source = recipe["sft"]["sources"][0]
+    assert sft_source["sha256"] == sha256(pathlib.Path(sft_source["source"]))
+    assert recipe["base"]["prepare_args"]["source"] == "stdlib" and recipe["base"]["sources"][0]["sha256"]
+    for part in ("base", "sft"):
+        assert recipe[part]["tokenizer_fingerprint"] and all(s["sha256"] for s in recipe[part]["shards"])
+    assert recipe["eval_pack"]["manifest"]["categories"]["yes_no"]["chance"] == 0.5
+    assert "undertrained" in (bundle / "limitations.md").read_text()
+
+    ckpt = find_checkpoint(str(run), "best")
+    tok, (ours, _) = load_tokenizer(ckpt), load_model(ckpt)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(bundle / "model"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(bundle / "model"), dtype=torch.float32).eval()
+    stops = {chat_ids(tok)["<|end|>"], tok.bos_id}
+    for prompt in PROMPTS:
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_dict=True)["input_ids"]
+        assert ids == chat_prompt(tok, prompt)  # BOS <|user|> prompt <|end|> <|assistant|>
+        with torch.no_grad():  # the next-token logits at every position, not only the greedy picks
+            assert (hf(torch.tensor([ids])).logits - ours(torch.tensor([ids]))[0]).abs().max() < 1e-4
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)  # ends at <|end|> or BOS
+        mine = []
+        for t in ours.eval().generate(torch.tensor([ids]), 12, temperature=0):
+            mine.append(t.item())
+            if t.item() in stops:
+                break
+        assert out[0, len(ids):].tolist() == mine
+    # the README's code runs as written, in the bundle's folder, and prints the reply podgpt's sampler gives
+    code = re.search(r"```python\n(.*?)```", (bundle / "README.md").read_text(), re.S).group(1)
+    printed = io.StringIO()
+    cwd = os.getcwd()
+    try:
+        os.chdir(bundle)
+        with contextlib.redirect_stdout(printed):
+            exec(code, {})
+    finally:
+        os.chdir(cwd)
+    ids = chat_prompt(tok, "What is 2 + 3?")
+    reply = []
+    for t in ours.generate(torch.tensor([ids]), ours.config.block_size - len(ids), temperature=0):
+        if t.item() in stops:
+            break
+        reply.append(t.item())
+    text = tok.decode([t for t in reply if t not in tok.chat.values()])  # as skip_special_tokens=True
+    assert printed.getvalue() == text + "\n"
