@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# podgpt end to end: sanity -> prepare -> dryrun -> train -> sample.
+# podgpt end to end: sanity -> prepare -> dryrun -> train -> sample; with a skills pack (a config that sets
+# pack_dir): sanity -> skills -> prepare -> dryrun -> train -> sft -> eval -> handoff -> sample.
 #
 #   bash run.sh                                   # the embedded default (config/tiny.py), CPU, ~7 minutes
+#   CONFIG=config/tiny_skills.py bash run.sh      # the skills path on a CPU, to the hand-off bundle
 #   CONFIG=config/a100_50m.py bash run.sh
 #   CONFIG=config/h200_1b_ddp8.py NPROC=8 bash run.sh --max_steps=2000
 #   # two nodes of 8 GPUs: the same command on each, NODE_RANK=0 on the node at MASTER_ADDR, 1 on the other
@@ -19,7 +21,8 @@
 #                 from the latest checkpoint (train.py's resume=auto); > 0 uses torchrun on one node too
 #   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train, eval)
 #   OUT_DIR       overrides the config's out_dir (sanity, train, sample; the dry run uses OUT_DIR/dryrun)
-#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; also: skills, sft, eval)
+#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; for a config that sets
+#                 pack_dir, "sanity skills prepare dryrun train sft eval handoff sample")
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
 #   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default 20)
@@ -29,7 +32,12 @@
 #                 then fine-tunes that checkpoint on it (train.py --init_from=OUT_DIR)
 #   PACK_DIR      the skills pack's folder (default: the config's pack_dir, skills.py's data/skills); the skills
 #                 stage writes it (skills.py), the sft stage trains on its sft.jsonl, the eval stage asks its eval.jsonl
-#   EVAL_ARGS     extra --key=val for eval.py, e.g. "--mc=tasks/arc.jsonl --attach=lm_eval.json"
+#   EVAL_ARGS     extra --key=val for eval.py, e.g. "--mc=tasks/arc.jsonl --attach=lm_eval.json"; after eval.py,
+#                 honesty.py writes each evaluated run's honesty.md and honesty.json
+#   HANDOFF_DIR   the handoff stage's bundle (default OUT_DIR + "-handoff"): handoff.py on the sft stage's run
+#                 when there is one, else the train stage's; it refuses a run whose release gate is block or not
+#                 recorded unless --override_gate=True (in the config or HANDOFF_ARGS)
+#   HANDOFF_ARGS  extra --key=val for handoff.py, e.g. "--override_gate=True"
 #   SFT_ARGS      extra --key=val for the sft stage's train.py, e.g. "--max_steps=50" (its data_dir: prepare.py's too)
 #   PYTHON        the interpreter (default python)
 # Arguments after run.sh are --key=val overrides for train.py (dry run included).
@@ -72,10 +80,9 @@ on_signal() {
 }
 for sig in TERM INT USR1 HUP; do trap "on_signal $sig" "$sig"; done
 
-STAGE_NAMES="sanity skills prepare dryrun train sft eval sample"
+STAGE_NAMES="sanity skills prepare dryrun train sft eval handoff sample"
 CONFIG=${CONFIG:-config/tiny.py}
 NPROC=${NPROC:-1}
-STAGES=${STAGES:-sanity prepare dryrun train sample}
 SFT_CONFIG=${SFT_CONFIG:-${CONFIG%.py}_sft.py}
 DRYRUN_STEPS=${DRYRUN_STEPS:-20}
 PYTHON=${PYTHON:-python}
@@ -89,6 +96,14 @@ refuse() { echo "run.sh: $*" >&2; exit 2; }
 [[ -f $CONFIG ]] || refuse "CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)"
 command -v "${PYTHON%% *}" >/dev/null ||
     refuse "PYTHON=$PYTHON: no such command (give the interpreter, e.g. PYTHON=python3)"
+# a config that sets pack_dir (skills.py's, other than its default) runs the skills path by default
+if [[ -z ${STAGES+set} ]]; then
+    STAGES="sanity prepare dryrun train sample"
+    [[ $($PYTHON -c 'import sys, configurator, util
+util.run_main(lambda argv: print(configurator.configure("skills.py", argv).pack_dir
+                                 != configurator.configure("skills.py", []).pack_dir), sys.argv[1:])' "$CONFIG") == True ]] &&
+        STAGES="sanity skills prepare dryrun train sft eval handoff sample"
+fi
 for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS DRYRUN_STEPS; do
     [[ ${!v} =~ ^0*([0-9]{1,18})$ ]] || refuse "$v=${!v} is not a whole number: write it in digits (0-9)"
     printf -v "$v" %d "$((10#${BASH_REMATCH[1]}))"  # in decimal: bash reads 08 as a bad octal number
@@ -117,11 +132,12 @@ TRAIN_ARGS=("$@")
 OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
+HANDOFF_DIR=${HANDOFF_DIR:-${OUT%/}-handoff}
 PACK_DIR=${PACK_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("skills.py", argv).pack_dir), sys.argv[1:])' "$CONFIG")}
 # the sft stage's out_dir and data_dir, as its train.py resolves them (the eval stage evaluates its model too)
 SFT_OUT= SFT_DATA=
-[[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
+[[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "* || " $STAGES " == *" handoff "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(*(configurator.configure("train.py", argv)[k] for k in ("out_dir", "data_dir")),
                                  sep="\n"), sys.argv[1:])' "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-})
 
@@ -220,9 +236,19 @@ for s in $STAGES; do
         skills)  stage skills $PYTHON skills.py "$CONFIG" "--pack_dir=$PACK_DIR" ;;
         eval)    stage eval "${LAUNCH[@]}" eval.py "$CONFIG" "--ckpt=$OUT" "--pack_dir=$PACK_DIR" \
                      ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${EVAL_ARGS:-}
+                 [[ $NODE_RANK -ne 0 ]] || stage honesty $PYTHON honesty.py "--run=$OUT"
                  if [[ -n $SFT_OUT && -d $SFT_OUT ]]; then
                      stage eval-sft "${LAUNCH[@]}" eval.py "$CONFIG" "$SFT_CONFIG" "--ckpt=$SFT_OUT" \
                          "--pack_dir=$PACK_DIR" "--data_dir=$SFT_DATA" ${EVAL_ARGS:-}
+                     [[ $NODE_RANK -ne 0 ]] || stage honesty-sft $PYTHON honesty.py "--run=$SFT_OUT"
+                 fi ;;
+        handoff) if [[ $NODE_RANK -ne 0 ]]; then
+                     echo "=== handoff: skipped on node $NODE_RANK (node 0 holds the checkpoints)"
+                 elif [[ -n $SFT_OUT && -d $SFT_OUT ]]; then
+                     stage handoff $PYTHON handoff.py "$CONFIG" "$SFT_CONFIG" "--run=$SFT_OUT" "--out=$HANDOFF_DIR" \
+                         ${HANDOFF_ARGS:-}
+                 else
+                     stage handoff $PYTHON handoff.py "$CONFIG" "--run=$OUT" "--out=$HANDOFF_DIR" ${HANDOFF_ARGS:-}
                  fi ;;
         sample)  if [[ $NODE_RANK -eq 0 ]]; then
                      stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-}

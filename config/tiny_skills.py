@@ -1,7 +1,10 @@
 # The skills path on the embedded corpus, on a CPU: a byte-level base model on config/tiny.py's data (this
 # machine's Python standard library), fine-tuned on a skills pack's SFT rows (run.sh's sft stage reads
-# config/tiny_skills_sft.py after this file), then both checkpoints asked the pack's eval rows:
-#     CONFIG=config/tiny_skills.py STAGES="skills prepare train sft eval" bash run.sh
+# config/tiny_skills_sft.py after this file), then both checkpoints asked the pack's eval rows, each run's honesty
+# report written, and the fine-tuned model handed off as a bundle (out/tiny_skills-handoff); run.sh runs all of
+# it for a config that sets pack_dir:
+#     CONFIG=config/tiny_skills.py bash run.sh
+#     CONFIG=config/tiny_skills.py STAGES="skills prepare train sft eval" bash run.sh   # the model and its eval
 # Measured on a 2-core CPU (torch 2.13): 5m21s in all; after SFT, counting 7 of 30 right (95% interval 11.8% to
 # 40.9%, chance and the base model 0%), yes_no 19 of 30 (chance 50%, base 0%), 31 of 330 overall against a
 # pooled chance of 6.6% (eval.md in out/tiny_skills and out/tiny_skills/sft).
@@ -27,3 +30,7 @@ device, dtype = "cpu", "float32"
 pack_dir = "data/skills_tiny"
 sft_rows, eval_rows, answer_style = 1600, 330, "direct"
 max_new_tokens = 48
+
+# the hand-off (handoff.py, the handoff stage): a model this small is a demonstration, never a release, so the
+# bundle is made whatever its release gate says, and its README's first line says that it was
+override_gate = True

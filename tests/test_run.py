@@ -1,5 +1,6 @@
 """run.sh end to end on the embedded default (shortened), and sample.py on its checkpoint."""
 import errno
+import hashlib
 import json
 import os
 import signal
@@ -68,21 +69,34 @@ def test_sample_is_deterministic_and_streams_from_a_checkpoint_folder(pipeline):
     assert greedy.startswith("import os\n") and greedy != a.stdout.split("-" * 40)[0]
 
 
-def test_the_skills_sft_and_eval_stages_fine_tune_the_train_stage_s_model_and_ask_both(pipeline, tmp_path):
+def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_model_ask_both_and_bundle_it(
+        pipeline, tmp_path):
     """After the train stage: skills writes the pack, sft fine-tunes the train stage's checkpoint on its SFT rows
-    (the base run untouched), eval writes eval.json for the base model and the fine-tuned one, each over every
-    eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout."""
+    (the base run untouched), eval writes eval.json and the honesty report for the base model and the fine-tuned
+    one, each over every eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout;
+    handoff bundles the fine-tuned one (its README's first line says when that was against its release gate)."""
     tmp, _ = pipeline
-    out, pack = tmp / "out", tmp_path / "pack"
+    out, pack, bundle = tmp / "out", tmp_path / "pack", tmp_path / "bundle"
     before = (out / "ckpt" / "latest").read_text()
     env = dict(DATA_DIR=str(tmp / "data"), OUT_DIR=str(out), PYTHON=sys.executable, PACK_DIR=str(pack),
-               STAGES="skills sft eval", SFT_CONFIG="config/tiny_skills_sft.py",
+               STAGES="skills sft eval handoff", SFT_CONFIG="config/tiny_skills_sft.py",
                SFT_ARGS=f"--out_dir={tmp_path / 'sft'} --data_dir={tmp_path / 'sft_data'} --max_steps=4 "
                         "--eval_every=4 --ckpt_every=4 --log_every=2 --micro_batch_size=8 --total_batch_tokens=2048",
-               EVAL_ARGS="--max_new_tokens=4 --eval_batches=2")
+               EVAL_ARGS="--max_new_tokens=4 --eval_batches=2", HANDOFF_DIR=str(bundle),
+               HANDOFF_ARGS="--override_gate=True")
     stdout = run(["bash", "run.sh"], env=env).stdout
-    for stage in ("skills", "sft-data", "sft", "eval", "eval-sft"):
+    for stage in ("skills", "sft-data", "sft", "eval", "honesty", "eval-sft", "honesty-sft", "handoff"):
         assert f"=== {stage}:" in stdout
+    assert all((run_dir / "honesty.md").is_file() for run_dir in (out, tmp_path / "sft"))
+    record = json.loads((bundle / "handoff.json").read_text())
+    assert record["run"] == f"{tmp_path.name}/sft" and (bundle / "model" / "model.safetensors").is_file()
+    gate = record["release_gate"]
+    acceptable = gate["recorded"] and gate["verdict"] != "block"
+    first = (bundle / "README.md").read_text().splitlines()[0]
+    assert first.startswith("# ") if acceptable else first.startswith("**NOT ACCEPTABLE FOR RELEASE")
+    for line in (bundle / "checksums.sha256").read_text().splitlines():
+        digest, name = line.split("  ", 1)
+        assert hashlib.sha256((bundle / name).read_bytes()).hexdigest() == digest, name
     assert (out / "ckpt" / "latest").read_text() == before
     rows = sum(1 for _ in open(pack / "eval.jsonl"))
     layouts = {}
@@ -200,8 +214,8 @@ def test_ctrl_c_stops_the_running_stage_and_run_sh(tmp_path, to):
 
 
 @pytest.mark.parametrize("env, line", [
-    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity skills prepare dryrun train sft eval sample)"),
-    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity skills prepare dryrun train sft eval sample)"),
+    (dict(STAGES="train smaple"), "unknown stage 'smaple' in STAGES (choose from: sanity skills prepare dryrun train sft eval handoff sample)"),
+    (dict(STAGES=" "), "STAGES=' ' names no stage (choose from: sanity skills prepare dryrun train sft eval handoff sample)"),
     *[(dict(DRYRUN_STEPS=n), f"DRYRUN_STEPS={n}: the dry run needs at least 2 steps (a checkpoint at half, then the "
                              "resume from it); to skip it, leave dryrun out of STAGES") for n in ("0", "1")],
     (dict(DRYRUN_STEPS="abc"), "DRYRUN_STEPS=abc is not a whole number: write it in digits (0-9)"),
@@ -220,3 +234,12 @@ def test_run_sh_refuses_a_bad_value_before_any_stage(tmp_path, env, line):
                PYTHON=sys.executable) | env
     r = run(["bash", "run.sh"], env=env, check=False)
     assert (r.returncode, r.stderr, r.stdout) == (2, f"run.sh: {line}\n", "")
+
+
+def test_a_config_with_a_skills_pack_runs_the_skills_path_by_default(tmp_path):
+    """Without STAGES, a config that sets pack_dir gets sanity skills prepare dryrun train sft eval handoff sample:
+    its sft stage's config is checked before any stage runs (here one that is not there)."""
+    r = run(["bash", "run.sh"], env=dict(CONFIG="config/tiny_skills.py", SFT_CONFIG="/missing.py",
+                                         OUT_DIR=str(tmp_path / "out"), PYTHON=sys.executable), check=False)
+    assert (r.returncode, r.stderr) == (2, "run.sh: SFT_CONFIG=/missing.py: no such file (the sft stage's data_dir, "
+                                           "out_dir and steps, e.g. config/tiny_skills_sft.py)\n")
