@@ -14,6 +14,7 @@ and losses; and the files a later export to the same --out may replace) and READ
 gets the mode a new file gets (0644 under the usual umask 022), readable by whoever serves it.
 """
 
+import contextlib
 import errno
 import json
 import math
@@ -358,9 +359,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
     state = model.state_dict()
     cfg = check_llama(run_cfg["model"], state)
     out = os.path.normpath(out)
-    # built beside out, under a name no user picks and marked as podgpt's, then renamed into place
-    tmp = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.podgpt-export"))
-    try:
+    with scratch_beside(out, "podgpt-export") as tmp:
         dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[weight_dtype]
         write_weights(tmp, hf_tensors(cfg, state, dt), int(max_shard_gb * 1e9))
         special = special_tokens(path, cfg)
@@ -390,16 +389,31 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),
                     "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
                     "weights_dtype": weight_dtype, "files": files})
-        if os.path.lexists(out):  # an earlier export, nothing but its own files: checked again, it may be new
-            check_replaceable(out)
-            remove(out)
-        finish_scratch(tmp)
-        os.replace(tmp, out)
+        put_in_place(tmp, out)
+    return out
+
+
+@contextlib.contextmanager
+def scratch_beside(out, suffix):
+    """The folder to build `out` in: beside it, under a name no user picks (.NAME.suffix) and marked as podgpt's;
+    removed if the build fails."""
+    tmp = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{suffix}"))
+    try:
+        yield tmp
     except BaseException:
         if os.path.isfile(os.path.join(tmp, SCRATCH_MARK)):
             remove_scratch(tmp)
         raise
-    return out
+
+
+def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"):
+    """The finished folder tmp renamed to out, over an earlier one that holds only its own files (checked again:
+    it may be new since)."""
+    if os.path.lexists(out):
+        check_replaceable(out, record, script, kind)
+        remove(out)
+    finish_scratch(tmp)
+    os.replace(tmp, out)
 
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):

@@ -36,11 +36,11 @@ import configurator
 import honesty
 from checkpoint import reading
 from data import tokenizer_fingerprint
-from export import check_replaceable, export
+from export import check_replaceable, export, put_in_place, scratch_beside
 from prepare import SOURCE_EXTS, is_url, walk
 from report import read_json
-from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, finish_scratch, first_line,
-                  make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
+from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, first_line, run_main,
+                  write_atomic, write_json)
 
 # --- config
 run = ""                        # the run folder to hand off (a train.py out_dir); "": out_dir
@@ -242,23 +242,14 @@ def bundle(folder, path, cfg, why):
     """Write the bundle of checkpoint `path` of run `folder` to cfg.out, atomically."""
     out = os.path.normpath(cfg.out)
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
-    tmp = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.podgpt-handoff"))
-    try:
+    with scratch_beside(out, "podgpt-handoff") as tmp:
         h = fill(tmp, folder, path, cfg, why)
         files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [BUNDLE_MARK, CHECKSUMS]
         write_json(os.path.join(tmp, BUNDLE_MARK),
                    {"run": h["run"], "checkpoint": os.path.relpath(path, folder),
                     "release_gate": h["release_gate"], "override_gate": why, "files": files})
         write_checksums(tmp)
-        finish_scratch(tmp)
-        if os.path.lexists(out):  # an earlier bundle, nothing but its own files: checked again, it may be new
-            check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
-            remove(out)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.isfile(os.path.join(tmp, SCRATCH_MARK)):
-            remove_scratch(tmp)
-        raise
+        put_in_place(tmp, out, BUNDLE_MARK, "handoff.py", "bundle")
 
 
 def main(argv):
