@@ -332,7 +332,9 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
         "`python sample.py --ckpt=<this folder>` streams text with podgpt's own tokenizer "
         f"(`{TOKENIZER_DIR}/`).", "",
         "## Known limitations", "",
-        "- Small model pretrained from scratch: no instruction tuning, no safety tuning; it continues text.",
+        "- Small model pretrained from scratch, no safety tuning; " + (
+            "fine-tuned on chat rows (SFT): it answers in the chat layout above" if chat else
+            "no instruction tuning: it continues text."),
         tokenizer_line,
         f"- vocab_size is the padded {cfg.padded_vocab}: ids {cfg.vocab_size}..{cfg.padded_vocab - 1} are padding, "
         "never trained as targets; transformers' generate suppresses them (generation_config.json), "

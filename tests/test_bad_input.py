@@ -243,6 +243,13 @@ def handoff_to(out, *args):
     return setup
 
 
+def honesty_on(folder):
+    def setup(ctx):
+        (ctx.tmp / folder).mkdir()
+        return ["honesty.py", f"--run={ctx.tmp / folder}"]
+    return setup
+
+
 def with_file(path, then):
     """A file (or, ending in /, a folder holding notes.txt) at ctx.tmp/path, then the setup `then`."""
     def setup(ctx):
@@ -412,6 +419,8 @@ ROWS = [
     ("handoff-into-the-run", handoff_to("out/bundle"), 1,
      "out={tmp}/out/bundle lies inside run={tmp}/out: give each its own folder, side by side"),
     ("handoff-no-out", handoff_to(None), 2, "no --out: give the bundle's folder, e.g. --out=handoff/tiny_skills"),
+    ("honesty-not-a-run", honesty_on("empty"), 1,
+     "run={tmp}/empty: no readable summary.json there: give a train.py out_dir whose run has ended"),
     # prepare.py: exit 1
     ("prepare-unknown-tokenizer", prepare_bad_tokenizer, 1,
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
