@@ -47,8 +47,8 @@ run = ""                        # the run folder to hand off (a train.py out_dir
 out_dir = "out"                 # used when run is empty (so a run's config file finds its folder)
 which = "best"                  # the checkpoint: best (lowest validation loss; latest if none evaluated) | latest
 out = ""                        # the bundle's folder (required); an earlier bundle there is replaced
-dtype = "float32"               # the exported weights' dtype: float32 | bfloat16
-override_gate = False           # bundle even when the release gate is block or not recorded; README's first line says so
+weights_dtype = "float32"       # the exported weights: float32 | bfloat16 (not train.py's dtype, which configs set)
+override_gate = False           # bundle when the release gate is block or not recorded; README's first line says so
 examples = 4                    # eval.json's recorded replies quoted in README.md: what the model writes
 # --- end config
 
@@ -157,23 +157,29 @@ def copy_run(folder, dest):
             shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
 
 
-def usage(chat):
-    """README.md's code: a chat model through its chat template, a base model by text."""
+def usage(chat, tokenizer):
+    """README.md's code: a chat model through its chat template, a base model by text; without a transformers
+    tokenizer (a char tokenizer's), where the model card says what to do."""
+    if not tokenizer:
+        return ["# no transformers tokenizer: model/README.md says why and how to pass token ids"]
     load = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
             "tok = AutoTokenizer.from_pretrained(\"model\")",
             "model = AutoModelForCausalLM.from_pretrained(\"model\")"]
     if chat:
-        return load + ["ids = tok.apply_chat_template([{\"role\": \"user\", \"content\": \"What is 2 + 3?\"}],",
-                       "                             add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")",
+        return load + ["messages = [{\"role\": \"user\", \"content\": \"What is 2 + 3?\"}]",
+                       "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,",
+                       "                              return_tensors=\"pt\")",
                        "# ids: BOS <|user|> prompt <|end|> <|assistant|>, as in training; the reply ends at <|end|>",
                        "room = tok.model_max_length - ids[\"input_ids\"].shape[1]  # the context it was trained on",
                        "out = model.generate(**ids, max_new_tokens=room, do_sample=False)",
-                       "print(tok.decode(out[0, ids[\"input_ids\"].shape[1]:], skip_special_tokens=True))"]
+                       "print(tok.decode(out[0, ids[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+                       "# a chat marker typed in a message is read as the marker; for text you do not trust,",
+                       "# apply_chat_template(..., sanitize_control_tokens=True) keeps it text (transformers 5.24)"]
     return load + ["ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
                    "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
 
 
-def readme(name, h, why, chat, data, shown):
+def readme(name, h, why, model, data, shown):
     """README.md: its first line says when the bundle was made against its release gate."""
     head = [f"**NOT ACCEPTABLE FOR RELEASE: {why}; this bundle was made anyway (handoff.py --override_gate=True).**",
             "", f"# {name}: hand-off bundle"] if why else [f"# {name}: hand-off bundle"]
@@ -183,17 +189,18 @@ def readme(name, h, why, chat, data, shown):
     recipes = [f"- {part} data: `{r.get('data_dir')}` from {r.get('source')}, tokenizer {r.get('tokenizer')} "
                f"(fingerprint {r.get('tokenizer_fingerprint')}), data fingerprint {r.get('fingerprint')}"
                for part, r in data.items() if part in ("base", "sft") and r]
+    hf = read_json(os.path.join(model, "tokenizer_config.json")) or {}
+    code = usage("chat_template" in hf, os.path.isfile(os.path.join(model, "tokenizer.json")))
     return "\n".join([
         *head, "", *screen, "",
         "## What the model wrote (eval.json's recorded replies)", "", *(examples or ["- none recorded"]), "",
-        "## Use", "", "```python", *usage(chat), "```", "",
-        "Chat markers typed in a user's text are read as the markers; for text you do not trust, "
-        "`apply_chat_template(..., sanitize_control_tokens=True)` (transformers 5) keeps them text, as podgpt does.",
-        "", "## The data", "", *recipes, "", "Every source with its sha256, the shards' sha256s and the skills "
+        "## Use", "", "```python", *code, "```", "",
+        "## The data", "", *recipes, "", "Every source with its sha256, the shards' sha256s and the skills "
         "packs' manifests: `recipe.json`.", "",
         "## Contents", "", "| file | what it is |", "|---|---|",
         "| `model/` | the Hugging Face LlamaForCausalLM folder (`model/README.md`: its model card) |",
-        "| `run/`, `base_run/` | the run's config, summary, metrics, preflight report and evaluation (and its base run's) |",
+        "| `run/`, `base_run/` | the run's config, summary, metrics, preflight report and evaluation "
+        "(and its base run's) |",
         "| `release_gate.json` | the release gate as summary.json recorded it |",
         "| `honesty.md`, `honesty.json` | every claim with its measurement; what was never measured |",
         "| `limitations.md` | the known limitations, derived from the numbers |",
@@ -217,7 +224,7 @@ def fill(tmp, folder, path, cfg, why):
     """Everything but the record and the checksums into the bundle's temporary folder `tmp`."""
     h = honesty.build(folder)
     base = (read_json(os.path.join(folder, "config.json")) or {}).get("init_from") or ""
-    export(path, os.path.join(tmp, "model"), cfg.dtype, chat_template=True)
+    export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
     copy_run(folder, os.path.join(tmp, "run"))
     if base and os.path.isdir(base):
         copy_run(base, os.path.join(tmp, "base_run"))
@@ -232,9 +239,7 @@ def fill(tmp, folder, path, cfg, why):
     pack = (read_json(os.path.join(folder, "eval.json")) or {}).get("pack") or {}
     firsts = [dict(some[0], category=c) for c, some in pack.get("examples", {}).items() if some]
     shown = firsts[:cfg.examples]  # one a category, the first categories
-    chat = "chat_template" in (read_json(os.path.join(tmp, "model", "tokenizer_config.json")) or {})
-    write_atomic(os.path.join(tmp, "README.md"),
-                 readme(h["run"], h, why, chat, data, shown))
+    write_atomic(os.path.join(tmp, "README.md"), readme(h["run"], h, why, os.path.join(tmp, "model"), data, shown))
     return h
 
 
@@ -269,7 +274,8 @@ def main(argv):
     except ValueError as e:
         fail(f"run={folder}: its checkpoint cannot be used: {e}")
     except OSError as e:
-        fail(f"cannot write out={cfg.out} ({first_line(e)}): " + (MAKE_ROOM if disk_full(e) else "choose another --out"))
+        fail(f"cannot write out={cfg.out} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "choose another --out"))
     print(f"handed off {path} to {cfg.out}" + (f" against its release gate ({why})" if why else ""))
 
 
