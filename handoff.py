@@ -68,9 +68,9 @@ def gate_check(folder, status, override):
     """None when the release gate lets the run go; else why not (util.Error unless override)."""
     if not status["recorded"]:
         why, fix = "no release gate recorded (summary.json has no long_run_gate)", "train it with this podgpt"
-    elif status["verdict"] == "block":
+    elif status["verdict"] not in ("pass", "warn"):  # block (or a verdict no profile gives)
         blocking = ", ".join(g["name"] for g in status["blocking"]) or "see summary.json"
-        why, fix = f"the release gate ({status['profile']}) is block: {blocking}", "fix what blocks"
+        why, fix = f"the release gate ({status['profile']}) is {status['verdict']}: {blocking}", "fix what blocks"
     else:
         return None
     if not override:

@@ -70,7 +70,7 @@ def gate_line(status):
     if not status["recorded"]:
         return "NOT RECORDED (summary.json has no long_run_gate): not acceptable for a release"
     named = lambda gates: ", ".join(g["name"] for g in gates) or "none"  # noqa: E731
-    return (f"{status['verdict'].upper()} under the {status['profile']} profile (blocking: "
+    return (f"{str(status['verdict']).upper()} under the {status['profile']} profile (blocking: "
             f"{named(status['blocking'])}; warnings: {named(status['warnings'])})")
 
 
