@@ -294,17 +294,6 @@ def validation_split(model, tok, data_dir, manifest):
     return val
 
 
-def validation_loss(model, val, cfg, proc):
-    """(summed loss, micro-batches) of this rank's eval_batches micro-batches of the val split, read as train.py's
-    evaluate reads them."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i in range(cfg.eval_batches):
-        first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
-        x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
-        total += model(x, y)[1].double().cpu()
-    return torch.tensor([total.item(), float(cfg.eval_batches)], dtype=torch.float64)
-
-
 # -----------------------------------------------------------------------------
 # the report
 
@@ -423,7 +412,8 @@ def measure(config, loaded, proc, inputs):
     with torch.no_grad(), ctx:
         pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
         parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
-        loss = torch.zeros(2, dtype=torch.float64) if val is None else validation_loss(model, val, config, proc)
+        loss = torch.zeros(2, dtype=torch.float64) if val is None else val.validation_sums(
+            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world, proc.dev).cpu()
     sums = torch.cat([*parts, loss])
     if proc.distributed:
         sums = sums.to(proc.dev)
@@ -440,8 +430,8 @@ def measure(config, loaded, proc, inputs):
     if config.data_dir:
         val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
         bpb = val_loss * bpb_scale(split)
-        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
-                             batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
+        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb, targets=int(loss[1].item()),
+                             batches=config.eval_batches * proc.world, micro_batch_size=config.micro_batch_size)
     return report
 
 
