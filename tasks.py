@@ -3,7 +3,8 @@ The tasks a model is scored on: GSM8K, grade-school math word problems (openai/g
 answer ending in "#### <number>". prepare.py makes its problems documents (gsm8k_documents); train.py
 answers the first test problems at each evaluation and logs the share it gets right (eval_gsm8k_samples:
 gsm8k_problems, gsm8k_accuracy). A skills pack's rows (sft.jsonl) become prepare.py's chat documents
-(pack_documents).
+(pack_documents). The hub's multiple-choice benchmarks (ARC, HellaSwag, PIQA) become eval.py's questions
+(hub_questions).
 """
 
 import json
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from data import open_shard
+from download import download, file_sha256
 from tokenizer import SEGMENT, load_tokenizer, reply_text
-from util import fail
+from util import fail, first_line
 
 
 def gsm8k_document(question, answer, form):
@@ -130,3 +132,65 @@ def pack_documents(path):
             if SEGMENT in row["prompt"] + reply:
                 fail(f"{path}:{line_no}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
             yield row["prompt"] + SEGMENT + reply
+
+
+# -----------------------------------------------------------------------------
+# multiple-choice benchmarks on the Hugging Face hub, as eval.py's questions {question, choices, answer, task}:
+# worded as lm-evaluation-harness words them zero-shot, each file at a pinned revision (every user scores the same
+# questions, and the revision names them in eval.json)
+
+def arc_question(r):
+    return dict(question=f"Question: {r['question']}\nAnswer:", choices=list(r["choices"]["text"]),
+                answer=list(r["choices"]["label"]).index(r["answerKey"]))
+
+
+def piqa_question(r):
+    return dict(question=f"Question: {r['goal']}\nAnswer:", choices=[r["sol1"], r["sol2"]], answer=int(r["label"]))
+
+
+def hellaswag_text(text):
+    """A HellaSwag text without its WikiHow markup ("[title]", "[step]"...)."""
+    return re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". ")).replace("  ", " ")
+
+
+def hellaswag_question(r):
+    context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
+    return dict(question=hellaswag_text(context), choices=[hellaswag_text(e) for e in r["endings"]],
+                answer=int(r["label"]))
+
+
+ARC = ("allenai/ai2_arc", "210d026faf9955653af8916fad021475a3f00453")
+HUB_MC = {  # name: (repo, revision, file, its row -> a question)
+    "arc_easy": (*ARC, "ARC-Easy/test-00000-of-00001.parquet", arc_question),
+    "arc_challenge": (*ARC, "ARC-Challenge/test-00000-of-00001.parquet", arc_question),
+    "hellaswag": ("Rowan/hellaswag", "218ec52e09a7e7462a5400043bb9a69a41d06b76",
+                  "data/validation-00000-of-00001.parquet", hellaswag_question),
+    "piqa": ("ybisk/piqa", "078a131412f46a38025a762322c174a8bae2610c", "plain_text/piqa-validation.parquet",
+             piqa_question),
+}
+
+
+def hub_questions(name, download_dir, limit=0):
+    """(the first `limit` questions of a hub benchmark (0: all), where they came from {url, sha256, questions}): its
+    file through download.py (download_dir's copy if there, else the Hugging Face cache's, else downloaded)."""
+    from huggingface_hub import hf_hub_url
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        fail("pyarrow is needed for the hub's multiple-choice tasks: pip install pyarrow", code=2)
+    repo, revision, file, question = HUB_MC[name]
+    url = hf_hub_url(repo, file, repo_type="dataset", revision=revision)
+    path = download(url, download_dir)
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors have many types
+        fail(f"{path} ({name}) cannot be read as parquet ({first_line(e)}): delete it and rerun to download it again",
+             code=2)
+    questions = []
+    for i, r in enumerate(records[:limit or None], 1):
+        try:
+            questions.append(dict(question(r), task=name))
+        except (KeyError, TypeError, ValueError) as e:
+            fail(f"{path} row {i}: not {name}'s columns or values ({first_line(e)}): not the file of {repo} at "
+                 f"{revision}?", code=2)
+    return questions, dict(url=url, sha256=file_sha256(path), questions=len(questions))
