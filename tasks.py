@@ -110,28 +110,63 @@ def check_segments(data_dir, manifest, hdp_segments, block_size):
              f"tokens: set block_size to their sum, so that each row is one document")
 
 
-PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")
+PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")  # a skills pack's row, all strings
+ANSWER_STYLES = ("direct", "scratchpad")
+
+
+def check_row(row, where):
+    """Fail, naming where, unless row is an object of exactly the pack's fields, each of its type."""
+    if not isinstance(row, dict):
+        fail(f"{where}: not a JSON object (a row is {{{', '.join(PACK_FIELDS)}}})")
+    if missing := [f for f in PACK_FIELDS if f not in row]:
+        fail(f"{where}: no field '{missing[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+    if extra := sorted(set(row) - set(PACK_FIELDS)):
+        fail(f"{where}: unknown field '{extra[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+    for field in PACK_FIELDS:
+        if not isinstance(row[field], str):
+            fail(f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
+    if row["answer_style"] not in ANSWER_STYLES:
+        fail(f"{where}: answer_style {row['answer_style']!r} is not one of {', '.join(ANSWER_STYLES)}")
+    for field in ("category", "prompt", "answer"):
+        if not row[field].strip():
+            fail(f"{where}: field '{field}' is empty")
+    if "\n" in row["answer"] or "\r" in row["answer"]:
+        fail(f"{where}: the answer is more than one line (the steps belong in 'scratchpad')")
+
+
+def read_rows(path):
+    """The rows of a JSONL file, each checked, with where each came from ("path:line")."""
+    rows, origins = [], []
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    fail(f"{where}: not valid JSON (a row is {{{', '.join(PACK_FIELDS)}}})")
+                check_row(row, where)
+                rows.append(row)
+                origins.append(where)
+    except UnicodeDecodeError as e:
+        fail(f"{path}: not UTF-8 text ({first_line(e)}): save it as UTF-8")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e}")
+    return rows, origins
 
 
 def pack_documents(path):
-    """The rows of a skills pack's JSONL file (sft.jsonl) as documents: the prompt and the assistant's reply
-    (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes each a tokenizer.chat_row."""
-    with open(path, encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                fields = [row[k] for k in PACK_FIELDS]
-                reply = reply_text(row)
-            except (ValueError, KeyError, TypeError):
-                row, fields = None, []
-            if row is None or not all(isinstance(v, str) for v in fields):
-                fail(f"{path}:{line_no}: not a skills-pack row (a JSON object of strings {', '.join(PACK_FIELDS)}, "
-                     "answer_style direct or scratchpad)")
-            if SEGMENT in row["prompt"] + reply:
-                fail(f"{path}:{line_no}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
-            yield row["prompt"] + SEGMENT + reply
+    """The rows of a skills pack's JSONL file (sft.jsonl), each checked as skills.py checks them, as documents:
+    the prompt and the assistant's reply (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes
+    each a tokenizer.chat_row."""
+    rows, origins = read_rows(path)
+    for row, where in zip(rows, origins, strict=True):
+        reply = reply_text(row)
+        if SEGMENT in row["prompt"] + reply:
+            fail(f"{where}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
+        yield row["prompt"] + SEGMENT + reply
 
 
 # -----------------------------------------------------------------------------
