@@ -177,13 +177,15 @@ def test_sft_resumes_from_its_own_checkpoints_bit_identically(finished_run, sft_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_step_s_loss_is_the_mean_over_every_reply_token_it_counts(finished_run, sft_data, tmp_path, capfd, nproc):
-    """A step of two windows (two micro-batches of one rank, or one on each of two ranks) whose replies differ in
-    length: its loss and gradient are the mean over all their counted targets, not the mean of the two windows'
-    means. (learning_rate 1e-30 leaves the weights as they were, so the step's checkpoint holds them.)"""
+@pytest.mark.parametrize("nproc, mode", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_a_step_s_loss_is_the_mean_over_every_reply_token_it_counts(finished_run, sft_data, tmp_path, capfd, nproc,
+                                                                    mode):
+    """A step of two windows (two micro-batches of one rank, or one on each of two ranks, DDP or FSDP) whose
+    replies differ in length: its loss and gradient are the mean over all their counted targets, not the mean of
+    the two windows' means. (learning_rate 1e-30 leaves the weights as they were, so the step's checkpoint holds
+    them.)"""
     args = [*SFT_ARGS, f"--init_from={finished_run}", "--max_steps=1", "--micro_batch_size=1",
-            "--learning_rate=1e-30", "--min_lr=0", "--ckpt_every=1"]
+            "--learning_rate=1e-30", "--min_lr=0", "--ckpt_every=1", f"--dist_mode={mode}"]
     train_tiny(capfd, tmp_path / "sft", sft_data, *args, nproc=nproc)
     model = checkpoint.load_model(str(tmp_path / "sft" / "ckpt" / "step_0000001"))[0]
     seed = json.loads((tmp_path / "sft" / "config.json").read_text())["seed"]
