@@ -26,10 +26,11 @@ Each part runs when its setting is given:
 
 out: where eval.json and eval.md go; "": the run's folder for a checkpoint of OUT_DIR/ckpt/, else a folder
 eval-NAME beside the checkpoint or export (an export holds only what export.py wrote, so that it can replace it).
+A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews) eval_floors, the gate
+profile's floors on those results (gates.py).
 """
 
 import json
-import math
 import os
 import sys
 from types import SimpleNamespace
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 import configurator
 from data import Loader, bpb_scale, load_manifest
+from gates import record_eval_floors, wilson
 from loading import load_trained, locate
 from tasks import HUB_MC, hub_questions
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
@@ -65,22 +67,11 @@ device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu 
 dtype = "auto"                  # auto (bfloat16 where the GPU has it, else float32) | float32 | bfloat16 | float16
 # --- end config
 
-Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
 EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores as it does
 
 
 # -----------------------------------------------------------------------------
 # the arithmetic: pure functions of counts and text
-
-def wilson(correct, n, z=Z95):
-    """The Wilson score interval (low, high) of a proportion correct/n; (0, 1) when n is 0 (nothing is known)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
 
 def summary(n, correct, chance):
     """n, correct, accuracy (None when n is 0), its 95% interval, the chance level and whether the interval's low
@@ -385,12 +376,16 @@ def markdown(report):
     return "\n".join(parts) + "\n"
 
 
+def run_folder(path, exported):
+    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; None for another checkpoint or an export."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.dirname(parent) if not exported and os.path.basename(parent) == "ckpt" else None
+
+
 def default_out(path, exported):
     """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or export."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not exported and os.path.basename(parent) == "ckpt":
-        return os.path.dirname(parent)
-    return os.path.join(parent, f"eval-{os.path.basename(os.path.abspath(path))}")
+    return run_folder(path, exported) or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                      f"eval-{os.path.basename(os.path.abspath(path))}")
 
 
 def write_report(out, report):
@@ -479,6 +474,10 @@ def main(argv):
     write_report(out, report)
     log(markdown(report))
     log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
+    # the run's long-run gate (summary.json) gains the profile's floors on what the pack's rows measured
+    if "pack" in report and (run := run_folder(loaded.path, loaded.exported)):
+        if floors := record_eval_floors(run, report["pack"]):
+            log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: {floors['detail']}")
 
 
 if __name__ == "__main__":

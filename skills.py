@@ -497,6 +497,7 @@ def manifest_of(cfg, splits, texts, description):
         "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k") else "the source's, row by row",
         "source": description,
         "ngram": NGRAM,
+        "sft_rows_sharing_eval": 0,  # check_pack refuses a pack where one does
         "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
         "files": {name: {"rows": len(splits[split]), "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}
                   for split, name in FILES.items()},

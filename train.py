@@ -40,8 +40,9 @@ from objectives import make_model
 from optim import check_optimizer, make_optimizer
 from data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
-                       plan_run, target_band, write_preflight)
+from preflight import (finish_preflight, flops_per_token, model_config, param_counts, peak_flops, plan_run, target_band,
+                       write_preflight)
+from gates import check_profile, long_run_gate
 from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
@@ -152,7 +153,8 @@ stop_at_step = 0                # stop (checkpoint, exit 0) after this step, the
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
                                 # checkpoint into out_dir/resumed; dryrun.json; exit 1 if anything is off
-gate_profile = "research"       # research | release: release also blocks too short or too long token horizons
+gate_profile = "research"       # research | release | skill_release: what the gates demand (gates.PROFILES)
+pack_dir = ""                   # the skills pack the run is judged with (its SFT rows, eval rows, contamination)
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
 max_epochs = 0                  # corpus_model_fit blocks above this many passes over the training tokens; 0: the profile's
 lr_base = 0.0                   # lr_scaling warns when learning_rate is far from lr_base x sqrt(batch / lr_base_batch); 0: off
@@ -206,8 +208,7 @@ def check_config(cfg):
                          ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
-    if cfg.gate_profile not in HORIZON:
-        fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
+    check_profile(cfg.gate_profile)
     try:
         target_band(cfg.target_val_loss)
     except ValueError as e:
@@ -786,6 +787,7 @@ class Trainer:
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
                        best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
                        **self.objective_metrics(self.val_stats if val_loss is not None else None, "final_val_"))
+        summary["long_run_gate"] = long_run_gate(cfg, summary)
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
         self.metrics.close()

@@ -365,8 +365,8 @@ ROWS = [
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
     # a likely typo: a KeyError traceback in preflight.py before
-    ("unknown-gate-profile", plain("--gate_profile=skill_release"), 2,
-     "gate_profile='skill_release' is not one of research, release"),
+    ("unknown-gate-profile", plain("--gate_profile=skills"), 2,
+     "gate_profile='skills' is not one of research, release, skill_release"),
     ("target-band-upside-down", plain("--target_val_loss=3.5,3.2"), 2,
      "target_val_loss=(3.5, 3.2) is neither a loss nor a band: give a number (the final validation loss at most "
      "that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")"),
