@@ -2,12 +2,13 @@
 (ngrams.py), and an eval prompt planted in a corpus that prepare.py counts and preflight blocks under
 skill_release."""
 import json
+import os
 
 import pytest
 
 import gates
 from configurator import Config
-from conftest import TINY_MODEL, run_script
+from conftest import ROOT, TINY_MODEL, run_script
 from ngrams import EvalGrams
 from util import Error
 
@@ -195,3 +196,15 @@ def test_an_eval_prompt_planted_in_the_corpus_blocks_under_skill_release(tmp_pat
     evals.write_text("".join(evals.read_text().splitlines(keepends=True)[:-1]))  # a row less since the count
     stale = preflight(tmp_path / "clean", "skill_release")
     assert stale["verdict"] == "block" and "checked against other eval rows" in stale["detail"]
+
+
+def test_docs_show_every_threshold_of_every_profile():
+    """docs/preflight.md's profile table is gates.PROFILES, row by row."""
+    def text(v):
+        return "-" if v is None else f"{v[0]:g} to {v[1]:g}" if isinstance(v, tuple) else \
+            ("yes" if v else "no") if isinstance(v, bool) else f"{v:g}" if isinstance(v, (int, float)) else v
+
+    with open(os.path.join(ROOT, "docs", "preflight.md"), encoding="utf-8") as f:
+        rows = [[c.strip() for c in line.split("|")[1:5]] for line in f if line.count("|") == 6 and "`" in line]
+    assert {r[0].strip("`"): r[1:] for r in rows} == {k: [text(v) for v in values]
+                                                       for k, values in gates.PROFILES.items()}
