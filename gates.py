@@ -168,7 +168,8 @@ def pack_sft_tokens(pack_dir, manifest):
         return None
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return sum(len((row["prompt"] + reply_text(row)).encode("utf-8")) for row in rows) * split["tokens"] / split["bytes"]
+    sft_bytes = sum(len((row["prompt"] + reply_text(row)).encode("utf-8")) for row in rows)
+    return sft_bytes * split["tokens"] / split["bytes"]
 
 
 def base_exposure(cfg, params, manifest):
@@ -311,7 +312,8 @@ def final_loss(profile, summary):
         return gate("final_loss", "skip", summary.get("final_val_loss"), None, "no target_val_loss to judge it by")
     verdict = "pass" if target == "met" else limits(profile)["target_missed"]
     return gate("final_loss", verdict, summary.get("final_val_loss"), band,
-                f"final validation loss {summary.get('final_val_loss')}: target {target}")
+                f"final validation loss {summary.get('final_val_loss')}: target {target}" + (
+                    "" if verdict != "block" else ": resume it to its horizon, or train longer or on more data"))
 
 
 def spikes_rollbacks(profile, summary):

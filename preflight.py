@@ -246,7 +246,9 @@ def horizon_gate(cfg, counts):
     return gate("compute_optimal_horizon", verdict, ratio, band or "-",
                 f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
                 f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
-                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20")
+                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20" + (
+                    "" if verdict != "block" else f": max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per "
+                    "non-embedding parameter, or gate_profile=research for a run not meant for release"))
 
 
 def sqrt_scaled_lr(base_lr, base_batch, batch):

@@ -258,6 +258,12 @@ def prepare_foreign_dir(ctx):
     return ["prepare.py", "--max_docs=10", f"--data_dir={ctx.tmp / 'mine'}"]
 
 
+def prepare_broken_eval_rows(ctx):
+    (ctx.tmp / "pack").mkdir()
+    (ctx.tmp / "pack" / "eval.jsonl").write_text('{"prompt": "What is 2 + 2?"}\n')  # no answer, no answer_style
+    return ["prepare.py", f"--pack_dir={ctx.tmp / 'pack'}", f"--data_dir={data(ctx)}"]  # over existing data: kept
+
+
 # id, setup, exit status, the error line after "error: " (… stands for any text; {placeholders} are ctx's
 # fields), and the warning lines that come before it
 ROWS = [
@@ -400,6 +406,8 @@ ROWS = [
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
     ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
      "{tmp}/mine holds what prepare.py did not write (notes.txt): move that out of it, or choose another --data_dir"),
+    ("prepare-broken-eval-rows", prepare_broken_eval_rows, 1,
+     "{tmp}/pack/eval.jsonl is not a skills pack's eval rows (…): make the pack again with skills.py"),
 ]
 
 

@@ -67,6 +67,15 @@ def test_base_exposure_weighs_the_base_checkpoint_against_the_sft_run(tmp_path):
     assert gates.base_exposure(cfg("skill_release", init_from=young, max_steps=1), params, None)["verdict"] == "block"
     assert gates.base_exposure(cfg("research", init_from=young, max_steps=1), params, None)["verdict"] == "pass"
     assert gates.base_exposure(cfg("skill_release"), params, None)["verdict"] == "skip"
+    # a base run with a pack: its planned tokens, then one pass over the SFT rows at the data's tokens per byte
+    (tmp_path / "pack").mkdir()
+    row = {"category": "c", "prompt": "p" * 90, "answer": "a" * 10, "scratchpad": "", "answer_style": "direct"}
+    (tmp_path / "pack" / "sft.jsonl").write_text((json.dumps(row) + "\n") * 1000)  # 100,000 bytes
+    data = {"splits": {"train": {"tokens": 1, "bytes": 2}}}
+    planned = gates.base_exposure(cfg("skill_release", pack_dir=str(tmp_path / "pack"), max_steps=1), 5e4, data)
+    assert planned["verdict"] == "pass" and planned["value"]["sft_share"] == pytest.approx(50_000 / (B + 50_000))
+    assert gates.base_exposure(cfg("skill_release", pack_dir=str(tmp_path / "pack"), max_steps=1), 5e4,
+                               None)["verdict"] == "skip"  # no data to count its tokens in
     missing = gates.base_exposure(cfg("research", init_from=str(tmp_path / "none")), params, None)
     assert missing["verdict"] == "block" and "train the base model first" in missing["detail"]
 
