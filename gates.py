@@ -161,13 +161,13 @@ def no_pack(name, profile, why):
 
 def pack_sft_tokens(pack_dir, manifest):
     """Tokens of one pass over the pack's SFT rows, at the prepared data's tokens per byte; None without either."""
+    from tasks import read_rows
     from tokenizer import reply_text
     split = (manifest or {}).get("splits", {}).get("train", {})
     path = os.path.join(pack_dir, "sft.jsonl")
     if not split.get("bytes") or not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_rows(path)[0]
     sft_bytes = sum(len((row["prompt"] + reply_text(row)).encode("utf-8")) for row in rows)
     return sft_bytes * split["tokens"] / split["bytes"]
 

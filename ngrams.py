@@ -10,10 +10,10 @@ bytes and each gram one of its words, both mod 2^64 and computed with numpy over
 """
 
 import hashlib
-import json
 
 import numpy as np
 
+from tasks import read_rows
 from tokenizer import reply_text
 
 NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the usual decontamination length)
@@ -70,14 +70,14 @@ def text_grams(text):
 
 
 class EvalGrams:
-    """The grams of a pack's eval rows (eval.jsonl): keys (sorted hashes), the eval row (0-based) of each, the gram
-    lengths to look for, rows_checked (rows with a gram) and the file's sha256."""
+    """The grams of a pack's eval rows (eval.jsonl, each checked as skills.py checks them: one line naming a bad
+    one): keys (sorted hashes), the eval row (0-based) of each, the gram lengths to look for, rows_checked (rows
+    with a gram) and the file's sha256."""
 
     def __init__(self, path):
+        rows, found, lengths = read_rows(path)[0], {}, set()
         with open(path, "rb") as f:
-            data = f.read()
-        self.sha256, found, lengths = hashlib.sha256(data).hexdigest(), {}, set()
-        rows = [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+            self.sha256 = hashlib.sha256(f.read()).hexdigest()
         for k, row in enumerate(rows):
             for text in (row["prompt"], reply_text(row)):
                 grams, n = text_grams(text)

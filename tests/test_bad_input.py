@@ -407,7 +407,7 @@ ROWS = [
     ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
      "{tmp}/mine holds what prepare.py did not write (notes.txt): move that out of it, or choose another --data_dir"),
     ("prepare-broken-eval-rows", prepare_broken_eval_rows, 1,
-     "{tmp}/pack/eval.jsonl is not a skills pack's eval rows (…): make the pack again with skills.py"),
+     "{tmp}/pack/eval.jsonl:1: no field 'category' (a row is {{category, prompt, answer, scratchpad, answer_style}})"),
 ]
 
 
