@@ -97,6 +97,13 @@ def judge(value, warn=None, block=None, below=False):
     return "block" if past(block) else "warn" if past(warn) else "pass"
 
 
+def said(profile, **rules):
+    """A profile's thresholds as the details say them: "release: warn below 18, block below 10" (rule names with
+    their underscores as spaces; None: not checked)."""
+    checked = [f"{rule.replace('_', ' ')} {value:g}" for rule, value in rules.items() if value is not None]
+    return f"{profile}: {', '.join(checked) or 'not checked'}"
+
+
 def read_json(path):
     """A JSON file's object, or None when it is missing or unreadable."""
     try:
@@ -132,11 +139,9 @@ def release_token_budget(cfg, params):
     per_param = tokens / params
     verdict = judge(per_param, lim["budget_warn_below"], lim["budget_block_below"], below=True)
     return gate("release_token_budget", verdict, per_param, lim["budget_block_below"],
-                f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per parameter ({params / 1e9:.3g}B), "
-                f"{cfg.gate_profile}: " + ("no minimum" if lim["budget_block_below"] is None else
-                                           f"block below {lim['budget_block_below']}, warn below "
-                                           f"{lim['budget_warn_below']}")
-                + ("" if verdict != "block" else ": a longer base run (more max_steps), or gate_profile=research "
+                f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per parameter ({params / 1e9:.3g}B) ("
+                + said(cfg.gate_profile, warn_below=lim["budget_warn_below"], block_below=lim["budget_block_below"])
+                + ")" + ("" if verdict != "block" else ": a longer base run (more max_steps), or gate_profile=research "
                    "for a run not meant for release"))
 
 
@@ -199,10 +204,10 @@ def base_exposure(cfg, params, manifest):
                           {"verdict": judge(share, lim["sft_share_warn_above"], lim["sft_share_block_above"])}])
     return gate("base_exposure", verdict, dict(base_tokens_per_param=per_param, sft_share=share), threshold,
                 f"{how}: the base saw {base_tokens / 1e9:.3g}B tokens = {per_param:.3g} per parameter, SFT "
-                f"{sft_tokens / 1e6:.3g}M = {share:.2%} of all ({cfg.gate_profile}: base block below "
-                f"{lim['exposure_block_below']}, SFT share warn above {lim['sft_share_warn_above']}, block above "
-                f"{lim['sft_share_block_above']})" + ("" if verdict != "block" else
-                                                      ": a longer base run, or fewer SFT steps"))
+                f"{sft_tokens / 1e6:.3g}M = {share:.2%} of all ("
+                + said(cfg.gate_profile, base_block_below=lim["exposure_block_below"],
+                       SFT_share_warn_above=lim["sft_share_warn_above"], block_above=lim["sft_share_block_above"])
+                + ")" + ("" if verdict != "block" else ": a longer base run, or fewer SFT steps"))
 
 
 def sft_category_balance(cfg, pack):
@@ -217,9 +222,9 @@ def sft_category_balance(cfg, pack):
     verdict = judge(ratio, lim["balance_warn_below"], lim["balance_block_below"], below=True)
     return gate("sft_category_balance", verdict, ratio, lim["balance_block_below"],
                 f"{len(counts)} categories: the smallest, {low}, has {counts[low]} SFT rows, the largest, {high}, "
-                f"{counts[high]}: {ratio:.2f} ({cfg.gate_profile}: warn below {lim['balance_warn_below']}, block below "
-                f"{lim['balance_block_below']})" + ("" if verdict != "block" else
-                                                   f": more rows of {low}, or fewer of {high}"))
+                f"{counts[high]}: {ratio:.2f} ("
+                + said(cfg.gate_profile, warn_below=lim["balance_warn_below"], block_below=lim["balance_block_below"])
+                + ")" + ("" if verdict != "block" else f": more rows of {low}, or fewer of {high}"))
 
 
 def eval_skill_release_coverage(cfg, pack):
@@ -235,9 +240,9 @@ def eval_skill_release_coverage(cfg, pack):
     verdict = judge(high - low, lim["interval_warn_above"], lim["interval_block_above"])
     return gate("eval_skill_release_coverage", verdict, high - low, lim["interval_block_above"],
                 f"the fewest eval rows of the {len(names)} SFT categories: {fewest}'s {rows[fewest]}, whose 95% "
-                f"interval at 50% correct is {high - low:.3f} wide ({cfg.gate_profile}: warn above "
-                f"{lim['interval_warn_above']}, block above {lim['interval_block_above']})"
-                + ("" if verdict != "block" else ": more eval rows per category (skills.py --eval_rows)"))
+                f"interval at 50% correct is {high - low:.3f} wide ("
+                + said(cfg.gate_profile, warn_above=lim["interval_warn_above"], block_above=lim["interval_block_above"])
+                + ")" + ("" if verdict != "block" else ": more eval rows per category (skills.py --eval_rows)"))
 
 
 # -----------------------------------------------------------------------------
