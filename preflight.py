@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from attention import resolve_backend
-from gates import gate, limits, pack_gates, release_token_budget, verdict_of
+from gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
 from data import contamination, load_manifest
 from model import GRAD_CKPT, GPTConfig
 from schedule import fit_horizon
@@ -396,6 +396,16 @@ def target_band(value):
         raise ValueError(f"target_val_loss={value!r} is neither a loss nor a band: give a number (the final validation "
                          f"loss at most that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")")
     return (None, nums[0]) if len(nums) == 1 else tuple(nums)
+
+
+def check_gate_settings(cfg):
+    """Refuse (exit 2) a gate_profile that is none of gates.PROFILE_NAMES, and a target_val_loss that is neither a
+    loss nor a band."""
+    check_profile(cfg.gate_profile)
+    try:
+        target_band(cfg.target_val_loss)
+    except ValueError as e:
+        fail(str(e), 2)
 
 
 def band_text(band):

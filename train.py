@@ -40,9 +40,9 @@ from objectives import make_model
 from optim import check_optimizer, make_optimizer
 from data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (finish_preflight, flops_per_token, model_config, param_counts, peak_flops, plan_run, target_band,
-                       write_preflight)
-from gates import check_profile, long_run_gate
+from preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
+                       plan_run, target_band, write_preflight)
+from gates import long_run_gate
 from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
@@ -208,11 +208,7 @@ def check_config(cfg):
                          ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
-    check_profile(cfg.gate_profile)
-    try:
-        target_band(cfg.target_val_loss)
-    except ValueError as e:
-        fail(str(e), 2)
+    check_gate_settings(cfg)
     check_optimizer(cfg)
     if cfg.spike_factor <= 1:
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
