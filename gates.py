@@ -158,10 +158,10 @@ def read_pack(pack_dir):
     return manifest, None
 
 
-def no_pack(name, profile, why):
+def no_pack(name, profile, pack_dir, why):
     verdict = limits(profile)["pack_missing"]
-    return gate(name, verdict, None, None, why + (": set pack_dir to the pack the run is released with"
-                                                  if verdict == "block" else ""))
+    return gate(name, verdict, None, None, why + (": set pack_dir to the skills pack the run is released with"
+                                                  if verdict == "block" and not pack_dir else ""))
 
 
 def pack_sft_tokens(pack_dir, manifest):
@@ -300,7 +300,7 @@ def pack_gates(cfg, params, manifest):
     pack, why = read_pack(cfg.pack_dir)
     if pack is None:
         profile = cfg.gate_profile if manifest or not cfg.pack_dir else "research"  # planned before data and pack
-        return [base_exposure(cfg, params, manifest)] + [no_pack(name, profile, why) for name in (
+        return [base_exposure(cfg, params, manifest)] + [no_pack(name, profile, cfg.pack_dir, why) for name in (
             "sft_category_balance", "eval_skill_release_coverage", "eval_contamination")]
     return [base_exposure(cfg, params, manifest), sft_category_balance(cfg, pack),
             eval_skill_release_coverage(cfg, pack), eval_contamination(cfg, pack)]
@@ -340,7 +340,7 @@ def long_run_gate(cfg, summary):
     preflight = read_json(os.path.join(cfg.out_dir, "preflight.json")) or {}
     pack, why = read_pack(cfg.pack_dir)
     contamination = (eval_contamination(cfg, pack, "contamination") if pack else
-                     no_pack("contamination", cfg.gate_profile, why))
+                     no_pack("contamination", cfg.gate_profile, cfg.pack_dir, why))
     post = [final_loss(cfg.gate_profile, summary), spikes_rollbacks(cfg.gate_profile, summary), contamination]
     gates = preflight.get("gates", [])
     return dict(profile=cfg.gate_profile, verdict=verdict_of(gates + post), gates=gates, post_run=post)
