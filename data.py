@@ -310,6 +310,20 @@ class Loader:
         return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
                                                        windows if keys is None else keys, self.block_size))
 
+    def validation_sums(self, model, steps, size, rank, world, device):
+        """This rank's sums over `steps` micro-batches of `size` windows of a validation split (micro-batch i of
+        rank r starts at window (i * world + r) * size, round the split), as a float64 tensor on the device: the
+        loss summed over the targets it counts (SFT data: the replies'), the objective's stats (model's third item,
+        if any) summed per micro-batch, and the targets counted. Kept on the device: no sync per batch."""
+        total = torch.zeros((), device=device, dtype=torch.float64)
+        for i in range(steps):
+            first = ((i * world + rank) * size) % self.n
+            x, y = self.batch((np.arange(size) + first) % self.n, device)
+            loss, *stats = model(x, y)[1:]
+            n = (y != IGNORE).sum().double()
+            total = total + torch.cat([loss.reshape(1).double() * n, *(s.double() for s in stats), n.reshape(1)])
+        return total
+
     def train_window(self, k):
         """The window of training sample k (the run's k-th sample: see the class)."""
         return int(self.order(k // self.n)[k % self.n])

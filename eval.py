@@ -2,7 +2,7 @@
 Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export in; eval.json and
 eval.md out, and a table on the console.
 
-    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default --mc=tasks/arc.jsonl --attach=lm_eval.json
+    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default --mc=arc_easy,piqa --attach=lm_eval.json
     torchrun --standalone --nproc_per_node=8 eval.py ...   # the ranks split the rows; one all-reduce of the counts
 
 Each part runs when its setting is given:
@@ -13,21 +13,24 @@ Each part runs when its setting is given:
   95% Wilson score interval, the chance level, and whether the interval's low end is above chance.
 - data_dir: validation bits per byte, as train.py's val_bpb: the mean loss over eval_batches micro-batches of the
   val split, times its tokens per byte, over ln 2 (comparable across tokenizers).
-- mc: multiple-choice questions from a local JSONL file, one object a line:
+- mc: multiple-choice questions, comma-separated sources: a hub benchmark's name (arc_easy, arc_challenge,
+  hellaswag, piqa: tasks.HUB_MC, each at a pinned revision, downloaded as prepare.py's presets are, worded as
+  lm-evaluation-harness words them zero-shot) or a local JSONL file, one object a line:
       {"question": str, "choices": [str, ...], "answer": int (the right choice's index), "task": str (optional)}
   Each choice is scored by the summed log-likelihood of its tokens after the question (the text question + " " +
   choice, as lm-evaluation-harness does): acc picks the highest, acc_norm the highest per byte of the choice. Per
-  task: both accuracies, acc's interval, and chance, the mean of 1/len(choices). (The hub's ARC, HellaSwag and
-  PIQA through download.py, as the presets come, are a later step.)
+  task: both accuracies, acc's interval, and chance, the mean of 1/len(choices). mc_limit: a hub benchmark's
+  first N questions alone (a quick look; 0: all).
 - attach: an lm-evaluation-harness results JSON ({"results": {task: {metric: value}}}), copied into the report
   with the file it came from.
 
 out: where eval.json and eval.md go; "": the run's folder for a checkpoint of OUT_DIR/ckpt/, else a folder
 eval-NAME beside the checkpoint or export (an export holds only what export.py wrote, so that it can replace it).
+A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews) eval_floors, the gate
+profile's floors on those results (gates.py).
 """
 
 import json
-import math
 import os
 import sys
 from types import SimpleNamespace
@@ -39,7 +42,9 @@ import torch.nn.functional as F
 
 import configurator
 from data import Loader, bpb_scale, load_manifest
+from gates import record_eval_floors, wilson
 from loading import load_trained, locate
+from tasks import HUB_MC, hub_questions
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
 from util import (autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup, write_atomic,
                   write_json)
@@ -51,7 +56,9 @@ out_dir = "out"                 # used when ckpt is empty (so a run's config fil
 out = ""                        # folder for eval.json and eval.md; "": the run's folder (see above)
 pack_dir = ""                   # a skills pack folder (eval.jsonl, manifest.json); "": no pack rows
 data_dir = ""                   # prepared data whose val split gives bits per byte; "": none
-mc = ""                         # a multiple-choice JSONL file (schema above); "": none
+mc = ""                         # multiple choice: hub benchmarks and/or JSONL files, comma-separated (above); "": none
+mc_limit = 0                    # a hub benchmark's first N questions (0: all of them)
+download_dir = "downloads"      # where a hub benchmark's file may already be (download.py); the hub's cache else
 attach = ""                     # an lm-evaluation-harness results JSON to include; "": none
 max_new_tokens = 256            # the longest reply generated for a pack row
 eval_batches = 20               # validation micro-batches per rank for bits per byte
@@ -60,22 +67,11 @@ device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu 
 dtype = "auto"                  # auto (bfloat16 where the GPU has it, else float32) | float32 | bfloat16 | float16
 # --- end config
 
-Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
 EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores as it does
 
 
 # -----------------------------------------------------------------------------
 # the arithmetic: pure functions of counts and text
-
-def wilson(correct, n, z=Z95):
-    """The Wilson score interval (low, high) of a proportion correct/n; (0, 1) when n is 0 (nothing is known)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
-
 
 def summary(n, correct, chance):
     """n, correct, accuracy (None when n is 0), its 95% interval, the chance level and whether the interval's low
@@ -148,6 +144,20 @@ def chance_levels(manifest):
         return {}
     return {name: float(c["chance"]) for name, c in categories.items()
             if isinstance(c, dict) and isinstance(c.get("chance"), (int, float))}
+
+
+def read_questions(spec, download_dir, limit):
+    """(the questions of mc's sources, {source: where its questions came from}): a hub benchmark by name, else a
+    JSONL file."""
+    questions, sources = [], {}
+    for source in filter(None, (part.strip() for part in spec.split(","))):
+        if source in HUB_MC:
+            found, sources[source] = hub_questions(source, download_dir, limit)
+        else:
+            found = read_mc(source)
+            sources[source] = dict(file=os.path.abspath(source), questions=len(found))
+        questions += found
+    return questions, sources
 
 
 def read_mc(path):
@@ -294,17 +304,6 @@ def validation_split(model, tok, data_dir, manifest):
     return val
 
 
-def validation_loss(model, val, cfg, proc):
-    """(summed loss, micro-batches) of this rank's eval_batches micro-batches of the val split, read as train.py's
-    evaluate reads them."""
-    total = torch.zeros((), dtype=torch.float64)
-    for i in range(cfg.eval_batches):
-        first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
-        x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
-        total += model(x, y)[1].double().cpu()
-    return torch.tensor([total.item(), float(cfg.eval_batches)], dtype=torch.float64)
-
-
 # -----------------------------------------------------------------------------
 # the report
 
@@ -368,19 +367,25 @@ def markdown(report):
         parts += ["", "## Validation", "", f"{bpb['val_bpb']:.4f} bits per byte on {bpb['data_dir']}'s val split "
                   f"(loss {bpb['val_loss']:.4f} over {bpb['batches']} micro-batches of {bpb['micro_batch_size']})."]
     if "mc" in report:
-        parts += ["", f"## Multiple choice ({report['mc']['file']})", "", table("task", report["mc"]["tasks"], True)]
+        sources = "; ".join(f"{name}: {where.get('url', where.get('file'))}" for name, where in
+                            report["mc"]["sources"].items())
+        parts += ["", "## Multiple choice", "", f"From {sources}.", "", table("task", report["mc"]["tasks"], True)]
     if "external" in report:
         external = report["external"]
         parts += ["", f"## lm-evaluation-harness ({external['file']})", "", external_table(external)]
     return "\n".join(parts) + "\n"
 
 
+def run_folder(path, exported):
+    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; None for another checkpoint or an export."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.dirname(parent) if not exported and os.path.basename(parent) == "ckpt" else None
+
+
 def default_out(path, exported):
     """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or export."""
-    parent = os.path.dirname(os.path.abspath(path))
-    if not exported and os.path.basename(parent) == "ckpt":
-        return os.path.dirname(parent)
-    return os.path.join(parent, f"eval-{os.path.basename(os.path.abspath(path))}")
+    return run_folder(path, exported) or os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                      f"eval-{os.path.basename(os.path.abspath(path))}")
 
 
 def write_report(out, report):
@@ -397,7 +402,7 @@ def write_report(out, report):
 def check_config(config):
     if config.which not in ("best", "latest"):
         fail(f"which={config.which!r} is not one of best, latest", code=2)
-    for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1)):
+    for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1), ("mc_limit", 0)):
         if not isinstance(config[key], int) or config[key] < least:
             fail(f"{key}={config[key]!r} is out of range: use an integer >= {least}", code=2)
     if not (config.pack_dir or config.data_dir or config.mc or config.attach):
@@ -408,7 +413,8 @@ def read_inputs(config):
     """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the attached
     results, those given."""
     rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
-    return SimpleNamespace(rows=rows, chances=chances, questions=read_mc(config.mc) if config.mc else [],
+    questions, sources = read_questions(config.mc, config.download_dir, config.mc_limit)
+    return SimpleNamespace(rows=rows, chances=chances, questions=questions, sources=sources,
                            manifest=read_manifest(config.data_dir) if config.data_dir else None,
                            external=read_attach(config.attach) if config.attach else None)
 
@@ -423,7 +429,8 @@ def measure(config, loaded, proc, inputs):
     with torch.no_grad(), ctx:
         pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
         parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
-        loss = torch.zeros(2, dtype=torch.float64) if val is None else validation_loss(model, val, config, proc)
+        loss = torch.zeros(2, dtype=torch.float64) if val is None else val.validation_sums(
+            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world, proc.dev).cpu()
     sums = torch.cat([*parts, loss])
     if proc.distributed:
         sums = sums.to(proc.dev)
@@ -436,12 +443,12 @@ def measure(config, loaded, proc, inputs):
         report["pack"] = dict(folder=config.pack_dir, layout=layout, **pack_report(pack_sums, categories, chances),
                               examples=examples)
     if config.mc:
-        report["mc"] = {"file": config.mc, "tasks": mc_report(mc_sums, tasks)}
+        report["mc"] = {"sources": inputs.sources, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
         val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
         bpb = val_loss * bpb_scale(split)
-        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb,
-                             batches=int(loss[1].item()), micro_batch_size=config.micro_batch_size)
+        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb, targets=int(loss[1].item()),
+                             batches=config.eval_batches * proc.world, micro_batch_size=config.micro_batch_size)
     return report
 
 
@@ -467,6 +474,10 @@ def main(argv):
     write_report(out, report)
     log(markdown(report))
     log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
+    # the run's long-run gate (summary.json) gains the profile's floors on what the pack's rows measured
+    if "pack" in report and (run := run_folder(loaded.path, loaded.exported)):
+        if floors := record_eval_floors(run, report["pack"]):
+            log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: {floors['detail']}")
 
 
 if __name__ == "__main__":

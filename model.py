@@ -417,27 +417,26 @@ class GPT(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
+        targets, weights = targets.flatten(), None if weights is None else weights.flatten()
         if not config.loss_chunk:
             logits = self.lm_head(x)
-            if weights is not None:
-                return logits, self.cross_entropy_sum(logits, targets.flatten(), weights.flatten()) / targets.numel()
-            return logits, F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return None, self.chunked_loss(x.flatten(0, 1), targets.flatten(), None if weights is None else weights.flatten())
+            total = self.cross_entropy_sum(logits, targets, weights)
+        else:
+            logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
+        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies'); a batch with none (a window of
+        # prompt tokens alone) has loss 0, not the guards' NaN
+        return logits, total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
 
     def chunked_loss(self, x, targets, weights=None):
-        """The mean (weighted) cross-entropy over loss_chunk tokens at a time, of the targets that are not IGNORE
-        (weighted: over all of them). Each chunk runs under checkpoint, so the forward keeps none of its logits and
-        the backward rebuilds them one chunk at a time."""
+        """The summed (weighted) cross-entropy, loss_chunk tokens at a time. Each chunk runs under checkpoint, so the
+        forward keeps none of its logits and the backward rebuilds them one chunk at a time."""
         n = self.config.loss_chunk
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
         # a single chunk would be rebuilt while every layer's activations are still held: no saving, only cost
         rebuild = torch.is_grad_enabled() and x.size(0) > n
-        total = sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
-                    for xc, yc, wc in zip(xs, ys, ws, strict=True))
-        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies'); a batch with none (a window of
-        # prompt tokens alone) has loss 0, not the guards' NaN
-        return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
+        return sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
+                   for xc, yc, wc in zip(xs, ys, ws, strict=True))
 
     def loss_sum(self, x, targets, weights=None):
         """The summed cross-entropy of the head's logits for x (N, n_embd) against targets (N,)."""

@@ -21,15 +21,12 @@ import torch
 import torch.distributed as dist
 
 from attention import resolve_backend
+from gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
 from data import contamination, load_manifest
 from model import GRAD_CKPT, GPTConfig
 from schedule import fit_horizon
 from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
-HORIZON = {"research": (None, None, None), "release": (0.1, (0.5, 1.5), 3.0)}  # block below, warn outside, block above
-# epochs over the same data: release stops at 4 (where repetition starts to cost, Muennighoff et al. 2023),
-# research only at 100 (past ~16 repetition adds next to nothing: surely a mistake)
-EPOCHS_BLOCK = {"research": 100, "release": 4}
 LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more than this factor off its rule, either way
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
 MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
@@ -234,15 +231,12 @@ def layout_label(cfg):
 # -----------------------------------------------------------------------------
 # the gates
 
-def gate(name, verdict, value, threshold, detail):
-    return dict(name=name, verdict=verdict, value=value, threshold=threshold, detail=detail)
-
-
 def horizon_gate(cfg, counts):
     """compute_optimal_horizon: planned tokens per non-embedding parameter against Chinchilla's 20."""
     tokens = cfg.max_steps * cfg.total_batch_tokens
     per_param = tokens / counts["non_embedding"]
-    low, band, high = HORIZON[cfg.gate_profile]
+    lim = limits(cfg.gate_profile)
+    low, band, high = lim["horizon_block_below"], lim["horizon_warn_outside"], lim["horizon_block_above"]
     ratio = per_param / 20
     verdict = "pass"
     if band and not band[0] <= ratio <= band[1]:
@@ -252,7 +246,9 @@ def horizon_gate(cfg, counts):
     return gate("compute_optimal_horizon", verdict, ratio, band or "-",
                 f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
                 f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
-                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20")
+                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20" + (
+                    "" if verdict != "block" else f": max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per "
+                    "non-embedding parameter, or gate_profile=research for a run not meant for release"))
 
 
 def sqrt_scaled_lr(base_lr, base_batch, batch):
@@ -284,7 +280,7 @@ def data_gates(cfg, manifest):
                 for name in ("corpus_model_fit", "contamination", "tokenizer_vocab")]
     tokens = cfg.max_steps * cfg.total_batch_tokens
     unique = manifest["splits"]["train"]["tokens"]
-    epochs, limit = tokens / unique, cfg.max_epochs or EPOCHS_BLOCK[cfg.gate_profile]
+    epochs, limit = tokens / unique, cfg.max_epochs or limits(cfg.gate_profile)["epochs_block_above"]
     shared, val_docs = contamination(cfg.data_dir, manifest)
     ok = cfg.vocab_size is None or cfg.vocab_size == manifest["vocab_size"]
     return [gate("corpus_model_fit", "block" if epochs > limit else "warn" if epochs > 1 else "pass", epochs, limit,
@@ -402,6 +398,16 @@ def target_band(value):
     return (None, nums[0]) if len(nums) == 1 else tuple(nums)
 
 
+def check_gate_settings(cfg):
+    """Refuse (exit 2) a gate_profile that is none of gates.PROFILE_NAMES, and a target_val_loss that is neither a
+    loss nor a band."""
+    check_profile(cfg.gate_profile)
+    try:
+        target_band(cfg.target_val_loss)
+    except ValueError as e:
+        fail(str(e), 2)
+
+
 def band_text(band):
     """A target_band as preflight.md and the console say it."""
     low, high = band
@@ -449,7 +455,8 @@ def gates_report(cfg, proc, mconfig, manifest, dt):
                                     if proc.dev.type == "cuda" else 0)
         dtype_bytes = 4 if dt == torch.float32 else 2
         counts = param_counts(mconfig)
-        gates = [horizon_gate(cfg, counts), *data_gates(cfg, manifest), lr_scaling_gate(cfg)]
+        gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts), *data_gates(cfg, manifest),
+                 *pack_gates(cfg, counts["total"], manifest), lr_scaling_gate(cfg)]
         gates.append(memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
                      gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
         gates += [disk_gate(cfg, counts, None if planning(cfg, proc) else free_disk(cfg.out_dir)),
@@ -567,11 +574,6 @@ def plan_run(cfg, proc, dt, mconfig, data, build_model):
             fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
         warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
     return report, model
-
-
-def verdict_of(gates):
-    verdicts = {g["verdict"] for g in gates}
-    return "block" if "block" in verdicts else "warn" if "warn" in verdicts else "pass"
 
 
 def write_preflight(path, report):

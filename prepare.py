@@ -23,6 +23,11 @@ tokens, each segment tokenized on its own (the first after BOS), padded with BOS
 document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
 block_size = the total then hold one document each, from its first token (train.py checks).
 
+pack_dir (a skills pack made before, skills.py): the eval rows that training documents hold, counted as the shards
+are written (ngrams.py: each row's 13-word windows, or a shorter prompt or reply whole) and recorded in
+manifest.json's eval_contamination with the pack's eval.jsonl sha256, which preflight's eval_contamination gate
+compares with the pack's as it is then.
+
 chat=True makes SFT data: the source is a skills pack's sft.jsonl (tasks.pack_documents), each row a document
 in the chat layout (tokenizer.chat_row) with a loss mask beside the shards (NAME.mask.npy: the reply's tokens),
 and the tokenizer is chat_base's (the base model's data_dir or checkpoint folder) with the chat tokens added.
@@ -62,6 +67,7 @@ import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
                   token_dtype, token_hash)
 from download import download, local_copy
+from ngrams import MIN_WORDS, NGRAM, EvalGrams
 from tasks import gsm8k_documents, pack_documents
 from tokenizer import SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
@@ -87,6 +93,7 @@ sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
 chat = False  # SFT data: source is a skills pack's sft.jsonl, each row a chat_row with the loss on the reply alone
 chat_base = ""  # with chat: the base model's data_dir or checkpoint folder, whose tokenizer (+ chat tokens) is used
+pack_dir = ""  # a skills pack whose eval.jsonl exists: count the training documents holding one of its eval rows
 force = False  # rebuild even if data_dir already holds this exact result
 # --- end config
 
@@ -387,12 +394,13 @@ def signals_held(*signals):
             signal.raise_signal(s)
 
 
-def init_worker(tok_dir, lengths, chat):
-    global worker_tok, worker_lengths, worker_chat
+def init_worker(tok_dir, lengths, chat, grams):
+    global worker_tok, worker_lengths, worker_chat, worker_grams
     # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints one line;
     # a worker of its own would print a KeyboardInterrupt traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_tok, worker_lengths, worker_chat = load_tokenizer(tok_dir), lengths, chat  # from the files: nothing pickled
+    worker_grams = grams
 
 
 def encode_document(tok, text, lengths):
@@ -414,12 +422,12 @@ def encode_document(tok, text, lengths):
 
 
 def encode_batch(docs):
-    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None) for each
-    (text, split) of a batch; chat: each text a pack_documents prompt and reply, tokenized as a chat_row, and
-    n_bytes the reply's (the text its loss is on: bits per byte)."""
+    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None, the eval rows
+    it holds a gram of) for each (text, split) of a batch; chat: each text a pack_documents prompt and reply,
+    tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte)."""
     dtype = token_dtype(worker_tok.vocab_size)
-    out = []
-    for text, split in docs:
+    out, hits = [], worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
+    for (text, split), found in zip(docs, hits, strict=True):
         data = text.encode("utf-8")
         n_bytes, mask = len(data), None
         if worker_chat:
@@ -428,7 +436,7 @@ def encode_batch(docs):
             mask = np.array(mask, dtype=np.uint8)
         else:
             tokens, cut = encode_document(worker_tok, text, worker_lengths)
-        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask))
+        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask, found))
     return out
 
 
@@ -444,7 +452,7 @@ def batched(docs):
         yield batch
 
 
-def encode_all(docs, n_workers, tok_dir, lengths, chat=False):
+def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
     """encode_batch's results for every document, in order, from a pool of processes."""
     from tqdm import tqdm
 
@@ -452,7 +460,7 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False):
         # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
         # stops the pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths, chat)))
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths, chat, grams)))
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
         # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
         # which for a big corpus means all of it in memory
@@ -484,10 +492,11 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False):
             yield from first_results()
 
 
-def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
+def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None):
     """Pack encoded documents into shards per split (validation: hash below threshold), each also
     added to `smallest`, a SmallestHashes; returns the manifest's splits, train unigram counts and
-    contamination. The split keeps duplicate texts together, yet the count is of the tokens written."""
+    contamination. The split keeps duplicate texts together, yet the count is of the tokens written.
+    eval_found (a Counter): each eval row's training documents are added to it."""
     splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []} for name in ("train", "val")}
     # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
     hashes = {name: array.array("Q") for name in splits}
@@ -510,7 +519,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], masks[name], filled[name] = [], [], 0
 
-    for h, n_bytes, tokens, forced, cut, mask in encoded:
+    for h, n_bytes, tokens, forced, cut, mask, rows in encoded:
         if not forced:  # only the hash's documents can be held out to reach min_val_tokens
             smallest.add(h, len(tokens))
         name = forced or ("val" if h < threshold else "train")
@@ -519,6 +528,8 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest):
         split["cut"] += cut
         split["bytes"] += n_bytes
         split["tokens"] += len(tokens)
+        if name == "train" and eval_found is not None:
+            eval_found.update(rows)
         filling[name].append(tokens)
         if mask is not None:  # SFT data: the tokens the loss counts, for bits per byte of the replies
             masks[name].append(mask)
@@ -552,7 +563,10 @@ def is_complete(data_dir, args):
     of its size. A damaged manifest (a key missing, a value of the wrong type) is none: it is rebuilt."""
     try:
         manifest = load_manifest(data_dir)
-        if manifest.get("prepare_args") != args:
+        saved = manifest.get("prepare_args")
+        if "pack_eval_sha256" not in args and isinstance(saved, dict):  # counted against a pack: still this data
+            saved = {k: v for k, v in saved.items() if k != "pack_eval_sha256"}
+        if saved != args:
             return False
         itemsize = np.dtype(manifest["token_dtype"]).itemsize
         sizes = {shard["file"]: HEADER_BYTES + shard["tokens"] * itemsize
@@ -613,10 +627,11 @@ def fingerprint(out_dir, tokenizer_files, splits):
     return digest.hexdigest()
 
 
-def tokenize_corpus(scratch, cfg, inputs):
+def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     """Train the tokenizer and write the shards into the scratch folder, holding out at least min_val_tokens
     where the corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram counts
-    and contamination."""
+    and contamination. grams (ngrams.EvalGrams or None): each eval row's training documents are counted into
+    eval_found, a Counter."""
 
     def docs():
         return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256,
@@ -633,11 +648,13 @@ def tokenize_corpus(scratch, cfg, inputs):
         tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)
+        eval_found.clear()  # a second pass counts anew
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed
-        encoded = encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments), cfg.chat)
+        encoded = encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments), cfg.chat, grams)
         with contextlib.closing(encoded):
-            splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest)
+            splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest,
+                                                         eval_found)
         val = splits["val"]
         if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
             break
@@ -712,6 +729,26 @@ def check_args(cfg):
     check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
 
 
+def eval_grams(pack_dir):
+    """The ngrams.EvalGrams of pack_dir's eval rows, or None (no pack_dir, or no eval.jsonl in it: said why)."""
+    if not pack_dir:
+        return None
+    path = os.path.join(pack_dir, "eval.jsonl")
+    if not os.path.isfile(path):
+        print(f"pack_dir={pack_dir} has no eval.jsonl (make the pack first: skills.py): the corpus is not checked "
+              "against its eval rows")
+        return None
+    return EvalGrams(path)
+
+
+def eval_record(pack_dir, grams, found):
+    """manifest.json's eval_contamination: the training documents holding an eval row's gram, by eval row."""
+    return {"pack_dir": pack_dir, "eval_sha256": grams.sha256, "ngram": NGRAM, "min_words": MIN_WORDS,
+            "eval_rows": grams.rows, "rows_checked": grams.rows_checked,
+            "rows_found": len(found),  # and the training documents of each, by its row number (1: the first)
+            "train_docs_by_row": {str(row + 1): n for row, n in sorted(found.items())}}
+
+
 def base_tokenizer_dir(base):
     """The folder holding the base model's tokenizer: a data_dir or a checkpoint folder as given, an out_dir's
     latest checkpoint."""
@@ -731,6 +768,8 @@ def build(cfg):
         fail(f"data_dir={out_dir} is being written by another prepare.py ({holder}): wait for it to end (or stop "
              f"it), or choose another --data_dir")
     args = {key: cfg[key] for key in OUTPUT_KEYS} | {k: cfg[k] for k, default in LATER_KEYS.items() if cfg[k] != default}
+    grams = eval_grams(cfg.pack_dir)
+    args |= {"pack_eval_sha256": grams.sha256} if grams else {}  # another pack's eval rows: counted again
     if not cfg.force and is_complete(out_dir, args):
         print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
         return
@@ -741,8 +780,9 @@ def build(cfg):
             local_copy(source.location, cfg.download_dir)
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
+    eval_found = collections.Counter()
     try:
-        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(scratch, cfg, inputs)
+        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(scratch, cfg, inputs, grams, eval_found)
         save_npy(os.path.join(scratch, "train_counts.npy"), counts)
         manifest = {
             "format_version": VERSION,
@@ -756,6 +796,7 @@ def build(cfg):
             "source": description,
             "prepare_args": args,
             "contamination": contamination,  # not in the fingerprint: that is of the tokenizer and shards alone
+            **({"eval_contamination": eval_record(cfg.pack_dir, grams, eval_found)} if grams else {}),
             "fingerprint": fingerprint(scratch, tokenizer_files, splits),
         }
         with open(os.path.join(scratch, MANIFEST), "w", encoding="utf-8") as f:

@@ -359,6 +359,18 @@ def outcome(summary, max_steps, out_dir):
     return ""
 
 
+def gate_section(record):
+    """summary.md's long-run gate: its verdict and every check after the run (its preflight gates: the preflight
+    section)."""
+    lines = ["## long-run gate", ""]
+    if not isinstance(record, dict):
+        return lines + ["no release gate recorded", ""]
+    lines += [f"verdict: **{record.get('verdict')}** ({record.get('profile')} profile)", "",
+              "| after the run | verdict | detail |", "|---|---|---|"]
+    lines += [f"| {g.get('name')} | {g.get('verdict')} | {g.get('detail')} |" for g in record.get("post_run") or []]
+    return lines + [""]
+
+
 def summary_md(out_dir, summary, clock, preflight, rows, plots):
     s = summary or {}
     elapsed = s.get("elapsed_s", (clock or {}).get("elapsed"))
@@ -401,6 +413,7 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
             if isinstance(g, dict) and g.get("verdict") not in ("pass", "skip"):
                 lines.append(f"- {g.get('name')}: {g.get('verdict')}: {g.get('detail')}")
         lines.append("")
+    lines += gate_section(s.get("long_run_gate")) if summary is not None else []
     lines += ["## plots", ""]
     if isinstance(plots, str):
         lines += [plots, ""]

@@ -31,6 +31,7 @@ import sys
 
 import configurator
 from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
+from tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
 from tokenizer import reply_text
 
 # --- config
@@ -48,8 +49,6 @@ download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's go to 
 
 VERSION = 1  # the generator's: a change to any template makes other rows from the same seed
 NGRAM = 13  # words an SFT row may not share in a row with an eval row
-FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")
-STYLES = ("direct", "scratchpad")
 FILES = {"eval": "eval.jsonl", "sft": "sft.jsonl"}
 MANIFEST = "manifest.json"
 
@@ -411,49 +410,6 @@ def chosen_categories(spec):
 # Other sources: local JSONL rows, GSM8K
 
 
-def check_row(row, where):
-    """Fail, naming where, unless row is an object of exactly the pack's fields, each of its type."""
-    if not isinstance(row, dict):
-        fail(f"{where}: not a JSON object (a row is {{{', '.join(FIELDS)}}})")
-    if missing := [f for f in FIELDS if f not in row]:
-        fail(f"{where}: no field '{missing[0]}' (a row is {{{', '.join(FIELDS)}}})")
-    if extra := sorted(set(row) - set(FIELDS)):
-        fail(f"{where}: unknown field '{extra[0]}' (a row is {{{', '.join(FIELDS)}}})")
-    for field in FIELDS:
-        if not isinstance(row[field], str):
-            fail(f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
-    if row["answer_style"] not in STYLES:
-        fail(f"{where}: answer_style {row['answer_style']!r} is not one of {', '.join(STYLES)}")
-    for field in ("category", "prompt", "answer"):
-        if not row[field].strip():
-            fail(f"{where}: field '{field}' is empty")
-    if "\n" in row["answer"] or "\r" in row["answer"]:
-        fail(f"{where}: the answer is more than one line (the steps belong in 'scratchpad')")
-
-
-def read_rows(path):
-    """The rows of a JSONL file, each checked, with where each came from ("path:line")."""
-    rows, origins = [], []
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    row = json.loads(line)
-                except (ValueError, RecursionError):
-                    fail(f"{where}: not valid JSON (a row is {{{', '.join(FIELDS)}}})")
-                check_row(row, where)
-                rows.append(row)
-                origins.append(where)
-    except UnicodeDecodeError as e:
-        fail(f"{path}: not UTF-8 text ({first_line(e)}): save it as UTF-8")
-    except OSError as e:
-        fail(f"cannot read {path}: {e.strerror or e}")
-    return rows, origins
-
-
 def prompt_hash(row):
     return hashlib.sha256(normal(row["prompt"]).encode()).hexdigest()
 
@@ -527,7 +483,7 @@ def gsm8k_pack(cfg):
 
 
 def jsonl(rows):
-    return "".join(json.dumps({field: row[field] for field in FIELDS}, ensure_ascii=False) + "\n" for row in rows)
+    return "".join(json.dumps({field: row[field] for field in PACK_FIELDS}, ensure_ascii=False) + "\n" for row in rows)
 
 
 def manifest_of(cfg, splits, texts, description):
@@ -541,6 +497,7 @@ def manifest_of(cfg, splits, texts, description):
         "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k") else "the source's, row by row",
         "source": description,
         "ngram": NGRAM,
+        "sft_rows_sharing_eval": 0,  # check_pack refuses a pack where one does
         "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
         "files": {name: {"rows": len(splits[split]), "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}
                   for split, name in FILES.items()},
@@ -577,7 +534,7 @@ def write_pack(cfg, splits, description):
 
 
 def check_args(cfg):
-    if cfg.answer_style not in STYLES + ("mixed",):
+    if cfg.answer_style not in ANSWER_STYLES + ("mixed",):
         fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed")
     for key in ("sft_rows", "eval_rows"):
         if cfg[key] < 0:

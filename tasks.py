@@ -3,7 +3,8 @@ The tasks a model is scored on: GSM8K, grade-school math word problems (openai/g
 answer ending in "#### <number>". prepare.py makes its problems documents (gsm8k_documents); train.py
 answers the first test problems at each evaluation and logs the share it gets right (eval_gsm8k_samples:
 gsm8k_problems, gsm8k_accuracy). A skills pack's rows (sft.jsonl) become prepare.py's chat documents
-(pack_documents).
+(pack_documents). The hub's multiple-choice benchmarks (ARC, HellaSwag, PIQA) become eval.py's questions
+(hub_questions).
 """
 
 import json
@@ -15,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from data import open_shard
+from download import download, file_sha256
 from tokenizer import SEGMENT, load_tokenizer, reply_text
-from util import fail
+from util import fail, first_line
 
 
 def gsm8k_document(question, answer, form):
@@ -108,25 +110,122 @@ def check_segments(data_dir, manifest, hdp_segments, block_size):
              f"tokens: set block_size to their sum, so that each row is one document")
 
 
-PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")
+PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")  # a skills pack's row, all strings
+ANSWER_STYLES = ("direct", "scratchpad")
+
+
+def check_row(row, where):
+    """Fail, naming where, unless row is an object of exactly the pack's fields, each of its type."""
+    if not isinstance(row, dict):
+        fail(f"{where}: not a JSON object (a row is {{{', '.join(PACK_FIELDS)}}})")
+    if missing := [f for f in PACK_FIELDS if f not in row]:
+        fail(f"{where}: no field '{missing[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+    if extra := sorted(set(row) - set(PACK_FIELDS)):
+        fail(f"{where}: unknown field '{extra[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+    for field in PACK_FIELDS:
+        if not isinstance(row[field], str):
+            fail(f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
+    if row["answer_style"] not in ANSWER_STYLES:
+        fail(f"{where}: answer_style {row['answer_style']!r} is not one of {', '.join(ANSWER_STYLES)}")
+    for field in ("category", "prompt", "answer"):
+        if not row[field].strip():
+            fail(f"{where}: field '{field}' is empty")
+    if "\n" in row["answer"] or "\r" in row["answer"]:
+        fail(f"{where}: the answer is more than one line (the steps belong in 'scratchpad')")
+
+
+def read_rows(path):
+    """The rows of a JSONL file, each checked, with where each came from ("path:line")."""
+    rows, origins = [], []
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                try:
+                    row = json.loads(line)
+                except (ValueError, RecursionError):
+                    fail(f"{where}: not valid JSON (a row is {{{', '.join(PACK_FIELDS)}}})")
+                check_row(row, where)
+                rows.append(row)
+                origins.append(where)
+    except UnicodeDecodeError as e:
+        fail(f"{path}: not UTF-8 text ({first_line(e)}): save it as UTF-8")
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror or e}")
+    return rows, origins
 
 
 def pack_documents(path):
-    """The rows of a skills pack's JSONL file (sft.jsonl) as documents: the prompt and the assistant's reply
-    (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes each a tokenizer.chat_row."""
-    with open(path, encoding="utf-8-sig") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                fields = [row[k] for k in PACK_FIELDS]
-                reply = reply_text(row)
-            except (ValueError, KeyError, TypeError):
-                row, fields = None, []
-            if row is None or not all(isinstance(v, str) for v in fields):
-                fail(f"{path}:{line_no}: not a skills-pack row (a JSON object of strings {', '.join(PACK_FIELDS)}, "
-                     "answer_style direct or scratchpad)")
-            if SEGMENT in row["prompt"] + reply:
-                fail(f"{path}:{line_no}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
-            yield row["prompt"] + SEGMENT + reply
+    """The rows of a skills pack's JSONL file (sft.jsonl), each checked as skills.py checks them, as documents:
+    the prompt and the assistant's reply (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes
+    each a tokenizer.chat_row."""
+    rows, origins = read_rows(path)
+    for row, where in zip(rows, origins, strict=True):
+        reply = reply_text(row)
+        if SEGMENT in row["prompt"] + reply:
+            fail(f"{where}: holds the character {SEGMENT!r}, which prepare.py keeps for itself")
+        yield row["prompt"] + SEGMENT + reply
+
+
+# -----------------------------------------------------------------------------
+# multiple-choice benchmarks on the Hugging Face hub, as eval.py's questions {question, choices, answer, task}:
+# worded as lm-evaluation-harness words them zero-shot, each file at a pinned revision (every user scores the same
+# questions, and the revision names them in eval.json)
+
+def arc_question(r):
+    return dict(question=f"Question: {r['question']}\nAnswer:", choices=list(r["choices"]["text"]),
+                answer=list(r["choices"]["label"]).index(r["answerKey"]))
+
+
+def piqa_question(r):
+    return dict(question=f"Question: {r['goal']}\nAnswer:", choices=[r["sol1"], r["sol2"]], answer=int(r["label"]))
+
+
+def hellaswag_text(text):
+    """A HellaSwag text without its WikiHow markup ("[title]", "[step]"...)."""
+    return re.sub(r"\[.*?\]", "", text.strip().replace(" [title]", ". ")).replace("  ", " ")
+
+
+def hellaswag_question(r):
+    context = f"{r['activity_label']}: {r['ctx_a']} {r['ctx_b'].capitalize()}"
+    return dict(question=hellaswag_text(context), choices=[hellaswag_text(e) for e in r["endings"]],
+                answer=int(r["label"]))
+
+
+ARC = ("allenai/ai2_arc", "210d026faf9955653af8916fad021475a3f00453")
+HUB_MC = {  # name: (repo, revision, file, its row -> a question)
+    "arc_easy": (*ARC, "ARC-Easy/test-00000-of-00001.parquet", arc_question),
+    "arc_challenge": (*ARC, "ARC-Challenge/test-00000-of-00001.parquet", arc_question),
+    "hellaswag": ("Rowan/hellaswag", "218ec52e09a7e7462a5400043bb9a69a41d06b76",
+                  "data/validation-00000-of-00001.parquet", hellaswag_question),
+    "piqa": ("ybisk/piqa", "078a131412f46a38025a762322c174a8bae2610c", "plain_text/piqa-validation.parquet",
+             piqa_question),
+}
+
+
+def hub_questions(name, download_dir, limit=0):
+    """(the first `limit` questions of a hub benchmark (0: all), where they came from {url, sha256, questions}): its
+    file through download.py (download_dir's copy if there, else the Hugging Face cache's, else downloaded)."""
+    from huggingface_hub import hf_hub_url
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        fail("pyarrow is needed for the hub's multiple-choice tasks: pip install pyarrow", code=2)
+    repo, revision, file, question = HUB_MC[name]
+    url = hf_hub_url(repo, file, repo_type="dataset", revision=revision)
+    path = download(url, download_dir)
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors have many types
+        fail(f"{path} ({name}) cannot be read as parquet ({first_line(e)}): delete it and rerun to download it again",
+             code=2)
+    questions = []
+    for i, r in enumerate(records[:limit or None], 1):
+        try:
+            questions.append(dict(question(r), task=name))
+        except (KeyError, TypeError, ValueError) as e:
+            fail(f"{path} row {i}: not {name}'s columns or values ({first_line(e)}): not the file of {repo} at "
+                 f"{revision}?", code=2)
+    return questions, dict(url=url, sha256=file_sha256(path), questions=len(questions))

@@ -19,7 +19,6 @@ next-token prediction (objective=refine, bd3lm) are objectives.py's: train.py lo
 """
 import os
 import random
-import signal
 import sys
 import time
 from collections import deque
@@ -32,17 +31,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from util import (MAKE_ROOM, Folder, autocast, check_apart, compute_dtype, disk_full, dtype_name, fail, first_line,
-                  format_seconds, log, mean_over_ranks, on_rank0, peak_memory_gb, remove, run_main, setup, warn,
-                  write_json)
+from util import (IGNORE, MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
+                  dtype_name, fail, first_line, format_seconds, log, on_rank0, peak_memory_gb, remove, run_main, setup,
+                  warn, write_json)
 from attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
 from objectives import make_model
 from optim import check_optimizer, make_optimizer
 from data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
 from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (HORIZON, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
+from preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
+from gates import long_run_gate
 from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
 from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
@@ -153,7 +153,8 @@ stop_at_step = 0                # stop (checkpoint, exit 0) after this step, the
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps into out_dir/first, then N/2+1..N again from its step-N/2
                                 # checkpoint into out_dir/resumed; dryrun.json; exit 1 if anything is off
-gate_profile = "research"       # research | release: release also blocks too short or too long token horizons
+gate_profile = "research"       # research | release | skill_release: what the gates demand (gates.PROFILES)
+pack_dir = ""                   # the skills pack the run is judged with (its SFT rows, eval rows, contamination)
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
 max_epochs = 0                  # corpus_model_fit blocks above this many passes over the training tokens; 0: the profile's
 lr_base = 0.0                   # lr_scaling warns when learning_rate is far from lr_base x sqrt(batch / lr_base_batch); 0: off
@@ -207,12 +208,7 @@ def check_config(cfg):
                          ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
-    if cfg.gate_profile not in HORIZON:
-        fail(f"gate_profile={cfg.gate_profile!r} is not one of {', '.join(HORIZON)}", 2)
-    try:
-        target_band(cfg.target_val_loss)
-    except ValueError as e:
-        fail(str(e), 2)
+    check_gate_settings(cfg)
     check_optimizer(cfg)
     if cfg.spike_factor <= 1:
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times the recent average)")
@@ -228,20 +224,6 @@ def check_config(cfg):
 
 # -----------------------------------------------------------------------------
 # the steps of main
-
-def catch_signals():
-    """Preemption notices: noted in the list returned, acted on at the next step boundary by every rank."""
-    stop_signal = []
-
-    def on_signal(signum, frame):
-        if stop_signal and signum == signal.SIGINT:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        stop_signal.append(signal.Signals(signum).name)
-
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-        signal.signal(s, on_signal)
-    return stop_signal
-
 
 def set_up(cfg):
     """(process, compute dtype, gradient accumulation): torchrun's ranks each on its own GPU; fsdp without
@@ -409,23 +391,20 @@ class Trainer:
         return "" if stats is None else self.raw_model.console(stats)
 
     def evaluate(self):
-        """The validation loss over eval_steps micro-batches per rank, averaged over the ranks; the objective's
-        stats of them (its forward's third item), averaged alike, in self.val_stats."""
-        cfg, proc, val = self.cfg, self.proc, self.val_data
+        """The validation loss, the mean over every target eval_steps micro-batches per rank count (SFT data: the
+        replies'), on all ranks; the objective's stats (its forward's third item), their mean per micro-batch, in
+        self.val_stats."""
+        cfg, proc = self.cfg, self.proc
         self.model.eval()
-        # float64, as the Python floats summed before: the same validation loss, without a sync per batch
-        total = torch.zeros((), device=proc.dev, dtype=torch.float64)
-        with torch.no_grad():
-            for i in range(cfg.eval_steps):
-                first = ((i * proc.world + proc.rank) * cfg.micro_batch_size) % val.n
-                x, y = val.batch((np.arange(cfg.micro_batch_size) + first) % val.n, proc.dev)
-                with self.autocast:
-                    loss, *stats = self.raw_model(x, y)[1:]
-                total = total + torch.cat([loss.reshape(1), *stats]).double()
+        with torch.no_grad(), self.autocast:
+            sums = self.val_data.validation_sums(self.raw_model, cfg.eval_steps, cfg.micro_batch_size, proc.rank,
+                                                 proc.world, proc.dev)
         self.model.train()
-        means = [mean_over_ranks(v / cfg.eval_steps, self.proc.distributed, proc.dev) for v in total.tolist()]
-        self.val_stats = means[1:] or None
-        return means[0]
+        if proc.distributed:
+            dist.all_reduce(sums)
+        loss, *stats, counted = sums.tolist()
+        self.val_stats = [v / (cfg.eval_steps * proc.world) for v in stats] or None
+        return loss / max(counted, 1)
 
     def checkpoint(self, val_loss, best):
         st = self.state
@@ -610,8 +589,9 @@ class Trainer:
         proc = self.proc
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
         batch = self.micro_batch(0, spike_drill)
+        batches, weights = self.target_weights(spike_drill) if self.train_data.masked else (None, None)
         for micro in range(self.grad_accum):
-            x, y = batch
+            x, y = batch if batches is None else batches[micro]
             last = micro == self.grad_accum - 1
             # gradients are reduced across ranks once per step, after the last micro-step
             if self.sharded:
@@ -622,13 +602,27 @@ class Trainer:
                     micro_loss, *stats = self.model(x, y)[1:]
                 if nan_drill and proc.rank == proc.world - 1:
                     micro_loss = micro_loss * float("nan")
+                if weights is not None:
+                    micro_loss = micro_loss * weights[micro]
                 self.scaler.scale(micro_loss / self.grad_accum).backward()
             loss_sum += micro_loss.detach()
             if stats:
                 stats_sum = stats[0] if stats_sum is None else stats_sum + stats[0]
-            if not last:  # read and copy the next one while the GPU still works on this one
+            if not last and batches is None:  # read and copy the next one while the GPU still works on this one
                 batch = self.micro_batch(micro + 1, spike_drill)
         return loss_sum, stats_sum
+
+    def target_weights(self, spike_drill):
+        """SFT data (targets IGNORE outside the replies): the step's micro-batches, and each one's weight, its share
+        of the targets the whole step counts (every rank's) times the micro-batches of the step, so that the mean
+        over ranks and micro-batches the gradient and the logged loss take is the mean over every counted target,
+        not a mean of unequal micro-batches' means."""
+        batches = [self.micro_batch(micro, spike_drill) for micro in range(self.grad_accum)]
+        counts = torch.stack([(y != IGNORE).sum() for _, y in batches]).float()
+        total = counts.sum()
+        if self.proc.distributed:
+            dist.all_reduce(total)
+        return batches, counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
 
     def clip_gradients(self, loss_sum):
         """The gradients unscaled and clipped to grad_clip: (their norm before clipping, whether the step is
@@ -789,6 +783,7 @@ class Trainer:
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
                        best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
                        **self.objective_metrics(self.val_stats if val_loss is not None else None, "final_val_"))
+        summary["long_run_gate"] = long_run_gate(cfg, summary)
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
         self.metrics.close()

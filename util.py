@@ -16,6 +16,7 @@ import os
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -530,3 +531,17 @@ def mean_over_ranks(value, distributed, device):
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t.item()
+
+
+def catch_signals():
+    """Preemption notices: noted in the list returned, acted on at the next step boundary by every rank."""
+    stop_signal = []
+
+    def on_signal(signum, frame):
+        if stop_signal and signum == signal.SIGINT:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        stop_signal.append(signal.Signals(signum).name)
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(s, on_signal)
+    return stop_signal

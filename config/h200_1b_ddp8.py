@@ -55,6 +55,10 @@ compile = True
 # for planning before the data is prepared
 expect_world_size = 8
 plan_vocab_size = 32768
+# the recipe's release gates (docs/preflight.md): its full run is judged under skill_release, with the skills pack
+# below, made before the data so that prepare.py counts the eval rows the corpus holds (run.sh: STAGES="skills
+# prepare dryrun train"); the dry run (dryrun_steps) always runs under research, where 100 steps are no release
+gate_profile = "skill_release"
 # the release skills pack (skills.py, run.sh's skills stage): the recipe's 1,600 SFT rows and 320 eval rows,
 # answered with worked steps; the eval stage asks the eval rows of the base (and a fine-tuned) checkpoint
 pack_dir = "data/skills_1b"

@@ -1,5 +1,6 @@
 # The sft stage of config/tiny_skills.py (run.sh reads this file after it): the base run's latest checkpoint
-# (run.sh's --init_from) fine-tuned on the skills pack's SFT rows, loss on the assistant's replies only.
+# (run.sh's --init_from) fine-tuned on the skills pack's SFT rows, loss on the assistant's replies only; judged
+# under config/tiny_skills.py's research gates (its pack_dir: the pack's gates and eval contamination).
 
 # the chat data (prepare.py --chat=True, from PACK_DIR/sft.jsonl): a few percent of the rows held out
 data_dir = "data/tiny_skills_sft"

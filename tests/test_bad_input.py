@@ -272,6 +272,12 @@ def prepare_foreign_dir(ctx):
     return ["prepare.py", "--max_docs=10", f"--data_dir={ctx.tmp / 'mine'}"]
 
 
+def prepare_broken_eval_rows(ctx):
+    (ctx.tmp / "pack").mkdir()
+    (ctx.tmp / "pack" / "eval.jsonl").write_text('{"prompt": "What is 2 + 2?"}\n')  # no answer, no answer_style
+    return ["prepare.py", f"--pack_dir={ctx.tmp / 'pack'}", f"--data_dir={data(ctx)}"]  # over existing data: kept
+
+
 # id, setup, exit status, the error line after "error: " (… stands for any text; {placeholders} are ctx's
 # fields), and the warning lines that come before it
 ROWS = [
@@ -379,8 +385,8 @@ ROWS = [
     ("unknown-compile-mode", plain("--compile_mode=fast"), 1,
      "compile_mode='fast' is not one of default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"),
     # a likely typo: a KeyError traceback in preflight.py before
-    ("unknown-gate-profile", plain("--gate_profile=skill_release"), 2,
-     "gate_profile='skill_release' is not one of research, release"),
+    ("unknown-gate-profile", plain("--gate_profile=skills"), 2,
+     "gate_profile='skills' is not one of research, release, skill_release"),
     ("target-band-upside-down", plain("--target_val_loss=3.5,3.2"), 2,
      "target_val_loss=(3.5, 3.2) is neither a loss nor a band: give a number (the final validation loss at most "
      "that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")"),
@@ -426,6 +432,8 @@ ROWS = [
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
     ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
      "{tmp}/mine holds what prepare.py did not write (notes.txt): move that out of it, or choose another --data_dir"),
+    ("prepare-broken-eval-rows", prepare_broken_eval_rows, 1,
+     "{tmp}/pack/eval.jsonl:1: no field 'category' (a row is {{category, prompt, answer, scratchpad, answer_style}})"),
 ]
 
 

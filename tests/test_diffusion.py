@@ -24,7 +24,6 @@ from tasks import gsm8k_problems
 from tokenizer import load_tokenizer
 from test_model import LiveBytes
 from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
-from tokenizer import load_tokenizer
 
 SHAPE = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bos_id=95)
 DIFFUSION = ["--objective=bd3lm", "--diffusion_block=8"]

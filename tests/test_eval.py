@@ -1,6 +1,8 @@
 """eval.py: the interval, chance and answer arithmetic against hand-computed cases; on a tiny checkpoint, the pack's
 categories and counts, multiple choice against the model's own log-likelihoods, bits per byte as train.py's
 val_bpb, an attached lm-eval JSON, an export as input, two ranks as one, and bad inputs as one line each."""
+import hashlib
+import io
 import json
 import os
 
@@ -10,6 +12,8 @@ import torch
 import eval as evaluate
 from checkpoint import find_checkpoint, load_model
 from conftest import RANKS, Captured, read_metrics, run, run_script, shared, train_tiny
+from tasks import HUB_MC, hub_questions
+from test_prepare import hub_env, server  # noqa: F401  (server: a local hub's fixture)
 from tokenizer import chat_ids, chat_prompt, load_tokenizer, save_tokenizer, train_tokenizer, with_chat_tokens
 
 PACK_ROWS = [("arith", "2+2="), ("arith", "3+4="), ("arith", "10-3="), ("letters", "count a in banana")]
@@ -153,9 +157,76 @@ def test_an_export_and_two_ranks_give_the_same_counts(trained, inputs, capfd, tm
         assert other["pack"]["categories"] == one["pack"]["categories"] and other["mc"] == one["mc"]
 
 
+def parquet(rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+HUB_ROWS = {  # two rows of each benchmark's file, in its columns
+    "arc_easy": [{"id": "a1", "question": "def main(", "answerKey": "B",
+                  "choices": {"text": [")", " os", "@@@q", "range(10):"], "label": ["A", "B", "C", "D"]}},
+                 {"id": "a2", "question": "import", "answerKey": "3",
+                  "choices": {"text": [" os", ")", "@@@q"], "label": ["1", "2", "3"]}}],
+    "hellaswag": [{"ind": 4, "activity_label": "Coding", "ctx_a": "A man writes", "ctx_b": "code [title] then",
+                   "ctx": "", "endings": ["runs it [step] twice.", "sleeps.", "@@@.", "for i in range(3)."],
+                   "source_id": "s", "split": "val", "split_type": "indomain", "label": "3"},
+                  {"ind": 5, "activity_label": "Code", "ctx_a": "def f(x):", "ctx_b": "return", "ctx": "",
+                   "endings": [" x", " @@@", " )", " import"], "source_id": "s", "split": "val",
+                   "split_type": "indomain", "label": "0"}],
+    "piqa": [{"goal": "print a line", "sol1": "print('hi')", "sol2": "@@@q", "label": 0},
+             {"goal": "import os", "sol1": "@@@", "sol2": "import os", "label": 1}],
+}
+
+
+def test_the_hub_benchmarks_come_from_their_pinned_files_worded_as_lm_eval(trained, inputs, server, tmp_path,
+                                                                           monkeypatch, capfd):
+    """arc_easy, hellaswag and piqa from a local mirror of the hub, each file at its pinned revision: the questions
+    as lm-evaluation-harness words them (Question/Answer for ARC and PIQA, HellaSwag's context without its WikiHow
+    markup), the answer's index from ARC's labels (letters or digits) and HellaSwag's string label; eval.py scores
+    them beside a JSONL file, each a task with its chance level, and records each file's URL and sha256."""
+    for name, rows in HUB_ROWS.items():
+        repo, revision, file, _ = HUB_MC[name]
+        server.files[f"/datasets/{repo}/resolve/{revision}/{file}"] = parquet(rows)
+    hub_env(monkeypatch, HF_ENDPOINT=server.url, HF_HOME=tmp_path / "hf_home", HF_HUB_DISABLE_TELEMETRY=1)
+    arc, source = hub_questions("arc_easy", str(tmp_path / "dl"))
+    assert [(q["question"], q["choices"][q["answer"]]) for q in arc] == [("Question: def main(\nAnswer:", " os"),
+                                                                         ("Question: import\nAnswer:", "@@@q")]
+    assert source["sha256"] == hashlib.sha256(server.files[next(iter(server.files))]).hexdigest()
+    (swag,), _ = hub_questions("hellaswag", str(tmp_path / "dl"), limit=1)
+    assert swag == dict(question="Coding: A man writes Code. then", task="hellaswag", answer=3,
+                        choices=["runs it twice.", "sleeps.", "@@@.", "for i in range(3)."])
+    piqa, _ = hub_questions("piqa", str(tmp_path / "dl"))
+    assert [(q["question"], q["answer"]) for q in piqa] == [("Question: print a line\nAnswer:", 0),
+                                                            ("Question: import os\nAnswer:", 1)]
+    model, _ = load_model(find_checkpoint(trained[0], "best"))
+    tok = load_tokenizer(find_checkpoint(trained[0], "best"))
+    right = {}
+    with torch.no_grad():
+        for name in HUB_ROWS:
+            questions, _ = hub_questions(name, str(tmp_path / "dl"))
+            right[name] = sum(max(range(len(q["choices"])), key=lambda c: loglikelihood(
+                model, tok, q["question"], q["choices"][c])) == q["answer"] for q in questions)
+    out = tmp_path / "report"
+    run_eval(capfd, trained[0], f"--mc=arc_easy, hellaswag,piqa,{inputs['mc']}", f"--download_dir={tmp_path / 'dl'}",
+             f"--out={out}")
+    report = json.loads((out / "eval.json").read_text())["mc"]
+    assert report["tasks"]["t"]["correct"] == inputs["mc_right"] and report["sources"][inputs["mc"]]["questions"] == 4
+    for name, chance in (("arc_easy", (1 / 4 + 1 / 3) / 2), ("hellaswag", 1 / 4), ("piqa", 1 / 2)):
+        task = report["tasks"][name]
+        assert (task["n"], task["correct"]) == (2, right[name]) and task["chance"] == pytest.approx(chance)
+        repo, revision, file, _ = HUB_MC[name]
+        assert report["sources"][name]["url"].endswith(f"/datasets/{repo}/resolve/{revision}/{file}")
+    run_eval(capfd, trained[0], "--mc=piqa", "--mc_limit=1", f"--download_dir={tmp_path / 'dl'}", f"--out={out}")
+    assert json.loads((out / "eval.json").read_text())["mc"]["tasks"]["piqa"]["n"] == 1
+
+
 @pytest.mark.parametrize("args, says", [
     ([], "nothing to evaluate"),
     (["--pack_dir={pack}", "--max_new_tokens=0"], "max_new_tokens=0 is out of range"),
+    (["--mc=piqa", "--mc_limit=-1"], "mc_limit=-1 is out of range"),
     (["--mc={bad_mc}"], "answer the index of one of them"),
     (["--pack_dir={bad_pack}"], "answer missing or not of the"),
     (["--attach={pack}/manifest.json"], "is not an lm-evaluation-harness results JSON"),

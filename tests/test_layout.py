@@ -19,24 +19,26 @@ BELOW = {
     "report": {"util", "configurator"},
     "checkpoint": {"util", "model", "objectives", "data", "tokenizer"},
     "schedule": {"util"},
-    "preflight": {"util", "attention", "model", "data", "schedule"},
+    "gates": {"util", "checkpoint", "tasks", "tokenizer"},  # checkpoint: the base checkpoint's tokens, read
+    "preflight": {"util", "attention", "model", "data", "schedule", "gates"},
     "postmortem": {"util", "configurator", "data"},
     "dryrun": {"util", "report"},
     "tokenizer": {"util"},
+    "ngrams": {"tasks", "tokenizer"},
     "download": {"util"},
-    "tasks": {"util", "data", "tokenizer"},
-    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint"},
+    "tasks": {"util", "data", "download", "tokenizer"},
+    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint", "ngrams"},
     "skills": {"util", "configurator", "download", "tasks", "tokenizer", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
     "loading": {"util", "checkpoint", "tokenizer", "export"},
     "sample": {"util", "configurator", "objectives", "preflight", "loading", "serve"},
-    "eval": {"util", "configurator", "data", "tokenizer", "loading"},
+    "eval": {"util", "configurator", "data", "tasks", "tokenizer", "loading", "gates"},
     "honesty": {"util", "configurator", "report"},
     "handoff": {"util", "configurator", "report", "data", "prepare", "checkpoint", "export", "honesty"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
-              "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer"},
+              "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}

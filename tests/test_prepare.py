@@ -462,7 +462,7 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
 
     def doc(text, h):
         tokens = np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size))
-        return h, len(text), tokens, None, False, None
+        return h, len(text), tokens, None, False, None, ()
 
     encoded = [doc("shared", 5), doc("val only", 6), doc("shared", threshold + 5), doc("train only", threshold + 6),
                doc("shared!", threshold + 7), doc("shared", threshold + 8)]

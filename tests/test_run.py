@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import gates
 from conftest import ROOT, TINY_MODEL, popen, read_metrics, run, shared
 
 
@@ -106,6 +107,16 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
         assert report["pack"]["overall"]["n"] == rows > 0
     assert layouts == {"out": "base", "sft": "chat"}
     assert json.load(open(tmp_path / "sft" / "summary.json"))["steps"] == 4
+    # each run's summary.json carries its long-run gate: the preflight gates it started with, the checks after it,
+    # and eval_floors from the eval stage (research: no floors); summary.md shows it
+    for run_dir in (out, tmp_path / "sft"):
+        record = json.load(open(run_dir / "summary.json"))["long_run_gate"]
+        assert record["gates"] == json.load(open(run_dir / "preflight.json"))["gates"]
+        assert [g["name"] for g in record["post_run"]] == ["final_loss", "spikes_rollbacks", "contamination",
+                                                           "eval_floors"]
+        assert record["profile"] == "research" and record["post_run"][-1]["verdict"] == "skip"
+        assert record["verdict"] == gates.verdict_of(record["gates"] + record["post_run"]) != "block"
+        assert f"verdict: **{record['verdict']}** (research profile)" in (run_dir / "summary.md").read_text()
 
 
 def test_sample_without_checkpoint_fails_clearly(tmp_path):

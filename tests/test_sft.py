@@ -126,7 +126,8 @@ def test_the_loss_counts_only_the_targets_not_ignored():
     want = torch.nn.functional.cross_entropy(logits[kept], targets[kept])
     for model in (whole, chunked):
         torch.testing.assert_close(model(idx, masked)[1], want)
-    assert chunked(idx, torch.full_like(targets, IGNORE))[1].item() == 0  # a window of prompt tokens alone
+    for model in (whole, chunked):  # a window of prompt tokens alone: loss 0, not NaN
+        assert model(idx, torch.full_like(targets, IGNORE))[1].item() == 0
 
 
 def sft_model(base_ckpt, vocab_size):
@@ -174,6 +175,27 @@ def test_sft_resumes_from_its_own_checkpoints_bit_identically(finished_run, sft_
     final = "ckpt/step_0000006/model.pt"
     a, b = (torch.load(tmp_path / run / final, weights_only=True) for run in ("whole", "split"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("nproc, mode", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_a_step_s_loss_is_the_mean_over_every_reply_token_it_counts(finished_run, sft_data, tmp_path, capfd, nproc,
+                                                                    mode):
+    """A step of two windows (two micro-batches of one rank, or one on each of two ranks, DDP or FSDP) whose
+    replies differ in length: its loss and gradient are the mean over all their counted targets, not the mean of
+    the two windows' means. (learning_rate 1e-30 leaves the weights as they were, so the step's checkpoint holds
+    them.)"""
+    args = [*SFT_ARGS, f"--init_from={finished_run}", "--max_steps=1", "--micro_batch_size=1",
+            "--learning_rate=1e-30", "--min_lr=0", "--ckpt_every=1", f"--dist_mode={mode}"]
+    train_tiny(capfd, tmp_path / "sft", sft_data, *args, nproc=nproc)
+    model = checkpoint.load_model(str(tmp_path / "sft" / "ckpt" / "step_0000001"))[0]
+    seed = json.loads((tmp_path / "sft" / "config.json").read_text())["seed"]
+    x, y = Loader(sft_data, "train", load_manifest(sft_data), 64, seed).train_batch(0, 2, torch.device("cpu"))
+    with torch.no_grad():
+        losses = torch.nn.functional.cross_entropy(model(x)[0].transpose(1, 2), y, reduction="none")
+    counted = (y != IGNORE).sum(1)
+    want, means = losses.sum() / counted.sum(), (losses.sum(1) / counted).mean()
+    assert counted[0] != counted[1] and abs(want - means) > 1e-3, "the two windows must count different targets"
+    assert train_losses(tmp_path / "sft")[1] == pytest.approx(want.item(), rel=1e-5)
 
 
 def test_the_dry_run_runs_sft_steps_from_a_base_checkpoint(finished_run, sft_data, tmp_path, capfd):

@@ -4,6 +4,7 @@ import hashlib
 import json
 
 import skills
+import tasks
 from conftest import run_script
 from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
 
@@ -35,7 +36,7 @@ def test_the_pack_is_its_seed_s_on_any_worker_count_valid_balanced_and_apart(tmp
     assert packs["seed1"]["sft.jsonl"] != packs["one"]["sft.jsonl"]
     sft, evals = read(tmp_path / "one" / "sft.jsonl"), read(tmp_path / "one" / "eval.jsonl")
     for k, row in enumerate(sft + evals):
-        skills.check_row(row, f"row {k}")
+        tasks.check_row(row, f"row {k}")
         assert skills.reply_text(row).split("\n")[-1] == row["answer"] and row["scratchpad"]
         assert row["answer_style"] == "scratchpad"
     prompts = [skills.normal(row["prompt"]) for row in sft + evals]
@@ -98,7 +99,8 @@ def test_a_jsonl_source_is_split_by_hash_and_a_planted_duplicate_or_13_gram_refu
     assert r.stderr.count("\n") == 1 and not any((tmp_path / name).exists() for name in ("dup", "gram"))
 
 
-def test_a_bad_jsonl_row_is_one_line_naming_its_file_and_line(tmp_path, capfd):
+def test_a_bad_jsonl_row_is_one_line_naming_its_file_and_line(tmp_path, capfd, stdlib_data):
+    """skills.py --pack_source and prepare.py --chat=True read rows alike: the same line for each bad row."""
     good = dict(category="c", prompt="p?", answer="a", scratchpad="", answer_style="direct")
     cases = {"{not json": "not valid JSON (a row is {category, prompt, answer, scratchpad, answer_style})",
              json.dumps({k: v for k, v in good.items() if k != "answer"}): "no field 'answer' (a row is {category, "
@@ -112,6 +114,9 @@ def test_a_bad_jsonl_row_is_one_line_naming_its_file_and_line(tmp_path, capfd):
         source.write_text(json.dumps(good) + "\n\n" + line + "\n")
         r = make(capfd, tmp_path / "pack", f"--pack_source={source}", "--sft_rows=1", "--eval_rows=1", code=1)
         assert r.stderr == f"error: {source}:3: {message}\n"
+        r = run_script(["prepare.py", f"--source={source}", "--chat=True", f"--chat_base={stdlib_data}",
+                        f"--data_dir={tmp_path / 'sft'}", "--workers=1"], capfd)
+        assert r.returncode == 1 and r.stderr.splitlines()[-1] == f"error: {source}:3: {message}", r.stderr
 
 
 def test_gsm8k_train_problems_are_sft_rows_and_test_problems_eval_rows(server, tmp_path, monkeypatch, capfd):

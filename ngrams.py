@@ -1,0 +1,107 @@
+"""
+A skills pack's eval rows as hashed word n-grams, and the rows a batch of documents contains: how prepare.py
+counts, while it tokenizes, the training documents that hold an eval row (manifest.json's eval_contamination).
+
+Words are the lowercased text split at ASCII whitespace, as skills.py's 13-gram check splits them (it also
+splits at Unicode spaces). An eval row's prompt and its reply (tokenizer.reply_text) are each its NGRAM-word
+windows, or, with fewer words than that but at least MIN_WORDS, the whole text as one gram; a text shorter
+than that (a bare number) cannot be told from chance and is not checked. Each word is a polynomial hash of its
+bytes and each gram one of its words, both mod 2^64 and computed with numpy over a whole batch at once.
+"""
+
+import hashlib
+
+import numpy as np
+
+from tasks import read_rows
+from tokenizer import reply_text
+
+NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the usual decontamination length)
+MIN_WORDS = 5    # a shorter prompt or reply is not checked: its words alone occur by chance
+WHITESPACE = np.zeros(256, dtype=bool)
+WHITESPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True  # what str.split() splits at among ASCII bytes
+BYTE_BASE, WORD_BASE = 0x100000001B3, 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
+TABLE = 1 << 22  # slots of the first look-up (a few eval rows' grams fill a tiny share of them)
+POWERS = {}  # base -> base^0, base^1, ... mod 2^64, as long as asked so far
+
+
+def powers(base, n):
+    """base^0 .. base^(n-1) mod 2^64 (numpy's uint64 products wrap), kept for the next batch."""
+    if len(POWERS.get(base, ())) < n:
+        out = np.full(max(n, 1 << 20), base, dtype=np.uint64)
+        out[:1] = 1
+        POWERS[base] = np.cumprod(out)
+    return POWERS[base][:n]
+
+
+class Rolling:
+    """Polynomial hashes of the runs of `values`: of values[s:e], sum values[s + k] * base^k."""
+
+    def __init__(self, values, base):
+        self.prefix = np.zeros(len(values) + 1, dtype=np.uint64)
+        np.cumsum(values * powers(base, len(values)), out=self.prefix[1:])
+        self.inverse = powers(pow(base, -1, 1 << 64), len(values) + 1)
+
+    def __call__(self, starts, ends):
+        return (self.prefix[ends] - self.prefix[starts]) * self.inverse[starts]
+
+
+def word_hashes(data):
+    """(each word's hash, each word's first byte) of UTF-8 bytes already lowercased."""
+    b = np.frombuffer(data, dtype=np.uint8)
+    edges = np.diff(np.concatenate(([True], WHITESPACE[b], [True])).astype(np.int8))
+    starts, ends = np.flatnonzero(edges == -1), np.flatnonzero(edges == 1)
+    return Rolling(b.astype(np.uint64) + np.uint64(1), BYTE_BASE)(starts, ends), starts
+
+
+def gram_hashes(words, n, rolled=None):
+    """The hash of each n-word window of words (word hashes; rolled: their Rolling, made once for every n), its
+    length mixed in."""
+    starts = np.arange(max(len(words) - n + 1, 0))
+    return (rolled or Rolling(words, WORD_BASE))(starts, starts + n) ^ np.uint64(n)
+
+
+def text_grams(text):
+    """(the grams a prompt or reply is checked by, their length in words): its NGRAM-word windows, itself whole
+    when shorter, none below MIN_WORDS."""
+    words = word_hashes(text.lower().encode("utf-8"))[0]
+    n = min(NGRAM, len(words))
+    return (gram_hashes(words, n) if n >= MIN_WORDS else np.zeros(0, np.uint64)), n
+
+
+class EvalGrams:
+    """The grams of a pack's eval rows (eval.jsonl, each checked as skills.py checks them: one line naming a bad
+    one): keys (sorted hashes), the eval row (0-based) of each, the gram lengths to look for, rows_checked (rows
+    with a gram) and the file's sha256."""
+
+    def __init__(self, path):
+        rows, found, lengths = read_rows(path)[0], {}, set()
+        with open(path, "rb") as f:
+            self.sha256 = hashlib.sha256(f.read()).hexdigest()
+        for k, row in enumerate(rows):
+            for text in (row["prompt"], reply_text(row)):
+                grams, n = text_grams(text)
+                lengths |= {n} if len(grams) else set()
+                for h in grams.tolist():
+                    found.setdefault(h, k)
+        self.rows, self.rows_checked, self.lengths = len(rows), len(set(found.values())), sorted(lengths)
+        self.keys = np.array(sorted(found), dtype=np.uint64)
+        self.owners = np.array([found[h] for h in self.keys.tolist()], dtype=np.int64)
+        self.table = np.zeros(TABLE, dtype=bool)  # a first look-up by the low bits: few windows pass to the search
+        self.table[self.keys & np.uint64(TABLE - 1)] = True
+
+    def hits(self, texts):
+        """For each text, the sorted eval rows it holds a gram of (a tuple, mostly empty)."""
+        parts = [t.lower().encode("utf-8") for t in texts]
+        firsts = np.cumsum([0] + [len(p) + 1 for p in parts[:-1]])  # each text's first byte once joined
+        words, starts = word_hashes(b" ".join(parts))
+        doc = np.searchsorted(firsts, starts, side="right") - 1
+        found, rolled = [set() for _ in texts], Rolling(words, WORD_BASE)
+        for n in self.lengths if len(self.keys) else ():
+            grams = gram_hashes(words, n, rolled)
+            maybe = np.flatnonzero(self.table[grams & np.uint64(TABLE - 1)])
+            at = np.minimum(np.searchsorted(self.keys, grams[maybe]), len(self.keys) - 1)
+            ok = (self.keys[at] == grams[maybe]) & (doc[maybe] == doc[maybe + n - 1])  # and inside one text
+            for d, row in zip(doc[maybe[ok]].tolist(), self.owners[at[ok]].tolist(), strict=True):
+                found[d].add(row)
+        return [tuple(sorted(s)) for s in found]
