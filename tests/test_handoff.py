@@ -54,11 +54,12 @@ def sft_run(tmp_path_factory, finished_run, sft_data):  # noqa: F811 -- pytest f
 
 
 def with_gate(run, tmp_path, gate):
-    """A copy of the run whose summary.json records `gate` as its release gate."""
+    """A copy of the run whose summary.json records `gate` as its release gate (None: none, as an older run)."""
     copy = tmp_path / "run"
     shutil.copytree(run, copy)
     summary = json.loads((copy / "summary.json").read_text())
-    (copy / "summary.json").write_text(json.dumps(dict(summary, long_run_gate=gate)))
+    summary.pop("long_run_gate", None)
+    (copy / "summary.json").write_text(json.dumps(summary if gate is None else dict(summary, long_run_gate=gate)))
     return copy
 
 
@@ -96,10 +97,19 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
 
 
 def test_the_bundle_refuses_a_run_without_an_acceptable_gate_unless_told(sft_run, tmp_path, capfd):
+    """The run's own gate (research, with eval.py's floors) lets it go; an older run without one, or a gate that
+    blocks, stops it with one line and nothing written, unless --override_gate=True."""
+    recorded = json.loads((sft_run / "summary.json").read_text())["long_run_gate"]
+    assert recorded["profile"] == "research" and "eval_floors" in [g["name"] for g in recorded["post_run"]]
+    assert recorded["verdict"] in ("pass", "warn")  # research's gates let a tiny run through
+    assert handoff(capfd, sft_run, tmp_path / "own").returncode == 0
+    assert json.loads((tmp_path / "own" / "release_gate.json").read_text()) == recorded
+    assert (tmp_path / "own" / "README.md").read_text().startswith("# ")
+    older = with_gate(sft_run, tmp_path / "older", None)
     before = tree(tmp_path)
-    r = handoff(capfd, sft_run, tmp_path / "bundle")
+    r = handoff(capfd, older, tmp_path / "bundle")
     assert r.returncode == 1 and r.stderr.splitlines() == [
-        f"error: run={sft_run}: no release gate recorded (summary.json has no long_run_gate): not handing it off; "
+        f"error: run={older}: no release gate recorded (summary.json has no long_run_gate): not handing it off; "
         "train it with this podgpt, or give --override_gate=True to bundle it anyway (README.md's first line then "
         "says so)"]
     assert tree(tmp_path) == before
