@@ -198,9 +198,9 @@ def contamination(run):
                    "documents are also training documents (the data's manifest.json): its validation loss is "
                    "optimistic")
     gate = run["summary"].get("long_run_gate") or {}
-    for g in gate.get("post_run", []):
-        if isinstance(g, dict) and g.get("name") == "contamination" and g.get("verdict") in ("warn", "block"):
-            out.append(f"contamination between the corpus or SFT rows and the eval rows: {g.get('detail')}")
+    for g in [*gate.get("gates", []), *gate.get("post_run", [])]:  # the preflight gate and the check after the run
+        if isinstance(g, dict) and "contamination" in str(g.get("name")) and g.get("verdict") in ("warn", "block"):
+            out.append(f"{g['name']} ({g['verdict']}): {g.get('detail')}")
     return out
 
 

@@ -68,7 +68,9 @@ def handoff(capfd, run, out, *args):
 
 
 def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_measured(sft_run, tmp_path):
-    run = with_gate(sft_run, tmp_path, GATE_BLOCK)
+    planted = {"name": "contamination", "verdict": "block", "value": 2, "threshold": 0,
+               "detail": "2 eval rows share a 13-gram with the corpus"}
+    run = with_gate(sft_run, tmp_path, dict(GATE_BLOCK, post_run=[*GATE_BLOCK["post_run"], planted]))
     report = json.loads((run / "eval.json").read_text())
     report["pack"]["categories"]["yes_no"].update(n=4, correct=3, accuracy=0.75, low=0.3, high=0.95, chance=0.5,
                                                   above_chance=False)
@@ -83,13 +85,15 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
     limits = " ".join(h["limitations"])
     assert "below the compute-optimal 20" in limits and "at or below chance" in limits and "yes_no" in limits
     assert "wider than" in limits  # 4 rows a category: intervals of 45 points
+    assert "contamination (block): 2 eval rows share a 13-gram with the corpus" in limits
     sources = {c["claim"]: c["source"] for c in h["claims"]}
     assert sources["skills pack: yes_no accuracy (95% interval; chance)"] == "eval.json: pack.categories.yes_no"
     val = [m for m in map(json.loads, open(run / "metrics.jsonl")) if "val_loss" in m][-1]
     assert f"metrics.jsonl: step {val['step']}, val_loss" in sources.values()
     first = (run / "honesty.md").read_text().splitlines()[:honesty.FIRST_SCREEN]
     screen = "\n".join(first)
-    assert "BLOCK under the skill_release profile (blocking: release_token_budget; warnings: final_loss)" in screen
+    assert ("BLOCK under the skill_release profile (blocking: release_token_budget, contamination; warnings: "
+            "final_loss)") in screen
     assert "**Can** (95% interval's low end above chance): add 100.0%" in screen
     assert "**Not shown above chance** (at or below it): yes_no 75.0%" in screen
     assert "no external benchmark attached" in screen and "## Known limitations" in screen
