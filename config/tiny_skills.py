@@ -5,9 +5,10 @@
 # it for a config that sets pack_dir:
 #     CONFIG=config/tiny_skills.py bash run.sh
 #     CONFIG=config/tiny_skills.py STAGES="skills prepare train sft eval" bash run.sh   # the model and its eval
-# Measured on a 2-core CPU (torch 2.13): 5m21s in all; after SFT, counting 7 of 30 right (95% interval 11.8% to
-# 40.9%, chance and the base model 0%), yes_no 19 of 30 (chance 50%, base 0%), 31 of 330 overall against a
-# pooled chance of 6.6% (eval.md in out/tiny_skills and out/tiny_skills/sft).
+# Measured on a 2-core CPU (torch 2.13): 5m20s for the first command, 5m21s for the second; after SFT, counting 7
+# of 30 right (95% interval 11.8% to 40.9%, chance and the base model 0%), yes_no 19 of 30 (chance 50%, base 0%),
+# 31 of 330 overall against a pooled chance of 6.6% (eval.md in out/tiny_skills and out/tiny_skills/sft); the
+# fine-tuned run's release gate is warn (corpus_model_fit, base_exposure), so it is handed off as it is.
 
 # data (prepare.py): config/tiny.py's, in the same data_dir (prepared once for both)
 source, tokenizer, data_dir = "stdlib", "byte", "data/stdlib_byte"
