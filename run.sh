@@ -31,8 +31,9 @@
 #                 of PACK_DIR/sft.jsonl in the tokenizer of the train stage's checkpoint (prepare.py --chat=True),
 #                 then fine-tunes that checkpoint on it (train.py --init_from=OUT_DIR)
 #   PACK_DIR      the skills pack's folder (default: the config's pack_dir, skills.py's data/skills); the skills
-#                 stage writes it (skills.py), the sft stage trains on its sft.jsonl, the eval stage asks its eval.jsonl
-#   EVAL_ARGS     extra --key=val for eval.py, e.g. "--mc=tasks/arc.jsonl --attach=lm_eval.json"; after eval.py,
+#                 stage writes it (skills.py), prepare counts its eval rows in the corpus, the train and sft stages'
+#                 gates judge it, the sft stage trains on its sft.jsonl, the eval stage asks its eval.jsonl
+#   EVAL_ARGS     extra --key=val for eval.py, e.g. "--mc=arc_easy,piqa --attach=lm_eval.json"; after eval.py,
 #                 honesty.py writes each evaluated run's honesty.md and honesty.json
 #   HANDOFF_DIR   the handoff stage's bundle (default OUT_DIR + "-handoff"): handoff.py on the sft stage's run
 #                 when there is one, else the train stage's; it refuses a run whose release gate is block or not
@@ -128,6 +129,11 @@ GPU=
 nvidia-smi -L >/dev/null 2>&1 && GPU=1
 TRAIN_ARGS=("$@")
 [[ -n ${DATA_DIR:-} ]] && TRAIN_ARGS+=("--data_dir=$DATA_DIR")
+# a PACK_DIR given reaches every stage that reads the pack: prepare counts its eval rows in the corpus, the gates
+# of train and sft judge it (otherwise each reads the config's pack_dir)
+PACK_ARG=()
+[[ -n ${PACK_DIR:-} ]] && PACK_ARG=("--pack_dir=$PACK_DIR")
+TRAIN_ARGS+=("${PACK_ARG[@]}")
 # the run's out_dir as train.py resolves it from the config and the overrides
 OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
@@ -225,13 +231,14 @@ for s in $STAGES; do
     case $s in
         sanity)  stage sanity "${LAUNCH[@]}" sanity.py "$CONFIG" "--out_dir=$OUT" ${DATA_DIR:+"--data_dir=$DATA_DIR"} \
                      ${GPU:+--capacity} ;;
-        prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} ${PREPARE_ARGS:-} ;;
+        prepare) stage prepare $PYTHON prepare.py "$CONFIG" ${DATA_DIR:+"--data_dir=$DATA_DIR"} "${PACK_ARG[@]}" \
+                     ${PREPARE_ARGS:-} ;;
         dryrun)  stage dryrun "${LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT/dryrun" \
                      "--dryrun_steps=$DRYRUN_STEPS" ;;
         train)   stage train "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "${TRAIN_ARGS[@]}" "--out_dir=$OUT" ;;
         sft)     stage sft-data $PYTHON prepare.py "$CONFIG" "$SFT_CONFIG" --chat=True "--chat_base=$OUT" \
                      "--source=$PACK_DIR/sft.jsonl" "--data_dir=$SFT_DATA"
-                 stage sft "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-} \
+                 stage sft "${TRAIN_LAUNCH[@]}" train.py "$CONFIG" "$SFT_CONFIG" "${PACK_ARG[@]}" ${SFT_ARGS:-} \
                      "--init_from=$OUT" ;;
         skills)  stage skills $PYTHON skills.py "$CONFIG" "--pack_dir=$PACK_DIR" ;;
         eval)    stage eval "${LAUNCH[@]}" eval.py "$CONFIG" "--ckpt=$OUT" "--pack_dir=$PACK_DIR" \

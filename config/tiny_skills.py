@@ -33,7 +33,3 @@ device, dtype = "cpu", "float32"
 pack_dir = "data/skills_tiny"
 sft_rows, eval_rows, answer_style = 1600, 330, "direct"
 max_new_tokens = 48
-
-# the hand-off (handoff.py, the handoff stage): a model this small is a demonstration, never a release, so the
-# bundle is made whatever its release gate says, and its README's first line says that it was
-override_gate = True

@@ -75,7 +75,7 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
     """After the train stage: skills writes the pack, sft fine-tunes the train stage's checkpoint on its SFT rows
     (the base run untouched), eval writes eval.json and the honesty report for the base model and the fine-tuned
     one, each over every eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout;
-    handoff bundles the fine-tuned one (its README's first line says when that was against its release gate)."""
+    handoff bundles the fine-tuned one, its release gate (research) letting it go."""
     tmp, _ = pipeline
     out, pack, bundle = tmp / "out", tmp_path / "pack", tmp_path / "bundle"
     before = (out / "ckpt" / "latest").read_text()
@@ -83,18 +83,15 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
                STAGES="skills sft eval handoff", SFT_CONFIG="config/tiny_skills_sft.py",
                SFT_ARGS=f"--out_dir={tmp_path / 'sft'} --data_dir={tmp_path / 'sft_data'} --max_steps=4 "
                         "--eval_every=4 --ckpt_every=4 --log_every=2 --micro_batch_size=8 --total_batch_tokens=2048",
-               EVAL_ARGS="--max_new_tokens=4 --eval_batches=2", HANDOFF_DIR=str(bundle),
-               HANDOFF_ARGS="--override_gate=True")
+               EVAL_ARGS="--max_new_tokens=4 --eval_batches=2", HANDOFF_DIR=str(bundle))
     stdout = run(["bash", "run.sh"], env=env).stdout
     for stage in ("skills", "sft-data", "sft", "eval", "honesty", "eval-sft", "honesty-sft", "handoff"):
         assert f"=== {stage}:" in stdout
     assert all((run_dir / "honesty.md").is_file() for run_dir in (out, tmp_path / "sft"))
     record = json.loads((bundle / "handoff.json").read_text())
     assert record["run"] == f"{tmp_path.name}/sft" and (bundle / "model" / "model.safetensors").is_file()
-    gate = record["release_gate"]
-    acceptable = gate["recorded"] and gate["verdict"] != "block"
-    first = (bundle / "README.md").read_text().splitlines()[0]
-    assert first.startswith("# ") if acceptable else first.startswith("**NOT ACCEPTABLE FOR RELEASE")
+    assert record["release_gate"]["verdict"] in ("pass", "warn")  # research: it goes on, no override needed
+    assert (bundle / "README.md").read_text().startswith("# ")
     for line in (bundle / "checksums.sha256").read_text().splitlines():
         digest, name = line.split("  ", 1)
         assert hashlib.sha256((bundle / name).read_bytes()).hexdigest() == digest, name
