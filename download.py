@@ -1,9 +1,10 @@
 """
-Downloads for prepare.py's URL sources: a file on the Hugging Face hub (huggingface.co or the HF_ENDPOINT
-mirror) through huggingface_hub, into its cache (HF_HUB_CACHE, else HF_HOME/hub), which also handles
-HF_TOKEN, HF_HUB_OFFLINE, retries and rate limits; any other URL with requests into download_dir,
-resumable, retried on timeouts, dropped connections and server errors. A file already in download_dir
-(at download_dir/host/path) or, for the hub, in the Hugging Face cache is read where it is.
+Downloads for prepare.py's URL sources and eval.py's hub benchmarks: a file on the Hugging Face hub
+(huggingface.co or the HF_ENDPOINT mirror) through huggingface_hub, into its cache (HF_HUB_CACHE, else
+HF_HOME/hub), which also handles HF_TOKEN, HF_HUB_OFFLINE, retries and rate limits; any other URL with
+requests into download_dir, resumable, retried on timeouts, dropped connections and server errors. A file
+already in download_dir (at download_dir/host/path) or, for the hub, in the Hugging Face cache is read where
+it is.
 """
 
 import errno
