@@ -36,6 +36,7 @@ import configurator
 import honesty
 from checkpoint import reading
 from data import tokenizer_fingerprint
+from download import file_sha256
 from export import check_replaceable, export, put_in_place, scratch_beside
 from prepare import SOURCE_EXTS, is_url, walk
 from report import read_json
@@ -54,14 +55,6 @@ examples = 4                    # eval.json's recorded replies quoted in README.
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "preflight.md", "preflight.json", "eval.json", "eval.md")
 CHECKSUMS = "checksums.sha256"
-
-
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def gate_check(folder, status, override):
@@ -87,12 +80,12 @@ def source_hashes(args):
             root = sysconfig.get_paths()["stdlib"] if part == "stdlib" else part
             files = walk(root, (".py",), ("site-packages", "dist-packages")) if part == "stdlib" \
                 else walk(part, SOURCE_EXTS)
-            lines = "".join(f"{sha256_file(f)}  {os.path.relpath(f, root)}\n" for f in files)
+            lines = "".join(f"{file_sha256(f)}  {os.path.relpath(f, root)}\n" for f in files)
             where = f"Python {platform.python_version()}'s standard library here" if part == "stdlib" else part
             out.append(dict(source=part, files=len(files), sha256=hashlib.sha256(lines.encode()).hexdigest(),
                             how=f"sha256 of the sorted 'sha256  path' lines of the {len(files)} files of {where}"))
         elif os.path.isfile(part):
-            out.append(dict(source=part, files=1, sha256=sha256_file(part), how="sha256 of the file"))
+            out.append(dict(source=part, files=1, sha256=file_sha256(part), how="sha256 of the file"))
         else:
             given = args.get("sha256") or None
             out.append(dict(source=part, files=None, sha256=given,
@@ -125,7 +118,7 @@ def data_recipe(data_dir):
         tokenizer = f"unreadable ({first_line(e)})"
     return {"data_dir": data_dir, "source": manifest.get("source"), "prepare_args": args, "sources": sources,
             "skills_packs": packs, "tokenizer": manifest.get("tokenizer"), "tokenizer_fingerprint": tokenizer,
-            "tokenizer_files": {f: sha256_file(os.path.join(data_dir, f)) for f in manifest.get("tokenizer_files", [])
+            "tokenizer_files": {f: file_sha256(os.path.join(data_dir, f)) for f in manifest.get("tokenizer_files", [])
                                 if os.path.isfile(os.path.join(data_dir, f))},
             "fingerprint": manifest.get("fingerprint"), "contamination": manifest.get("contamination"),
             "shards": [dict(split=name, file=s["file"], tokens=s["tokens"], sha256=s["sha256"])
@@ -216,7 +209,7 @@ def write_checksums(folder):
         for f in sorted(files):
             path = os.path.relpath(os.path.join(root, f), folder)
             if path not in (CHECKSUMS, SCRATCH_MARK):
-                lines.append(f"{sha256_file(os.path.join(folder, path))}  {path}\n")
+                lines.append(f"{file_sha256(os.path.join(folder, path))}  {path}\n")
     write_atomic(os.path.join(folder, CHECKSUMS), "".join(lines))
 
 

@@ -35,7 +35,7 @@ BELOW = {
     "sample": {"util", "configurator", "objectives", "preflight", "loading", "serve"},
     "eval": {"util", "configurator", "data", "tasks", "tokenizer", "loading", "gates"},
     "honesty": {"util", "configurator", "report"},
-    "handoff": {"util", "configurator", "report", "data", "prepare", "checkpoint", "export", "honesty"},
+    "handoff": {"util", "configurator", "report", "data", "download", "prepare", "checkpoint", "export", "honesty"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
               "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
