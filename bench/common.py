@@ -213,6 +213,24 @@ def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, war
                 peak_mem_kind="max_memory_allocated" if dev.type == "cuda" else "process_peak_rss")
 
 
+def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=3):
+    """A torch.profiler trace of `steps` training steps (warmed up already: measure_steps ran them) as a Chrome
+    trace at path (chrome://tracing or ui.perfetto.dev), and the ops that took the most time on the device (the
+    CPU's, without a GPU), printed: where a step loses time against the matmul ceiling."""
+    from torch.profiler import ProfilerActivity, profile
+    x, y = random_batch(model.config, micro_batch, dev, block_size)
+    gpu = dev.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu, record_shapes=True) as prof:
+        for _ in range(steps):
+            train_step(model, optimizer, x, y, autocast(dev, dt), our_loss)
+        if gpu:
+            torch.cuda.synchronize(dev)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path)
+    print(prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
+                                    row_limit=15))
+
+
 # -----------------------------------------------------------------------------
 # the result line
 

@@ -21,6 +21,7 @@ with depth, so the two give a per-layer cost and a fixed one (embedding, head, l
 optimizer of those), extrapolated to the config's full depth.
 """
 
+import os
 import sys
 from dataclasses import asdict
 
@@ -38,6 +39,7 @@ ceiling_tflops = 0.0            # a measured matmul ceiling (bench/matmul.py) fo
 warmup = 3                      # untimed steps per point (the first compiles, with --compile=True)
 iters = 10                      # timed steps per point
 out = ""                        # JSONL file the result line is appended to; "": bench/results/mfu.jsonl
+trace = ""                      # a folder for a torch.profiler trace of each point (Chrome JSON); "": none
 # --- end config
 
 
@@ -50,8 +52,14 @@ def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
     except torch.cuda.OutOfMemoryError:  # the weights alone do not fit
         return [dict(base, micro_batch=mb, oom=True) for mb in micro_batches]
     step = common.compiled(model, run)
-    rows = [dict(base, **common.measure_steps(step, optimizer, mb, mconfig.block_size, mconfig.vocab_size, dev, dt,
-                                              cfg["warmup"], cfg["iters"])) for mb in micro_batches]
+    rows = []
+    for mb in micro_batches:
+        rows.append(dict(base, **common.measure_steps(step, optimizer, mb, mconfig.block_size, mconfig.vocab_size,
+                                                      dev, dt, cfg["warmup"], cfg["iters"])))
+        if cfg["trace"] and "step_time_s" in rows[-1]:
+            path = os.path.join(cfg["trace"], f"mfu-{setting}-{depth}layers-mb{mb}.json")
+            common.trace_steps(step, optimizer, mb, mconfig.block_size, dev, dt, path)
+            rows[-1]["trace"] = path
     del model, optimizer, step
     common.free_memory(dev)
     return rows

@@ -126,7 +126,10 @@ def test_attention_every_backend_with_and_without_documents(tmp_path, capfd):
 def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path, capfd):
     # a 1-layer slice of tiny.py's 4 layers: measured at 1 and 2 layers, extrapolated to 4
     rec = probe(capfd, tmp_path, "mfu", "config/tiny.py", *SHAPE, "--n_layer=1", "--micro_batches=1,2",
-                "--grad_ckpts=none,full", "--ceiling_tflops=0.5", *FAST)
+                "--grad_ckpts=none,full", "--ceiling_tflops=0.5", f"--trace={tmp_path / 'traces'}", *FAST)
+    for r in rec["rows"]:  # each point's profiler trace, the training step's ops in it
+        events = json.load(open(r["trace"]))["traceEvents"]
+        assert any(e.get("name") == "aten::mm" for e in events) and f"mb{r['micro_batch']}" in r["trace"]
     full = model_of(rec)
     assert (full.n_layer, full.n_embd, full.block_size, full.vocab_size) == (4, 64, 64, 256)
     assert rec["flops_per_token"] == flops_per_token(full) and rec["config"] == ["config/tiny.py"]
