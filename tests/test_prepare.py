@@ -364,7 +364,20 @@ def test_embedded_default_holds_out_a_real_validation_set(tmp_path):
     assert decode_split(out, "val") == held_out and train["docs"] == len(files) - len(held_out)
 
 
-def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_path, capsys):
+def counting_encodes(monkeypatch, log):
+    """Make every worker append each document it encodes to `log` (the workers are forked: they inherit this)."""
+    encode = prepare.encode_document
+
+    def counted(tok, text, lengths):
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(text) + "\n")
+        return encode(tok, text, lengths)
+    monkeypatch.setattr(prepare, "encode_document", counted)
+
+
+def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_path, capsys, monkeypatch):
+    """The documents held out beyond val_fraction's are read back from the shards, never tokenized twice: each
+    document is encoded once, and the shards are those of one pass at a threshold giving the same split."""
     docs = [f"document {i}: " + "word " * (i % 13) for i in range(150)]
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -372,11 +385,16 @@ def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_pa
     assert smallest_hash_split(docs, n_tokens, 0.001, 0) == []  # val_fraction alone: no document
     held_out = smallest_hash_split(docs, n_tokens, 0.001, 500)
     outs = [tmp_path / "w1", tmp_path / "w2"]
+    log = tmp_path / "encoded.jsonl"
+    counting_encodes(monkeypatch, log)
     for n, out in zip((1, 2), outs):
         assert run(f"--source={source}", f"--data_dir={out}", "--val_fraction=0.001", "--min_val_tokens=500",
                    "--shard_tokens=400", f"--workers={n}") == 0
         printed = capsys.readouterr().out
         assert "validation: 0 documents, 0 tokens, fewer than min_val_tokens=500: holding out more" in printed
+        assert "read back from the shards" in printed and "tokenizing again" not in printed
+        assert sorted(json.loads(line) for line in log.read_text().splitlines()) == sorted(docs)
+        log.unlink()
         assert decode_split(out, "val") == held_out
         assert decode_split(out, "train") == [d for d in docs if d not in held_out]
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
@@ -384,6 +402,13 @@ def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_pa
     val = data.load_manifest(outs[0])["splits"]["val"]
     assert val["docs"] == len(held_out) and val["tokens"] == sum(len(d.encode()) + 1 for d in held_out) >= 500
     assert f"validation: {len(held_out):,} documents, {val['tokens']:,} tokens (" in printed
+    between = (max(map(doc_hash, held_out)) + min(doc_hash(d) for d in docs if d not in held_out)) / 2 / 2**64
+    single = tmp_path / "single"
+    assert run(f"--source={source}", f"--data_dir={single}", f"--val_fraction={between!r}", "--min_val_tokens=0",
+               "--shard_tokens=400") == 0
+    shards = ({name: data for name, (_, _, data) in snapshot(out).items() if name != "manifest.json"}
+              for out in (single, outs[0]))
+    assert next(shards) == next(shards)
 
 
 def test_too_small_a_corpus_for_min_val_tokens_is_refused(corpus, tmp_path):
