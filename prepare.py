@@ -388,7 +388,7 @@ def encode_document(tok, text, lengths):
     """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's SEGMENT-separated parts
     tokenized one by one, the first after BOS, each padded with BOS or cut to its length."""
     if not lengths:
-        return [tok.bos_id] + tok.encode(text), False
+        return np.concatenate((np.array([tok.bos_id], dtype=np.uint32), tok.encode_array(text))), False
     parts = text.split(SEGMENT)
     if len(parts) == 1:  # a plain document: one segment
         parts += [""] * (len(lengths) - 1)
@@ -417,7 +417,7 @@ def encode_batch(docs):
             mask = np.array(mask, dtype=np.uint8)
         else:
             tokens, cut = encode_document(worker_tok, text, worker_lengths)
-        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask, found))
+        out.append((doc_hash(data), n_bytes, np.asarray(tokens).astype(dtype, copy=False), split, cut, mask, found))
     return out
 
 
