@@ -1,6 +1,7 @@
 """Tests of prepare.py: round trips through every tokenizer, the shard format, the split and its
 guaranteed minimum, determinism across workers, reuse, downloads (from a local HTTP server) and CLI errors."""
 
+import collections
 import errno
 import hashlib
 import http.server
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import configurator  # noqa: E402
 import data  # noqa: E402
 import download  # noqa: E402
+import holdout  # noqa: E402
 import prepare  # noqa: E402
 import tokenizer  # noqa: E402
 import util  # noqa: E402
@@ -495,6 +497,39 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
     assert [splits[name]["docs"] for name in ("train", "val")] == [4, 2] and len(splits["train"]["shards"]) > 1
     assert contamination == {"train_docs_in_val": 2, "val_documents": 2, "hash": TOKEN_HASH}
     assert data.contamination(tmp_path, {"splits": splits}) == (2, 2)  # what the written shards give
+
+
+def test_a_raised_threshold_rewrites_the_shards_as_one_pass_at_it(tmp_path):
+    """split_again, from the shards of a first pass and its Ledger, writes what one pass at the raised threshold
+    writes: the same files, counts, contamination and eval rows, loss masks and source splits kept."""
+    tok = tokenizer.Tokenizer("byte", "byte", 257, 256)
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, 2**64, 60, dtype=np.uint64).tolist()
+    forced = [None] * 50 + ["train"] * 5 + ["val"] * 5
+    rng.shuffle(forced)
+    encoded = []
+    for i, (h, split) in enumerate(zip(hashes, forced)):
+        tokens = np.array([tok.bos_id] + tok.encode(f"document {i} " * (i % 7 + 1)), dtype=np.uint16)
+        mask = (np.arange(len(tokens)) % 3 == 0).astype(np.uint8)
+        encoded.append((h, len(tokens) - 1, tokens, split, i % 5 == 0, mask, (i % 4,) if i % 3 == 0 else ()))
+    first, raised = 2**60, sorted(hashes)[20]
+    outs = {name: tmp_path / name for name in ("first", "one_pass")}
+    for out in outs.values():
+        out.mkdir()
+    ledger, found = holdout.Ledger(10**9), collections.Counter()
+    splits, *_ = prepare.write_shards(outs["first"], encoded, tok, 100, first, prepare.SmallestHashes(0), found,
+                                      ledger)
+    again = prepare.split_again(str(outs["first"]), ledger, splits, tok, 100, raised, found)
+    expected = collections.Counter()
+    one_pass = prepare.write_shards(outs["one_pass"], encoded, tok, 100, raised, prepare.SmallestHashes(0), expected)
+    assert again[0] == one_pass[0] and np.array_equal(again[1], one_pass[1]) and again[2] == one_pass[2]
+    assert found == expected and sum(found.values()) > 0
+    assert again[0]["val"]["docs"] > splits["val"]["docs"] and again[0]["val"]["loss_tokens"] > 0
+    assert snapshot_bytes(outs["first"]) == snapshot_bytes(outs["one_pass"])  # the first pass's files gone
+
+
+def snapshot_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 # -----------------------------------------------------------------------------
