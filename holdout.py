@@ -11,7 +11,7 @@ import os
 
 import numpy as np
 
-from data import docs_file, mask_file, open_shard
+from data import docs_file, mask_file, open_shard, token_hash
 
 FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
 
@@ -65,7 +65,8 @@ class Ledger:
         readers = {name: shard_documents(folder, splits[name]["shards"]) for name in splits}
         for i, (h, n_bytes, flags) in enumerate(zip(self.hashes, self.n_bytes, self.flags, strict=True)):
             tokens, mask = next(readers["val" if flags & 1 else "train"])
-            yield h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask, self.rows.get(i, ())
+            yield (h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask, self.rows.get(i, ()),
+                   token_hash(tokens))
 
 
 def shard_documents(folder, shards):

@@ -404,8 +404,9 @@ def encode_document(tok, text, lengths):
 
 def encode_batch(docs):
     """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None, the eval rows
-    it holds a gram of) for each (text, split) of a batch; chat: each text a pack_documents prompt and reply,
-    tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte)."""
+    it holds a gram of, the tokens' token_hash) for each (text, split) of a batch; chat: each text a pack_documents
+    prompt and reply, tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte).
+    The hashes are taken here, not in write_shards: the one parent process writes for all the workers."""
     dtype = token_dtype(worker_tok.vocab_size)
     out, hits = [], worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
     for (text, split), found in zip(docs, hits, strict=True):
@@ -417,7 +418,8 @@ def encode_batch(docs):
             mask = np.array(mask, dtype=np.uint8)
         else:
             tokens, cut = encode_document(worker_tok, text, worker_lengths)
-        out.append((doc_hash(data), n_bytes, np.asarray(tokens).astype(dtype, copy=False), split, cut, mask, found))
+        tokens = np.asarray(tokens).astype(dtype, copy=False)
+        out.append((doc_hash(data), n_bytes, tokens, split, cut, mask, found, token_hash(tokens)))
     return out
 
 
@@ -500,7 +502,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], masks[name], filled[name] = [], [], 0
 
-    for h, n_bytes, tokens, forced, cut, mask, rows in encoded:
+    for h, n_bytes, tokens, forced, cut, mask, rows, tokens_hash in encoded:
         if not forced:  # only the hash's documents can be held out to reach min_val_tokens
             smallest.add(h, len(tokens))
         name = forced or ("val" if h < threshold else "train")
@@ -516,7 +518,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
             masks[name].append(mask)
             split["loss_tokens"] = split.get("loss_tokens", 0) + int(mask.sum())
         filled[name] += len(tokens)
-        hashes[name].append(token_hash(tokens))
+        hashes[name].append(tokens_hash)
         if ledger is not None:
             ledger.add(h, n_bytes, name, forced, cut, rows, splits["val"]["tokens"])
         if filled[name] >= shard_tokens:  # a shard closes after the document that fills it

@@ -219,6 +219,8 @@ def test_encode_a_worker_process_against_the_raw_tokenizer(tmp_path, capfd):
     assert rec["raw_mb_per_sec"] > 0 and 0 < rec["start_s"] < rec["mb"] / rec["worker_mb_per_sec"]
     assert close(rec["steady_mb_per_sec"], rec["mb"] / (rec["mb"] / rec["worker_mb_per_sec"] - rec["start_s"]))
     assert close(rec["fraction"], rec["steady_mb_per_sec"] / rec["raw_mb_per_sec"])
+    assert close(rec["parent_mb_per_sec"], rec["mb"] / (rec["read_s"] + rec["write_s"]))
+    assert close(rec["workers_fed"], rec["parent_mb_per_sec"] / rec["steady_mb_per_sec"])
 
 
 def test_vs_hf_same_shape_both_timed(tmp_path, capfd):

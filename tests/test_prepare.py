@@ -489,7 +489,7 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
 
     def doc(text, h):
         tokens = np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size))
-        return h, len(text), tokens, None, False, None, ()
+        return h, len(text), tokens, None, False, None, (), data.token_hash(tokens)
 
     encoded = [doc("shared", 5), doc("val only", 6), doc("shared", threshold + 5), doc("train only", threshold + 6),
                doc("shared!", threshold + 7), doc("shared", threshold + 8)]
@@ -511,7 +511,8 @@ def test_a_raised_threshold_rewrites_the_shards_as_one_pass_at_it(tmp_path):
     for i, (h, split) in enumerate(zip(hashes, forced)):
         tokens = np.array([tok.bos_id] + tok.encode(f"document {i} " * (i % 7 + 1)), dtype=np.uint16)
         mask = (np.arange(len(tokens)) % 3 == 0).astype(np.uint8)
-        encoded.append((h, len(tokens) - 1, tokens, split, i % 5 == 0, mask, (i % 4,) if i % 3 == 0 else ()))
+        rows = (i % 4,) if i % 3 == 0 else ()
+        encoded.append((h, len(tokens) - 1, tokens, split, i % 5 == 0, mask, rows, data.token_hash(tokens)))
     first, raised = 2**60, sorted(hashes)[20]
     outs = {name: tmp_path / name for name in ("first", "one_pass")}
     for out in outs.values():
