@@ -37,7 +37,9 @@ shards go into data_dir, built in the scratch folder data_dir/.podgpt-prepare an
 complete, manifest.json last; prepare.py writes only into a data_dir that holds nothing but its own files
 (docs/data-format.md; data.py reads them). Validation is whole documents, those with the smallest hashes
 of their text: val_fraction of them, and more while they hold fewer than min_val_tokens tokens (found at
-the end of the pass, then the documents are tokenized again: only a small corpus needs that). The split
+the end of the pass, then read back from the shards and written again, never tokenized twice; bpe:N, trained on
+training documents alone, is trained again and the corpus tokenized again: only a small corpus needs that
+(holdout.py)). The split
 depends on the set of documents alone, so the output is the same for any number of workers, and
 duplicate documents always land in the same split.
 """
@@ -47,7 +49,6 @@ import collections
 import contextlib
 import difflib
 import hashlib
-import heapq
 import io
 import json
 import math
@@ -67,6 +68,7 @@ import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
                   token_dtype, token_hash)
 from download import download, local_copy
+from holdout import Ledger, SmallestHashes
 from ngrams import MIN_WORDS, NGRAM, EvalGrams
 from tasks import gsm8k_documents, pack_documents
 from tokenizer import SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
@@ -351,27 +353,6 @@ def bpe_training_texts(docs, threshold, max_chars):
             yield text
 
 
-class SmallestHashes:
-    """The documents with the smallest hashes that together hold at least min_tokens tokens, kept in a
-    heap as the documents stream past: memory grows with min_tokens, not with the corpus."""
-
-    def __init__(self, min_tokens):
-        self.min_tokens, self.tokens = min_tokens, 0
-        self.heap = []  # (-hash, n_tokens): the largest hash on top
-
-    def add(self, h, n_tokens):
-        if self.tokens >= self.min_tokens and (not self.heap or h >= -self.heap[0][0]):
-            return  # enough already, with smaller hashes
-        heapq.heappush(self.heap, (-h, n_tokens))
-        self.tokens += n_tokens
-        while self.tokens - self.heap[0][1] >= self.min_tokens:  # enough without the largest
-            self.tokens -= heapq.heappop(self.heap)[1]
-
-    def threshold(self):
-        """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
-        return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
-
-
 # -----------------------------------------------------------------------------
 # Tokenizing in worker processes, writing shards
 
@@ -407,7 +388,7 @@ def encode_document(tok, text, lengths):
     """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's SEGMENT-separated parts
     tokenized one by one, the first after BOS, each padded with BOS or cut to its length."""
     if not lengths:
-        return [tok.bos_id] + tok.encode(text), False
+        return np.concatenate((np.array([tok.bos_id], dtype=np.uint32), tok.encode_array(text))), False
     parts = text.split(SEGMENT)
     if len(parts) == 1:  # a plain document: one segment
         parts += [""] * (len(lengths) - 1)
@@ -423,8 +404,9 @@ def encode_document(tok, text, lengths):
 
 def encode_batch(docs):
     """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None, the eval rows
-    it holds a gram of) for each (text, split) of a batch; chat: each text a pack_documents prompt and reply,
-    tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte)."""
+    it holds a gram of, the tokens' token_hash) for each (text, split) of a batch; chat: each text a pack_documents
+    prompt and reply, tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte).
+    The hashes are taken here, not in write_shards: the one parent process writes for all the workers."""
     dtype = token_dtype(worker_tok.vocab_size)
     out, hits = [], worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
     for (text, split), found in zip(docs, hits, strict=True):
@@ -436,7 +418,8 @@ def encode_batch(docs):
             mask = np.array(mask, dtype=np.uint8)
         else:
             tokens, cut = encode_document(worker_tok, text, worker_lengths)
-        out.append((doc_hash(data), n_bytes, np.array(tokens, dtype=dtype), split, cut, mask, found))
+        tokens = np.asarray(tokens).astype(dtype, copy=False)
+        out.append((doc_hash(data), n_bytes, tokens, split, cut, mask, found, token_hash(tokens)))
     return out
 
 
@@ -492,11 +475,11 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
             yield from first_results()
 
 
-def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None):
+def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None, ledger=None):
     """Pack encoded documents into shards per split (validation: hash below threshold), each also
-    added to `smallest`, a SmallestHashes; returns the manifest's splits, train unigram counts and
-    contamination. The split keeps duplicate texts together, yet the count is of the tokens written.
-    eval_found (a Counter): each eval row's training documents are added to it."""
+    added to `smallest`, a SmallestHashes, and to `ledger` (a holdout.Ledger, if given); returns the manifest's
+    splits, train unigram counts and contamination. The split keeps duplicate texts together, yet the count is of
+    the tokens written. eval_found (a Counter): each eval row's training documents are added to it."""
     splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []} for name in ("train", "val")}
     # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
     hashes = {name: array.array("Q") for name in splits}
@@ -519,7 +502,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], masks[name], filled[name] = [], [], 0
 
-    for h, n_bytes, tokens, forced, cut, mask, rows in encoded:
+    for h, n_bytes, tokens, forced, cut, mask, rows, tokens_hash in encoded:
         if not forced:  # only the hash's documents can be held out to reach min_val_tokens
             smallest.add(h, len(tokens))
         name = forced or ("val" if h < threshold else "train")
@@ -535,7 +518,9 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
             masks[name].append(mask)
             split["loss_tokens"] = split.get("loss_tokens", 0) + int(mask.sum())
         filled[name] += len(tokens)
-        hashes[name].append(token_hash(tokens))
+        hashes[name].append(tokens_hash)
+        if ledger is not None:
+            ledger.add(h, n_bytes, name, forced, cut, rows, splits["val"]["tokens"])
         if filled[name] >= shard_tokens:  # a shard closes after the document that fills it
             close_shard(name)
     for name in splits:
@@ -641,29 +626,55 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
-    while True:  # twice at most, unless a bpe:N retrained without the new validation documents needs a third
+    # bpe:N is trained on training documents alone: a raised threshold changes it, and every token with it
+    retrains = parse_spec(cfg.tokenizer)[0] == "bpe" and not cfg.chat
+    while True:  # once, or for a bpe:N retrained without the new validation documents twice or three times
         meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base)) if cfg.chat else train_tokenizer(
             cfg.tokenizer, lambda: (text for text, _ in docs()),
             lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
         tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
-        smallest = SmallestHashes(cfg.min_val_tokens)
+        smallest, ledger = SmallestHashes(cfg.min_val_tokens), Ledger(cfg.min_val_tokens if cfg.val_fraction else 0)
         eval_found.clear()  # a second pass counts anew
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed
         encoded = encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments), cfg.chat, grams)
         with contextlib.closing(encoded):
             splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest,
-                                                         eval_found)
+                                                         eval_found, ledger)
         val = splits["val"]
         if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
             break
-        print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
-              f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes) and tokenizing again")
         threshold = smallest.threshold()
+        short = (f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
+                 f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes)")
+        if not retrains:
+            print(f"{short}, read back from the shards")
+            splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens, threshold,
+                                                        eval_found)
+            break
+        print(f"{short}: training {cfg.tokenizer} without them and tokenizing again")
         make_scratch(scratch)  # the next pass starts from an empty folder
     check_split(cfg, splits, raised=threshold > base_threshold)
     return tok, tokenizer_files, splits, counts, contamination
+
+
+def split_again(scratch, ledger, splits, tok, shard_tokens, threshold, eval_found):
+    """write_shards again at a raised threshold, the documents read back from the shards just written (moved
+    into a folder of the scratch folder, removed after): no document is tokenized twice."""
+    first = os.path.join(scratch, "first-pass")
+    os.mkdir(first)
+    names = [shard[key] for split in splits.values() for shard in split["shards"]
+             for key in ("file", "docs_file", "mask_file") if key in shard]
+    for name in names:
+        os.replace(os.path.join(scratch, name), os.path.join(first, name))
+    eval_found.clear()
+    again = write_shards(scratch, ledger.replay(first, splits), tok, shard_tokens, threshold, SmallestHashes(0),
+                         eval_found)
+    for name in names:
+        os.remove(os.path.join(first, name))
+    os.rmdir(first)
+    return again
 
 
 def check_split(cfg, splits, raised):

@@ -44,6 +44,16 @@ class Tokenizer:
                 raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char tokenizer") from None
         return self.enc.encode_ordinary(text)
 
+    def encode_array(self, text):
+        """encode's ids as a numpy array (uint32, byte's uint8): tiktoken writes them into it straight, with no
+        Python list made and copied (prepare.py's workers)."""
+        if self.kind == "byte":
+            return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+        if self.kind == "char":
+            return np.array(self.encode(text), dtype=np.uint32)
+        # no special token allowed: their text is plain text, as encode_ordinary has it
+        return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+
     def decode_bytes(self, ids):
         """The bytes of ids; BOS decodes to nothing, a chat token to its name."""
         ids = np.asarray(ids, dtype=np.int64)

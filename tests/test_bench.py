@@ -17,7 +17,7 @@ from configurator import read_defaults
 from model import GPTConfig
 from preflight import flops_per_token, memory_estimate, param_counts
 
-PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt")
+PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt", "encode")
 RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take train.py's config files and keys
 # config/tiny.py (4 layers, CPU, float32) made smaller still; a vocabulary given, so no data is needed
 SHAPE = ["--n_embd=64", "--n_head=4", "--n_kv_head=2", "--block_size=64", "--vocab_size=256"]
@@ -212,6 +212,20 @@ def test_loader_against_the_gpu_rate(tmp_path, stdlib_data, capfd):
     assert close(rec["headroom"], rec["tokens_per_sec"] / 1000)
 
 
+def test_encode_a_worker_process_against_the_raw_tokenizer(tmp_path, capfd):
+    rec = probe(capfd, tmp_path, "encode", "--tokenizer=char", "--max_docs=40", "--iters=1")
+    import prepare
+    texts = [text for text, _ in prepare.documents(prepare.resolve_sources("stdlib", 0, "", False)[0], "text", 0, 40,
+                                                   "downloads", "")]
+    assert rec["tokenizer"] == "char" and rec["docs"] == 40 and rec["source"].startswith("stdlib")
+    assert close(rec["mb"], sum(len(t.encode()) for t in texts) / 1e6)
+    assert rec["raw_mb_per_sec"] > 0 and 0 < rec["start_s"] < rec["mb"] / rec["worker_mb_per_sec"]
+    assert close(rec["steady_mb_per_sec"], rec["mb"] / (rec["mb"] / rec["worker_mb_per_sec"] - rec["start_s"]))
+    assert close(rec["fraction"], rec["steady_mb_per_sec"] / rec["raw_mb_per_sec"])
+    assert close(rec["parent_mb_per_sec"], rec["mb"] / (rec["read_s"] + rec["write_s"]))
+    assert close(rec["workers_fed"], rec["parent_mb_per_sec"] / rec["steady_mb_per_sec"])
+
+
 def test_vs_hf_same_shape_both_timed(tmp_path, capfd):
     pytest.importorskip("transformers")
     rec = probe(capfd, tmp_path, "vs_hf", *TINY, "--micro_batch_size=2", "--windows=2", *FAST)
@@ -256,6 +270,7 @@ def test_help_lists_every_key(monkeypatch, capsys, name):
     (["attention", "--backends=fa5"], "backends: fa5 not offered by attention.py"),
     (["loader", "--data_dir=/nonexistent"], "no manifest.json in /nonexistent"),
     (["comms"], "run it under torchrun"),
+    (["encode", "--source=/nonexistent"], "source '/nonexistent' is not stdlib, a preset"),
     (["ckpt", *TINY, "--saves=0"], "saves=0 must be positive")])
 def test_bad_input_is_one_line_and_a_failure(monkeypatch, capsys, tmp_path, args, says):
     code, _, err = in_process(monkeypatch, capsys, *args, f"--out={tmp_path / 'never.jsonl'}")

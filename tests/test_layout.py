@@ -27,7 +27,8 @@ BELOW = {
     "ngrams": {"tasks", "tokenizer"},
     "download": {"util"},
     "tasks": {"util", "data", "download", "tokenizer"},
-    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint", "ngrams"},
+    "holdout": {"data"},
+    "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint", "ngrams", "holdout"},
     "skills": {"util", "configurator", "download", "tasks", "tokenizer", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},

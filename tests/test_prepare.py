@@ -1,6 +1,7 @@
 """Tests of prepare.py: round trips through every tokenizer, the shard format, the split and its
 guaranteed minimum, determinism across workers, reuse, downloads (from a local HTTP server) and CLI errors."""
 
+import collections
 import errno
 import hashlib
 import http.server
@@ -29,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 import configurator  # noqa: E402
 import data  # noqa: E402
 import download  # noqa: E402
+import holdout  # noqa: E402
 import prepare  # noqa: E402
 import tokenizer  # noqa: E402
 import util  # noqa: E402
@@ -364,7 +366,20 @@ def test_embedded_default_holds_out_a_real_validation_set(tmp_path):
     assert decode_split(out, "val") == held_out and train["docs"] == len(files) - len(held_out)
 
 
-def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_path, capsys):
+def counting_encodes(monkeypatch, log):
+    """Make every worker append each document it encodes to `log` (the workers are forked: they inherit this)."""
+    encode = prepare.encode_document
+
+    def counted(tok, text, lengths):
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(text) + "\n")
+        return encode(tok, text, lengths)
+    monkeypatch.setattr(prepare, "encode_document", counted)
+
+
+def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_path, capsys, monkeypatch):
+    """The documents held out beyond val_fraction's are read back from the shards, never tokenized twice: each
+    document is encoded once, and the shards are those of one pass at a threshold giving the same split."""
     docs = [f"document {i}: " + "word " * (i % 13) for i in range(150)]
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -372,11 +387,16 @@ def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_pa
     assert smallest_hash_split(docs, n_tokens, 0.001, 0) == []  # val_fraction alone: no document
     held_out = smallest_hash_split(docs, n_tokens, 0.001, 500)
     outs = [tmp_path / "w1", tmp_path / "w2"]
+    log = tmp_path / "encoded.jsonl"
+    counting_encodes(monkeypatch, log)
     for n, out in zip((1, 2), outs):
         assert run(f"--source={source}", f"--data_dir={out}", "--val_fraction=0.001", "--min_val_tokens=500",
                    "--shard_tokens=400", f"--workers={n}") == 0
         printed = capsys.readouterr().out
         assert "validation: 0 documents, 0 tokens, fewer than min_val_tokens=500: holding out more" in printed
+        assert "read back from the shards" in printed and "tokenizing again" not in printed
+        assert sorted(json.loads(line) for line in log.read_text().splitlines()) == sorted(docs)
+        log.unlink()
         assert decode_split(out, "val") == held_out
         assert decode_split(out, "train") == [d for d in docs if d not in held_out]
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
@@ -384,6 +404,13 @@ def test_min_val_tokens_holds_out_documents_where_val_fraction_gives_none(tmp_pa
     val = data.load_manifest(outs[0])["splits"]["val"]
     assert val["docs"] == len(held_out) and val["tokens"] == sum(len(d.encode()) + 1 for d in held_out) >= 500
     assert f"validation: {len(held_out):,} documents, {val['tokens']:,} tokens (" in printed
+    between = (max(map(doc_hash, held_out)) + min(doc_hash(d) for d in docs if d not in held_out)) / 2 / 2**64
+    single = tmp_path / "single"
+    assert run(f"--source={source}", f"--data_dir={single}", f"--val_fraction={between!r}", "--min_val_tokens=0",
+               "--shard_tokens=400") == 0
+    shards = ({name: data for name, (_, _, data) in snapshot(out).items() if name != "manifest.json"}
+              for out in (single, outs[0]))
+    assert next(shards) == next(shards)
 
 
 def test_too_small_a_corpus_for_min_val_tokens_is_refused(corpus, tmp_path):
@@ -462,7 +489,7 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
 
     def doc(text, h):
         tokens = np.array([tok.bos_id] + tok.encode(text), dtype=data.token_dtype(tok.vocab_size))
-        return h, len(text), tokens, None, False, None, ()
+        return h, len(text), tokens, None, False, None, (), data.token_hash(tokens)
 
     encoded = [doc("shared", 5), doc("val only", 6), doc("shared", threshold + 5), doc("train only", threshold + 6),
                doc("shared!", threshold + 7), doc("shared", threshold + 8)]
@@ -470,6 +497,40 @@ def test_a_document_in_both_splits_is_counted(tmp_path):
     assert [splits[name]["docs"] for name in ("train", "val")] == [4, 2] and len(splits["train"]["shards"]) > 1
     assert contamination == {"train_docs_in_val": 2, "val_documents": 2, "hash": TOKEN_HASH}
     assert data.contamination(tmp_path, {"splits": splits}) == (2, 2)  # what the written shards give
+
+
+def test_a_raised_threshold_rewrites_the_shards_as_one_pass_at_it(tmp_path):
+    """split_again, from the shards of a first pass and its Ledger, writes what one pass at the raised threshold
+    writes: the same files, counts, contamination and eval rows, loss masks and source splits kept."""
+    tok = tokenizer.Tokenizer("byte", "byte", 257, 256)
+    rng = np.random.default_rng(0)
+    hashes = rng.integers(0, 2**64, 60, dtype=np.uint64).tolist()
+    forced = [None] * 50 + ["train"] * 5 + ["val"] * 5
+    rng.shuffle(forced)
+    encoded = []
+    for i, (h, split) in enumerate(zip(hashes, forced)):
+        tokens = np.array([tok.bos_id] + tok.encode(f"document {i} " * (i % 7 + 1)), dtype=np.uint16)
+        mask = (np.arange(len(tokens)) % 3 == 0).astype(np.uint8)
+        rows = (i % 4,) if i % 3 == 0 else ()
+        encoded.append((h, len(tokens) - 1, tokens, split, i % 5 == 0, mask, rows, data.token_hash(tokens)))
+    first, raised = 2**60, sorted(hashes)[20]
+    outs = {name: tmp_path / name for name in ("first", "one_pass")}
+    for out in outs.values():
+        out.mkdir()
+    ledger, found = holdout.Ledger(10**9), collections.Counter()
+    splits, *_ = prepare.write_shards(outs["first"], encoded, tok, 100, first, prepare.SmallestHashes(0), found,
+                                      ledger)
+    again = prepare.split_again(str(outs["first"]), ledger, splits, tok, 100, raised, found)
+    expected = collections.Counter()
+    one_pass = prepare.write_shards(outs["one_pass"], encoded, tok, 100, raised, prepare.SmallestHashes(0), expected)
+    assert again[0] == one_pass[0] and np.array_equal(again[1], one_pass[1]) and again[2] == one_pass[2]
+    assert found == expected and sum(found.values()) > 0
+    assert again[0]["val"]["docs"] > splits["val"]["docs"] and again[0]["val"]["loss_tokens"] > 0
+    assert snapshot_bytes(outs["first"]) == snapshot_bytes(outs["one_pass"])  # the first pass's files gone
+
+
+def snapshot_bytes(folder):
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 # -----------------------------------------------------------------------------

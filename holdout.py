@@ -1,0 +1,79 @@
+"""
+The validation hold-out: the documents with the smallest hashes, and, when those a val_fraction gives hold fewer
+than min_val_tokens tokens, the next smallest, found after tokenizing. Holding those out then takes no second
+tokenizing pass: the documents are read back from the shards just written, in corpus order (a Ledger remembers
+where each went), and written again split at the new threshold. prepare.py does the tokenizing and writing.
+"""
+
+import array
+import heapq
+import os
+
+import numpy as np
+
+from data import docs_file, mask_file, open_shard, token_hash
+
+FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
+
+
+class SmallestHashes:
+    """The documents with the smallest hashes that together hold at least min_tokens tokens, kept in a
+    heap as the documents stream past: memory grows with min_tokens, not with the corpus."""
+
+    def __init__(self, min_tokens):
+        self.min_tokens, self.tokens = min_tokens, 0
+        self.heap = []  # (-hash, n_tokens): the largest hash on top
+
+    def add(self, h, n_tokens):
+        if self.tokens >= self.min_tokens and (not self.heap or h >= -self.heap[0][0]):
+            return  # enough already, with smaller hashes
+        heapq.heappush(self.heap, (-h, n_tokens))
+        self.tokens += n_tokens
+        while self.tokens - self.heap[0][1] >= self.min_tokens:  # enough without the largest
+            self.tokens -= heapq.heappop(self.heap)[1]
+
+    def threshold(self):
+        """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
+        return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
+
+
+class Ledger:
+    """What write_shards knew of each document, in corpus order (hash, bytes, split, source split, cut, eval rows
+    found), 17 bytes apiece, kept only while validation holds fewer than min_tokens tokens: a corpus big enough
+    not to need more held out drops it early."""
+
+    def __init__(self, min_tokens):
+        self.min_tokens, self.open = min_tokens, min_tokens > 0
+        self.hashes, self.n_bytes, self.flags = array.array("Q"), array.array("Q"), array.array("B")
+        self.rows = {}  # document number -> the eval rows it holds a gram of, where any
+
+    def add(self, h, n_bytes, name, forced, cut, rows, val_tokens):
+        if self.open and val_tokens >= self.min_tokens:  # validation is big enough: never replayed
+            self.open = False
+            self.hashes, self.n_bytes, self.flags, self.rows = None, None, None, {}
+        if not self.open:
+            return
+        if rows:
+            self.rows[len(self.hashes)] = rows
+        self.hashes.append(h)
+        self.n_bytes.append(n_bytes)
+        self.flags.append((name == "val") | cut << 1 | FORCED.index(forced) << 2)
+
+    def replay(self, folder, splits):
+        """The tuples encode_all gave for each document, again, in order: the tokens (and loss masks) read back
+        from the shards of `splits` in folder."""
+        readers = {name: shard_documents(folder, splits[name]["shards"]) for name in splits}
+        for i, (h, n_bytes, flags) in enumerate(zip(self.hashes, self.n_bytes, self.flags, strict=True)):
+            tokens, mask = next(readers["val" if flags & 1 else "train"])
+            yield (h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask, self.rows.get(i, ()),
+                   token_hash(tokens))
+
+
+def shard_documents(folder, shards):
+    """(tokens, loss mask or None) of each document of these shards, in order."""
+    for shard in shards:
+        path = os.path.join(folder, shard["file"])
+        tokens, starts = np.array(open_shard(path)), np.load(docs_file(path))
+        mask = np.load(mask_file(path)) if "mask_file" in shard else None
+        for a, b in zip(starts, list(starts[1:]) + [len(tokens)], strict=True):
+            yield tokens[a:b], None if mask is None else mask[a:b]
