@@ -287,35 +287,66 @@ class Staging:
     """CPU copies of state dicts: what a background write reads while training changes the originals.
     The buffers are kept from one save to the next, by their place in the dict: on a GPU they are pinned
     (page-locked) memory, which the copy from the GPU needs for full speed and which takes seconds to
-    allocate for a 1B model's state, so that happens at the first save only."""
+    allocate for a 1B model's state. reserve() allocates them in a background thread while the first
+    steps run, so that no save waits for them."""
 
     def __init__(self, dev):
-        self.dev, self.pin, self.buffers = dev, dev.type == "cuda", {}
+        self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
+
+    def reserve(self, obj):
+        """Allocate, in a background thread, the buffers that copy(obj) will fill, each touched once so that
+        the memory is mapped too; copy() waits for it."""
+        wanted = {}
+        self._walk(obj, "", {}, lambda place, t: type(t) is torch.Tensor and wanted.setdefault(place, (t.shape,
+                                                                                                       t.dtype)))
+        self.reserving = Reserving(self.buffers, wanted, self.pin)
 
     def copy(self, obj):
         """obj with every tensor in it replaced by a CPU copy. Tensors that share memory (tied embeddings)
         share their copy, which torch.save then writes once, as it would have written the originals."""
-        copied = self._copy(obj, "", {})
+        if self.reserving is not None:
+            self.reserving.join()
+            self.reserving = None
+        copied = self._walk(obj, "", {}, self._buffer)
         if self.pin:
             torch.cuda.synchronize(self.dev)  # the copies from the GPU run asynchronously: the writer needs them whole
         return copied
 
-    def _copy(self, obj, place, seen):
+    def _walk(self, obj, place, seen, to):
+        """obj with each plain tensor t replaced by to(its place, t), once for tensors that share memory."""
         if isinstance(obj, dict):
-            return {k: self._copy(v, f"{place}/{k}", seen) for k, v in obj.items()}
+            return {k: self._walk(v, f"{place}/{k}", seen, to) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, f"{place}/{i}", seen) for i, v in enumerate(obj))
+            return type(obj)(self._walk(v, f"{place}/{i}", seen, to) for i, v in enumerate(obj))
         if not torch.is_tensor(obj):
             return obj  # numbers, strings, bytes, None: never changed in place
-        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
-            return obj.to("cpu", copy=True)
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor
+            return to(place, obj)
         alias = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
         if alias not in seen:
-            buf = self.buffers.get(place)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
-            seen[alias] = buf.copy_(obj, non_blocking=self.pin)
+            seen[alias] = to(place, obj)
         return seen[alias]
+
+    def _buffer(self, place, obj):
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
+            return obj.to("cpu", copy=True)
+        buf = self.buffers.get(place)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
+        return buf.copy_(obj, non_blocking=self.pin)
+
+
+class Reserving(CutShortThread):
+    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)}) into `buffers`."""
+
+    def __init__(self, buffers, wanted, pin):
+        super().__init__("checkpoint-staging")
+        self.buffers, self.wanted, self.pin = buffers, wanted, pin
+        self.start()
+
+    def work(self):
+        for place, (shape, dtype) in self.wanted.items():
+            self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
 
 
 class Writer(CutShortThread):
@@ -637,6 +668,7 @@ class Checkpoints:
         self.saved_step = -1        # the step the newest save holds
         self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
         self.staging = Staging(proc.dev) if background else None
+        self.reserved = False       # the staging buffers allocated (Staging.reserve), once the optimizer has state
         # fsdp's background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
         # collectives run: on a process group of their own, gloo, which works on CPU tensors
         self.group = dist.new_group(backend="gloo") if background and sharded else None
@@ -741,12 +773,10 @@ class Checkpoints:
         if proc.distributed:
             states = [None] * proc.world
             dist.all_gather_object(states, rng_state())
-        files, sharded = {}, self.state_dicts() if self.sharded else None
+        files, sharded = self.tensors()
         if proc.rank == 0:
-            files = dict(self.files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
-                                                           world_size=proc.world)})
-            if not self.sharded:
-                files.update({"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()})
+            files = dict(self.files, **files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
+                                                                    world_size=proc.world)})
         step = trainer["step"]
         if self.sharded or proc.rank == 0:
             if self.staging:
@@ -759,6 +789,15 @@ class Checkpoints:
         self.pending, self.saved_step = False, step
         if not self.staging:
             self.wait()
+
+    def tensors(self):
+        """What this rank saves of the model and optimizer: (rank 0's model.pt and optimizer.pt, or {}; the
+        state dicts DCP writes (fsdp), or None)."""
+        if self.sharded:
+            return {}, self.state_dicts()
+        if self.proc.rank == 0:
+            return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}, None
+        return {}, None
 
     def write(self, step, best, files, sharded, t1, waited, blocked):
         """Write a save that save() prepared (in the background, or at once): its record for report(), or None
@@ -777,7 +816,11 @@ class Checkpoints:
         return self.writer is not None
 
     def poll(self):
-        """Report the background save if its write has ended (what it raised is raised here); never waits."""
+        """Report the background save if its write has ended (what it raised is raised here); never waits.
+        After the first step (the optimizer's state exists) the staging buffers start to be allocated."""
+        if self.staging is not None and not self.reserved and tensor_bytes(self.optimizer.state_dict()):
+            self.reserved = True
+            self.staging.reserve(self.tensors())
         if self.writer is not None and not self.writer.is_alive():
             self.collect()
 

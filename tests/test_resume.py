@@ -393,12 +393,15 @@ def test_each_save_says_what_it_blocked_and_how_long_it_wrote(ref_single):
         assert e["gb"] == pytest.approx(size / 1e9, rel=1e-12)
 
 
-def tiny_checkpoints(tmp_path, monkeypatch, hold_step=None):
-    """(Checkpoints of a tiny model and its AdamW after one step, in tmp_path/ckpt, one process on the CPU as
-    train.py makes them; the Event that releases a save of hold_step, whose background write waits for it;
+TINY_SHAPE = dict(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+
+
+def tiny_checkpoints(tmp_path, monkeypatch, hold_step=None, shape=TINY_SHAPE):
+    """(Checkpoints of a tiny model (or one of `shape`) and its AdamW after one step, in tmp_path/ckpt, one process
+    on the CPU as train.py makes them; the Event that releases a save of hold_step, whose background write waits for it;
     the count of the writes under way at once, the most of them in `.most_at_once`)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    model = GPT(GPTConfig(block_size=16, **shape))
     optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=False)
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()
     optimizer.step()
@@ -445,6 +448,20 @@ def test_a_save_waits_for_the_one_in_flight_and_writes_its_own_step(tmp_path, mo
     assert_identical(load(tmp_path / "ckpt/step_0000001", "model.pt"), before, "step 1's model.pt")
     changed = load(tmp_path / "ckpt/step_0000002", "model.pt")
     assert all(torch.equal(changed[k], v + 1) for k, v in before.items())
+
+
+def test_the_first_save_blocks_no_longer_than_a_later_one(tmp_path, monkeypatch):
+    """66 MB of model and AdamW state: its staging buffers are allocated (and their pages mapped) in the
+    background after the first step, so the first save's copy finds them ready, as the later ones do."""
+    ckpts, _, _ = tiny_checkpoints(tmp_path, monkeypatch, shape=dict(vocab_size=8192, n_layer=4, n_head=4,
+                                                                     n_kv_head=4, n_embd=256))
+    ckpts.poll()  # the loop's look after the first step
+    ckpts.staging.reserving.join()  # the steps that run meanwhile
+    for step in (1, 2, 3):
+        ckpts.save(dict(step=step), best=False)
+        ckpts.wait()
+    blocked = [r["blocked_s"] for r in ckpts.finished()]
+    assert len(blocked) == 3 and blocked[0] <= 2 * max(blocked[1:]), blocked
 
 
 @pytest.mark.parametrize("error", [OSError, RuntimeError])
