@@ -7,13 +7,14 @@ the previous checkpoint intact, and a damaged one is recognized when read back. 
 only while the state is copied into CPU memory (Staging); a background thread (Writer) does the rest, one save
 at a time: the next save, a rollback and the exit wait for it, and what its write raised reaches the loop.
 
-A ddp or single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens
-anywhere), written by rank 0; an fsdp one holds state/, which every rank writes with torch.distributed.checkpoint
-(a sharded run cannot gather its AdamW state on one rank). Either resumes under the other mode and at another
-world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
-object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback. A fresh run
-with init_from (SFT) starts from a base checkpoint's weights alone (start_from), its vocabulary grown by the chat
-tokens.
+A single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens anywhere);
+a run on several ranks writes state/ with torch.distributed.checkpoint, every rank its part at once: fsdp's ranks
+their shards (a sharded run cannot gather its AdamW state on one rank), ddp's ranks an equal share of the
+replicated state (share_of). Muon's ddp runs, whose optimizer DCP does not take, keep model.pt and optimizer.pt,
+written by rank 0. Either format resumes under any mode and at any world size; load_model reads either whole, for
+sample.py and export.py. train.py's loop asks one Checkpoints object: due(), save(), poll(), wait(), resume() at
+the start, and newest() + restore() for a rollback. A fresh run with init_from (SFT) starts from a base
+checkpoint's weights alone (start_from), its vocabulary grown by the chat tokens.
 """
 
 import fcntl
@@ -98,6 +99,17 @@ def read_pointer(ckpt_root, which):
         return None
 
 
+def tensors_in(obj):
+    """The tensors in nested dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        yield obj
+    elif isinstance(obj, dict):
+        yield from tensors_in(list(obj.values()))
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from tensors_in(v)
+
+
 def tensor_bytes(obj):
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
@@ -136,7 +148,7 @@ def write_shards(state_dir, sharded, group=None):
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
     # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
-    on_cpu = all(t.device.type == "cpu" for t in sharded["model"].values())
+    on_cpu = all(t.device.type == "cpu" for t in tensors_in(sharded))
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu
                                                                          else {})), process_group=group)
     rank, marker = dist.get_rank(), {}  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
@@ -221,10 +233,10 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
     None when the disk could not hold it and keep min_free_gb free (nothing is written then).
 
-    sharded (fsdp): {"model": .., "optimizer": ..} state dicts of DTensors. Then every rank calls
-    this: each writes its shards into state/ with torch.distributed.checkpoint and checksums
-    them; rank 0 alone writes `files`, the marker (once every rank's shards are on disk), and the
-    pointers. group: the process group of those collectives (None: the default one)."""
+    sharded (several ranks): {"model": .., "optimizer": ..} state dicts of DTensors (fsdp), or this rank's
+    share of them (ddp: share_of). Then every rank calls this: each writes its part into state/ with
+    torch.distributed.checkpoint and checksums it; rank 0 alone writes `files`, the marker (once every
+    rank's part is on disk), and the pointers. group: the process group of those collectives (None: the default one)."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -232,8 +244,11 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
             if leftover.startswith(".tmp-step_"):
                 remove(os.path.join(ckpt_root, leftover))
-        # a DTensor's numel is the global one: the need is the whole checkpoint, as on a shared disk
-        go = [room_for(ckpt_root, step, tensor_bytes([list(files.values()), sharded]), min_free_gb)]
+        # the need is the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, and a ddp
+        # rank's share is about 1/world of it
+        ddp_share = sharded is not None and all(type(t) is torch.Tensor for t in tensors_in(sharded))
+        need = tensor_bytes(files) + tensor_bytes(sharded) * (dist.get_world_size() if ddp_share else 1)
+        go = [room_for(ckpt_root, step, need, min_free_gb)]
     if sharded is not None:
         dist.broadcast_object_list(go, group=group)  # also keeps the other ranks out until the leftovers are gone
     if not go[0]:
@@ -263,18 +278,36 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     return final
 
 
+def share_of(state, rank, world):
+    """Rank `rank`'s part of a ddp run's replicated state ({"model": .., "optimizer": ..} by parameter name, as
+    DCP saves it), so that the ranks write a checkpoint together: the parameters, each with its optimizer
+    state, dealt out largest first to the rank with the fewest bytes so far; param_groups to every rank (DCP
+    writes a key that several ranks hold once)."""
+    model, optim = state["model"], state["optimizer"]
+    size = {n: tensor_bytes([model.get(n), optim["state"].get(n)]) for n in set(model) | set(optim["state"])}
+    loads, mine = [0] * world, set()
+    for name in sorted(size, key=lambda n: (-size[n], n)):
+        least = loads.index(min(loads))
+        loads[least] += size[name]
+        if least == rank:
+            mine.add(name)
+    return dict(model={n: t for n, t in model.items() if n in mine},
+                optimizer=dict(optim, state={n: s for n, s in optim["state"].items() if n in mine}))
+
+
 def checkpoint_bytes(path):
     """The bytes of a checkpoint folder's files, every rank's shards included, as its marker lists them."""
     with open(os.path.join(path, MARKER)) as f:
         return sum(m["bytes"] for m in json.load(f)["files"].values())
 
 
-def too_slow_for_preemption(gb, seconds, sharded, world):
-    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change."""
+def too_slow_for_preemption(gb, seconds, shared, world):
+    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change.
+    shared: every rank wrote its part."""
     fix = f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more (local NVMe, not a " \
           f"network volume)"
-    if not sharded and world > 1:
-        fix += f", or train with dist_mode=fsdp: each of the {world} ranks then writes 1/{world} of it at once"
+    if not shared and world > 1:  # muon's ddp runs
+        fix += f", or train with optimizer=adamw: each of the {world} ranks then writes 1/{world} of it at once"
     return (f"{gb:.1f} GB written in {seconds:.0f}s ({gb / seconds:.2f} GB/s): more than the ~30 s torchrun and most "
             f"clouds leave between SIGTERM and SIGKILL, and a stop also waits for a save in flight, so a preemption "
             f"would lose the steps since the last checkpoint; {fix}")
@@ -653,7 +686,8 @@ class Checkpoints:
     """out_dir/ckpt of one run: the model and optimizer it saves and restores, when a save is due,
     and the files every checkpoint carries besides them (`files`: config.json, the tokenizer).
 
-    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's;
+    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's; shared: every rank
+    writes its part of each save (fsdp, and ddp with a torch optimizer), else rank 0 writes it whole;
     background: write each save in a background thread (the loop waits only for the copy into CPU
     memory), else before save() returns. finished() hands the loop the timing of each save that reached
     the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
@@ -667,11 +701,12 @@ class Checkpoints:
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
         self.saved_step = -1        # the step the newest save holds
         self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
+        self.shared = sharded or (proc.world > 1 and isinstance(optimizer, torch.optim.Optimizer))
         self.staging = Staging(proc.dev) if background else None
         self.reserved = False       # the staging buffers allocated (Staging.reserve), once the optimizer has state
-        # fsdp's background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
+        # the ranks' background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
         # collectives run: on a process group of their own, gloo, which works on CPU tensors
-        self.group = dist.new_group(backend="gloo") if background and sharded else None
+        self.group = dist.new_group(backend="gloo") if background and self.shared else None
         self.writer = None          # this rank's save being written in the background (a Writer)
         self.in_flight = False      # a save started that the ranks have not all waited for yet
         self.records = []           # saves on disk that finished() has not handed out yet
@@ -778,7 +813,7 @@ class Checkpoints:
             files = dict(self.files, **files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
                                                                     world_size=proc.world)})
         step = trainer["step"]
-        if self.sharded or proc.rank == 0:
+        if self.shared or proc.rank == 0:
             if self.staging:
                 files, sharded = self.staging.copy((files, sharded))
                 blocked = time.time() - t0
@@ -792,9 +827,11 @@ class Checkpoints:
 
     def tensors(self):
         """What this rank saves of the model and optimizer: (rank 0's model.pt and optimizer.pt, or {}; the
-        state dicts DCP writes (fsdp), or None)."""
+        state dicts DCP writes: fsdp's shards, ddp's share; or None)."""
         if self.sharded:
             return {}, self.state_dicts()
+        if self.shared:
+            return {}, share_of(self.state_dicts(), self.proc.rank, self.proc.world)
         if self.proc.rank == 0:
             return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}, None
         return {}, None
@@ -848,7 +885,7 @@ class Checkpoints:
                 + f", written in {r['written_s']:.2f}s)", flush=True)
             if r["written_s"] > PREEMPT_SAVE_SECONDS:
                 warn(f"the step {r['step']} checkpoint: "
-                     f"{too_slow_for_preemption(r['gb'], r['written_s'], self.sharded, self.proc.world)}")
+                     f"{too_slow_for_preemption(r['gb'], r['written_s'], self.shared, self.proc.world)}")
             self.records.append(record)
             self.on_disk = r["step"]
 
