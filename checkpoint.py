@@ -9,12 +9,13 @@ at a time: the next save, a rollback and the exit wait for it, and what its writ
 
 A single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens anywhere);
 a run on several ranks writes state/ with torch.distributed.checkpoint, every rank its part at once: fsdp's ranks
-their shards (a sharded run cannot gather its AdamW state on one rank), ddp's ranks an equal share of the
-replicated state (share_of). Muon's ddp runs, whose optimizer DCP does not take, keep model.pt and optimizer.pt,
-written by rank 0. Either format resumes under any mode and at any world size; load_model reads either whole, for
-sample.py and export.py. train.py's loop asks one Checkpoints object: due(), save(), poll(), wait(), resume() at
-the start, and newest() + restore() for a rollback. A fresh run with init_from (SFT) starts from a base
-checkpoint's weights alone (start_from), its vocabulary grown by the chat tokens.
+their shards (a sharded run cannot gather its AdamW state on one rank), the ddp ranks on rank 0's node an equal
+share of the replicated state (share_of). Muon's ddp runs (DCP does not take its optimizer) and ddp with one
+process per node keep model.pt and optimizer.pt, written by rank 0. Either format resumes under any mode and at
+any world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
+object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback. A fresh run
+with init_from (SFT) starts from a base checkpoint's weights alone (start_from), its vocabulary grown by the chat
+tokens.
 """
 
 import fcntl
@@ -102,12 +103,9 @@ def read_pointer(ckpt_root, which):
 def tensors_in(obj):
     """The tensors in nested dicts, lists and tuples."""
     if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        yield from tensors_in(list(obj.values()))
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from tensors_in(v)
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for v in items for t in tensors_in(v)]
 
 
 def tensor_bytes(obj):
@@ -244,10 +242,9 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
             if leftover.startswith(".tmp-step_"):
                 remove(os.path.join(ckpt_root, leftover))
-        # the need is the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, and a ddp
-        # rank's share is about 1/world of it
+        # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp share ~1/world of it
         ddp_share = sharded is not None and all(type(t) is torch.Tensor for t in tensors_in(sharded))
-        need = tensor_bytes(files) + tensor_bytes(sharded) * (dist.get_world_size() if ddp_share else 1)
+        need = tensor_bytes(files) + tensor_bytes(sharded) * (dist.get_world_size(group) if ddp_share else 1)
         go = [room_for(ckpt_root, step, need, min_free_gb)]
     if sharded is not None:
         dist.broadcast_object_list(go, group=group)  # also keeps the other ranks out until the leftovers are gone
@@ -263,7 +260,7 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     except save_errors(sharded) as e:  # the disk filled up after all, or went away
         error = first_line(e)
     if sharded is not None:
-        gathered = [None] * dist.get_world_size()
+        gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (marker, error), group=group)
         marker = {k: v for m, _ in gathered for k, v in m.items()}
         error = next((e for _, e in gathered if e), None)
@@ -701,12 +698,18 @@ class Checkpoints:
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
         self.saved_step = -1        # the step the newest save holds
         self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
-        self.shared = sharded or (proc.world > 1 and isinstance(optimizer, torch.optim.Optimizer))
+        # the ranks that write each save: fsdp's all; ddp's those of rank 0's node, which see the out_dir it writes
+        # (torchrun numbers a node's ranks in a row, node 0's first; other nodes may have a filesystem of their own)
+        self.writers = proc.world if sharded else 1
+        if not sharded and isinstance(optimizer, torch.optim.Optimizer):  # muon's MuonAdamW: rank 0 alone
+            self.writers = min(proc.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.shared = self.writers > 1
         self.staging = Staging(proc.dev) if background else None
         self.reserved = False       # the staging buffers allocated (Staging.reserve), once the optimizer has state
         # the ranks' background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
         # collectives run: on a process group of their own, gloo, which works on CPU tensors
-        self.group = dist.new_group(backend="gloo") if background and self.shared else None
+        self.group = dist.new_group(range(self.writers), backend="gloo") if (sharded or self.shared) and (
+            background or self.writers < proc.world) else None
         self.writer = None          # this rank's save being written in the background (a Writer)
         self.in_flight = False      # a save started that the ranks have not all waited for yet
         self.records = []           # saves on disk that finished() has not handed out yet
@@ -813,7 +816,7 @@ class Checkpoints:
             files = dict(self.files, **files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
                                                                     world_size=proc.world)})
         step = trainer["step"]
-        if self.shared or proc.rank == 0:
+        if proc.rank < self.writers:
             if self.staging:
                 files, sharded = self.staging.copy((files, sharded))
                 blocked = time.time() - t0
@@ -830,8 +833,8 @@ class Checkpoints:
         state dicts DCP writes: fsdp's shards, ddp's share; or None)."""
         if self.sharded:
             return {}, self.state_dicts()
-        if self.shared:
-            return {}, share_of(self.state_dicts(), self.proc.rank, self.proc.world)
+        if self.shared and self.proc.rank < self.writers:
+            return {}, share_of(self.state_dicts(), self.proc.rank, self.writers)
         if self.proc.rank == 0:
             return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}, None
         return {}, None

@@ -153,7 +153,7 @@ _init = checkpoint.Checkpoints.__init__
 
 def init(self, *args, **kwargs):
     _init(self, *args, **kwargs)
-    self.shared = self.sharded
+    self.writers, self.shared = 1, False
 
 
 checkpoint.Checkpoints.__init__ = init
