@@ -300,7 +300,7 @@ def checkpoint_bytes(path):
 
 def too_slow_for_preemption(gb, seconds, shared, world):
     """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change.
-    shared: every rank wrote its part."""
+    shared: the ranks share the write where they can (not with muon's optimizer under ddp)."""
     fix = f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more (local NVMe, not a " \
           f"network volume)"
     if not shared and world > 1:  # muon's ddp runs
@@ -327,8 +327,7 @@ class Staging:
         """Allocate, in a background thread, the buffers that copy(obj) will fill, each touched once so that
         the memory is mapped too; copy() waits for it."""
         wanted = {}
-        self._walk(obj, "", {}, lambda place, t: type(t) is torch.Tensor and wanted.setdefault(place, (t.shape,
-                                                                                                       t.dtype)))
+        self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(p, (t.shape, t.dtype)))
         self.reserving = Reserving(self.buffers, wanted, self.pin)
 
     def copy(self, obj):
@@ -888,7 +887,8 @@ class Checkpoints:
                 + f", written in {r['written_s']:.2f}s)", flush=True)
             if r["written_s"] > PREEMPT_SAVE_SECONDS:
                 warn(f"the step {r['step']} checkpoint: "
-                     f"{too_slow_for_preemption(r['gb'], r['written_s'], self.shared, self.proc.world)}")
+                     + too_slow_for_preemption(r["gb"], r["written_s"], self.shared or isinstance(
+                         self.optimizer, torch.optim.Optimizer), self.proc.world))
             self.records.append(record)
             self.on_disk = r["step"]
 
