@@ -7,10 +7,12 @@ the previous checkpoint intact, and a damaged one is recognized when read back. 
 only while the state is copied into CPU memory (Staging); a background thread (Writer) does the rest, one save
 at a time: the next save, a rollback and the exit wait for it, and what its write raised reaches the loop.
 
-A ddp or single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens
-anywhere), written by rank 0; an fsdp one holds state/, which every rank writes with torch.distributed.checkpoint
-(a sharded run cannot gather its AdamW state on one rank). Either resumes under the other mode and at another
-world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
+A single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens anywhere);
+a run on several ranks writes state/ with torch.distributed.checkpoint, every rank its part at once: fsdp's ranks
+their shards (a sharded run cannot gather its AdamW state on one rank), the ddp ranks on rank 0's node an equal
+share of the replicated state (share_of). Muon's ddp runs (DCP does not take its optimizer) and ddp with one
+process per node keep model.pt and optimizer.pt, written by rank 0. Either format resumes under any mode and at
+any world size; load_model reads either whole, for sample.py and export.py. train.py's loop asks one Checkpoints
 object: due(), save(), poll(), wait(), resume() at the start, and newest() + restore() for a rollback. A fresh run
 with init_from (SFT) starts from a base checkpoint's weights alone (start_from), its vocabulary grown by the chat
 tokens.
@@ -98,6 +100,14 @@ def read_pointer(ckpt_root, which):
         return None
 
 
+def tensors_in(obj):
+    """The tensors in nested dicts, lists and tuples."""
+    if torch.is_tensor(obj):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
+    return [t for v in items for t in tensors_in(v)]
+
+
 def tensor_bytes(obj):
     if torch.is_tensor(obj):
         return obj.numel() * obj.element_size()
@@ -136,7 +146,7 @@ def write_shards(state_dir, sharded, group=None):
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
     # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
-    on_cpu = all(t.device.type == "cpu" for t in sharded["model"].values())
+    on_cpu = all(t.device.type == "cpu" for t in tensors_in(sharded))
     dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu
                                                                          else {})), process_group=group)
     rank, marker = dist.get_rank(), {}  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
@@ -221,10 +231,10 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
     None when the disk could not hold it and keep min_free_gb free (nothing is written then).
 
-    sharded (fsdp): {"model": .., "optimizer": ..} state dicts of DTensors. Then every rank calls
-    this: each writes its shards into state/ with torch.distributed.checkpoint and checksums
-    them; rank 0 alone writes `files`, the marker (once every rank's shards are on disk), and the
-    pointers. group: the process group of those collectives (None: the default one)."""
+    sharded (several ranks): {"model": .., "optimizer": ..} state dicts of DTensors (fsdp), or this rank's
+    share of them (ddp: share_of). Then every rank calls this: each writes its part into state/ with
+    torch.distributed.checkpoint and checksums it; rank 0 alone writes `files`, the marker (once every
+    rank's part is on disk), and the pointers. group: the process group of those collectives (None: the default one)."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -232,8 +242,10 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
             if leftover.startswith(".tmp-step_"):
                 remove(os.path.join(ckpt_root, leftover))
-        # a DTensor's numel is the global one: the need is the whole checkpoint, as on a shared disk
-        go = [room_for(ckpt_root, step, tensor_bytes([list(files.values()), sharded]), min_free_gb)]
+        # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp share ~1/world of it
+        ddp_share = sharded is not None and all(type(t) is torch.Tensor for t in tensors_in(sharded))
+        need = tensor_bytes(files) + tensor_bytes(sharded) * (dist.get_world_size(group) if ddp_share else 1)
+        go = [room_for(ckpt_root, step, need, min_free_gb)]
     if sharded is not None:
         dist.broadcast_object_list(go, group=group)  # also keeps the other ranks out until the leftovers are gone
     if not go[0]:
@@ -248,7 +260,7 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     except save_errors(sharded) as e:  # the disk filled up after all, or went away
         error = first_line(e)
     if sharded is not None:
-        gathered = [None] * dist.get_world_size()
+        gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (marker, error), group=group)
         marker = {k: v for m, _ in gathered for k, v in m.items()}
         error = next((e for _, e in gathered if e), None)
@@ -263,18 +275,36 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     return final
 
 
+def share_of(state, rank, world):
+    """Rank `rank`'s part of a ddp run's replicated state ({"model": .., "optimizer": ..} by parameter name, as
+    DCP saves it), so that the ranks write a checkpoint together: the parameters, each with its optimizer
+    state, dealt out largest first to the rank with the fewest bytes so far; param_groups to every rank (DCP
+    writes a key that several ranks hold once)."""
+    model, optim = state["model"], state["optimizer"]
+    size = {n: tensor_bytes([model.get(n), optim["state"].get(n)]) for n in set(model) | set(optim["state"])}
+    loads, mine = [0] * world, set()
+    for name in sorted(size, key=lambda n: (-size[n], n)):
+        least = loads.index(min(loads))
+        loads[least] += size[name]
+        if least == rank:
+            mine.add(name)
+    return dict(model={n: t for n, t in model.items() if n in mine},
+                optimizer=dict(optim, state={n: s for n, s in optim["state"].items() if n in mine}))
+
+
 def checkpoint_bytes(path):
     """The bytes of a checkpoint folder's files, every rank's shards included, as its marker lists them."""
     with open(os.path.join(path, MARKER)) as f:
         return sum(m["bytes"] for m in json.load(f)["files"].values())
 
 
-def too_slow_for_preemption(gb, seconds, sharded, world):
-    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change."""
+def too_slow_for_preemption(gb, seconds, shared, world):
+    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change.
+    shared: the ranks share the write where they can (not with muon's optimizer under ddp)."""
     fix = f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more (local NVMe, not a " \
           f"network volume)"
-    if not sharded and world > 1:
-        fix += f", or train with dist_mode=fsdp: each of the {world} ranks then writes 1/{world} of it at once"
+    if not shared and world > 1:  # muon's ddp runs
+        fix += f", or train with optimizer=adamw: each of the {world} ranks then writes 1/{world} of it at once"
     return (f"{gb:.1f} GB written in {seconds:.0f}s ({gb / seconds:.2f} GB/s): more than the ~30 s torchrun and most "
             f"clouds leave between SIGTERM and SIGKILL, and a stop also waits for a save in flight, so a preemption "
             f"would lose the steps since the last checkpoint; {fix}")
@@ -287,35 +317,65 @@ class Staging:
     """CPU copies of state dicts: what a background write reads while training changes the originals.
     The buffers are kept from one save to the next, by their place in the dict: on a GPU they are pinned
     (page-locked) memory, which the copy from the GPU needs for full speed and which takes seconds to
-    allocate for a 1B model's state, so that happens at the first save only."""
+    allocate for a 1B model's state. reserve() allocates them in a background thread while the first
+    steps run, so that no save waits for them."""
 
     def __init__(self, dev):
-        self.dev, self.pin, self.buffers = dev, dev.type == "cuda", {}
+        self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
+
+    def reserve(self, obj):
+        """Allocate, in a background thread, the buffers that copy(obj) will fill, each touched once so that
+        the memory is mapped too; copy() waits for it."""
+        wanted = {}
+        self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(p, (t.shape, t.dtype)))
+        self.reserving = Reserving(self.buffers, wanted, self.pin)
 
     def copy(self, obj):
         """obj with every tensor in it replaced by a CPU copy. Tensors that share memory (tied embeddings)
         share their copy, which torch.save then writes once, as it would have written the originals."""
-        copied = self._copy(obj, "", {})
+        if self.reserving is not None:
+            self.reserving.join()
+            self.reserving = None
+        copied = self._walk(obj, "", {}, self._buffer)
         if self.pin:
             torch.cuda.synchronize(self.dev)  # the copies from the GPU run asynchronously: the writer needs them whole
         return copied
 
-    def _copy(self, obj, place, seen):
+    def _walk(self, obj, place, seen, to):
+        """obj with each plain tensor t replaced by to(its place, t), once for tensors that share memory."""
         if isinstance(obj, dict):
-            return {k: self._copy(v, f"{place}/{k}", seen) for k, v in obj.items()}
+            return {k: self._walk(v, f"{place}/{k}", seen, to) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self._copy(v, f"{place}/{i}", seen) for i, v in enumerate(obj))
+            return type(obj)(self._walk(v, f"{place}/{i}", seen, to) for i, v in enumerate(obj))
         if not torch.is_tensor(obj):
             return obj  # numbers, strings, bytes, None: never changed in place
-        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
-            return obj.to("cpu", copy=True)
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor
+            return to(place, obj)
         alias = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
         if alias not in seen:
-            buf = self.buffers.get(place)
-            if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
-                buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
-            seen[alias] = buf.copy_(obj, non_blocking=self.pin)
+            seen[alias] = to(place, obj)
         return seen[alias]
+
+    def _buffer(self, place, obj):
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
+            return obj.to("cpu", copy=True)
+        buf = self.buffers.get(place)
+        if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
+            buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
+        return buf.copy_(obj, non_blocking=self.pin)
+
+
+class Reserving(CutShortThread):
+    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)}) into `buffers`."""
+
+    def __init__(self, buffers, wanted, pin):
+        super().__init__("checkpoint-staging")
+        self.buffers, self.wanted, self.pin = buffers, wanted, pin
+        self.start()
+
+    def work(self):
+        for place, (shape, dtype) in self.wanted.items():
+            self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
 
 
 class Writer(CutShortThread):
@@ -622,7 +682,8 @@ class Checkpoints:
     """out_dir/ckpt of one run: the model and optimizer it saves and restores, when a save is due,
     and the files every checkpoint carries besides them (`files`: config.json, the tokenizer).
 
-    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's;
+    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's; shared: every rank
+    writes its part of each save (fsdp, and ddp with a torch optimizer), else rank 0 writes it whole;
     background: write each save in a background thread (the loop waits only for the copy into CPU
     memory), else before save() returns. finished() hands the loop the timing of each save that reached
     the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
@@ -636,10 +697,18 @@ class Checkpoints:
         self.pending = False        # a periodic save owed, held back while bad steps run in a row
         self.saved_step = -1        # the step the newest save holds
         self.on_disk = -1           # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
+        # the ranks that write each save: fsdp's all; ddp's those of rank 0's node, which see the out_dir it writes
+        # (torchrun numbers a node's ranks in a row, node 0's first; other nodes may have a filesystem of their own)
+        self.writers = proc.world if sharded else 1
+        if not sharded and isinstance(optimizer, torch.optim.Optimizer):  # muon's MuonAdamW: rank 0 alone
+            self.writers = min(proc.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        self.shared = self.writers > 1
         self.staging = Staging(proc.dev) if background else None
-        # fsdp's background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
+        self.reserved = False       # the staging buffers allocated (Staging.reserve), once the optimizer has state
+        # the ranks' background writes agree with each other (DCP's plan, the shards' checksums) while the loop's
         # collectives run: on a process group of their own, gloo, which works on CPU tensors
-        self.group = dist.new_group(backend="gloo") if background and sharded else None
+        self.group = dist.new_group(range(self.writers), backend="gloo") if (sharded or self.shared) and (
+            background or self.writers < proc.world) else None
         self.writer = None          # this rank's save being written in the background (a Writer)
         self.in_flight = False      # a save started that the ranks have not all waited for yet
         self.records = []           # saves on disk that finished() has not handed out yet
@@ -741,14 +810,12 @@ class Checkpoints:
         if proc.distributed:
             states = [None] * proc.world
             dist.all_gather_object(states, rng_state())
-        files, sharded = {}, self.state_dicts() if self.sharded else None
+        files, sharded = self.tensors()
         if proc.rank == 0:
-            files = dict(self.files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
-                                                           world_size=proc.world)})
-            if not self.sharded:
-                files.update({"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()})
+            files = dict(self.files, **files, **{"trainer.pt": dict(trainer, format=CKPT_FORMAT, rng=states,
+                                                                    world_size=proc.world)})
         step = trainer["step"]
-        if self.sharded or proc.rank == 0:
+        if proc.rank < self.writers:
             if self.staging:
                 files, sharded = self.staging.copy((files, sharded))
                 blocked = time.time() - t0
@@ -759,6 +826,17 @@ class Checkpoints:
         self.pending, self.saved_step = False, step
         if not self.staging:
             self.wait()
+
+    def tensors(self):
+        """What this rank saves of the model and optimizer: (rank 0's model.pt and optimizer.pt, or {}; the
+        state dicts DCP writes: fsdp's shards, ddp's share; or None)."""
+        if self.sharded:
+            return {}, self.state_dicts()
+        if self.shared and self.proc.rank < self.writers:
+            return {}, share_of(self.state_dicts(), self.proc.rank, self.writers)
+        if self.proc.rank == 0:
+            return {"model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()}, None
+        return {}, None
 
     def write(self, step, best, files, sharded, t1, waited, blocked):
         """Write a save that save() prepared (in the background, or at once): its record for report(), or None
@@ -777,7 +855,11 @@ class Checkpoints:
         return self.writer is not None
 
     def poll(self):
-        """Report the background save if its write has ended (what it raised is raised here); never waits."""
+        """Report the background save if its write has ended (what it raised is raised here); never waits.
+        After the first step (the optimizer's state exists) the staging buffers start to be allocated."""
+        if self.staging is not None and not self.reserved and tensor_bytes(self.optimizer.state_dict()):
+            self.reserved = True
+            self.staging.reserve(self.tensors())
         if self.writer is not None and not self.writer.is_alive():
             self.collect()
 
@@ -805,7 +887,8 @@ class Checkpoints:
                 + f", written in {r['written_s']:.2f}s)", flush=True)
             if r["written_s"] > PREEMPT_SAVE_SECONDS:
                 warn(f"the step {r['step']} checkpoint: "
-                     f"{too_slow_for_preemption(r['gb'], r['written_s'], self.sharded, self.proc.world)}")
+                     + too_slow_for_preemption(r["gb"], r["written_s"], self.shared or isinstance(
+                         self.optimizer, torch.optim.Optimizer), self.proc.world))
             self.records.append(record)
             self.on_disk = r["step"]
 

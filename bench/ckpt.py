@@ -111,7 +111,8 @@ def main(argv):
               f"written in {e['written_s']:.2f}s; synchronous {e['sync_s']:.2f}s")
     if extrapolation and extrapolation["written_s"] > PREEMPT_SAVE_SECONDS:  # a measured one: Checkpoints warned
         warn(f"scaled to {full} layers, a checkpoint would be " + too_slow_for_preemption(
-            extrapolation["gb"], extrapolation["written_s"], run["dist_mode"] == "fsdp", world))
+            extrapolation["gb"], extrapolation["written_s"], run["dist_mode"] == "fsdp" or run["optimizer"] != "muon",
+            world))
     common.write_result("ckpt", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(mconfig), params=params,
         write_dir=root, saves=cfg["saves"], rows=rows, extrapolation=extrapolation))

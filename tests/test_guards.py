@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import data
+from checkpoint import load_model
 from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, train_losses
 from conftest import train_tiny as train
 
@@ -117,7 +118,8 @@ def assert_stopped_with_checkpoint(out, reason):
 
 
 def load_weights(folder):
-    return torch.load(folder / "model.pt", weights_only=True)
+    """A checkpoint's weights: model.pt, or the state/ that several ranks write together."""
+    return load_model(str(folder))[0].state_dict()
 
 
 # -----------------------------------------------------------------------------

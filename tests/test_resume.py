@@ -11,6 +11,7 @@ into tmp_path) that patches one function: data.Loader.train_batch to SIGKILL the
 a checkpoint's optimizer.pt is half written by the background write, the loop training on meanwhile.
 The resume is always the plain `train.py` with the same arguments: "the same command again".
 """
+import io
 import json
 import os
 import random
@@ -25,8 +26,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
 import checkpoint
-from checkpoint import Checkpoints, read_pointer
+from checkpoint import MARKER, STATE_DIR, Checkpoints, read_pointer
 from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, popen, read_metrics, run, shared, train_losses
 from model import GPT, GPTConfig
 from optim import make_optimizer
@@ -143,6 +146,20 @@ checkpoint.save_file = save_file
 """
 
 
+# rank 0 writes every checkpoint whole (model.pt, optimizer.pt), as ddp's ranks did before they shared the write
+ONE_WRITER = """\
+_init = checkpoint.Checkpoints.__init__
+
+
+def init(self, *args, **kwargs):
+    _init(self, *args, **kwargs)
+    self.writers, self.shared = 1, False
+
+
+checkpoint.Checkpoints.__init__ = init
+"""
+
+
 def wrapper(tmp_path, body, **fmt):
     """A script that patches train.py as `body` says, then runs train.main with its arguments."""
     path = tmp_path / "wrapped_train.py"
@@ -231,6 +248,17 @@ def load(folder, name):
     return torch.load(os.path.join(folder, name), weights_only=True)
 
 
+def saved_state(folder):
+    """A checkpoint's weights and optimizer state, whole: {model.pt, optimizer.pt} as one process (and muon's
+    ranks) write them, or {state: every key} of the state/ that several ranks write together."""
+    if not os.path.isdir(folder / STATE_DIR):
+        return {name: load(folder, name) for name in ("model.pt", "optimizer.pt")}
+    whole = io.BytesIO()
+    dcp_to_torch_save(folder / STATE_DIR, whole)
+    whole.seek(0)
+    return {STATE_DIR: torch.load(whole, weights_only=True)}
+
+
 def assert_identical(a, b, where):
     """a == b exactly, recursively: tensors by torch.equal (same dtype and shape), floats by ==."""
     if torch.is_tensor(a):
@@ -264,8 +292,8 @@ def assert_same_run(out, ref, steps=MAX_STEPS):
     for m, r in zip(rows, ref_rows, strict=True):
         assert {k: v for k, v in m.items() if k not in measured} == {k: v for k, v in r.items() if k not in measured}
     final = f"ckpt/step_{steps:07d}"
-    assert_identical(load(out / final, "model.pt"), load(ref / final, "model.pt"), "model.pt")
-    assert_identical(load(out / final, "optimizer.pt"), load(ref / final, "optimizer.pt"), "optimizer.pt")
+    for name, state in saved_state(out / final).items():
+        assert_identical(state, saved_state(ref / final)[name], name)
     t, t_ref = load(out / final, "trainer.pt"), load(ref / final, "trainer.pt")
     for state in (t, t_ref):
         del state["elapsed"]  # wall clock: the only thing allowed to differ
@@ -356,12 +384,14 @@ def test_ddp_sigkill_of_one_rank_then_resume_is_bit_identical(tmp_path, stdlib_d
 @pytest.mark.parametrize("nproc", [1, 2], ids=["one_process", "ddp"])
 def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path, stdlib_data, request, nproc):
     """SIGKILL while the background write has optimizer.pt of the second checkpoint (step 10) half
-    written, the loop having trained on to step 11 meanwhile (one process, and rank 0 of two): only a
-    .tmp-step_0000010 folder is left, latest still names step 5; resume=auto takes step 5, cleans the
+    written, the loop having trained on to step 11 meanwhile (one process, and rank 0 of two writing alone): only
+    a .tmp-step_0000010 folder is left, latest still names step 5; resume=auto takes step 5, cleans the
     leftover, and the run ends bit-identical to one never stopped."""
     ref = request.getfixturevalue("ref_single" if nproc == 1 else "ref_ddp")
     out, second = tmp_path / "out", 2 * CKPT_EVERY
-    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, KILL_IN_SECOND_SAVE, step=second), nproc=nproc,
+    # 2 ranks: with the one-writer checkpoints of earlier runs, which a resume reads as well
+    body = KILL_IN_SECOND_SAVE if nproc == 1 else ONE_WRITER + "\n\n" + KILL_IN_SECOND_SAVE
+    r = train(out, stdlib_data, *ARGS, script=wrapper(tmp_path, body, step=second), nproc=nproc,
               check=False, torchrun=True)
     assert r.returncode == -signal.SIGKILL if nproc == 1 else r.returncode != 0, r.stderr[-2000:]
     assert ".tmp-step_0000010" in os.listdir(out / "ckpt") and ckpt_steps(out) == [CKPT_EVERY]
@@ -374,6 +404,30 @@ def test_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_path,
     assert not [d for d in os.listdir(out / "ckpt") if d.startswith(".tmp-")]
     assert ckpt_steps(out) == [5, 10, 15, 16]
     assert_same_run(out, ref)
+
+
+def test_ddp_ranks_share_the_write_and_one_process_reads_it_whole(ref_ddp, tmp_path):
+    """Each checkpoint of the 2-rank run is state/, written by both ranks at once (each a share of the
+    parameters with their AdamW state); one process restores the step-10 one bit-identically, and load_model
+    (sample.py, eval.py, export.py) reads its weights whole."""
+    for step in ckpt_steps(ref_ddp):
+        files = read_json(ref_ddp / f"ckpt/step_{step:07d}" / MARKER)["files"]
+        assert not {"model.pt", "optimizer.pt"} & set(files)
+        shares = [files[f"{STATE_DIR}/__{rank}_0.distcp"]["bytes"] for rank in (0, 1)]
+        assert min(shares) > sum(shares) / 4, shares
+    folder = ref_ddp / f"ckpt/step_{2 * CKPT_EVERY:07d}"
+    saved = saved_state(folder)[STATE_DIR]
+    config = read_json(folder / "config.json")
+    model = GPT(GPTConfig(**config["model"]))
+    optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=False)
+    proc = SimpleNamespace(dev=torch.device("cpu"), rank=0, world=1, torchrun=False, distributed=False)
+    ckpts = Checkpoints(str(tmp_path), model, optimizer, proc, False, {}, every=1, keep_last=1, save_best=False,
+                        min_free_gb=0)
+    state = SimpleNamespace(step=0)
+    ckpts.restore(checkpoint.load_checkpoint(str(folder), proc.dev), state)
+    assert state.step == 2 * CKPT_EVERY
+    assert_identical(ckpts.state_dicts(), saved, "restored")
+    assert_identical(checkpoint.load_model(str(folder))[0].state_dict(), saved["model"], "load_model")  # sample, export
 
 
 def test_each_save_says_what_it_blocked_and_how_long_it_wrote(ref_single):
@@ -393,12 +447,15 @@ def test_each_save_says_what_it_blocked_and_how_long_it_wrote(ref_single):
         assert e["gb"] == pytest.approx(size / 1e9, rel=1e-12)
 
 
-def tiny_checkpoints(tmp_path, monkeypatch, hold_step=None):
-    """(Checkpoints of a tiny model and its AdamW after one step, in tmp_path/ckpt, one process on the CPU as
-    train.py makes them; the Event that releases a save of hold_step, whose background write waits for it;
+TINY_SHAPE = dict(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=16)
+
+
+def tiny_checkpoints(tmp_path, monkeypatch, hold_step=None, shape=TINY_SHAPE):
+    """(Checkpoints of a tiny model (or one of `shape`) and its AdamW after one step, in tmp_path/ckpt, one process
+    on the CPU as train.py makes them; the Event that releases a save of hold_step, whose background write waits for it;
     the count of the writes under way at once, the most of them in `.most_at_once`)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16))
+    model = GPT(GPTConfig(block_size=16, **shape))
     optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=False)
     model(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16)))[1].backward()
     optimizer.step()
@@ -445,6 +502,20 @@ def test_a_save_waits_for_the_one_in_flight_and_writes_its_own_step(tmp_path, mo
     assert_identical(load(tmp_path / "ckpt/step_0000001", "model.pt"), before, "step 1's model.pt")
     changed = load(tmp_path / "ckpt/step_0000002", "model.pt")
     assert all(torch.equal(changed[k], v + 1) for k, v in before.items())
+
+
+def test_the_first_save_blocks_no_longer_than_a_later_one(tmp_path, monkeypatch):
+    """66 MB of model and AdamW state: its staging buffers are allocated (and their pages mapped) in the
+    background after the first step, so the first save's copy finds them ready, as the later ones do."""
+    ckpts, _, _ = tiny_checkpoints(tmp_path, monkeypatch, shape=dict(vocab_size=8192, n_layer=4, n_head=4,
+                                                                     n_kv_head=4, n_embd=256))
+    ckpts.poll()  # the loop's look after the first step
+    ckpts.staging.reserving.join()  # the steps that run meanwhile
+    for step in (1, 2, 3):
+        ckpts.save(dict(step=step), best=False)
+        ckpts.wait()
+    blocked = [r["blocked_s"] for r in ckpts.finished()]
+    assert len(blocked) == 3 and blocked[0] <= 2 * max(blocked[1:]), blocked
 
 
 @pytest.mark.parametrize("error", [OSError, RuntimeError])
