@@ -234,6 +234,32 @@ def test_compiled_bf16_run_trains_and_checkpoints(tiny):
         assert all(0 < m["mfu"] < 1 for m in rows)
 
 
+def test_the_first_save_s_pinned_buffers_are_ready_before_it(tmp_path):
+    """On a GPU the staging buffers are pinned host memory, slow to allocate (seconds for a 1B model): after the
+    first step they are allocated in the background, so the first save blocks no longer than a later one."""
+    from checkpoint import Checkpoints
+    from model import GPT, GPTConfig
+    from optim import make_optimizer
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, vocab_size=8192, n_layer=4, n_head=4, n_kv_head=4, n_embd=256)).cuda()
+    optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=True)
+    x = torch.randint(0, 8192, (2, 16), device="cuda")
+    model(x, x)[1].backward()
+    optimizer.step()
+    os.makedirs(tmp_path / "ckpt")
+    proc = SimpleNamespace(dev=torch.device("cuda"), rank=0, world=1, torchrun=False, distributed=False)
+    ckpts = Checkpoints(str(tmp_path), model, optimizer, proc, False, {"config.json": b"{}"}, every=1, keep_last=10,
+                        save_best=False, min_free_gb=0)
+    ckpts.poll()  # the loop's look after the first step
+    ckpts.staging.reserving.join()
+    assert ckpts.staging.buffers and all(b.is_pinned() for b in ckpts.staging.buffers.values())
+    for step in (1, 2, 3):
+        ckpts.save(dict(step=step), best=False)
+        ckpts.wait()
+    blocked = [r["blocked_s"] for r in ckpts.finished()]
+    assert len(blocked) == 3 and blocked[0] <= 2 * max(blocked[1:]), blocked
+
+
 def test_resume_from_a_mid_checkpoint_reproduces_the_uninterrupted_run(tiny):
     assert re.search(rf"resumed from {re.escape(str(tiny.mid))} at step {TINY_MID}\b", tiny.resumed_log), \
         tiny.resumed_log[-2000:]
@@ -485,8 +511,11 @@ def test_bench_attention(tmp_path):
 def test_bench_mfu(tmp_path, data):
     # slices of 1 and 2 of tiny.py's 4 layers, extrapolated to 4, eager
     rec = probe(tmp_path, "mfu", "config/tiny.py", f"--data_dir={data}", "--device=cuda", "--dtype=auto",
-                "--n_layer=1", "--micro_batches=2,4", "--grad_ckpts=none,full", "--warmup=1", "--iters=3")
+                "--n_layer=1", "--micro_batches=2,4", "--grad_ckpts=none,full", "--warmup=1", "--iters=3",
+                f"--trace={tmp_path / 'traces'}")
     peak = peak_flops(gpu_name())
+    for r in rec["rows"]:  # each point's profiler trace holds the GPU's kernels
+        assert any(e.get("cat") == "kernel" for e in json.load(open(r["trace"]))["traceEvents"]), r["trace"]
     assert rec["dtype"] == "bfloat16" and rec["compile"] is False and rec["peak_tflops"] == (peak and peak / 1e12)
     assert [(r["grad_ckpt"], r["n_layer"], r["micro_batch"]) for r in rec["rows"]] == \
         [(g, d, mb) for g in ("none", "full") for d in (1, 2) for mb in (2, 4)]
