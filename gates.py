@@ -10,12 +10,12 @@ allow_unsafe) or skip (nothing to check it against, said why); a block says the 
 and checks the rest of the gates; the honesty report and the hand-off bundle read summary.json's long_run_gate.
 """
 
-import hashlib
-import json
 import math
 import os
 
 from util import fail, first_line, write_json
+from download import file_sha256
+from report import read_json
 
 PROFILE_NAMES = ("research", "release", "skill_release")
 # every threshold per profile: (research, release, skill_release); None: not checked under that profile
@@ -102,15 +102,6 @@ def said(profile, **rules):
     their underscores as spaces; None: not checked)."""
     checked = [f"{rule.replace('_', ' ')} {value:g}" for rule, value in rules.items() if value is not None]
     return f"{profile}: {', '.join(checked) or 'not checked'}"
-
-
-def read_json(path):
-    """A JSON file's object, or None when it is missing or unreadable."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 # -----------------------------------------------------------------------------
@@ -267,10 +258,9 @@ def eval_contamination(cfg, pack, name="eval_contamination"):
     refuses to write such a pack, and records the check)."""
     lim = limits(cfg.gate_profile)
     try:
-        with open(os.path.join(cfg.pack_dir, "eval.jsonl"), "rb") as f:
-            eval_sha = hashlib.sha256(f.read()).hexdigest()
+        eval_sha = file_sha256(os.path.join(cfg.pack_dir, "eval.jsonl"))
     except OSError as e:
-        return gate(name, limits(cfg.gate_profile)["pack_missing"], None, 0, f"no eval rows to check ({first_line(e)})")
+        return gate(name, lim["pack_missing"], None, 0, f"no eval rows to check ({first_line(e)})")
     base = base_checkpoint(cfg.init_from) if cfg.init_from else None
     corpora = [cfg.data_dir] + ([base[2]] if base and base[2] and base[2] != cfg.data_dir else [])
     found, details = 0, []

@@ -9,10 +9,10 @@ than that (a bare number) cannot be told from chance and is not checked. Each wo
 bytes and each gram one of its words, both mod 2^64 and computed with numpy over a whole batch at once.
 """
 
-import hashlib
 
 import numpy as np
 
+from download import file_sha256
 from tasks import read_rows
 from tokenizer import reply_text
 
@@ -76,8 +76,7 @@ class EvalGrams:
 
     def __init__(self, path):
         rows, found, lengths = read_rows(path)[0], {}, set()
-        with open(path, "rb") as f:
-            self.sha256 = hashlib.sha256(f.read()).hexdigest()
+        self.sha256 = file_sha256(path)
         for k, row in enumerate(rows):
             for text in (row["prompt"], reply_text(row)):
                 grams, n = text_grams(text)
@@ -97,7 +96,7 @@ class EvalGrams:
         words, starts = word_hashes(b" ".join(parts))
         doc = np.searchsorted(firsts, starts, side="right") - 1
         found, rolled = [set() for _ in texts], Rolling(words, WORD_BASE)
-        for n in self.lengths if len(self.keys) else ():
+        for n in self.lengths:
             grams = gram_hashes(words, n, rolled)
             maybe = np.flatnonzero(self.table[grams & np.uint64(TABLE - 1)])
             at = np.minimum(np.searchsorted(self.keys, grams[maybe]), len(self.keys) - 1)

@@ -634,7 +634,8 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
             lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
         tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
-        smallest, ledger = SmallestHashes(cfg.min_val_tokens), Ledger(cfg.min_val_tokens if cfg.val_fraction else 0)
+        smallest = SmallestHashes(cfg.min_val_tokens)
+        ledger = Ledger(cfg.min_val_tokens if cfg.val_fraction and not retrains else 0)  # bpe:N re-tokenizes instead
         eval_found.clear()  # a second pass counts anew
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed

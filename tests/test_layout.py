@@ -19,12 +19,12 @@ BELOW = {
     "report": {"util", "configurator"},
     "checkpoint": {"util", "model", "objectives", "data", "tokenizer"},
     "schedule": {"util"},
-    "gates": {"util", "checkpoint", "tasks", "tokenizer"},  # checkpoint: the base checkpoint's tokens, read
+    "gates": {"util", "report", "download", "checkpoint", "tasks", "tokenizer"},  # checkpoint: the base checkpoint's tokens, read
     "preflight": {"util", "attention", "model", "data", "schedule", "gates"},
     "postmortem": {"util", "configurator", "data"},
     "dryrun": {"util", "report"},
     "tokenizer": {"util"},
-    "ngrams": {"tasks", "tokenizer"},
+    "ngrams": {"download", "tasks", "tokenizer"},
     "download": {"util"},
     "tasks": {"util", "data", "download", "tokenizer"},
     "holdout": {"data"},
