@@ -429,8 +429,9 @@ def measure(config, loaded, proc, inputs):
     with torch.no_grad(), ctx:
         pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
         parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
+        # the summed loss and the targets counted: validation_sums' first and last (refine's stats lie between)
         loss = torch.zeros(2, dtype=torch.float64) if val is None else val.validation_sums(
-            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world, proc.dev).cpu()
+            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world, proc.dev).cpu()[[0, -1]]
     sums = torch.cat([*parts, loss])
     if proc.distributed:
         sums = sums.to(proc.dev)

@@ -18,11 +18,11 @@ says that the bundle was made against its gate. The bundle:
     limitations.md       the known limitations, derived from the numbers
     recipe.json          the exact data: prepare.py's arguments, each source with its sha256, the shards' sha256s, the
                          tokenizer's fingerprint, the skills pack's manifest; of the base data and of the SFT data
-    handoff.json         the bundle's record: what made it, from what, and its files (so that it can be replaced)
+    podgpt-handoff.json  the bundle's record: what made it, from what, and its files (so that it can be replaced)
     checksums.sha256     the sha256 of every other file (sha256sum -c checksums.sha256)
 
 It is built in a temporary folder beside out and renamed into place; an earlier bundle there is replaced only when it
-holds nothing but the files its handoff.json lists.
+holds nothing but the files its podgpt-handoff.json lists.
 """
 
 import hashlib
@@ -215,7 +215,6 @@ def write_checksums(folder):
 
 def fill(tmp, folder, path, cfg, why):
     """Everything but the record and the checksums into the bundle's temporary folder `tmp`."""
-    h = honesty.build(folder)
     base = (read_json(os.path.join(folder, "config.json")) or {}).get("init_from") or ""
     export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
     copy_run(folder, os.path.join(tmp, "run"))
@@ -224,7 +223,7 @@ def fill(tmp, folder, path, cfg, why):
     gate = (read_json(os.path.join(folder, "summary.json")) or {}).get("long_run_gate")
     write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else
                {"recorded": False, "detail": "summary.json has no long_run_gate"})
-    honesty.write(folder, tmp)
+    h = honesty.write(folder, tmp)
     write_atomic(os.path.join(tmp, "limitations.md"), "# Known limitations\n\n" + "".join(
         f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
     data = recipe(folder, base)

@@ -180,7 +180,7 @@ MARK = ".podgpt"  # in every folder a podgpt process writes whole (out_dir, data
 # user's folder that happens to sit where podgpt wants its own is refused, never deleted
 SCRATCH_MARK = "PODGPT_SCRATCH"
 EXPORT_MARK = "podgpt.json"  # an export's own record of what it holds (export.py)
-BUNDLE_MARK = "handoff.json"  # a hand-off bundle's own record of what it holds (handoff.py)
+BUNDLE_MARK = "podgpt-handoff.json"  # a hand-off bundle's own record of what it holds (handoff.py)
 # entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint folder (or one
 # being written), an atomic write's temporary file, a writability probe, the mark
 OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),

@@ -144,7 +144,7 @@ def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft
     assert handoff(capfd, run, bundle).returncode == 0
     files = sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
     for name in ("README.md", "honesty.md", "honesty.json", "limitations.md", "recipe.json", "release_gate.json",
-                 "handoff.json", "model/model.safetensors", "model/config.json", "model/generation_config.json",
+                 "podgpt-handoff.json", "model/model.safetensors", "model/config.json", "model/generation_config.json",
                  "model/tokenizer.json", "model/tokenizer_config.json", "run/config.json", "run/preflight.md",
                  "run/preflight.json", "run/eval.json", "run/eval.md", "run/summary.json", "base_run/preflight.json"):
         assert name in files, name

@@ -176,6 +176,13 @@ def test_tiny_refine_refines_and_the_loop_reports_it(tmp_path, stdlib_data, capf
     check_refines(out, r.stdout)
     check_loop_fields(out, r.stdout)
     check_sample_and_export(out, tmp_path, capfd)
+    # eval.py's validation loss of the final checkpoint, read as train.py read it: its last supervision step's
+    r = run_script(["eval.py", "config/tiny_refine.py", f"--ckpt={out}", "--which=latest", f"--data_dir={stdlib_data}",
+                    "--eval_batches=8", "--micro_batch_size=16", f"--out={tmp_path / 'eval'}"], capfd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    bpb = json.loads((tmp_path / "eval" / "eval.json").read_text())["bpb"]
+    final = json.loads((out / "summary.json").read_text())["final_val_loss"]
+    assert bpb["val_loss"] == pytest.approx(final, rel=1e-5) and bpb["targets"] == 8 * 16 * 128
 
 
 def check_refines(out, console):

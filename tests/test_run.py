@@ -88,7 +88,7 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
     for stage in ("skills", "sft-data", "sft", "eval", "honesty", "eval-sft", "honesty-sft", "handoff"):
         assert f"=== {stage}:" in stdout
     assert all((run_dir / "honesty.md").is_file() for run_dir in (out, tmp_path / "sft"))
-    record = json.loads((bundle / "handoff.json").read_text())
+    record = json.loads((bundle / "podgpt-handoff.json").read_text())
     assert record["run"] == f"{tmp_path.name}/sft" and (bundle / "model" / "model.safetensors").is_file()
     assert record["release_gate"]["verdict"] in ("pass", "warn")  # research: it goes on, no override needed
     assert (bundle / "README.md").read_text().startswith("# ")
