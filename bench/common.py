@@ -176,35 +176,36 @@ def cross_entropy(logits, y):
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
 
 
-def train_step(model, optimizer, x, y, amp, loss_of, mark=None):
-    """train.py's step for one micro-batch: forward with targets under autocast, backward, gradient
-    clipping, AdamW, gradients dropped. mark(phase) is called at the end of each phase ("forward",
-    "backward", "optimizer"), e.g. to read the memory peak of each."""
+def train_step(model, optimizer, x, y, amp, loss_of, mark=None, accum=1):
+    """train.py's step: for each of `accum` micro-batches (the same one each time) forward with targets under
+    autocast and backward, the gradients summed; then gradient clipping, AdamW, gradients dropped. mark(phase)
+    is called at the end of each phase ("forward", "backward", "optimizer"), e.g. to read the memory peak of each."""
     mark = mark or (lambda phase: None)
-    with amp:
-        loss = loss_of(model, x, y)
-    mark("forward")
-    loss.backward()
-    mark("backward")
+    for _ in range(accum):
+        with amp:
+            loss = loss_of(model, x, y) / accum
+        mark("forward")
+        loss.backward()
+        mark("backward")
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mark("optimizer")
 
 
-def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, warmup, iters, loss_of=our_loss):
-    """Step time, tokens/s and peak memory of training steps on random tokens (the compute does not depend
-    on them), or oom=True when the micro-batch does not fit. Peak memory: torch.cuda.max_memory_allocated
+def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, warmup, iters, loss_of=our_loss, accum=1):
+    """Step time, tokens/s and peak memory of training steps of `accum` micro-batches each on random tokens (the
+    compute does not depend on them), or oom=True when the micro-batch does not fit. Peak memory: torch.cuda.max_memory_allocated
     on a GPU; on a CPU the process's peak RSS (util.peak_memory_gb), which counts everything the process
     ever held."""
     free_memory(dev)
-    row = dict(micro_batch=micro_batch, tokens=micro_batch * block_size)
+    row = dict(micro_batch=micro_batch, accum=accum, tokens=accum * micro_batch * block_size)
     try:
         # podgpt's model takes what its objective trains on (bd3lm: noise draws); transformers' takes token ids
         config = getattr(model, "config", None)
         x, y = random_batch(config, micro_batch, dev, block_size) if isinstance(config, GPTConfig) else (
             torch.randint(0, vocab, (micro_batch, block_size), device=dev) for _ in range(2))
-        seconds = seconds_per_call(lambda: train_step(model, optimizer, x, y, autocast(dev, dt), loss_of),
+        seconds = seconds_per_call(lambda: train_step(model, optimizer, x, y, autocast(dev, dt), loss_of, accum=accum),
                                    dev, warmup, iters)
     except torch.cuda.OutOfMemoryError:
         optimizer.zero_grad(set_to_none=True)
@@ -213,7 +214,16 @@ def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, war
                 peak_mem_kind="max_memory_allocated" if dev.type == "cuda" else "process_peak_rss")
 
 
-def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=3):
+# the GPU's kernels by what they do, by name (first match; "optimizer" holds the clipping's norm too): where a
+# step's time goes against the matmul ceiling
+KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attn")),
+                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "scaled_mm")),
+                ("optimizer", ("adam", "multi_tensor", "foreach")),
+                ("fused by torch.compile", ("triton",)),
+                ("copies", ("memcpy", "memset")))
+
+
+def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=3, accum=1):
     """A torch.profiler trace of `steps` training steps (warmed up already: measure_steps ran them) as a Chrome
     trace at path (chrome://tracing or ui.perfetto.dev), and the ops that took the most time on the device (the
     CPU's, without a GPU), printed: where a step loses time against the matmul ceiling."""
@@ -222,13 +232,33 @@ def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=
     gpu = dev.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu, record_shapes=True) as prof:
         for _ in range(steps):
-            train_step(model, optimizer, x, y, autocast(dev, dt), our_loss)
+            train_step(model, optimizer, x, y, autocast(dev, dt), our_loss, accum=accum)
         if gpu:
             torch.cuda.synchronize(dev)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
-                                    row_limit=15))
+                                    row_limit=25))
+
+
+def kernel_time(path, seconds=None):
+    """The GPU's time in the Chrome trace at path, shared out by kind of kernel (KERNEL_KINDS, the rest "other"),
+    and, given the seconds the traced steps take unprofiled, the share of them the GPU was busy ("busy");
+    None when the trace holds no GPU work (a CPU's). Only the GPU's own events count: the profiler's annotations
+    of the GPU timeline (a compiled graph's call, the optimizer step) span kernels and would count them twice."""
+    with open(path) as f:
+        work = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    total = sum(e["dur"] for e in work)  # microseconds
+    if not total:
+        return None
+    shares = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for e in work:
+        name = e["name"].lower()
+        shares[next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")] += e["dur"] / total
+    if seconds:
+        shares["busy"] = total / 1e6 / seconds
+    print("GPU time by kind of kernel: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
+    return shares
 
 
 # -----------------------------------------------------------------------------

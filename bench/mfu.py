@@ -5,6 +5,7 @@ micro-batch sweep and each activation-checkpointing setting.
 
     python bench/mfu.py config/h200_1b_ddp8.py --device=cuda
     python bench/mfu.py config/h200_1b_ddp8.py --micro_batches=8,16 --compile=True --ceiling_tflops=790
+    python bench/mfu.py config/h200_1b_ddp8.py --micro_batches=16 --accum=4 --compile=True  # the run's own step
     python bench/mfu.py config/h100_d64.py --n_layer=4 --micro_batches=1,2,4   # a slice, extrapolated to 64 layers
     python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
 
@@ -35,6 +36,7 @@ from util import dtype_name, fail, run_main
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)
 grad_ckpts = "none,full,selective"  # activation checkpointing settings to sweep (model.GPTConfig.grad_ckpt)
+accum = 1                       # micro-batches per optimizer step, as a run accumulates them: its AdamW and clipping spread over accum
 ceiling_tflops = 0.0            # a measured matmul ceiling (bench/matmul.py) for a second MFU; 0: none
 warmup = 3                      # untimed steps per point (the first compiles, with --compile=True)
 iters = 10                      # timed steps per point
@@ -55,11 +57,11 @@ def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
     rows = []
     for mb in micro_batches:
         rows.append(dict(base, **common.measure_steps(step, optimizer, mb, mconfig.block_size, mconfig.vocab_size,
-                                                      dev, dt, cfg["warmup"], cfg["iters"])))
+                                                      dev, dt, cfg["warmup"], cfg["iters"], accum=cfg["accum"])))
         if cfg["trace"] and "step_time_s" in rows[-1]:
             path = os.path.join(cfg["trace"], f"mfu-{setting}-{depth}layers-mb{mb}.json")
-            common.trace_steps(step, optimizer, mb, mconfig.block_size, dev, dt, path)
-            rows[-1]["trace"] = path
+            common.trace_steps(step, optimizer, mb, mconfig.block_size, dev, dt, path, steps=3, accum=cfg["accum"])
+            rows[-1].update(trace=path, kernel_time=common.kernel_time(path, 3 * rows[-1]["step_time_s"]))
     del model, optimizer, step
     common.free_memory(dev)
     return rows
@@ -98,6 +100,8 @@ def extrapolate(rows, depths, full):
 def main(argv):
     cfg, run = common.configure(__file__, argv, run=True)
     common.check_counts(cfg, "warmup", "iters")
+    if cfg["accum"] < 1:
+        fail(f"accum={cfg['accum']} must be positive: micro-batches per optimizer step")
     micro_batches = common.int_list("micro_batches", cfg["micro_batches"])
     settings = common.ckpt_settings("grad_ckpts", cfg["grad_ckpts"])
     if run["compile"] and cfg["warmup"] < 1:
@@ -121,7 +125,7 @@ def main(argv):
             fpt = flops_per_token(model_config(run, n_layer=d))
             for row in sweep(run, setting, d, micro_batches, dev, dt, cfg):
                 rows.append(add_mfu(row, fpt, peak, ceiling))
-                print(f"  grad_ckpt={setting:9s} n_layer={d:<3} micro_batch={row['micro_batch']:<4} "
+                print(f"  grad_ckpt={setting:9s} n_layer={d:<3} micro_batch={row['micro_batch']:<4} accum={cfg['accum']:<3} "
                       + (f"{row['step_time_s'] * 1e3:9.1f} ms/step {row['tokens_per_sec']:10.0f} tokens/s "
                          f"MFU {common.fmt(row['mfu'])} (vs ceiling {common.fmt(row['mfu_vs_ceiling'])}) "
                          f"peak {row['peak_mem_gb']:.2f} GB" if "step_time_s" in row
@@ -142,7 +146,7 @@ def main(argv):
     common.write_result("mfu", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(full_config),
         params=param_counts(full_config)["total"], flops_per_token=fpt_full, dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], warmup=cfg["warmup"], iters=cfg["iters"],
+        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], accum=cfg["accum"], warmup=cfg["warmup"], iters=cfg["iters"],
         peak_tflops=peak and peak / 1e12, ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
         extrapolation=dict(n_layer=full, depths=depths, rows=fits) if fits is not None else None, best=best))
 

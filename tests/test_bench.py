@@ -126,17 +126,19 @@ def test_attention_every_backend_with_and_without_documents(tmp_path, capfd):
 def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path, capfd):
     # a 1-layer slice of tiny.py's 4 layers: measured at 1 and 2 layers, extrapolated to 4
     rec = probe(capfd, tmp_path, "mfu", "config/tiny.py", *SHAPE, "--n_layer=1", "--micro_batches=1,2",
-                "--grad_ckpts=none,full", "--ceiling_tflops=0.5", f"--trace={tmp_path / 'traces'}", *FAST)
+                "--grad_ckpts=none,full", "--ceiling_tflops=0.5", f"--trace={tmp_path / 'traces'}", "--accum=2", *FAST)
     for r in rec["rows"]:  # each point's profiler trace, the training step's ops in it
         events = json.load(open(r["trace"]))["traceEvents"]
         assert any(e.get("name") == "aten::mm" for e in events) and f"mb{r['micro_batch']}" in r["trace"]
+        assert r["kernel_time"] is None  # no GPU kernels to share out
     full = model_of(rec)
     assert (full.n_layer, full.n_embd, full.block_size, full.vocab_size) == (4, 64, 64, 256)
     assert rec["flops_per_token"] == flops_per_token(full) and rec["config"] == ["config/tiny.py"]
     assert [(r["grad_ckpt"], r["n_layer"], r["micro_batch"]) for r in rec["rows"]] == \
         [(g, d, mb) for g in ("none", "full") for d in (1, 2) for mb in (1, 2)]
     for r in rec["rows"]:
-        assert r["tokens"] == r["micro_batch"] * 64 and r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
+        # a step is 2 micro-batches (accum=2), each of micro_batch windows of 64 tokens
+        assert r["tokens"] == 2 * r["micro_batch"] * 64 and r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
         assert close(r["tokens_per_sec"], r["tokens"] / r["step_time_s"])
         assert r["mfu"] is None  # no datasheet peak on a CPU: no MFU rather than a wrong one
         fpt = flops_per_token(model_of(rec, n_layer=r["n_layer"]))
@@ -178,6 +180,7 @@ def test_checkpoint_blocks_for_the_copy_and_writes_in_the_background(tmp_path, c
     slice_, full = model_of(rec), model_of(rec, n_layer=4)
     assert slice_.n_layer == 2 and rec["params"] == param_counts(slice_)["total"]
     assert [(r["mode"], r["save"]) for r in rec["rows"]] == [("async", 1), ("async", 2), ("sync", 1)]
+    assert rec["reserve_s"] > 0  # the staging buffers, allocated before the first save
     for r in rec["rows"]:
         # fp32 weights (the tied head once) and AdamW's two moments; config.json, trainer.pt and pickling besides
         assert 12 * rec["params"] <= r["gb"] * 1e9 <= 1.05 * 12 * rec["params"]
