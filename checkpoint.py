@@ -27,6 +27,7 @@ import sys
 import time
 import warnings
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -109,13 +110,10 @@ def tensors_in(obj):
 
 
 def tensor_bytes(obj):
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
-    return len(obj) if isinstance(obj, bytes) else 0
+    """The bytes of the tensors and bytes objects in obj, nested dicts, lists and tuples included."""
+    if isinstance(obj, (dict, list, tuple)):
+        return sum(map(tensor_bytes, obj.values() if isinstance(obj, dict) else obj))
+    return obj.numel() * obj.element_size() if torch.is_tensor(obj) else len(obj) if isinstance(obj, bytes) else 0
 
 
 def file_crc32(path):
@@ -166,12 +164,17 @@ def save_errors(sharded):
 
 
 def write_files(folder, files):
-    """`files` ({name: bytes or torch object}) into folder, fsync'd: {file: size and CRC32}."""
-    marker = {}
-    for fname, obj in files.items():
-        crc = save_file(obj, os.path.join(folder, fname))
-        marker[fname] = dict(bytes=os.path.getsize(os.path.join(folder, fname)), crc32=crc)
-    return marker
+    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a thread of its own (torch.save's copies
+    and the CRC32 leave the GIL): {file: size and CRC32}. Each whole file's CRC32 is ours (complete.json holds it,
+    loading checks it), so torch's own, of each record, a second pass over the same bytes, is off meanwhile."""
+    crc_options = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        with ThreadPoolExecutor(len(files)) as pool:
+            crcs = list(pool.map(lambda name: save_file(files[name], os.path.join(folder, name)), files))
+    finally:
+        torch.serialization.set_crc32_options(crc_options)
+    return {name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=crc) for name, crc in zip(files, crcs)}
 
 
 def commit(ckpt_root, tmp, step, marker, best, keep_last):
@@ -228,8 +231,8 @@ def abandon(ckpt_root, tmp, step, error):
 
 
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
-    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or
-    None when the disk could not hold it and keep min_free_gb free (nothing is written then).
+    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or None when the disk
+    could not hold it and keep min_free_gb free (nothing is written then).
 
     sharded (several ranks): {"model": .., "optimizer": ..} state dicts of DTensors (fsdp), or this rank's
     share of them (ddp: share_of). Then every rank calls this: each writes its part into state/ with
@@ -264,13 +267,10 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         dist.all_gather_object(gathered, (marker, error), group=group)
         marker = {k: v for m, _ in gathered for k, v in m.items()}
         error = next((e for _, e in gathered if e), None)
-    final = None
-    if master:
-        final = abandon(ckpt_root, tmp, step, error) if error else commit(ckpt_root, tmp, step, marker, best,
-                                                                           keep_last)
+    final = (abandon(ckpt_root, tmp, step, error) if error else
+             commit(ckpt_root, tmp, step, marker, best, keep_last)) if master else None
     if sharded is not None:
-        result = [final]
-        dist.broadcast_object_list(result, group=group)
+        dist.broadcast_object_list(result := [final], group=group)
         final = result[0]
     return final
 
@@ -314,11 +314,10 @@ def too_slow_for_preemption(gb, seconds, shared, world):
 # saving in the background
 
 class Staging:
-    """CPU copies of state dicts: what a background write reads while training changes the originals.
-    The buffers are kept from one save to the next, by their place in the dict: on a GPU they are pinned
-    (page-locked) memory, which the copy from the GPU needs for full speed and which takes seconds to
-    allocate for a 1B model's state. reserve() allocates them in a background thread while the first
-    steps run, so that no save waits for them."""
+    """CPU copies of state dicts: what a background write reads while training changes the originals. The buffers
+    are kept from one save to the next, by their place in the dict: on a GPU they are pinned (page-locked) memory,
+    which the copy from the GPU needs for full speed and which takes seconds to allocate for a 1B model's state.
+    reserve() allocates them in a background thread while the first steps run, so that no save waits for them."""
 
     def __init__(self, dev):
         self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
@@ -475,9 +474,9 @@ def newest_good_checkpoint(ckpt_root, device):
 def reading(src, which="latest"):
     """The checkpoint folder `src` names (itself, or an out_dir's `which` one: latest, or best falling back to
     latest), verified intact and held while the caller reads it: a shared lock on its marker, which a training
-    run's rotation honours (remove_unread), so that sample.py and export.py never lose the files they read. From
-    an out_dir, a damaged one (or one rotated away before the lock) gives way to the newest intact one, with a
-    warning. ValueError saying what is wrong when there is none."""
+    run's rotation honours (remove_unread), so that sample.py and export.py never lose the files they read. From an
+    out_dir, a damaged one (or one rotated away before the lock) gives way to the newest intact one, with a warning.
+    ValueError saying what is wrong when there is none."""
     if os.path.exists(os.path.join(src, MARKER)) or not os.path.isdir(os.path.join(src, "ckpt")):
         candidates, named = [src], src
     else:
@@ -684,9 +683,9 @@ class Checkpoints:
 
     proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's; shared: every rank
     writes its part of each save (fsdp, and ddp with a torch optimizer), else rank 0 writes it whole;
-    background: write each save in a background thread (the loop waits only for the copy into CPU
-    memory), else before save() returns. finished() hands the loop the timing of each save that reached
-    the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
+    background: write each save in a background thread (the loop waits only for the copy into CPU memory), else
+    before save() returns. finished() hands the loop the timing of each save that reached the disk: {step, path,
+    gb, blocked_s, waited_s, written_s}."""
 
     def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best, min_free_gb,
                  background=True, every_minutes=0.0):

@@ -12,10 +12,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import zlib
 
 import pytest
+import torch
 
-from checkpoint import verify_checkpoint
+from checkpoint import verify_checkpoint, write_files
 from conftest import ROOT, TINY_MODEL, Captured, popen, run, run_script, shared, train_tiny, tree
 
 FAST = ["--micro_batch_size=4", "--total_batch_tokens=256"]
@@ -273,3 +275,16 @@ def test_an_atomic_write_the_disk_refuses_leaves_no_temporary_file(tmp_path):
     r = run([sys.executable, "-c", script, str(tmp_path / "report.md")], check=False)
     assert r.returncode == 1 and "File too large" in r.stderr.splitlines()[-1]
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "the one before"
+
+
+def test_the_files_of_a_save_are_written_at_once_each_with_its_own_crc32(tmp_path):
+    # one thread a file, torch's own CRC32 of each record off meanwhile: each file's CRC32 (complete.json's) is the
+    # whole file's, and torch.save elsewhere in the process computes its own again afterwards
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(7)}
+    marker = write_files(str(tmp_path), {"model.pt": state, "optimizer.pt": {"step": 3}, "config.json": b"{}"})
+    for name, m in marker.items():
+        data = (tmp_path / name).read_bytes()
+        assert m == dict(bytes=len(data), crc32=zlib.crc32(data)), name
+    assert torch.equal(torch.load(tmp_path / "model.pt")["w"], state["w"])
+    assert torch.load(tmp_path / "optimizer.pt") == {"step": 3}
+    assert torch.serialization.get_crc32_options() is True
