@@ -32,8 +32,8 @@ from objectives import make_model
 from preflight import param_counts
 from report import read_json, read_metrics
 from tokenizer import read_ranks
-from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, finish_scratch, first_line,
-                  make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
+from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, finish_scratch,
+                  first_line, make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -386,7 +386,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
         source = os.path.relpath(os.path.abspath(path), os.path.dirname(out_dir))
         write_atomic(os.path.join(tmp, "README.md"),
                      model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special))
-        files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [PODGPT_FILE]  # what a later export may replace
+        files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [PODGPT_FILE]  # what a later export may replace
         write_json(os.path.join(tmp, PODGPT_FILE),
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),
                     "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
@@ -419,19 +419,20 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
 
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
-    """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record` lists: `script`
-    replaces nothing it did not write."""
+    """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record` lists, each by
+    its path inside it: `script` replaces nothing it did not write. (A record from before paths were listed names
+    the top-level entries: a folder it names stands for what the folder holds.)"""
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out) or os.path.islink(out):
         fail(f"out={out} is a file, not a folder: give the path of a folder to write (it is created)")
-    entries = set(os.listdir(out))
     saved = read_json(os.path.join(out, record))
     listed = set(saved.get("files", ())) if isinstance(saved, dict) else set()
-    foreign = sorted(entries - listed)
+    by_entry = not any("/" in f for f in listed)  # a record of top-level entries, from before paths were listed
+    foreign = [f for f in files_under(out) if f not in listed and not (by_entry and f.split("/")[0] in listed)]
     if not foreign:
         return
-    what = f"earlier {kind}" if record in entries else "folder"
+    what = f"earlier {kind}" if os.path.isfile(os.path.join(out, record)) else "folder"
     fail(f"out={out} holds what {script} did not write ({', '.join(foreign[:3])}{' ...' * (len(foreign) > 3)}): "
          f"not replacing this {what}; choose another --out or move those away")
 

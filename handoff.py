@@ -40,8 +40,8 @@ from download import file_sha256
 from export import check_replaceable, export, put_in_place, scratch_beside
 from prepare import SOURCE_EXTS, is_url, walk
 from report import read_json
-from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, first_line, run_main,
-                  write_atomic, write_json)
+from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, first_line,
+                  run_main, write_atomic, write_json)
 
 # --- config
 run = ""                        # the run folder to hand off (a train.py out_dir); "": out_dir
@@ -241,7 +241,7 @@ def bundle(folder, path, cfg, why):
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
     with scratch_beside(out, "podgpt-handoff") as tmp:
         h = fill(tmp, folder, path, cfg, why)
-        files = sorted(set(os.listdir(tmp)) - {SCRATCH_MARK}) + [BUNDLE_MARK, CHECKSUMS]
+        files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [BUNDLE_MARK, CHECKSUMS]
         write_json(os.path.join(tmp, BUNDLE_MARK),
                    {"run": h["run"], "checkpoint": os.path.relpath(path, folder),
                     "release_gate": h["release_gate"], "override_gate": why, "files": files})

@@ -323,6 +323,17 @@ def marked(path):
 scratch_locks = {}  # the real path of each scratch folder's mark this process made: its locked file
 
 
+def files_under(path):
+    """Every file under the folder path (a link as a file, never followed), as paths relative to it, '/'-separated,
+    sorted: what an export or a bundle records as its own, and what a later one checks before replacing it."""
+    found = []
+    for root, dirs, files in os.walk(path):
+        rel = os.path.relpath(root, path).replace(os.sep, "/")
+        found += [name if rel == "." else f"{rel}/{name}"
+                  for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]]
+    return sorted(found)
+
+
 def remove(path):
     """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or an entry
     named as podgpt names its own and of the kind that name is (OWN_NAMES; never a link). Every delete podgpt makes

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 import export  # noqa: E402
 from checkpoint import find_checkpoint, load_model  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from util import Error  # noqa: E402
+from util import Error, files_under  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
             "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}
@@ -205,13 +205,20 @@ def test_export_replaces_an_earlier_export_and_nothing_else(runs, tmp_path):
     sharded = json.load(open(dest / "podgpt.json"))["files"]
     export.export(path, str(dest))  # over the sharded export: one model.safetensors, no shard left over
     listed = json.load(open(dest / "podgpt.json"))["files"]
-    assert sorted(os.listdir(dest)) == sorted(listed) and "model.safetensors" in listed
+    assert files_under(dest) == sorted(listed) and "model.safetensors" in listed
+    assert any(f.startswith("podgpt_tokenizer/") for f in listed)  # every file by its path, the subfolder's too
     assert "model.safetensors.index.json" in sharded and "model.safetensors.index.json" not in listed
     assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"] and (mine / "notes.txt").read_text() == "mine"
-    (dest / "notes.txt").write_text("mine too")
-    with pytest.raises(Error, match=r"holds what export.py did not write \(notes.txt\): not replacing this earlier"):
-        export.export(path, str(dest))
-    assert sorted(os.listdir(dest)) == sorted(listed + ["notes.txt"])
+    for notes in ("notes.txt", "podgpt_tokenizer/notes.txt"):  # beside the export's files, or among them
+        (dest / notes).write_text("mine too")
+        with pytest.raises(Error, match=rf"holds what export.py did not write \({notes}\): not replacing this earlier"):
+            export.export(path, str(dest))
+        assert files_under(dest) == sorted(listed + [notes])
+        (dest / notes).unlink()
+    record = json.load(open(dest / "podgpt.json"))  # an export from before paths were listed: its top-level names
+    (dest / "podgpt.json").write_text(json.dumps(dict(record, files=sorted(os.listdir(dest)))))
+    export.export(path, str(dest))  # still replaced
+    assert files_under(dest) == sorted(listed) and json.load(open(dest / "podgpt.json"))["files"] == listed
     assert sorted(os.listdir(tmp_path)) == ["hf", "hf.tmp"]
 
 

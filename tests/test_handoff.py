@@ -129,6 +129,10 @@ def test_the_bundle_refuses_a_run_without_an_acceptable_gate_unless_told(sft_run
                          "release_token_budget; this bundle was made anyway (handoff.py --override_gate=True).**")
     assert json.loads((tmp_path / "bundle" / "release_gate.json").read_text()) == GATE_BLOCK
     passed = with_gate(sft_run, tmp_path / "pass", dict(GATE_BLOCK, verdict="warn", gates=[]))
+    (tmp_path / "bundle" / "model" / "notes.txt").write_text("mine")  # a user's file inside the bundle's model/
+    r = handoff(capfd, passed, tmp_path / "bundle")
+    assert r.returncode == 1 and "holds what handoff.py did not write (model/notes.txt)" in r.stderr
+    (tmp_path / "bundle" / "model" / "notes.txt").unlink()
     assert handoff(capfd, passed, tmp_path / "bundle").returncode == 0  # an earlier bundle, replaced
     readme = (tmp_path / "bundle" / "README.md").read_text().splitlines()
     assert readme[0] == "# pass/run: hand-off bundle" and "WARN under the skill_release profile" in readme[3]
