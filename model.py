@@ -343,6 +343,15 @@ def selective_policy(ctx, op, *args, **kwargs):
 selective_checkpointing = partial(create_selective_checkpoint_contexts, selective_policy)
 
 
+@torch.compiler.disable
+def per_target(total, targets, weights):
+    """The loss per target, as F.cross_entropy's mean: over the targets it counts (SFT: the replies'), 0 for a batch
+    with none (a window of prompt tokens alone), not the guards' NaN; with weights, over every target. Outside the
+    compiled graph: divided there by a count taken from the targets, the compiled backward held every loss chunk's
+    logits at once."""
+    return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
+
+
 class GPT(nn.Module):
     """The autoregressive model (objective="ar"): embedding, blocks, head. objectives.py's models of the other
     objectives subclass it (objectives.make_model builds the one a config asks for)."""
@@ -423,9 +432,7 @@ class GPT(nn.Module):
             total = self.cross_entropy_sum(logits, targets, weights)
         else:
             logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
-        # as F.cross_entropy's mean, over the targets it counts (SFT: the replies'); a batch with none (a window of
-        # prompt tokens alone) has loss 0, not the guards' NaN
-        return logits, total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
+        return logits, per_target(total, targets, weights)
 
     def chunked_loss(self, x, targets, weights=None):
         """The summed (weighted) cross-entropy, loss_chunk tokens at a time. Each chunk runs under checkpoint, so the
