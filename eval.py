@@ -44,10 +44,10 @@ import configurator
 from data import Loader, bpb_scale, load_manifest
 from gates import record_eval_floors, wilson
 from loading import load_trained, locate
-from tasks import HUB_MC, hub_questions
+from tasks import HUB_MC, hub_questions, read_rows
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
-from util import (autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup, write_atomic,
-                  write_json)
+from util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup,
+                  write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, an out_dir (see which) or an export folder; "": out_dir
@@ -126,9 +126,15 @@ def read_jsonl(path, fields, what):
 
 
 def read_pack(folder):
-    """(eval rows, {category: chance level}) of a skills pack; a category manifest.json gives no chance has None."""
-    rows = read_jsonl(os.path.join(folder, "eval.jsonl"), {"category": str, "prompt": str, "answer": str},
-                      "the pack's eval.jsonl")
+    """(eval rows, {category: chance level}) of a skills pack, each row checked as skills.py and prepare.py check
+    them (tasks.read_rows); a category manifest.json gives no chance has None."""
+    path = os.path.join(folder, "eval.jsonl")
+    try:
+        rows = read_rows(path)[0]
+    except Error as e:  # eval.py's exit status for bad input
+        fail(str(e), code=2)
+    if not rows:
+        fail(f"{path} holds no rows: the pack's eval.jsonl needs at least one", code=2)
     try:
         with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
             manifest = json.load(f)

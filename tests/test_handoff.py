@@ -43,7 +43,8 @@ def sft_run(tmp_path_factory, finished_run, sft_data):  # noqa: F811 -- pytest f
         pack.mkdir()
         rows = [dict(category="add", prompt=f"What is {a} + {a}?", answer=str(2 * a)) for a in range(4)]
         rows += [dict(category="yes_no", prompt=f"Is {a} even?", answer="yes" if a % 2 == 0 else "no") for a in range(4)]
-        (pack / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (pack / "eval.jsonl").write_text("".join(json.dumps(dict(r, scratchpad="", answer_style="direct")) + "\n"
+                                                 for r in rows))
         (pack / "manifest.json").write_text(json.dumps({"categories": {"add": {"eval": 4, "chance": 0.0},
                                                                        "yes_no": {"eval": 4, "chance": 0.5}}}))
         with Captured() as captured:
