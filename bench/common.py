@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import configurator
-from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable
+from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, shard_model
 from objectives import make_model, random_batch
 from optim import make_optimizer
 from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
@@ -76,16 +76,17 @@ def check_counts(cfg, *keys):
 # -----------------------------------------------------------------------------
 # device, dtype, clock
 
-def pick_device(name, dtype):
+def pick_device(name, dtype, group=False):
     """(device, compute dtype) as train.py picks them (util.setup: under torchrun this rank's GPU, and
-    the process group joined; util.compute_dtype: auto is bfloat16 on CUDA, float32 on a CPU)."""
-    dev = setup(name).dev
+    the process group joined, or with group=True a group of one; util.compute_dtype: auto is bfloat16 on
+    CUDA, float32 on a CPU)."""
+    dev = setup(name, group=group).dev
     return dev, compute_dtype(dtype, dev)
 
 
-def run_device(run):
+def run_device(run, group=False):
     """pick_device for a training run's config, with train.py's fp32 matmul precision on CUDA."""
-    dev, dt = pick_device(run["device"], run["dtype"])
+    dev, dt = pick_device(run["device"], run["dtype"], group)
     if dev.type == "cuda":
         torch.set_float32_matmul_precision(run["matmul_precision"])
     return dev, dt
@@ -142,16 +143,20 @@ def ckpt_settings(key, text):
     return settings
 
 
-def build(mconfig, run, dev):
+def build(mconfig, run, dev, shard=False):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
     its linear layers in float8 with fp8=True as train.py converts them (or one line why that cannot run here),
-    and the run's AdamW for it (fused on CUDA, as in training)."""
-    if run["fp8"] and (why := fp8_unavailable(dev, compute_dtype(run["dtype"], dev), run["compile"])):
+    sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its parameters gathered in the
+    compute dtype), and the run's AdamW for it (fused on CUDA, as in training)."""
+    dt = compute_dtype(run["dtype"], dev)
+    if run["fp8"] and (why := fp8_unavailable(dev, dt, run["compile"])):
         fail(why, 2)
     with torch.device(dev):
         model = make_model(mconfig)
     if run["fp8"]:
         float8_linears(model)
+    if shard:
+        shard_model(model, dev, dt)
     return model, run_optimizer(model, run, dev)
 
 

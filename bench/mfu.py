@@ -8,6 +8,11 @@ micro-batch sweep and each activation-checkpointing setting.
     python bench/mfu.py config/h200_1b_ddp8.py --micro_batches=16 --accum=4 --compile=True  # the run's own step
     python bench/mfu.py config/h100_d64.py --n_layer=4 --micro_batches=1,2,4   # a slice, extrapolated to 64 layers
     python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
+    python bench/mfu.py config/h200_1b_ddp8.py --compile=True --dist_mode=fsdp    # sharded by FSDP2, as one process
+
+dist_mode=fsdp shards the model as train.py does (here a group of one process): its parameters are gathered in
+bf16 for each block, so the step computes on bf16 weights and a bf16 residual stream instead of autocast's casts
+of fp32 weights; what a GPU's share of an fsdp run computes, without the all-gathers' traffic.
 
 Per (grad_ckpt, micro-batch): step time, tokens/s, MFU against the datasheet peak
 (preflight.peak_flops; null on a CPU or an unknown GPU) and against a measured matmul ceiling
@@ -50,7 +55,7 @@ def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
     base = dict(grad_ckpt=setting, n_layer=depth)
     mconfig = model_config(run, n_layer=depth, grad_ckpt=setting)
     try:
-        model, optimizer = common.build(mconfig, run, dev)
+        model, optimizer = common.build(mconfig, run, dev, shard=run["dist_mode"] == "fsdp")
     except torch.cuda.OutOfMemoryError:  # the weights alone do not fit
         return [dict(base, micro_batch=mb, oom=True) for mb in micro_batches]
     step = common.compiled(model, run)
@@ -106,7 +111,7 @@ def main(argv):
     settings = common.ckpt_settings("grad_ckpts", cfg["grad_ckpts"])
     if run["compile"] and cfg["warmup"] < 1:
         fail("compile=True needs warmup >= 1: the first step compiles")
-    dev, dt = common.run_device(run)
+    dev, dt = common.run_device(run, group=run["dist_mode"] == "fsdp")
     # the config file's own depth (what --n_layer slices): the config files without the command line's keys
     full = configurator.configure(common.TRAIN, [a for a in argv if not a.startswith("--")])["n_layer"]
     depth = run["n_layer"]
@@ -115,7 +120,7 @@ def main(argv):
     name = common.device_name(dev)
     peak = peak_flops(name) if dev.type == "cuda" else None
     ceiling = cfg["ceiling_tflops"] * 1e12 or None
-    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}, fp8={run['fp8']}: "
+    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}, fp8={run['fp8']}, dist_mode={run['dist_mode']}: "
           f"{param_counts(full_config)['total'] / 1e6:.1f}M "
           f"parameters at {full_config.n_layer} layers, block_size {full_config.block_size}"
           + (f"; measured as slices of {depths[0]} and {depths[1]} layers" if len(depths) == 2 else ""))
@@ -146,7 +151,7 @@ def main(argv):
     common.write_result("mfu", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(full_config),
         params=param_counts(full_config)["total"], flops_per_token=fpt_full, dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], accum=cfg["accum"], warmup=cfg["warmup"], iters=cfg["iters"],
+        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], dist_mode=run["dist_mode"], accum=cfg["accum"], warmup=cfg["warmup"], iters=cfg["iters"],
         peak_tflops=peak and peak / 1e12, ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
         extrapolation=dict(n_layer=full, depths=depths, rows=fits) if fits is not None else None, best=best))
 

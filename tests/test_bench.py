@@ -159,6 +159,14 @@ def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path, capfd):
     assert rec["best"] in ext["rows"] or rec["best"] is None
 
 
+def test_mfu_measures_the_step_of_a_model_fsdp_shards(tmp_path):
+    # in a process of its own: it joins a process group (of one, gloo), as train.py's dist_mode=fsdp does
+    rec = probe(None, tmp_path, "mfu", *TINY, "--micro_batches=2", "--grad_ckpts=none", "--dist_mode=fsdp", *FAST,
+                launch=(sys.executable,))
+    assert rec["dist_mode"] == "fsdp" and [(r["n_layer"], r["micro_batch"]) for r in rec["rows"]] == [(2, 2), (4, 2)]
+    assert all(r["step_time_s"] > 0 and close(r["tokens_per_sec"], r["tokens"] / r["step_time_s"]) for r in rec["rows"])
+
+
 def test_memory_predicts_what_model_memory_estimate_says(tmp_path, capfd):
     rec = probe(capfd, tmp_path, "memory", *TINY, "--micro_batches=1,2", "--grad_ckpts=none,full,selective")
     mconfig = model_of(rec)
