@@ -2,8 +2,8 @@
 A skills pack's eval rows as hashed word n-grams, and the rows a batch of documents contains: how prepare.py
 counts, while it tokenizes, the training documents that hold an eval row (manifest.json's eval_contamination).
 
-Words are the lowercased text split at ASCII whitespace, as skills.py's 13-gram check splits them (it also
-splits at Unicode spaces). An eval row's prompt and its reply (tokenizer.reply_text) are each its NGRAM-word
+The one definition of an overlap with an eval row, for the corpus (prepare.py) and for a pack's SFT rows
+(skills.py): words are the lowercased text split at ASCII whitespace. An eval row's prompt and its reply (tokenizer.reply_text) are each its NGRAM-word
 windows, or, with fewer words than that but at least MIN_WORDS, the whole text as one gram; a text shorter
 than that (a bare number) cannot be told from chance and is not checked. Each word is a polynomial hash of its
 bytes and each gram one of its words, both mod 2^64 and computed with numpy over a whole batch at once.
@@ -69,14 +69,20 @@ def text_grams(text):
     return (gram_hashes(words, n) if n >= MIN_WORDS else np.zeros(0, np.uint64)), n
 
 
-class EvalGrams:
-    """The grams of a pack's eval rows (eval.jsonl, each checked as skills.py checks them: one line naming a bad
-    one): keys (sorted hashes), the eval row (0-based) of each, the gram lengths to look for, rows_checked (rows
-    with a gram) and the file's sha256."""
+def read_eval_grams(path):
+    """The EvalGrams of a pack's eval.jsonl (each row checked as skills.py checks them: one line naming a bad one),
+    with the file's sha256."""
+    return EvalGrams(read_rows(path)[0], file_sha256(path))
 
-    def __init__(self, path):
-        rows, found, lengths = read_rows(path)[0], {}, set()
-        self.sha256 = file_sha256(path)
+
+class EvalGrams:
+    """The grams of a pack's eval rows: keys (sorted hashes), the eval row (0-based) of each, the gram lengths to
+    look for, rows_checked (rows with a gram) and the sha256 of the file they came from (None: not from a file).
+    skills.py checks its SFT rows against them as prepare.py checks the corpus's documents."""
+
+    def __init__(self, rows, sha256=None):
+        found, lengths = {}, set()
+        self.sha256 = sha256
         for k, row in enumerate(rows):
             for text in (row["prompt"], reply_text(row)):
                 grams, n = text_grams(text)

@@ -69,7 +69,7 @@ from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_man
                   token_dtype, token_hash)
 from download import download, local_copy
 from holdout import Ledger, SmallestHashes
-from ngrams import MIN_WORDS, NGRAM, EvalGrams
+from ngrams import MIN_WORDS, NGRAM, read_eval_grams
 from tasks import gsm8k_documents, pack_documents
 from tokenizer import SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
@@ -750,7 +750,7 @@ def eval_grams(pack_dir):
         print(f"pack_dir={pack_dir} has no eval.jsonl (make the pack first: skills.py): the corpus is not checked "
               "against its eval rows")
         return None
-    return EvalGrams(path)
+    return read_eval_grams(path)
 
 
 def eval_record(pack_dir, grams, found):

@@ -12,11 +12,12 @@ The templates (source=templates) are offline task families in named categories (
 of a random.Random. Row i of category c in a split comes from its own generator, seeded from (seed, c, split, i,
 draw) by sha256, so the pack is the same for any number of workers. Eval rows are drawn first; a draw is
 skipped when its normalised prompt (lowercase, whitespace collapsed) was made already, and an SFT draw also when
-it shares a 13-gram of words (prompt and reply) with an eval row. A row that takes more than max_draws draws
+it holds a word run of an eval row (ngrams.py's, as prepare.py checks the corpus: 13 words of its prompt or reply
+in a row, or a whole prompt or reply of 5 to 12 words). A row that takes more than max_draws draws
 ends its category there: a pack short of the rows asked is refused, and nothing is written.
 
 Whatever the source, the rows are checked as they will be written: unique prompts in and across the splits, and
-no SFT row sharing a 13-gram with an eval row (overlap). The files are written atomically into pack_dir, which
+no SFT row holding a word run of an eval row (overlap). The files are written atomically into pack_dir, which
 must be new, empty or a pack's own (util.Folder), manifest.json last.
 """
 
@@ -32,12 +33,13 @@ import sys
 import configurator
 from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
 from tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
+from ngrams import MIN_WORDS, NGRAM, EvalGrams
 from tokenizer import reply_text
 
 # --- config
 pack_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
 sft_rows = 1600  # rows to fine-tune on
-eval_rows = 320  # rows to judge on, never an SFT row's prompt and no 13-gram shared with one
+eval_rows = 320  # rows to judge on, never an SFT row's prompt and none of their word runs in one
 answer_style = "scratchpad"  # direct (the answer alone) | scratchpad (steps, then the answer) | mixed (alternating)
 pack_seed = 0  # the templates' seed: the same seed makes the same pack
 pack_source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k (the prepare.py preset)
@@ -48,7 +50,6 @@ download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's go to 
 # --- end config
 
 VERSION = 1  # the generator's: a change to any template makes other rows from the same seed
-NGRAM = 13  # words an SFT row may not share in a row with an eval row
 FILES = {"eval": "eval.jsonl", "sft": "sft.jsonl"}
 MANIFEST = "manifest.json"
 
@@ -269,33 +270,27 @@ def normal(text):
     return " ".join(text.lower().split())
 
 
-def ngrams(row):
-    """The row's NGRAM-word runs over its prompt and reply, normalised."""
-    words = normal(row["prompt"] + "\n" + reply_text(row)).split()
-    return {tuple(words[k:k + NGRAM]) for k in range(len(words) - NGRAM + 1)}
-
-
 class EvalIndex:
-    """The eval rows' normalised prompts and 13-grams, each to the first eval row that has it."""
+    """The eval rows' normalised prompts and their word runs (ngrams.EvalGrams, as prepare.py checks the corpus's
+    documents), each to the first eval row that has it."""
 
     def __init__(self, eval_rows):
-        self.prompts, self.grams = {}, {}
+        self.prompts, self.grams = {}, EvalGrams(eval_rows)
         for k, row in enumerate(eval_rows):
             self.prompts.setdefault(normal(row["prompt"]), k)
-            for gram in ngrams(row):
-                self.grams.setdefault(gram, k)
 
     def clash(self, row):
         """(the eval row's index, what they share) for an SFT row that must not be, else None."""
         if (k := self.prompts.get(normal(row["prompt"]))) is not None:
             return k, "the same prompt"
-        shared = min((gram for gram in ngrams(row) if gram in self.grams), default=None)
-        return (self.grams[shared], f"the {NGRAM}-gram '{' '.join(shared)}'") if shared else None
+        held = self.grams.hits([row["prompt"] + "\n" + reply_text(row)])[0]
+        return (held[0], f"a run of words ({NGRAM} in a row, or the eval row's whole prompt or reply of {MIN_WORDS} "
+                         f"words or more)") if held else None
 
 
 def overlap(sft_rows, eval_rows):
     """[(SFT row index, eval row index, what they share)] for each SFT row whose prompt is an eval prompt or
-    that shares a 13-gram with an eval row."""
+    that holds one of its word runs (ngrams.py)."""
     index = EvalIndex(eval_rows)
     return [(k, *found) for k, row in enumerate(sft_rows) if (found := index.clash(row))]
 
@@ -311,7 +306,7 @@ def duplicates(rows):
 
 def check_pack(splits, origins):
     """Refuse, in one line naming the first offending pair, a pack whose prompts repeat within or across the
-    splits or whose SFT rows share a 13-gram with an eval row. origins[split][k]: where row k came from."""
+    splits or whose SFT rows hold a word run of an eval row. origins[split][k]: where row k came from."""
     for split in ("eval", "sft"):
         if found := duplicates(splits[split]):
             k, first = found[0]
@@ -468,8 +463,8 @@ def gsm8k_pack(cfg):
             continue
         seen.add(normal(row["prompt"]))
         sft.append(row)
-    print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt or a "
-          f"{NGRAM}-gram with an eval row")
+    print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt or a run of "
+          f"words with an eval row")
     if len(test) < cfg.eval_rows or len(sft) < cfg.sft_rows:
         fail(f"gsm8k gives {len(test)} of {cfg.eval_rows} eval rows and {len(sft)} of {cfg.sft_rows} SFT rows "
              "(its training problems apart from the eval rows): ask for fewer rows (--sft_rows / --eval_rows) or "

@@ -9,7 +9,7 @@ import pytest
 import gates
 from configurator import Config
 from conftest import ROOT, TINY_MODEL, run_script
-from ngrams import EvalGrams
+from ngrams import read_eval_grams
 from util import Error
 
 B = 2 ** 20  # the 1B run's tokens per step
@@ -159,7 +159,7 @@ def test_eval_grams_find_a_row_in_any_case_and_spacing_but_not_across_documents(
              "answer_style": "direct"},
             {"category": "c", "prompt": "Add 2 and 3.", "answer": "5", "scratchpad": "", "answer_style": "direct"}]
     (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    grams = EvalGrams(tmp_path / "eval.jsonl")
+    grams = read_eval_grams(tmp_path / "eval.jsonl")
     assert (grams.rows, grams.rows_checked) == (3, 2)  # "Add 2 and 3." is too short to tell from chance
     texts = ["intro  GRACE has 85 marbles and buys 5 boxes\nof 25 more marbles for her friends, more",
              "we convert 712 days to hours. then", "convert 712 days", "to hours.", "add 2 and 3. 5",

@@ -29,7 +29,7 @@ BELOW = {
     "tasks": {"util", "data", "download", "tokenizer"},
     "holdout": {"data"},
     "prepare": {"util", "configurator", "data", "download", "tasks", "tokenizer", "checkpoint", "ngrams", "holdout"},
-    "skills": {"util", "configurator", "download", "tasks", "tokenizer", "prepare"},  # prepare: the gsm8k preset's files, read
+    "skills": {"util", "configurator", "download", "tasks", "tokenizer", "ngrams", "prepare"},  # prepare: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
     "loading": {"util", "checkpoint", "tokenizer", "export"},

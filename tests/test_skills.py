@@ -95,7 +95,7 @@ def test_a_jsonl_source_is_split_by_hash_and_a_planted_duplicate_or_13_gram_refu
                    and 50 in skills.split_rows(rows + [row], 10, 41)["sft"])  # lands in SFT, its twin in eval
     write_rows(source, rows + [planted])
     r = make(capfd, tmp_path / "gram", f"--pack_source={source}", "--sft_rows=41", "--eval_rows=10", code=1)
-    assert r.stderr.startswith(f"error: SFT row {source}:51 and eval row {source}:{e + 1} share the 13-gram '")
+    assert r.stderr.startswith(f"error: SFT row {source}:51 and eval row {source}:{e + 1} share a run of words (13 in a row")
     assert r.stderr.count("\n") == 1 and not any((tmp_path / name).exists() for name in ("dup", "gram"))
 
 
