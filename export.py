@@ -429,7 +429,11 @@ def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"
     saved = read_json(os.path.join(out, record))
     listed = set(saved.get("files", ())) if isinstance(saved, dict) else set()
     by_entry = not any("/" in f for f in listed)  # a record of top-level entries, from before paths were listed
-    foreign = [f for f in files_under(out) if f not in listed and not (by_entry and f.split("/")[0] in listed)]
+    try:
+        present = files_under(out)
+    except OSError as e:
+        fail(f"out={out} cannot be read whole ({first_line(e)}): not replacing it; choose another --out")
+    foreign = [f for f in present if f not in listed and not (by_entry and f.split("/")[0] in listed)]
     if not foreign:
         return
     what = f"earlier {kind}" if os.path.isfile(os.path.join(out, record)) else "folder"

@@ -254,8 +254,8 @@ def corpus_overlap(manifest, data_dir, eval_sha):
 
 def eval_contamination(cfg, pack, name="eval_contamination"):
     """eval_contamination: the pack's eval rows that the run's training corpus holds (and for an SFT run, its
-    base's corpus), counted by prepare.py with pack_dir, and the SFT rows that share a 13-gram with one (skills.py
-    refuses to write such a pack, and records the check)."""
+    base's corpus), counted by prepare.py with pack_dir, and the SFT rows that hold a run of an eval row's words
+    (ngrams.py; skills.py refuses to write such a pack, and records the check)."""
     lim = limits(cfg.gate_profile)
     try:
         eval_sha = file_sha256(os.path.join(cfg.pack_dir, "eval.jsonl"))
@@ -275,8 +275,8 @@ def eval_contamination(cfg, pack, name="eval_contamination"):
         found += rows
         details.append(detail)
     sft = pack.get("sft_rows_sharing_eval")
-    details.append("SFT rows sharing a 13-gram with an eval row: " + ("not recorded (a pack from before skills.py "
-                                                                        "recorded it)" if sft is None else str(sft)))
+    details.append("SFT rows holding a run of an eval row's words: " + (
+        "not recorded (a pack from before skills.py recorded it)" if sft is None else str(sft)))
     found += sft or 0
     return gate(name, lim["overlap"] if found else "pass", found, 0,
                 "; ".join(details) + ("" if not found else ": take those rows out of the eval set, or the documents "

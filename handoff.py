@@ -203,13 +203,8 @@ def readme(name, h, why, model, data, shown):
 
 def write_checksums(folder):
     """checksums.sha256: every other file's sha256, in sha256sum's format, paths relative to the bundle."""
-    lines = []
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for f in sorted(files):
-            path = os.path.relpath(os.path.join(root, f), folder)
-            if path not in (CHECKSUMS, SCRATCH_MARK):
-                lines.append(f"{file_sha256(os.path.join(folder, path))}  {path}\n")
+    lines = [f"{file_sha256(os.path.join(folder, path))}  {path}\n" for path in files_under(folder)
+             if path not in (CHECKSUMS, SCRATCH_MARK)]
     write_atomic(os.path.join(folder, CHECKSUMS), "".join(lines))
 
 

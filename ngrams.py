@@ -3,9 +3,10 @@ A skills pack's eval rows as hashed word n-grams, and the rows a batch of docume
 counts, while it tokenizes, the training documents that hold an eval row (manifest.json's eval_contamination).
 
 The one definition of an overlap with an eval row, for the corpus (prepare.py) and for a pack's SFT rows
-(skills.py): words are the lowercased text split at ASCII whitespace. An eval row's prompt and its reply (tokenizer.reply_text) are each its NGRAM-word
-windows, or, with fewer words than that but at least MIN_WORDS, the whole text as one gram; a text shorter
-than that (a bare number) cannot be told from chance and is not checked. Each word is a polynomial hash of its
+(skills.py): words are the lowercased text split at ASCII whitespace. An eval row's prompt and its reply
+(tokenizer.reply_text) are each its NGRAM-word windows, or, with fewer words than that but at least MIN_WORDS,
+the whole text as one gram; a text shorter than that (a bare number) cannot be told from chance and is not
+checked. Each word is a polynomial hash of its
 bytes and each gram one of its words, both mod 2^64 and computed with numpy over a whole batch at once.
 """
 
@@ -69,6 +70,13 @@ def text_grams(text):
     return (gram_hashes(words, n) if n >= MIN_WORDS else np.zeros(0, np.uint64)), n
 
 
+def first_look_up(keys):
+    """A look-up by the keys' low bits, before the search of the sorted keys: few windows pass it."""
+    table = np.zeros(TABLE, dtype=bool)
+    table[keys & np.uint64(TABLE - 1)] = True
+    return table
+
+
 def read_eval_grams(path):
     """The EvalGrams of a pack's eval.jsonl (each row checked as skills.py checks them: one line naming a bad one),
     with the file's sha256."""
@@ -92,8 +100,14 @@ class EvalGrams:
         self.rows, self.rows_checked, self.lengths = len(rows), len(set(found.values())), sorted(lengths)
         self.keys = np.array(sorted(found), dtype=np.uint64)
         self.owners = np.array([found[h] for h in self.keys.tolist()], dtype=np.int64)
-        self.table = np.zeros(TABLE, dtype=bool)  # a first look-up by the low bits: few windows pass to the search
-        self.table[self.keys & np.uint64(TABLE - 1)] = True
+        self.table = first_look_up(self.keys)
+
+    def __getstate__(self):  # sent to skills.py's pool workers: without the table, rebuilt from the keys there
+        return {k: v for k, v in self.__dict__.items() if k != "table"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.table = first_look_up(self.keys)
 
     def hits(self, texts):
         """For each text, the sorted eval rows it holds a gram of (a tuple, mostly empty)."""

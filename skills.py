@@ -281,18 +281,23 @@ class EvalIndex:
 
     def clash(self, row):
         """(the eval row's index, what they share) for an SFT row that must not be, else None."""
-        if (k := self.prompts.get(normal(row["prompt"]))) is not None:
-            return k, "the same prompt"
-        held = self.grams.hits([row["prompt"] + "\n" + reply_text(row)])[0]
-        return (held[0], f"a run of words ({NGRAM} in a row, or the eval row's whole prompt or reply of {MIN_WORDS} "
-                         f"words or more)") if held else None
+        return self.clashes([row])[0]
+
+    def clashes(self, rows):
+        """clash() of each row, their word runs looked up at once."""
+        held = self.grams.hits([row["prompt"] + "\n" + reply_text(row) for row in rows])
+        run = f"a run of words ({NGRAM} in a row, or the eval row's whole prompt or reply of {MIN_WORDS} words or more)"
+        found = []
+        for row, rows_held in zip(rows, held, strict=True):
+            k = self.prompts.get(normal(row["prompt"]))
+            found.append((k, "the same prompt") if k is not None else (rows_held[0], run) if rows_held else None)
+        return found
 
 
 def overlap(sft_rows, eval_rows):
     """[(SFT row index, eval row index, what they share)] for each SFT row whose prompt is an eval prompt or
     that holds one of its word runs (ngrams.py)."""
-    index = EvalIndex(eval_rows)
-    return [(k, *found) for k, row in enumerate(sft_rows) if (found := index.clash(row))]
+    return [(k, *found) for k, found in enumerate(EvalIndex(eval_rows).clashes(sft_rows)) if found]
 
 
 def duplicates(rows):
@@ -492,6 +497,7 @@ def manifest_of(cfg, splits, texts, description):
         "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k") else "the source's, row by row",
         "source": description,
         "ngram": NGRAM,
+        "min_words": MIN_WORDS,  # and a whole eval prompt or reply of MIN_WORDS to NGRAM - 1 words (ngrams.py)
         "sft_rows_sharing_eval": 0,  # check_pack refuses a pack where one does
         "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
         "files": {name: {"rows": len(splits[split]), "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}

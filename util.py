@@ -324,13 +324,20 @@ scratch_locks = {}  # the real path of each scratch folder's mark this process m
 
 
 def files_under(path):
-    """Every file under the folder path (a link as a file, never followed), as paths relative to it, '/'-separated,
-    sorted: what an export or a bundle records as its own, and what a later one checks before replacing it."""
+    """Every file under the folder path (a link as a file, never followed; an empty folder as "name/"), as paths
+    relative to it, '/'-separated, sorted: what an export or a bundle records as its own, and what a later one checks
+    before replacing it. OSError when a folder in it cannot be read."""
     found = []
-    for root, dirs, files in os.walk(path):
+
+    def unreadable(e):
+        raise e
+
+    for root, dirs, files in os.walk(path, onerror=unreadable):
         rel = os.path.relpath(root, path).replace(os.sep, "/")
-        found += [name if rel == "." else f"{rel}/{name}"
-                  for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]]
+        entries = files + [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        if rel != "." and not files and not dirs:
+            entries = [""]  # the empty folder itself
+        found += [name if rel == "." else f"{rel}/{name}" for name in entries]
     return sorted(found)
 
 

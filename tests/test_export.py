@@ -215,6 +215,10 @@ def test_export_replaces_an_earlier_export_and_nothing_else(runs, tmp_path):
             export.export(path, str(dest))
         assert files_under(dest) == sorted(listed + [notes])
         (dest / notes).unlink()
+    (dest / "podgpt_tokenizer" / "mine").mkdir()  # an empty folder of the user's, which a replacement would take
+    with pytest.raises(Error, match=r"did not write \(podgpt_tokenizer/mine/\): not replacing this earlier"):
+        export.export(path, str(dest))
+    (dest / "podgpt_tokenizer" / "mine").rmdir()
     record = json.load(open(dest / "podgpt.json"))  # an export from before paths were listed: its top-level names
     (dest / "podgpt.json").write_text(json.dumps(dict(record, files=sorted(os.listdir(dest)))))
     export.export(path, str(dest))  # still replaced

@@ -1,5 +1,5 @@
 """The skills pack (skills.py): the same files from the same seed on any worker count, eval rows never trained on
-(no shared prompt, no shared 13-gram), and each refusal in one line with nothing written."""
+(no shared prompt, no shared run of words), and each refusal in one line with nothing written."""
 import hashlib
 import json
 
@@ -25,7 +25,7 @@ def read(path):
 def test_the_pack_is_its_seed_s_on_any_worker_count_valid_balanced_and_apart(tmp_path, capfd):
     """workers=1 and workers=2 write byte-identical files; another seed other rows. Every row is in the schema with
     its answer on the reply's last line; the rows per category are asked // categories, the remainder to the
-    first; no prompt repeats and no SFT row shares a 13-gram with an eval row; the manifest's counts and sha256
+    first; no prompt repeats and no SFT row holds a run of an eval row's words; the manifest's counts and sha256
     are the files'."""
     files = ("sft.jsonl", "eval.jsonl", "manifest.json")
     packs = {}
