@@ -27,9 +27,9 @@ import sys
 import time
 import warnings
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
+from functools import partial
 
 import numpy as np
 import torch
@@ -164,17 +164,18 @@ def save_errors(sharded):
 
 
 def write_files(folder, files):
-    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a thread of its own (torch.save's copies
+    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a Writer of its own (torch.save's copies
     and the CRC32 leave the GIL): {file: size and CRC32}. Each whole file's CRC32 is ours (complete.json holds it,
-    loading checks it), so torch's own, of each record, a second pass over the same bytes, is off meanwhile."""
+    loading checks it), so torch's own, of each record, a second pass over the same bytes, is off meanwhile (a
+    process-wide setting: one save runs at a time, and podgpt writes no other torch file while it does)."""
     crc_options = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        with ThreadPoolExecutor(len(files)) as pool:
-            crcs = list(pool.map(lambda name: save_file(files[name], os.path.join(folder, name)), files))
+        writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name))) for name, obj in files.items()}
+        crcs = {name: writer.result() for name, writer in writers.items()}
     finally:
         torch.serialization.set_crc32_options(crc_options)
-    return {name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=crc) for name, crc in zip(files, crcs)}
+    return {name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=crc) for name, crc in crcs.items()}
 
 
 def commit(ckpt_root, tmp, step, marker, best, keep_last):

@@ -343,13 +343,15 @@ def selective_policy(ctx, op, *args, **kwargs):
 selective_checkpointing = partial(create_selective_checkpoint_contexts, selective_policy)
 
 
-@torch.compiler.disable
 def per_target(total, targets, weights):
     """The loss per target, as F.cross_entropy's mean: over the targets it counts (SFT: the replies'), 0 for a batch
-    with none (a window of prompt tokens alone), not the guards' NaN; with weights, over every target. Outside the
-    compiled graph: divided there by a count taken from the targets, the compiled backward held every loss chunk's
-    logits at once."""
+    with none (a window of prompt tokens alone), not the guards' NaN; with weights, over every target."""
     return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
+
+
+# head()'s division by a count taken from the targets: outside the compiled graph, where it made the compiled
+# backward hold every loss chunk's logits at once
+per_target_outside = torch.compiler.disable(per_target)
 
 
 class GPT(nn.Module):
@@ -418,10 +420,11 @@ class GPT(nn.Module):
             x = block(x, cache, mask, i)
         return x
 
-    def head(self, x, targets, weights=None):
+    def head(self, x, targets, weights=None, in_graph=False):
         """The final norm, the LM head and the loss of forward()'s first two items. weights (the shape of targets):
         each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets; without,
-        the mean over the targets that are not IGNORE (SFT's prompt tokens)."""
+        the mean over the targets that are not IGNORE (SFT's prompt tokens), divided outside the compiled graph
+        unless in_graph (a break there would split a caller's loop)."""
         config = self.config
         x = self.norm(x)
         if targets is None:
@@ -432,7 +435,7 @@ class GPT(nn.Module):
             total = self.cross_entropy_sum(logits, targets, weights)
         else:
             logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
-        return logits, per_target(total, targets, weights)
+        return logits, (per_target if weights is not None or in_graph else per_target_outside)(total, targets, weights)
 
     def chunked_loss(self, x, targets, weights=None):
         """The summed (weighted) cross-entropy, loss_chunk tokens at a time. Each chunk runs under checkpoint, so the

@@ -68,7 +68,7 @@ class Refine(GPT):
                         y = block(y, cache, mask, slot, context=z)
                         slot += 1
             if targets is not None or step == n_sup - 1:
-                logits, loss = self.head(y, targets)
+                logits, loss = self.head(y, targets, in_graph=True)  # a graph break would leave the loop eager
                 losses.append(loss)
             if c.detach_threshold <= step < n_sup - 1:  # later steps' losses stop reaching back through this one
                 y, z = y.detach(), None if z is None else z.detach()

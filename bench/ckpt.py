@@ -9,8 +9,9 @@ its weights and AdamW state saved by train.py's own checkpoint.Checkpoints, in t
 Per save: blocked, the seconds save() held the loop (in the background: the copy of the state into
 CPU memory, pinned on a GPU), and written, the seconds until complete.json and ckpt/latest were on
 disk. The staging buffers (pinned memory on a GPU: seconds to allocate for a 1B model) are allocated in the
-background after a run's first step, as train.py does (reserve_s: how long that took, while the run's steps
-went on); every save, the first included, finds them ready, which --saves=2 or more shows. The state is what a ddp
+background after a run's first step, as train.py does (the first save's reserve_s: how long that took, while
+the run's steps went on); every save, the first included, finds them ready, which --saves=2 or more shows. The
+state is what a ddp
 run's rank 0 writes: fp32 weights and AdamW's two moments, 12 bytes per parameter; the process holds
 it twice (on the device, and its CPU copy), so on a CPU a 1B model needs ~27 GB of RAM. --n_layer=K,
 below the config's depth, measures a K-layer slice of the same width and scales the times to the
@@ -53,19 +54,16 @@ def with_moments(model, optimizer):
 
 def time_saves(root, model, optimizer, dev, world, background, n, files):
     """n saves through checkpoint.Checkpoints as rank 0 of a ddp run of `world` ranks writes them, each
-    waited for, then removed (one on disk at a time): (their records (step, path, gb, blocked_s, waited_s,
-    written_s), the seconds the background allocation of the staging buffers took, None when synchronous)."""
+    waited for, then removed (one on disk at a time): their records (step, path, gb, blocked_s, waited_s,
+    written_s; in the background, the first also reserve_s: how long its staging buffers took to allocate)."""
     proc = SimpleNamespace(dev=dev, rank=0, world=world, torchrun=False, distributed=False)
     ckpts = Checkpoints(root, model, optimizer, proc, False, files, every=1, keep_last=n, save_best=False,
                         min_free_gb=0, background=background)
-    # as the loop after a step: the staging buffers start to be allocated in the background. A run's first save
-    # comes ckpt_every steps later, so the probe waits for them, and reports how long they took
-    t0 = time.perf_counter()
-    ckpts.poll()
-    reserving = ckpts.staging and ckpts.staging.reserving
-    if reserving:
-        reserving.join()
-    reserve_s = time.perf_counter() - t0 if reserving else None
+    if background:  # as the loop after a step: the buffers allocated in the background, ready for a run's first
+        t0 = time.perf_counter()  # save, ckpt_every steps later (the probe waits for them)
+        ckpts.poll()
+        ckpts.staging.reserving.join()
+        reserve_s = time.perf_counter() - t0
     records = []
     for step in range(1, n + 1):
         ckpts.save(dict(step=step), best=False)
@@ -75,7 +73,9 @@ def time_saves(root, model, optimizer, dev, world, background, n, files):
             fail(f"the step {step} checkpoint was not written (see the warning above): free disk space, or "
                  f"give --write_dir a folder on a disk with room")
         shutil.rmtree(records[-1]["path"])
-    return records, reserve_s
+    if background:
+        records[0]["reserve_s"] = reserve_s
+    return records
 
 
 def main(argv):
@@ -99,13 +99,14 @@ def main(argv):
           + (f"; scaled to the config's {full} layers ({full_params / 1e6:.1f}M)" if full > mconfig.n_layer else ""))
     files = {"config.json": json.dumps(dict(model=asdict(mconfig))).encode()}
     try:
-        background, reserve_s = time_saves(root, model, optimizer, dev, world, True, cfg["saves"], files)
-        rows = [dict(mode="async", save=i + 1, **r) for i, r in enumerate(background)]
-        rows += [dict(mode="sync", save=1, **r) for r in time_saves(root, model, optimizer, dev, world, False, 1,
-                                                                     files)[0]]
+        rows = [dict(mode="async", save=i + 1, **r) for i, r in
+                enumerate(time_saves(root, model, optimizer, dev, world, True, cfg["saves"], files))]
+        rows += [dict(mode="sync", save=1, **r) for r in
+                 time_saves(root, model, optimizer, dev, world, False, 1, files)]
     finally:
         remove_scratch(root)
-    print(f"  staging buffers allocated in the background in {reserve_s:.2f}s, while a run's first steps go on")
+    print(f"  staging buffers allocated in the background in {rows[0]['reserve_s']:.2f}s, while a run's first steps "
+          "go on")
     for r in rows:
         del r["path"], r["step"]  # scratch
         print(f"  {r['mode']:5s} save {r['save']}: blocked {r['blocked_s']:.2f}s, written in {r['written_s']:.2f}s "
@@ -126,7 +127,7 @@ def main(argv):
             world))
     common.write_result("ckpt", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(mconfig), params=params,
-        write_dir=root, saves=cfg["saves"], reserve_s=reserve_s, rows=rows, extrapolation=extrapolation))
+        write_dir=root, saves=cfg["saves"], rows=rows, extrapolation=extrapolation))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the device, torch and CUDA versions, the UTC date, the exact command, and its fi
 """
 
 import gc
+import gzip
 import json
 import os
 import platform
@@ -228,10 +229,11 @@ KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attn")),
                 ("copies", ("memcpy", "memset")))
 
 
-def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=3, accum=1):
-    """A torch.profiler trace of `steps` training steps (warmed up already: measure_steps ran them) as a Chrome
-    trace at path (chrome://tracing or ui.perfetto.dev), and the ops that took the most time on the device (the
-    CPU's, without a GPU), printed: where a step loses time against the matmul ceiling."""
+def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, step_time_s, steps=3, accum=1):
+    """A torch.profiler trace of `steps` training steps (warmed up already: measure_steps ran them, step_time_s
+    each) as a Chrome trace at path (gzipped when it ends in .gz; chrome://tracing or ui.perfetto.dev), and the ops
+    that took the most time on the device (the CPU's, without a GPU), printed: where a step loses time against the
+    matmul ceiling. Returns the trace's kernel_time."""
     from torch.profiler import ProfilerActivity, profile
     x, y = random_batch(model.config, micro_batch, dev, block_size)
     gpu = dev.type == "cuda"
@@ -244,14 +246,16 @@ def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, steps=
     prof.export_chrome_trace(path)
     print(prof.key_averages().table(sort_by="self_device_time_total" if gpu else "self_cpu_time_total",
                                     row_limit=25))
+    return kernel_time(path, steps * step_time_s)
 
 
 def kernel_time(path, seconds=None):
-    """The GPU's time in the Chrome trace at path, shared out by kind of kernel (KERNEL_KINDS, the rest "other"),
-    and, given the seconds the traced steps take unprofiled, the share of them the GPU was busy ("busy");
-    None when the trace holds no GPU work (a CPU's). Only the GPU's own events count: the profiler's annotations
-    of the GPU timeline (a compiled graph's call, the optimizer step) span kernels and would count them twice."""
-    with open(path) as f:
+    """The GPU's time in the Chrome trace at path (gzipped if it ends in .gz), shared out by kind of kernel
+    (KERNEL_KINDS, the rest "other"), and, given the seconds the traced steps take unprofiled, the kernels' seconds
+    over those ("busy": a share of the time when one stream runs at a time); None when the trace holds no GPU work
+    (a CPU's). Only the GPU's own events count: the profiler's annotations of the GPU timeline (a compiled graph's
+    call, the optimizer step) span kernels and would count them twice."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         work = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     total = sum(e["dur"] for e in work)  # microseconds
     if not total:

@@ -58,15 +58,17 @@ def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
         model, optimizer = common.build(mconfig, run, dev, shard=run["dist_mode"] == "fsdp")
     except torch.cuda.OutOfMemoryError:  # the weights alone do not fit
         return [dict(base, micro_batch=mb, oom=True) for mb in micro_batches]
+    base["sharded"] = hasattr(next(model.parameters()), "device_mesh")  # FSDP2's parameters are DTensors
     step = common.compiled(model, run)
     rows = []
     for mb in micro_batches:
         rows.append(dict(base, **common.measure_steps(step, optimizer, mb, mconfig.block_size, mconfig.vocab_size,
                                                       dev, dt, cfg["warmup"], cfg["iters"], accum=cfg["accum"])))
         if cfg["trace"] and "step_time_s" in rows[-1]:
-            path = os.path.join(cfg["trace"], f"mfu-{setting}-{depth}layers-mb{mb}.json")
-            common.trace_steps(step, optimizer, mb, mconfig.block_size, dev, dt, path, steps=3, accum=cfg["accum"])
-            rows[-1].update(trace=path, kernel_time=common.kernel_time(path, 3 * rows[-1]["step_time_s"]))
+            path = os.path.join(cfg["trace"], f"mfu-{setting}-{depth}layers-mb{mb}.json.gz")
+            rows[-1].update(trace=path, kernel_time=common.trace_steps(step, optimizer, mb, mconfig.block_size, dev, dt,
+                                                                       path, rows[-1]["step_time_s"],
+                                                                       accum=cfg["accum"]))
     del model, optimizer, step
     common.free_memory(dev)
     return rows

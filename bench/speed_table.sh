@@ -3,7 +3,7 @@
 # so that one hang costs only its own cap: the 1B shape in bf16 and fp8 (with profiler traces) and sharded by
 # FSDP2 (bf16 weights), the 1B run's own step (its micro-batch and accumulation), the 50M shape, the comparison
 # with transformers' Llama, and checkpoint saves (the first one and a later one).
-#   bash bench/speed_table.sh OUT               # JSON lines in OUT/bench.jsonl, the log in OUT/log.txt, traces in OUT/traces
+#   bash bench/speed_table.sh OUT             # JSON lines in OUT/bench.jsonl, log OUT/log.txt, gzipped traces OUT/traces
 #   BUDGET=500 bash bench/speed_table.sh OUT    # all of it within 500 s: a probe gets what is left of its cap, or is skipped
 # Copy the lines you keep into bench/results/<probe>.jsonl: each holds the device, torch, date and command.
 set -uo pipefail
@@ -40,9 +40,4 @@ probe() {  # probe SECONDS ARGS...: one probe, its exit status logged, the sessi
     probe 70 bench/mfu.py config/a100_50m.py "${FAST[@]}" --micro_batches=64 "--trace=$OUT/traces/50m"
     probe 90 bench/ckpt.py config/h200_1b_ddp8.py --device=cuda --saves=2 ${CKPT_DIR:+"--write_dir=$CKPT_DIR"}
     probe 150 bench/vs_hf.py config/h200_1b_ddp8.py --device=cuda --compile=True --micro_batch_size=8 --windows=2 --iters=4
-    for f in "$OUT"/traces/*/*.json; do  # each trace gzipped beside its folder, the folder removed once empty
-        [ -e "$f" ] || continue
-        gzip -c "$f" > "$OUT/traces/$(basename "$(dirname "$f")")-$(basename "$f").gz" && rm "$f"
-        rmdir --ignore-fail-on-non-empty "$(dirname "$f")"
-    done
 } 2>&1 | tee "$OUT/log.txt"

@@ -244,12 +244,37 @@ def test_the_chunked_loss_keeps_its_saving_under_torch_compile():
     tokens by 70% at least of what preflight.memory_estimate says the chunks save (the logits of the other 6144
     tokens): its backward rebuilds one chunk at a time, never every chunk at once. Each step in a fresh process,
     both at once."""
-    procs = [popen([sys.executable, "-c", COMPILED_STEP_PEAK, str(chunk)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-             for chunk in (2048, 0)]
-    chunked, whole = (int(p.communicate(timeout=600)[0].split()[-1]) for p in procs)
+    procs = [popen([sys.executable, "-c", COMPILED_STEP_PEAK, str(chunk)], cwd=ROOT, stdout=subprocess.PIPE,
+                   stderr=subprocess.PIPE, text=True) for chunk in (2048, 0)]
+    peaks = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            peaks.append(int(out.split()[-1]))
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    chunked, whole = peaks
     planned = (memory_estimate(GPTConfig(**LOSS_SHAPE, loss_chunk=0), 16, compute_bytes=4)["logits"]
                - memory_estimate(GPTConfig(**LOSS_SHAPE, loss_chunk=2048), 16, compute_bytes=4)["logits"])
     assert whole - chunked >= 0.7 * planned, (chunked, whole, planned)
+
+
+@pytest.mark.parametrize("objective", ["refine", "bd3lm"])
+def test_the_refine_and_diffusion_losses_trace_into_one_graph(objective):
+    """The autoregressive loss divides by its count of targets outside the compiled graph (per_target_outside);
+    refine's loss, one a supervision step inside its loop, and bd3lm's weighted loss stay inside it: a graph break
+    there would leave refine's loop to run eagerly, each block compiled apart."""
+    from objectives import make_model
+    config = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, loss_chunk=16,
+                       objective=objective)
+    model, x = make_model(config), torch.randint(0, 255, (2, 32))
+    y = x if objective == "refine" else torch.rand(2, 2, 32)  # bd3lm's targets: the noise draws
+    model(x, y)  # the attention kernel resolved (its first call is eager work, outside any graph)
+    explained = torch._dynamo.explain(model)(x, y)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
 def measured_memory_rows():

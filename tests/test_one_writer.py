@@ -277,7 +277,7 @@ def test_an_atomic_write_the_disk_refuses_leaves_no_temporary_file(tmp_path):
     assert os.listdir(tmp_path) == ["report.md"] and (tmp_path / "report.md").read_text() == "the one before"
 
 
-def test_the_files_of_a_save_are_written_at_once_each_with_its_own_crc32(tmp_path):
+def test_the_files_of_a_save_carry_their_whole_crc32_and_leave_torchs_own_option_as_it_was(tmp_path):
     # one thread a file, torch's own CRC32 of each record off meanwhile: each file's CRC32 (complete.json's) is the
     # whole file's, and torch.save elsewhere in the process computes its own again afterwards
     state = {"w": torch.arange(100_000, dtype=torch.float32), "b": torch.ones(7)}
