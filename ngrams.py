@@ -11,6 +11,8 @@ bytes and each gram one of its words, both mod 2^64 and computed with numpy over
 """
 
 
+import re
+
 import numpy as np
 
 from download import file_sha256
@@ -21,6 +23,7 @@ NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the
 MIN_WORDS = 5    # a shorter prompt or reply is not checked: its words alone occur by chance
 WHITESPACE = np.zeros(256, dtype=bool)
 WHITESPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True  # what str.split() splits at among ASCII bytes
+ASCII_SPACE = "[\t\n\x0b\x0c\r\x1c-\x1f ]+"  # the same, for re.split
 BYTE_BASE, WORD_BASE = 0x100000001B3, 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
 TABLE = 1 << 22  # slots of the first look-up (a few eval rows' grams fill a tiny share of them)
 POWERS = {}  # base -> base^0, base^1, ... mod 2^64, as long as asked so far
@@ -68,6 +71,20 @@ def text_grams(text):
     words = word_hashes(text.lower().encode("utf-8"))[0]
     n = min(NGRAM, len(words))
     return (gram_hashes(words, n) if n >= MIN_WORDS else np.zeros(0, np.uint64)), n
+
+
+def shared_run(text, row):
+    """The first run of words of text that is one of eval row `row`'s grams, as text ("" if none): what a refusal
+    quotes (the hashes say which row, not which words)."""
+    words = [w for w in re.split(ASCII_SPACE, text.lower()) if w]
+    for part in (row["prompt"], reply_text(row)):
+        gram = [w for w in re.split(ASCII_SPACE, part.lower()) if w]
+        n = min(NGRAM, len(gram))
+        grams = {tuple(gram[k:k + n]) for k in range(len(gram) - n + 1)} if n >= MIN_WORDS else set()
+        for k in range(len(words) - n + 1):
+            if tuple(words[k:k + n]) in grams:
+                return " ".join(words[k:k + n])
+    return ""
 
 
 def first_look_up(keys):

@@ -33,7 +33,7 @@ import sys
 import configurator
 from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
 from tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
-from ngrams import MIN_WORDS, NGRAM, EvalGrams
+from ngrams import MIN_WORDS, NGRAM, EvalGrams, shared_run
 from tokenizer import reply_text
 
 # --- config
@@ -275,7 +275,7 @@ class EvalIndex:
     documents), each to the first eval row that has it."""
 
     def __init__(self, eval_rows):
-        self.prompts, self.grams = {}, EvalGrams(eval_rows)
+        self.rows, self.prompts, self.grams = eval_rows, {}, EvalGrams(eval_rows)
         for k, row in enumerate(eval_rows):
             self.prompts.setdefault(normal(row["prompt"]), k)
 
@@ -285,12 +285,13 @@ class EvalIndex:
 
     def clashes(self, rows):
         """clash() of each row, their word runs looked up at once."""
-        held = self.grams.hits([row["prompt"] + "\n" + reply_text(row) for row in rows])
-        run = f"a run of words ({NGRAM} in a row, or the eval row's whole prompt or reply of {MIN_WORDS} words or more)"
+        texts = [row["prompt"] + "\n" + reply_text(row) for row in rows]
         found = []
-        for row, rows_held in zip(rows, held, strict=True):
-            k = self.prompts.get(normal(row["prompt"]))
-            found.append((k, "the same prompt") if k is not None else (rows_held[0], run) if rows_held else None)
+        for row, text, held in zip(rows, texts, self.grams.hits(texts), strict=True):
+            if (k := self.prompts.get(normal(row["prompt"]))) is not None:
+                found.append((k, "the same prompt"))
+            else:
+                found.append((held[0], f"the words '{shared_run(text, self.rows[held[0]])}'") if held else None)
         return found
 
 

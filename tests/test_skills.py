@@ -95,7 +95,10 @@ def test_a_jsonl_source_is_split_by_hash_and_a_planted_duplicate_or_13_gram_refu
                    and 50 in skills.split_rows(rows + [row], 10, 41)["sft"])  # lands in SFT, its twin in eval
     write_rows(source, rows + [planted])
     r = make(capfd, tmp_path / "gram", f"--pack_source={source}", "--sft_rows=41", "--eval_rows=10", code=1)
-    assert r.stderr.startswith(f"error: SFT row {source}:51 and eval row {source}:{e + 1} share a run of words (13 in a row")
+    assert r.stderr.startswith(f"error: SFT row {source}:51 and eval row {source}:{e + 1} share the words '")
+    quoted = r.stderr.split("share the words '", 1)[1].split("'", 1)[0]  # a run of the eval row's prompt or reply
+    eval_texts = [" ".join(text.lower().split()) for text in (rows[e]["prompt"], skills.reply_text(rows[e]))]
+    assert quoted and any(quoted in text for text in eval_texts), (quoted, eval_texts)
     assert r.stderr.count("\n") == 1 and not any((tmp_path / name).exists() for name in ("dup", "gram"))
 
 
