@@ -179,13 +179,20 @@ def token_hash(tokens):
     return int.from_bytes(hashlib.blake2b(np.ascontiguousarray(tokens), digest_size=8).digest(), "little")
 
 
-def document_hashes(data_dir, split):
-    """token_hash of every document of a split (the docs index beside each shard gives the boundaries)."""
-    for s in split["shards"]:
-        tokens = open_shard(os.path.join(data_dir, s["file"]))
-        starts = np.load(docs_file(os.path.join(data_dir, s["file"])))
+def shard_documents(data_dir, shards):
+    """(tokens, loss mask or None) of each document of these shards, in order (the docs index beside each shard
+    gives the boundaries), read from the files as they lie (memory-mapped)."""
+    for shard in shards:
+        path = os.path.join(data_dir, shard["file"])
+        tokens, starts = open_shard(path), np.load(docs_file(path), mmap_mode="r")
+        mask = np.load(mask_file(path), mmap_mode="r") if "mask_file" in shard else None
         for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
-            yield token_hash(tokens[a:b])
+            yield tokens[a:b], None if mask is None else mask[a:b]
+
+
+def document_hashes(data_dir, split):
+    """token_hash of every document of a split."""
+    return (token_hash(tokens) for tokens, _ in shard_documents(data_dir, split["shards"]))
 
 
 def shared_documents(train_hashes, val_hashes):

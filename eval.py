@@ -46,8 +46,8 @@ from gates import record_eval_floors, wilson
 from loading import load_trained, locate
 from tasks import HUB_MC, hub_questions, read_rows
 from tokenizer import chat_ids, chat_prompt, load_tokenizer
-from util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, run_main, setup,
-                  write_atomic, write_json)
+from util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, percent, run_main,
+                  setup, write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, an out_dir (see which) or an export folder; "": out_dir
@@ -327,10 +327,6 @@ def mc_report(sums, tasks):
     for task, (n, acc, acc_norm, chance) in zip(tasks, sums.view(-1, 4).tolist(), strict=True):
         report[task] = dict(summary(n, acc, chance / n if n else None), acc_norm=acc_norm / n if n else None)
     return report
-
-
-def percent(x):
-    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def table(title, stats, norm=False):

@@ -413,7 +413,7 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
     it may be new since)."""
     if os.path.lexists(out):
         check_replaceable(out, record, script, kind)
-        remove(out)
+        remove(out, record)
     finish_scratch(tmp)
     os.replace(tmp, out)
 

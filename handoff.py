@@ -108,7 +108,7 @@ def data_recipe(data_dir):
         return None
     args = manifest.get("prepare_args", {})
     sources = source_hashes(args)
-    packs = {s["source"]: pack_of(s["source"]) for s in sources if pack_of(s["source"])}
+    packs = {s["source"]: pack for s in sources if (pack := pack_of(s["source"]))}
     for s in sources:  # a pack's file: its sha256 now against the one the pack recorded
         if s["source"] in packs:
             s["matches_pack"] = packs[s["source"]]["files"][os.path.basename(s["source"])]["sha256"] == s["sha256"]

@@ -7,11 +7,8 @@ where each went), and written again split at the new threshold. prepare.py does 
 
 import array
 import heapq
-import os
 
-import numpy as np
-
-from data import docs_file, mask_file, open_shard, token_hash
+from data import shard_documents, token_hash
 
 FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
 
@@ -43,7 +40,7 @@ class Ledger:
     not to need more held out drops it early."""
 
     def __init__(self, min_tokens):
-        self.min_tokens, self.open = min_tokens, min_tokens > 0
+        self.min_tokens, self.open = min_tokens, True
         self.hashes, self.n_bytes, self.flags = array.array("Q"), array.array("Q"), array.array("B")
         self.rows = {}  # document number -> the eval rows it holds a gram of, where any
 
@@ -68,12 +65,3 @@ class Ledger:
             yield (h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask, self.rows.get(i, ()),
                    token_hash(tokens))
 
-
-def shard_documents(folder, shards):
-    """(tokens, loss mask or None) of each document of these shards, in order."""
-    for shard in shards:
-        path = os.path.join(folder, shard["file"])
-        tokens, starts = np.array(open_shard(path)), np.load(docs_file(path))
-        mask = np.load(mask_file(path)) if "mask_file" in shard else None
-        for a, b in zip(starts, list(starts[1:]) + [len(tokens)], strict=True):
-            yield tokens[a:b], None if mask is None else mask[a:b]

@@ -19,7 +19,7 @@ import sys
 
 import configurator
 from report import read_json, read_metrics
-from util import fail, run_main, write_atomic, write_json
+from util import fail, percent, run_main, write_atomic, write_json
 
 # --- config
 run = ""                        # the run folder (a train.py out_dir); "": out_dir
@@ -30,10 +30,6 @@ COMPUTE_OPTIMAL = 20  # tokens per parameter at the compute-optimal point (Hoffm
 WIDE = 0.25  # a 95% interval wider than this: the category's accuracy is known only roughly
 GAP = 0.10  # validation loss this much (relative) above the training loss: the model fits its rows better than new ones
 FIRST_SCREEN = 25  # honesty.md's lines that must say the essentials
-
-
-def percent(x):
-    return "-" if x is None else f"{100 * x:.1f}%"
 
 
 def read_run(folder):

@@ -11,8 +11,6 @@ bytes and each gram one of its words, both mod 2^64 and computed with numpy over
 """
 
 
-import re
-
 import numpy as np
 
 from download import file_sha256
@@ -23,7 +21,6 @@ NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the
 MIN_WORDS = 5    # a shorter prompt or reply is not checked: its words alone occur by chance
 WHITESPACE = np.zeros(256, dtype=bool)
 WHITESPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True  # what str.split() splits at among ASCII bytes
-ASCII_SPACE = "[\t\n\x0b\x0c\r\x1c-\x1f ]+"  # the same, for re.split
 BYTE_BASE, WORD_BASE = 0x100000001B3, 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
 TABLE = 1 << 22  # slots of the first look-up (a few eval rows' grams fill a tiny share of them)
 POWERS = {}  # base -> base^0, base^1, ... mod 2^64, as long as asked so far
@@ -51,11 +48,11 @@ class Rolling:
 
 
 def word_hashes(data):
-    """(each word's hash, each word's first byte) of UTF-8 bytes already lowercased."""
+    """(each word's hash, each word's first byte, the byte after its last) of UTF-8 bytes already lowercased."""
     b = np.frombuffer(data, dtype=np.uint8)
     edges = np.diff(np.concatenate(([True], WHITESPACE[b], [True])).astype(np.int8))
     starts, ends = np.flatnonzero(edges == -1), np.flatnonzero(edges == 1)
-    return Rolling(b.astype(np.uint64) + np.uint64(1), BYTE_BASE)(starts, ends), starts
+    return Rolling(b.astype(np.uint64) + np.uint64(1), BYTE_BASE)(starts, ends), starts, ends
 
 
 def gram_hashes(words, n, rolled=None):
@@ -75,15 +72,13 @@ def text_grams(text):
 
 def shared_run(text, row):
     """The first run of words of text that is one of eval row `row`'s grams, as text ("" if none): what a refusal
-    quotes (the hashes say which row, not which words)."""
-    words = [w for w in re.split(ASCII_SPACE, text.lower()) if w]
+    quotes (EvalGrams says which row, not which words)."""
+    data = text.lower().encode("utf-8")
+    words, starts, ends = word_hashes(data)
     for part in (row["prompt"], reply_text(row)):
-        gram = [w for w in re.split(ASCII_SPACE, part.lower()) if w]
-        n = min(NGRAM, len(gram))
-        grams = {tuple(gram[k:k + n]) for k in range(len(gram) - n + 1)} if n >= MIN_WORDS else set()
-        for k in range(len(words) - n + 1):
-            if tuple(words[k:k + n]) in grams:
-                return " ".join(words[k:k + n])
+        grams, n = text_grams(part)
+        if at := np.flatnonzero(np.isin(gram_hashes(words, n), grams)).tolist():
+            return " ".join(data[starts[at[0]]:ends[at[0] + n - 1]].decode("utf-8").split())
     return ""
 
 
@@ -130,7 +125,7 @@ class EvalGrams:
         """For each text, the sorted eval rows it holds a gram of (a tuple, mostly empty)."""
         parts = [t.lower().encode("utf-8") for t in texts]
         firsts = np.cumsum([0] + [len(p) + 1 for p in parts[:-1]])  # each text's first byte once joined
-        words, starts = word_hashes(b" ".join(parts))
+        words, starts, _ = word_hashes(b" ".join(parts))
         doc = np.searchsorted(firsts, starts, side="right") - 1
         found, rolled = [set() for _ in texts], Rolling(words, WORD_BASE)
         for n in self.lengths:

@@ -635,7 +635,8 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
         tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
         tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
         smallest = SmallestHashes(cfg.min_val_tokens)
-        ledger = Ledger(cfg.min_val_tokens if cfg.val_fraction and not retrains else 0)  # bpe:N re-tokenizes instead
+        # what a short validation split is replayed from; bpe:N re-tokenizes instead
+        ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens and not retrains else None
         eval_found.clear()  # a second pass counts anew
         # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
         # and the progress bar ends before the error line is printed
@@ -649,7 +650,7 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
         threshold = smallest.threshold()
         short = (f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
                  f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes)")
-        if not retrains:
+        if ledger is not None:
             print(f"{short}, read back from the shards")
             splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens, threshold,
                                                         eval_found)

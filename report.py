@@ -47,7 +47,7 @@ PLOTS = "plots"  # subfolder of out_dir for the PNGs
 
 def read_json(path):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError):
         return None

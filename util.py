@@ -126,6 +126,11 @@ def format_bytes(n):
     return f"{n:.0f} bytes"
 
 
+def percent(x):
+    """A fraction as a percentage with one decimal; "-" for None (eval.py's and honesty.py's tables)."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
 def format_seconds(s):
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
@@ -316,8 +321,7 @@ def writer_record():
 
 def marked(path):
     """The mark a folder holds that says podgpt made it (None: none)."""
-    return next((m for m in (MARK, SCRATCH_MARK, EXPORT_MARK, BUNDLE_MARK) if os.path.isfile(os.path.join(path, m))),
-                None)
+    return next((m for m in (MARK, SCRATCH_MARK) if os.path.isfile(os.path.join(path, m))), None)
 
 
 scratch_locks = {}  # the real path of each scratch folder's mark this process made: its locked file
@@ -341,16 +345,18 @@ def files_under(path):
     return sorted(found)
 
 
-def remove(path):
-    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or an entry
-    named as podgpt names its own and of the kind that name is (OWN_NAMES; never a link). Every delete podgpt makes
-    goes through here; anything else stays, with one line."""
+def remove(path, record=None):
+    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or the
+    `record` of an earlier export or bundle whose every file its caller has checked against it
+    (export.check_replaceable), or an entry named as podgpt names its own and of the kind that name is (OWN_NAMES;
+    never a link). Every delete podgpt makes goes through here; anything else stays, with one line."""
     name, is_dir = os.path.basename(path), os.path.isdir(path) and not os.path.islink(path)
     if is_dir and not os.listdir(path):  # an empty folder: nothing in it to lose
         os.rmdir(path)
         return
     kind = "folder" if is_dir else "file" if os.path.isfile(path) and not os.path.islink(path) else None
-    mark = marked(path) if is_dir else None
+    mark = marked(path) or (record if record and os.path.isfile(os.path.join(path, record)) else None) \
+        if is_dir else None
     fd = None
     if mark in (MARK, SCRATCH_MARK):  # held by a live podgpt process: its own to delete, not ours
         mark = os.path.join(path, mark)

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 import export  # noqa: E402
 from checkpoint import find_checkpoint, load_model  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from util import Error, files_under  # noqa: E402
+from util import Error, files_under, remove  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
             "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}
@@ -311,3 +311,15 @@ def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run,
     assert load_tokenizer(export.tokenizer_dir(str(dest))).spec == "char"  # podgpt's own files are there
     card = (dest / "README.md").read_text()
     assert "No transformers tokenizer is included (the char tokenizer" in card and "AutoTokenizer" not in card
+
+
+def test_a_folder_holding_an_export_record_is_not_podgpts_to_delete_unless_its_files_were_checked(tmp_path):
+    # util.remove trusts podgpt.json (or a bundle's record) only from a caller that checked every file against it
+    # (export.check_replaceable): a folder that merely holds one stays
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "podgpt.json").write_text("{}")
+    (folder / "notes.txt").write_text("mine")
+    with pytest.raises(Error, match="podgpt did not make it"):
+        remove(str(folder))
+    assert (folder / "notes.txt").read_text() == "mine"
