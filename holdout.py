@@ -2,7 +2,9 @@
 The validation hold-out: the documents with the smallest hashes, and, when those a val_fraction gives hold fewer
 than min_val_tokens tokens, the next smallest, found after tokenizing. Holding those out then takes no second
 tokenizing pass: the documents are read back from the shards just written, in corpus order (a Ledger remembers
-where each went), and written again split at the new threshold. prepare.py does the tokenizing and writing.
+where each went), and written again split at the new threshold. A bpe:N tokenizer, trained on training documents
+alone, is trained without any document that may be held out so (bpe_reserve): it is trained once, and the corpus
+tokenized once. prepare.py does the tokenizing and writing.
 """
 
 import array
@@ -21,9 +23,13 @@ class SmallestHashes:
         self.min_tokens, self.tokens = min_tokens, 0
         self.heap = []  # (-hash, n_tokens): the largest hash on top
 
+    def wants(self, h):
+        """Whether a document of hash h would be kept: not while enough are, with smaller hashes."""
+        return self.tokens < self.min_tokens or bool(self.heap) and h < -self.heap[0][0]
+
     def add(self, h, n_tokens):
-        if self.tokens >= self.min_tokens and (not self.heap or h >= -self.heap[0][0]):
-            return  # enough already, with smaller hashes
+        if not self.wants(h):
+            return
         heapq.heappush(self.heap, (-h, n_tokens))
         self.tokens += n_tokens
         while self.tokens - self.heap[0][1] >= self.min_tokens:  # enough without the largest
@@ -32,6 +38,27 @@ class SmallestHashes:
     def threshold(self):
         """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
         return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
+
+
+def bpe_reserve(docs, threshold, min_tokens, least_tokens):
+    """The hash below which bpe:N must not train: `threshold` (val_fraction's), or higher where the documents below
+    it may hold fewer than min_tokens tokens, so that those held out after tokenizing were never in its training.
+    docs: (hash, source split, text) of every document but the training split's; least_tokens(text): a bound from
+    below on a document's tokens, known before the tokenizer is (the documents below the result hold at least
+    min_tokens of them, so more than SmallestHashes finds on the tokens themselves). Reads the corpus only until the
+    documents below `threshold` surely hold min_tokens: the first few hundred MB of a big one."""
+    smallest, held = SmallestHashes(min_tokens), 0
+    for h, split, text in docs:
+        below = split == "val" or not split and h < threshold  # validation at `threshold`
+        if below or not split and smallest.wants(h):
+            n = least_tokens(text)
+            held += n if below else 0
+            if not split:
+                smallest.add(h, n)
+            if held >= min_tokens:
+                return threshold
+    reserve = smallest.threshold()
+    return 2**64 if reserve is None else max(threshold, reserve)  # None: any of them may be held out
 
 
 class Ledger:

@@ -38,8 +38,7 @@ complete, manifest.json last; prepare.py writes only into a data_dir that holds 
 (docs/data-format.md; data.py reads them). Validation is whole documents, those with the smallest hashes
 of their text: val_fraction of them, and more while they hold fewer than min_val_tokens tokens (found at
 the end of the pass, then read back from the shards and written again, never tokenized twice; bpe:N, trained on
-training documents alone, is trained again and the corpus tokenized again: only a small corpus needs that
-(holdout.py)). The split
+training documents alone, is trained without any document that may be held out so: holdout.py). The split
 depends on the set of documents alone, so the output is the same for any number of workers, and
 duplicate documents always land in the same split.
 """
@@ -68,10 +67,11 @@ import configurator
 from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
                   token_dtype, token_hash)
 from download import download, local_copy
-from holdout import Ledger, SmallestHashes
+from holdout import Ledger, SmallestHashes, bpe_reserve
 from ngrams import MIN_WORDS, NGRAM, read_eval_grams
 from tasks import gsm8k_documents, pack_documents
-from tokenizer import SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer, train_tokenizer
+from tokenizer import (BPE_PATTERN, SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer,
+                       train_tokenizer)
 from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
                   remove_scratch, run_main)
 
@@ -622,43 +622,54 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
         return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256,
                          cfg.gsm8k_format, cfg.chat)
 
-    n_workers = cfg.workers or os.cpu_count()
     # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
     # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
-    # bpe:N is trained on training documents alone: a raised threshold changes it, and every token with it
-    retrains = parse_spec(cfg.tokenizer)[0] == "bpe" and not cfg.chat
-    while True:  # once, or for a bpe:N retrained without the new validation documents twice or three times
-        meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base)) if cfg.chat else train_tokenizer(
-            cfg.tokenizer, lambda: (text for text, _ in docs()),
-            lambda: bpe_training_texts(docs(), threshold, cfg.bpe_train_chars))
-        tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
-        tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
-        smallest = SmallestHashes(cfg.min_val_tokens)
-        # what a short validation split is replayed from; bpe:N re-tokenizes instead
-        ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens and not retrains else None
-        eval_found.clear()  # a second pass counts anew
-        # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
-        # and the progress bar ends before the error line is printed
-        encoded = encode_all(docs(), n_workers, scratch, segment_lengths(cfg.segments), cfg.chat, grams)
-        with contextlib.closing(encoded):
-            splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest,
-                                                         eval_found, ledger)
-        val = splits["val"]
-        if cfg.val_fraction == 0 or val["tokens"] >= cfg.min_val_tokens or smallest.threshold() is None:
-            break
+    lengths = segment_lengths(cfg.segments)
+    bpe = parse_spec(cfg.tokenizer)[0] == "bpe" and not cfg.chat
+    reserve = threshold if bpe else 2**64  # no document below it trains the tokenizer (bpe:N's merges)
+    if bpe and cfg.val_fraction and cfg.min_val_tokens:
+        unsplit = ((doc_hash(text.encode("utf-8")), split, text) for text, split in docs() if split != "train")
+        reserve = bpe_reserve(unsplit, threshold, cfg.min_val_tokens, least_tokens(lengths))
+        if reserve > threshold:
+            print(f"{cfg.tokenizer} is trained without the documents min_val_tokens={cfg.min_val_tokens:,} may hold "
+                  f"out for validation (hashes in the lowest {reserve / 2**64:.2%})")
+    meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base)) if cfg.chat else train_tokenizer(
+        cfg.tokenizer, lambda: (text for text, _ in docs()),
+        lambda: bpe_training_texts(docs(), reserve, cfg.bpe_train_chars))
+    tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
+    tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
+    smallest = SmallestHashes(cfg.min_val_tokens)
+    ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens else None  # to replay a short split
+    # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
+    # and the progress bar ends before the error line is printed
+    encoded = encode_all(docs(), cfg.workers or os.cpu_count(), scratch, lengths, cfg.chat, grams)
+    with contextlib.closing(encoded):
+        splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest,
+                                                     eval_found, ledger)
+    val = splits["val"]
+    if ledger is not None and val["tokens"] < cfg.min_val_tokens and smallest.threshold() is not None:
         threshold = smallest.threshold()
-        short = (f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
-                 f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes)")
-        if ledger is not None:
-            print(f"{short}, read back from the shards")
-            splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens, threshold,
-                                                        eval_found)
-            break
-        print(f"{short}: training {cfg.tokenizer} without them and tokenizing again")
-        make_scratch(scratch)  # the next pass starts from an empty folder
+        if threshold > reserve:  # least_tokens counted more than the tokenizer made: a document in both
+            raise RuntimeError(f"{cfg.tokenizer} was trained on documents now held out for validation")
+        print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
+              f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes), read back from the "
+              "shards")
+        splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens, threshold,
+                                                    eval_found)
     check_split(cfg, splits, raised=threshold > base_threshold)
     return tok, tokenizer_files, splits, counts, contamination
+
+
+def least_tokens(lengths):
+    """A document's fewest tokens under bpe:N, before its merges are known: the segments' lengths, or [BOS] and one
+    token at least for each piece BPE_PATTERN cuts the text into (the encoder merges within a piece, never across)."""
+    if lengths:
+        return lambda text: sum(lengths)
+    import regex  # tiktoken's own dependency
+
+    pieces = regex.compile(BPE_PATTERN)
+    return lambda text: 1 + sum(1 for _ in pieces.finditer(text))
 
 
 def split_again(scratch, ledger, splits, tok, shard_tokens, threshold, eval_found):

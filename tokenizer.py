@@ -21,6 +21,9 @@ from util import fail, first_line
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
 CHAT_TOKENS = ("<|user|>", "<|assistant|>", "<|end|>")  # ids V, V+1, V+2 after a base vocabulary of V
+# bpe:N's split of text into pieces, which merges never cross (rustbpe's default, GPT-4's): known before training
+BPE_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
+               r"|\s+(?!\S)|\s+")
 
 
 class Tokenizer:
@@ -145,9 +148,9 @@ def train_tokenizer(spec, texts, bpe_texts):
         bpe = rustbpe.Tokenizer()
         # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
         # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
-        bpe.train_from_iterator(bpe_texts(), n - 1)
+        bpe.train_from_iterator(bpe_texts(), n - 1, pattern=BPE_PATTERN)
         ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
-        pattern, bos = bpe.get_pattern(), "<|bos|>"
+        pattern, bos = BPE_PATTERN, "<|bos|>"
     meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
     return meta, ranks
 

@@ -256,25 +256,63 @@ def snapshot(folder):
     return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.iterdir())}
 
 
-def test_workers_do_not_change_the_output(corpus, tmp_path, capsys):
-    """Also when min_val_tokens moves the threshold: then bpe:N is trained again without the new
-    validation documents, so the result is what one pass with that threshold gives."""
+def test_workers_do_not_change_the_output(corpus, tmp_path, capsys, monkeypatch):
+    """Also when min_val_tokens moves the threshold of a bpe:N: the tokenizer is trained once, on none of the
+    documents held out, and each document is tokenized once."""
+    trained, train = [], prepare.train_tokenizer
+
+    def recording(spec, texts, bpe_texts):
+        trained[:] = bpe_texts()
+        return train(spec, texts, lambda: iter(trained))
+    monkeypatch.setattr(prepare, "train_tokenizer", recording)
+    log = tmp_path / "encoded.jsonl"
+    counting_encodes(monkeypatch, log)
     outs = [tmp_path / "w1", tmp_path / "w2"]
     for n, out in zip((1, 2), outs):
         assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={out}", "--val_fraction=0.05",
                    "--min_val_tokens=300", "--shard_tokens=200", f"--workers={n}") == 0
-        assert "fewer than min_val_tokens=300: holding out more documents" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert "bpe:300 is trained without the documents min_val_tokens=300 may hold out for validation" in printed
+        assert "fewer than min_val_tokens=300: holding out more documents" in printed
+        assert "read back from the shards" in printed
+        assert sorted(json.loads(line) for line in log.read_text().splitlines()) == sorted(CORPUS_DOCS)
+        log.unlink()
     one, two = ({name: data for name, (_, _, data) in snapshot(out).items()} for out in outs)
     assert one == two and len(one) > 8
     train, val = decode_split(outs[0], "train"), decode_split(outs[0], "val")
     assert data.load_manifest(outs[0])["splits"]["val"]["tokens"] >= 300
     assert max(map(doc_hash, val)) < min(map(doc_hash, train))  # the smallest hashes, whole documents
-    between = (max(map(doc_hash, val)) + min(map(doc_hash, train))) / 2 / 2**64
-    single = tmp_path / "single"
-    assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={single}", f"--val_fraction={between!r}",
-               "--min_val_tokens=0", "--shard_tokens=200") == 0
-    assert "tokenizing again" not in capsys.readouterr().out
-    assert data.load_manifest(single)["fingerprint"] == data.load_manifest(outs[0])["fingerprint"]
+    assert trained and set(trained) <= set(train) and not set(trained) & set(val)
+
+
+def test_bpe_reserve_counts_tokens_from_below_and_reads_no_more_than_it_needs(corpus, tmp_path):
+    """bpe_reserve's bound on a document's tokens is one: no document makes fewer tokens than least_tokens says,
+    so the documents below the reserve hold min_tokens; and where val_fraction's hold them surely, it stops reading."""
+    assert run(f"--source={corpus}", "--tokenizer=bpe:300", f"--data_dir={tmp_path / 'out'}", "--val_fraction=0.5",
+               "--min_val_tokens=0") == 0
+    tok = tokenizer.load_tokenizer(tmp_path / "out")
+    counted, least = [], prepare.least_tokens(())
+    for text in CORPUS_DOCS:
+        n = 1 + len(tok.encode(text))
+        assert least(text) <= n
+        counted.append(n)
+    assert sum(map(least, CORPUS_DOCS)) > 0.5 * sum(counted)  # a bound, not a guess of zero
+    hashes = [doc_hash(t) for t in CORPUS_DOCS]
+    for min_tokens in (1, 200, sum(map(least, CORPUS_DOCS)) // 2):
+        reserve = holdout.bpe_reserve(((h, None, t) for h, t in zip(hashes, CORPUS_DOCS)), 0, min_tokens, least)
+        assert sum(n for h, n in zip(hashes, counted) if h < reserve) >= min_tokens
+        assert sum(least(t) for h, t in zip(hashes, CORPUS_DOCS) if h < reserve - 1) < min_tokens  # the least
+    read = []
+
+    def docs():
+        for h, t in zip(hashes, CORPUS_DOCS):
+            read.append(t)
+            yield h, None, t
+    threshold = hashes[0] + 1  # the first document is below it, and holds enough
+    assert holdout.bpe_reserve(docs(), threshold, least(CORPUS_DOCS[0]), least) == threshold
+    assert read == CORPUS_DOCS[:1]
+    assert holdout.bpe_reserve(iter([(5, "val", "a b c"), (3, None, "x")]), 0, 4, least) == 0  # "val": held anyway
+    assert holdout.bpe_reserve(iter([(5, None, "a b c")]), 0, 99, least) == 2**64  # too few: any may be held out
 
 
 def test_rerun_reuses_and_force_rebuilds(corpus, tmp_path, capsys):
