@@ -387,8 +387,11 @@ def init_worker(tok_dir, lengths, chat, grams):
 def encode_document(tok, text, lengths):
     """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's SEGMENT-separated parts
     tokenized one by one, the first after BOS, each padded with BOS or cut to its length."""
-    if not lengths:
-        return np.concatenate((np.array([tok.bos_id], dtype=np.uint32), tok.encode_array(text))), False
+    if not lengths:  # the ids cast once, straight into the shard's dtype
+        ids = tok.encode_array(text)
+        tokens = np.empty(len(ids) + 1, dtype=token_dtype(tok.vocab_size))
+        tokens[0], tokens[1:] = tok.bos_id, ids
+        return tokens, False
     parts = text.split(SEGMENT)
     if len(parts) == 1:  # a plain document: one segment
         parts += [""] * (len(lengths) - 1)

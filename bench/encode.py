@@ -1,8 +1,8 @@
 """
 Does prepare.py tokenize at the tokenizer's own speed? MB/s of text through prepare.encode_all with one
 worker process (texts and token arrays crossing the process boundary, hashes, batching: all a worker does)
-against the raw tokenizer in one thread of this process (Tokenizer.encode: tiktoken's encode_ordinary for
-gpt2 and bpe:N), on the same documents. The pool's start (a fork, the tokenizer loaded from its files), timed on
+against the raw tokenizer in one thread of this process (Tokenizer.encode_array: for gpt2 and bpe:N tiktoken's
+encode_to_numpy, its fastest call, the one the workers make), on the same documents. The pool's start (a fork, the tokenizer loaded from its files), timed on
 one empty document, is paid once a run, not per megabyte: the worker's steady rate leaves it out, and
 fraction = steady / raw, per core. The parent process reads the documents and writes the shards for all the
 workers: its rate (reading, then write_shards on the results) over the workers' steady rate is how many worker
@@ -67,7 +67,7 @@ def main(argv):
         meta, ranks = train_tokenizer(cfg["tokenizer"], lambda: (t for t, _ in docs), lambda: (t for t, _ in docs))
         save_tokenizer(tok_dir, cfg["tokenizer"], meta, ranks)
         tok = load_tokenizer(tok_dir)
-        raw, worker, start = best_seconds(cfg["iters"], lambda: [tok.encode(text) for text, _ in docs],
+        raw, worker, start = best_seconds(cfg["iters"], lambda: [tok.encode_array(text) for text, _ in docs],
                                           lambda: encode_all(docs, tok_dir), lambda: encode_all([("", None)], tok_dir))
         encoded = list(prepare.encode_all(iter(docs), 1, tok_dir, []))
         with tempfile.TemporaryDirectory() as shard_dir:
