@@ -260,7 +260,8 @@ UNICODE_DOC = "\n".join(["héllo 世界, naïve café — 東京 😀 ünïcöd�
 @pytest.fixture(scope="module")
 def tokenizer_run(tmp_path_factory):
     """make(spec): the out_dir of a 3-step run on data prepared with that tokenizer (made once per spec); the
-    source puts multi-byte text first, so that a bpe learns merges inside characters too."""
+    source puts multi-byte text first, so that a bpe learns merges inside characters too (no min_val_tokens: a bpe
+is trained without every document it may hold out)."""
     root = tmp_path_factory.mktemp("tokenizer_runs")
     (root / "unicode.txt").write_text(UNICODE_DOC, encoding="utf-8")
     made = {}
@@ -269,7 +270,7 @@ def tokenizer_run(tmp_path_factory):
         if spec not in made:
             data, out = root / f"data_{spec}".replace(":", "_"), root / f"run_{spec}".replace(":", "_")
             run([sys.executable, "prepare.py", f"--source={root / 'unicode.txt'},stdlib", f"--tokenizer={spec}",
-                 f"--data_dir={data}", "--max_docs=100", "--val_fraction=0.1", "--workers=2"])
+                 f"--data_dir={data}", "--max_docs=100", "--val_fraction=0.1", "--min_val_tokens=0", "--workers=2"])
             with Captured() as captured:
                 train_tiny(captured, out, data, "--total_batch_tokens=256", "--micro_batch_size=4",
                            "--max_steps=3", "--eval_every=3", "--ckpt_every=3", "--seed=7")
