@@ -250,23 +250,29 @@ def write_hf_tokenizer(src, folder, block_size, template=False):
     return None
 
 
-def card_usage(cfg, tokenizer_note, bos):
-    """The model card's code example and its line on the tokenizer: transformers' tokenizer where there is one,
-    token ids where there is none (tokenizer_note says why)."""
-    if tokenizer_note is None:
-        use = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-               "tok = AutoTokenizer.from_pretrained(\"<this folder>\")",
-               "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-               "ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
-               "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
-        return use, ("- `tokenizer.json` encodes exactly as podgpt's tokenizer (made with transformers' tiktoken "
-                     f"converter); podgpt's own files are in `{TOKENIZER_DIR}/`.")
-    use = ["from transformers import AutoModelForCausalLM",
-           "model = AutoModelForCausalLM.from_pretrained(\"<this folder>\")",
-           f"# start every prompt with the BOS id {bos}"]
-    return use, (f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are "
-                 f"in `{TOKENIZER_DIR}/` (read them with podgpt's `tokenizer.load_tokenizer`); pass token ids "
-                 "to transformers, and serve with vLLM using `--skip-tokenizer-init`.")
+def card_usage(where, bos, tokenizer, chat):
+    """The code that loads the export in folder `where` and asks it: through its chat template (chat: an SFT
+    model's tokenizer with one), by text through transformers' tokenizer (tokenizer: there is one), else by token
+    ids. The model card's, and the hand-off bundle's README's."""
+    if not tokenizer:
+        return ["from transformers import AutoModelForCausalLM",
+                f"model = AutoModelForCausalLM.from_pretrained(\"{where}\")",
+                f"# start every prompt with the BOS id {bos}"]
+    load = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"tok = AutoTokenizer.from_pretrained(\"{where}\")",
+            f"model = AutoModelForCausalLM.from_pretrained(\"{where}\")"]
+    if chat:
+        return load + ["messages = [{\"role\": \"user\", \"content\": \"What is 2 + 3?\"}]",
+                       "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,",
+                       "                              return_tensors=\"pt\")",
+                       "# ids: BOS <|user|> prompt <|end|> <|assistant|>, as in training; the reply ends at <|end|>",
+                       "room = tok.model_max_length - ids[\"input_ids\"].shape[1]  # the context it was trained on",
+                       "out = model.generate(**ids, max_new_tokens=room, do_sample=False)",
+                       "print(tok.decode(out[0, ids[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
+                       "# a chat marker typed in a message is read as the marker; for text you do not trust,",
+                       "# apply_chat_template(..., sanitize_control_tokens=True) keeps it text (transformers 5.24)"]
+    return load + ["ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
+                   "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
 
 
 def card_training(path, run_cfg, trainer, out_dir):
@@ -307,11 +313,18 @@ def card_training(path, run_cfg, trainer, out_dir):
     return lines
 
 
-def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special):
+def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special, template):
     """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why there is no
-    transformers tokenizer (None: there is one); special: special_tokens'."""
+    transformers tokenizer (None: there is one); special: special_tokens'; template: a chat template was asked."""
     p = param_counts(cfg)
-    (bos, eos, chat), use, tokenizer_line = special, *card_usage(cfg, tokenizer_note, special[0])
+    bos, eos, chat = special
+    use = card_usage("<this folder>", bos, tokenizer_note is None, template and bool(chat))
+    tokenizer_line = (
+        "- `tokenizer.json` encodes exactly as podgpt's tokenizer (made with transformers' tiktoken converter); "
+        f"podgpt's own files are in `{TOKENIZER_DIR}/`." if tokenizer_note is None else
+        f"- No transformers tokenizer is included ({tokenizer_note}): podgpt's tokenizer files are in "
+        f"`{TOKENIZER_DIR}/` (read them with podgpt's `tokenizer.load_tokenizer`); pass token ids to transformers, "
+        "and serve with vLLM using `--skip-tokenizer-init`.")
     ids = f"BOS = EOS = id {bos}" if not chat else (f"BOS id {bos}; chat tokens " + ", ".join(
         f"{name} = id {i}" for name, i in chat.items()) + f"; a reply ends at EOS = id {eos}")
     lines = [
@@ -385,7 +398,8 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
         # (uploaded), and an absolute path names the machine's folders (a home directory, a user name)
         source = os.path.relpath(os.path.abspath(path), os.path.dirname(out_dir))
         write_atomic(os.path.join(tmp, "README.md"),
-                     model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special))
+                     model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special,
+                                chat_template))
         files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [PODGPT_FILE]  # what a later export may replace
         write_json(os.path.join(tmp, PODGPT_FILE),
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),

@@ -37,11 +37,11 @@ import honesty
 from checkpoint import reading
 from data import tokenizer_fingerprint
 from download import file_sha256
-from export import check_replaceable, export, put_in_place, scratch_beside
-from prepare import SOURCE_EXTS, is_url, walk
+from export import card_usage, check_replaceable, export, put_in_place, scratch_beside
+from prepare import PRESETS, is_url, resolve_sources
 from report import read_json
-from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, first_line,
-                  run_main, write_atomic, write_json)
+from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
+                  first_line, run_main, write_atomic, write_json)
 
 # --- config
 run = ""                        # the run folder to hand off (a train.py out_dir); "": out_dir
@@ -73,25 +73,30 @@ def gate_check(folder, status, override):
 
 
 def source_hashes(args):
-    """Each source of prepare.py's arguments with its sha256, hashed now (the shards' sha256s are what trained)."""
+    """Each source of prepare.py's arguments with its sha256, hashed now (the shards' sha256s are what trained):
+    of the files prepare.py would read for it (prepare.resolve_sources)."""
     out = []
     for part in (p.strip() for p in args.get("source", "").split(",") if p.strip()):
-        if part == "stdlib" or os.path.isdir(part):
-            root = sysconfig.get_paths()["stdlib"] if part == "stdlib" else part
-            files = walk(root, (".py",), ("site-packages", "dist-packages")) if part == "stdlib" \
-                else walk(part, SOURCE_EXTS)
-            lines = "".join(f"{file_sha256(f)}  {os.path.relpath(f, root)}\n" for f in files)
-            where = f"Python {platform.python_version()}'s standard library here" if part == "stdlib" else part
-            out.append(dict(source=part, files=len(files), sha256=hashlib.sha256(lines.encode()).hexdigest(),
-                            how=f"sha256 of the sorted 'sha256  path' lines of the {len(files)} files of {where}"))
-        elif os.path.isfile(part):
-            out.append(dict(source=part, files=1, sha256=file_sha256(part), how="sha256 of the file"))
-        else:
+        if part in PRESETS or is_url(part):  # a download: its sha256 only as prepare.py checked it
             given = args.get("sha256") or None
             out.append(dict(source=part, files=None, sha256=given,
                             how="prepare.py's --sha256, checked at download" if given else
-                            f"not recorded: {'a URL or preset' if is_url(part) or '/' not in part else 'gone'}; "
-                            "prepare.py checks a download's sha256 only when --sha256 is given"))
+                            "not recorded: a URL or preset; prepare.py checks a download's sha256 only when --sha256 "
+                            "is given"))
+            continue
+        try:
+            files = [s.location for s in resolve_sources(part, 0, "", False)[0]]
+        except Error as e:  # gone, or no longer readable as a source: the rest of the recipe still stands
+            out.append(dict(source=part, files=None, sha256=None, how=f"not recorded: {e}"))
+            continue
+        if os.path.isfile(part):
+            out.append(dict(source=part, files=1, sha256=file_sha256(part), how="sha256 of the file"))
+            continue
+        root = sysconfig.get_paths()["stdlib"] if part == "stdlib" else part  # the paths' folder in the lines
+        lines = "".join(f"{file_sha256(f)}  {os.path.relpath(f, root)}\n" for f in files)
+        where = f"Python {platform.python_version()}'s standard library here" if part == "stdlib" else part
+        out.append(dict(source=part, files=len(files), sha256=hashlib.sha256(lines.encode()).hexdigest(),
+                        how=f"sha256 of the sorted 'sha256  path' lines of the {len(files)} files of {where}"))
     return out
 
 
@@ -101,11 +106,10 @@ def pack_of(source):
     return manifest if isinstance(manifest, dict) and os.path.basename(source) in manifest.get("files", {}) else None
 
 
-def data_recipe(data_dir):
-    """What data_dir holds and how prepare.py made it, from its manifest.json; None when it cannot be read."""
-    manifest = read_json(os.path.join(data_dir, "manifest.json"))
+def data_recipe(data_dir, manifest):
+    """What data_dir holds and how prepare.py made it, from its manifest.json (as read)."""
     if not isinstance(manifest, dict):
-        return None
+        return {"data_dir": data_dir, "missing": "no readable manifest.json there"}
     args = manifest.get("prepare_args", {})
     sources = source_hashes(args)
     packs = {s["source"]: pack for s in sources if (pack := pack_of(s["source"]))}
@@ -125,20 +129,17 @@ def data_recipe(data_dir):
                        for name, split in manifest.get("splits", {}).items() for s in split.get("shards", [])]}
 
 
-def recipe(folder, base):
-    """The exact data behind the model: the base data's recipe, and the SFT data's for a fine-tuned run; the skills
-    pack eval.py asked, by its manifest."""
-    config = read_json(os.path.join(folder, "config.json")) or {}
-    report = read_json(os.path.join(folder, "eval.json")) or {}
-    eval_pack = (report.get("pack") or {}).get("folder")
-    parts = {"sft": folder, "base": base} if base else {"base": folder}
-    out = {}
-    for name, run_dir in parts.items():
-        data_dir = (read_json(os.path.join(run_dir, "config.json")) or {}).get("data_dir", "")
-        out[name] = data_recipe(data_dir) or {"data_dir": data_dir, "missing": "no readable manifest.json there"}
+def recipe(run):
+    """The exact data behind the model of a run (honesty.read_run's): the base data's recipe, and the SFT data's
+    for a fine-tuned run; the skills pack eval.py asked, by its manifest."""
+    eval_pack = ((run["eval"] or {}).get("pack") or {}).get("folder")
+    parts = {"sft": run, "base": run["base"]} if run["base_dir"] else {"base": run}
+    out = {name: data_recipe(r["config"].get("data_dir", ""), r["data"]) if r else
+           {"data_dir": None, "missing": f"the base run ({run['base_dir']}) is not there to read"}
+           for name, r in parts.items()}
     out["eval_pack"] = {"folder": eval_pack, "manifest": read_json(os.path.join(eval_pack, "manifest.json"))} \
         if eval_pack else None
-    out["init_from"] = config.get("init_from") or None
+    out["init_from"] = run["base_dir"] or None
     return out
 
 
@@ -150,26 +151,11 @@ def copy_run(folder, dest):
             shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
 
 
-def usage(chat, tokenizer):
-    """README.md's code: a chat model through its chat template, a base model by text; without a transformers
-    tokenizer (a char tokenizer's), where the model card says what to do."""
-    if not tokenizer:
-        return ["# no transformers tokenizer: model/README.md says why and how to pass token ids"]
-    load = ["from transformers import AutoModelForCausalLM, AutoTokenizer",
-            "tok = AutoTokenizer.from_pretrained(\"model\")",
-            "model = AutoModelForCausalLM.from_pretrained(\"model\")"]
-    if chat:
-        return load + ["messages = [{\"role\": \"user\", \"content\": \"What is 2 + 3?\"}]",
-                       "ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,",
-                       "                              return_tensors=\"pt\")",
-                       "# ids: BOS <|user|> prompt <|end|> <|assistant|>, as in training; the reply ends at <|end|>",
-                       "room = tok.model_max_length - ids[\"input_ids\"].shape[1]  # the context it was trained on",
-                       "out = model.generate(**ids, max_new_tokens=room, do_sample=False)",
-                       "print(tok.decode(out[0, ids[\"input_ids\"].shape[1]:], skip_special_tokens=True))",
-                       "# a chat marker typed in a message is read as the marker; for text you do not trust,",
-                       "# apply_chat_template(..., sanitize_control_tokens=True) keeps it text (transformers 5.24)"]
-    return load + ["ids = tok(\"def main(\", return_tensors=\"pt\").input_ids  # starts with BOS, as in training",
-                   "print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=True))"]
+def usage(model):
+    """The export's own code (export.card_usage) for the export in `model`, run from the bundle's folder."""
+    hf_tokenizer = read_json(os.path.join(model, "tokenizer_config.json"))  # written with tokenizer.json, or neither
+    bos = (read_json(os.path.join(model, "config.json")) or {}).get("bos_token_id")
+    return card_usage(os.path.basename(model), bos, hf_tokenizer is not None, "chat_template" in (hf_tokenizer or {}))
 
 
 def readme(name, h, why, model, data, shown):
@@ -182,8 +168,7 @@ def readme(name, h, why, model, data, shown):
     recipes = [f"- {part} data: `{r.get('data_dir')}` from {r.get('source')}, tokenizer {r.get('tokenizer')} "
                f"(fingerprint {r.get('tokenizer_fingerprint')}), data fingerprint {r.get('fingerprint')}"
                for part, r in data.items() if part in ("base", "sft") and r]
-    hf = read_json(os.path.join(model, "tokenizer_config.json")) or {}
-    code = usage("chat_template" in hf, os.path.isfile(os.path.join(model, "tokenizer.json")))
+    code = usage(model)
     return "\n".join([
         *head, "", *screen, "",
         "## What the model wrote (eval.json's recorded replies)", "", *(examples or ["- none recorded"]), "",
@@ -208,37 +193,37 @@ def write_checksums(folder):
     write_atomic(os.path.join(folder, CHECKSUMS), "".join(lines))
 
 
-def fill(tmp, folder, path, cfg, why):
-    """Everything but the record and the checksums into the bundle's temporary folder `tmp`."""
-    base = (read_json(os.path.join(folder, "config.json")) or {}).get("init_from") or ""
+def fill(tmp, run, path, cfg, why):
+    """Everything but the record and the checksums into the bundle's temporary folder `tmp`, from the run as
+    honesty.read_run read it."""
     export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
-    copy_run(folder, os.path.join(tmp, "run"))
-    if base and os.path.isdir(base):
-        copy_run(base, os.path.join(tmp, "base_run"))
-    gate = (read_json(os.path.join(folder, "summary.json")) or {}).get("long_run_gate")
+    copy_run(run["folder"], os.path.join(tmp, "run"))
+    if run["base_dir"] and os.path.isdir(run["base_dir"]):
+        copy_run(run["base_dir"], os.path.join(tmp, "base_run"))
+    gate = run["summary"].get("long_run_gate")
     write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else
                {"recorded": False, "detail": "summary.json has no long_run_gate"})
-    h = honesty.write(folder, tmp)
+    h = honesty.write(run, tmp)
     write_atomic(os.path.join(tmp, "limitations.md"), "# Known limitations\n\n" + "".join(
         f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
-    data = recipe(folder, base)
+    data = recipe(run)
     write_json(os.path.join(tmp, "recipe.json"), data)
-    pack = (read_json(os.path.join(folder, "eval.json")) or {}).get("pack") or {}
+    pack = (run["eval"] or {}).get("pack") or {}
     firsts = [dict(some[0], category=c) for c, some in pack.get("examples", {}).items() if some]
     shown = firsts[:cfg.examples]  # one a category, the first categories
     write_atomic(os.path.join(tmp, "README.md"), readme(h["run"], h, why, os.path.join(tmp, "model"), data, shown))
     return h
 
 
-def bundle(folder, path, cfg, why):
-    """Write the bundle of checkpoint `path` of run `folder` to cfg.out, atomically."""
+def bundle(run, path, cfg, why):
+    """Write the bundle of checkpoint `path` of a run (honesty.read_run's) to cfg.out, atomically."""
     out = os.path.normpath(cfg.out)
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
     with scratch_beside(out, "podgpt-handoff") as tmp:
-        h = fill(tmp, folder, path, cfg, why)
+        h = fill(tmp, run, path, cfg, why)
         files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [BUNDLE_MARK, CHECKSUMS]
         write_json(os.path.join(tmp, BUNDLE_MARK),
-                   {"run": h["run"], "checkpoint": os.path.relpath(path, folder),
+                   {"run": h["run"], "checkpoint": os.path.relpath(path, run["folder"]),
                     "release_gate": h["release_gate"], "override_gate": why, "files": files})
         write_checksums(tmp)
         put_in_place(tmp, out, BUNDLE_MARK, "handoff.py", "bundle")
@@ -254,10 +239,11 @@ def main(argv):
     if not os.path.isdir(os.path.join(folder, "ckpt")):
         fail(f"run={folder}: no checkpoints there: give a train.py out_dir", code=2)
     check_apart(out=cfg.out, run=folder)
-    why = gate_check(folder, honesty.gate_status(honesty.read_run(folder)["summary"]), cfg.override_gate)
+    run = honesty.read_run(folder)  # every file of the run (and its base run and data) read once, here
+    why = gate_check(folder, honesty.gate_status(run["summary"]), cfg.override_gate)
     try:
         with reading(folder, cfg.which) as path:  # held against a training run's rotation while it is read
-            bundle(folder, path, cfg, why)
+            bundle(run, path, cfg, why)
     except ValueError as e:
         fail(f"run={folder}: its checkpoint cannot be used: {e}")
     except OSError as e:

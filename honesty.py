@@ -30,6 +30,8 @@ COMPUTE_OPTIMAL = 20  # tokens per parameter at the compute-optimal point (Hoffm
 WIDE = 0.25  # a 95% interval wider than this: the category's accuracy is known only roughly
 GAP = 0.10  # validation loss this much (relative) above the training loss: the model fits its rows better than new ones
 FIRST_SCREEN = 25  # honesty.md's lines that must say the essentials
+ABOVE, AT_OR_BELOW, NO_CHANCE = "above_chance", "at_or_below_chance", "no_chance_level"  # a category's standing
+FLAGS = {ABOVE: "above chance", AT_OR_BELOW: "AT OR BELOW CHANCE", NO_CHANCE: "no chance level"}  # honesty.md's table
 
 
 def read_run(folder):
@@ -71,9 +73,21 @@ def gate_line(status):
 
 
 def categories(report):
-    """The skills pack's categories of eval.json, each flagged when its interval's low end is not above chance."""
-    pack = (report or {}).get("pack") or {}
-    return {name: dict(s, at_or_below_chance=not s["above_chance"]) for name, s in pack.get("categories", {}).items()}
+    """The skills pack's categories of eval.json, as eval.py wrote them."""
+    return ((report or {}).get("pack") or {}).get("categories", {})
+
+
+def standing(c):
+    """Where a category stands against chance: ABOVE (its 95% interval's low end is above chance), AT_OR_BELOW,
+    or NO_CHANCE: the pack's manifest gives it no chance level (a free-form task), so its score is all there is."""
+    if c.get("chance") is None:
+        return NO_CHANCE
+    return ABOVE if c["above_chance"] else AT_OR_BELOW
+
+
+def standing_in(cats, where):
+    """The names of the categories that stand `where` (standing's)."""
+    return [n for n, c in cats.items() if standing(c) == where]
 
 
 def last_val(metrics):
@@ -160,10 +174,13 @@ def limitations(run, cats):
     if tokens and params and tokens / params < COMPUTE_OPTIMAL:
         out.append(f"undertrained: pretrained on {tokens / params:.1f} tokens per parameter ({tokens:,} tokens, "
                    f"{params:,} parameters), below the compute-optimal {COMPUTE_OPTIMAL}")
-    low = [n for n, c in cats.items() if c["at_or_below_chance"]]
+    low, free = standing_in(cats, AT_OR_BELOW), standing_in(cats, NO_CHANCE)
     if low:
-        out.append(f"at or below chance (95% interval's low end not above it) in {len(low)} of {len(cats)} "
-                   f"categories: {', '.join(low)}")
+        out.append(f"at or below chance (95% interval's low end not above it) in {len(low)} of "
+                   f"{len(cats) - len(free)} categories with a chance level: {', '.join(low)}")
+    if free:
+        out.append(f"no chance level for {len(free)} of {len(cats)} categories (the pack's manifest gives none): "
+                   f"{', '.join(free)}: their accuracy alone, never compared with guessing")
     wide = {n: c for n, c in cats.items() if c["high"] - c["low"] > WIDE}
     if wide:
         widest = max(wide, key=lambda n: wide[n]["high"] - wide[n]["low"])
@@ -187,16 +204,25 @@ def limitations(run, cats):
 
 
 def contamination(run):
+    """One line per contamination finding: the validation documents that are training documents (the data's
+    manifest.json count, which preflight's contamination gate states again), and each gate's other finding, said
+    once where the preflight gate and the check after the run (eval rows the corpus holds) report the same."""
     out = []
     found = (run["data"] or {}).get("contamination") or {}
+    gate = run["summary"].get("long_run_gate") or {}
+    preflight, after = ([g for g in gate.get(part, []) if isinstance(g, dict) and g.get("verdict") in ("warn", "block")
+                         and "contamination" in str(g.get("name"))] for part in ("gates", "post_run"))
     if found.get("train_docs_in_val"):
         out.append(f"contamination: {found['train_docs_in_val']} of {found.get('val_documents')} validation "
                    "documents are also training documents (the data's manifest.json): its validation loss is "
                    "optimistic")
-    gate = run["summary"].get("long_run_gate") or {}
-    for g in [*gate.get("gates", []), *gate.get("post_run", [])]:  # the preflight gate and the check after the run
-        if isinstance(g, dict) and "contamination" in str(g.get("name")) and g.get("verdict") in ("warn", "block"):
-            out.append(f"{g['name']} ({g['verdict']}): {g.get('detail')}")
+        preflight = [g for g in preflight if g.get("name") != "contamination"]  # the count above, from the manifest
+    findings = {}  # detail -> the gates that report it
+    for g in preflight + after:
+        findings.setdefault(g.get("detail"), []).append(g)
+    for detail, gates in findings.items():
+        verdict = "block" if any(g["verdict"] == "block" for g in gates) else "warn"
+        out.append(f"{', '.join(str(g['name']) for g in gates)} ({verdict}): {detail}")
     return out
 
 
@@ -210,16 +236,14 @@ def model_line(run):
             f"context {c.get('block_size')} tokens, {tok} tokenizer), {kind}{at}")
 
 
-def build(folder):
-    """The honesty report of run folder `folder` as a dict (honesty.json)."""
-    run = read_run(folder)
+def build(run):
+    """The honesty report of a run (read_run's) as a dict (honesty.json)."""
     cats = categories(run["eval"])
     s = run["summary"]
     train, val = s.get("final_train_loss"), s.get("final_val_loss")
-    return {"run": "/".join(os.path.normpath(os.path.abspath(folder)).split(os.sep)[-2:]), "model": model_line(run),
-            "release_gate": gate_status(s), "claims": claims(run), "categories": cats,
-            "above_chance": [n for n, c in cats.items() if not c["at_or_below_chance"]],
-            "at_or_below_chance": [n for n, c in cats.items() if c["at_or_below_chance"]],
+    return {"run": "/".join(os.path.normpath(os.path.abspath(run["folder"])).split(os.sep)[-2:]),
+            "model": model_line(run), "release_gate": gate_status(s), "claims": claims(run), "categories": cats,
+            **{where: standing_in(cats, where) for where in (ABOVE, AT_OR_BELOW, NO_CHANCE)},
             "train_val_gap": {"final_train_loss": train, "final_val_loss": val,
                               "gap": val - train if train is not None and val is not None else None,
                               "source": "summary.json: final_train_loss, final_val_loss"},
@@ -227,21 +251,24 @@ def build(folder):
 
 
 def category_cell(name, c):
-    return f"{name} {percent(c['accuracy'])} ({percent(c['low'])}-{percent(c['high'])}, chance {percent(c['chance'])})"
+    chance = "no chance level" if standing(c) == NO_CHANCE else f"chance {percent(c['chance'])}"
+    return f"{name} {percent(c['accuracy'])} ({percent(c['low'])}-{percent(c['high'])}, {chance})"
 
 
 def first_screen(h):
     """The essentials, in the first lines of honesty.md."""
     cats = h["categories"]
-    can = "; ".join(category_cell(n, cats[n]) for n in h["above_chance"]) or "nothing measured above chance"
-    cannot = "; ".join(category_cell(n, cats[n]) for n in h["at_or_below_chance"]) or "-"
+    cells = lambda where: "; ".join(category_cell(n, cats[n]) for n in h[where])  # noqa: E731
+    can, cannot = cells(ABOVE) or "nothing measured above chance", cells(AT_OR_BELOW) or "-"
     if not cats:
         can = cannot = "unknown: no skills pack was evaluated"
+    free = [f"- **No chance level** (the score alone, neither above nor at chance): {cells(NO_CHANCE)}"] \
+        if h[NO_CHANCE] else []
     return [f"# Honesty report: {h['run']}", "",
             f"- **Model**: {h['model']}",
             f"- **Release gate**: {gate_line(h['release_gate'])}",
             f"- **Can** (95% interval's low end above chance): {can}",
-            f"- **Not shown above chance** (at or below it): {cannot}",
+            f"- **Not shown above chance** (at or below it): {cannot}", *free,
             "- **Never measured**: " + ("; ".join(h["never_measured"]) or "-"), "",
             "## Known limitations", "", *(f"- {x}" for x in h["limitations"] or ["none the numbers show"])]
 
@@ -261,7 +288,7 @@ def markdown(h):
         lines += ["", "## Skills pack categories", "", "| category | n | accuracy | 95% interval | chance | flag |",
                   "|---|---:|---:|---|---:|---|",
                   *(f"| {n} | {c['n']} | {percent(c['accuracy'])} | {percent(c['low'])} to {percent(c['high'])} | "
-                    f"{percent(c['chance'])} | {'AT OR BELOW CHANCE' if c['at_or_below_chance'] else 'above chance'} |"
+                    f"{percent(c['chance'])} | {FLAGS[standing(c)]} |"
                     for n, c in h["categories"].items())]
     lines += ["", "## Train/validation gap", "",
               f"final training loss {value_cell(gap['final_train_loss'])}, final validation loss "
@@ -273,10 +300,10 @@ def markdown(h):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write(folder, dest=None):
-    """honesty.md and honesty.json of run folder `folder`, into dest (default the run folder); the report."""
-    h = build(folder)
-    dest = dest or folder
+def write(run, dest=None):
+    """honesty.md and honesty.json of a run (read_run's), into dest (default the run folder); the report."""
+    h = build(run)
+    dest = dest or run["folder"]
     write_json(os.path.join(dest, "honesty.json"), h)
     write_atomic(os.path.join(dest, "honesty.md"), markdown(h))
     return h
@@ -287,7 +314,7 @@ def main(argv):
     folder = config.run or config.out_dir
     if not os.path.isdir(folder):
         fail(f"run={folder}: no such folder: give a train.py out_dir", code=2)
-    print("\n".join(markdown(write(folder)).splitlines()[:FIRST_SCREEN]))
+    print("\n".join(markdown(write(read_run(folder))).splitlines()[:FIRST_SCREEN]))
     print(f"wrote {os.path.join(folder, 'honesty.md')} and honesty.json")
 
 

@@ -14,6 +14,7 @@ import shutil
 import pytest
 import torch
 
+import handoff as handoff_py
 import honesty
 from checkpoint import find_checkpoint, load_model
 from conftest import Captured, run_script, shared, train_tiny, tree
@@ -78,9 +79,9 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
     report["pack"]["categories"]["add"].update(n=4, correct=4, accuracy=1.0, low=0.51, high=1.0, chance=0.0,
                                                above_chance=True)
     (run / "eval.json").write_text(json.dumps(report))
-    h = honesty.write(str(run))
+    h = honesty.write(honesty.read_run(str(run)))
     assert h["at_or_below_chance"] == ["yes_no"] and h["above_chance"] == ["add"]
-    assert h["categories"]["yes_no"]["at_or_below_chance"]  # 75% right, but the interval reaches below chance
+    assert honesty.standing(h["categories"]["yes_no"]) == honesty.AT_OR_BELOW  # 75% right, the interval reaches below
     never = " ".join(h["never_measured"])
     assert "no external benchmark attached" in never and "no multiple-choice" in never and "no GPU run" in never
     limits = " ".join(h["limitations"])
@@ -99,6 +100,57 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
     assert "**Not shown above chance** (at or below it): yes_no 75.0%" in screen
     assert "no external benchmark attached" in screen and "## Known limitations" in screen
     assert json.loads((run / "honesty.json").read_text()) == h
+
+
+def test_a_category_without_a_chance_level_is_neither_above_nor_below_it_and_each_contamination_is_said_once(
+        tmp_path):
+    """A hand-made run folder: a free-form category (no chance level in the pack's manifest) is shown with its score
+    alone; the data's count of validation documents in training and the preflight gate that states it again are
+    one line, as are the preflight and post-run gates that report the same eval rows in the corpus."""
+    data, run = tmp_path / "data", tmp_path / "run"
+    data.mkdir(), run.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": "byte", "contamination": {
+        "train_docs_in_val": 3, "val_documents": 10}}))
+    (run / "config.json").write_text(json.dumps({"data_dir": str(data), "block_size": 64}))
+    rows = "data: 2 of 8 eval rows in training documents"
+    gate = {"profile": "research", "verdict": "block",
+            "gates": [{"name": "contamination", "verdict": "block", "detail": "3 training documents are also "
+                       "validation documents"}, {"name": "eval_contamination", "verdict": "warn", "detail": rows}],
+            "post_run": [{"name": "contamination", "verdict": "warn", "detail": rows}]}
+    (run / "summary.json").write_text(json.dumps({"params": {"total": 1000}, "tokens": 50000, "long_run_gate": gate}))
+    cats = {"add": dict(n=10, correct=9, accuracy=0.9, low=0.6, high=0.98, chance=0.1, above_chance=True),
+            "story": dict(n=10, correct=1, accuracy=0.1, low=0.02, high=0.4, chance=None, above_chance=False)}
+    overall = dict(n=20, correct=10, accuracy=0.5, low=0.3, high=0.7, chance=None, above_chance=False)
+    (run / "eval.json").write_text(json.dumps({"pack": {"categories": cats, "overall": overall}}))
+    h = honesty.write(honesty.read_run(str(run)))
+    assert (h["above_chance"], h["at_or_below_chance"], h["no_chance_level"]) == (["add"], [], ["story"])
+    assert "at_or_below_chance" not in h["categories"]["story"]  # eval.py's record as it is: derived, not stored
+    assert not [x for x in h["limitations"] if "at or below chance" in x]
+    assert [x for x in h["limitations"] if "no chance level" in x] == [
+        "no chance level for 1 of 2 categories (the pack's manifest gives none): story: their accuracy alone, never "
+        "compared with guessing"]
+    assert [x for x in h["limitations"] if "contamination" in x] == [
+        "contamination: 3 of 10 validation documents are also training documents (the data's manifest.json): its "
+        "validation loss is optimistic", f"eval_contamination, contamination (warn): {rows}"]
+    md = (run / "honesty.md").read_text()
+    screen = md.splitlines()[:honesty.FIRST_SCREEN]
+    assert "- **Not shown above chance** (at or below it): -" in screen
+    assert ("- **No chance level** (the score alone, neither above nor at chance): story 10.0% (2.0%-40.0%, no chance "
+            "level)") in screen
+    assert "| story | 10 | 10.0% | 2.0% to 40.0% | - | no chance level |" in md.splitlines()
+
+
+def test_a_sources_files_are_those_prepare_reads_and_a_gone_one_is_said_to_be_gone(tmp_path):
+    corpus = tmp_path / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "a.txt").write_text("one")
+    (corpus / "sub" / "b.jsonl").write_text('{"text": "two"}\n')
+    (corpus / "notes.bin").write_bytes(b"not a source")
+    folder, preset, gone = handoff_py.source_hashes({"source": f"{corpus},tinyshakespeare,gone.txt"})
+    assert folder["files"] == 2 and folder["sha256"]  # prepare.py's files of a folder: not notes.bin
+    assert preset["sha256"] is None and preset["how"].startswith("not recorded: a URL or preset")
+    assert gone["sha256"] is None and gone["how"].startswith(
+        "not recorded: source 'gone.txt' is not stdlib, a preset, a URL or an existing file or folder")
 
 
 def test_the_bundle_refuses_a_run_without_an_acceptable_gate_unless_told(sft_run, tmp_path, capfd):
@@ -143,10 +195,15 @@ def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft_run, tmp_path, capfd):
+def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft_run, tmp_path, capfd, monkeypatch):
     run = with_gate(sft_run, tmp_path, dict(GATE_BLOCK, verdict="pass", gates=[], post_run=[]))
     bundle = tmp_path / "bundle"
+    reads = []
+    # each of the run's files read once (export.py's model card reads its own)
+    for module, name in ((honesty, "read_json"), (honesty, "read_metrics"), (handoff_py, "read_json")):
+        monkeypatch.setattr(module, name, lambda path, read=getattr(module, name): reads.append(path) or read(path))
     assert handoff(capfd, run, bundle).returncode == 0
+    assert len(reads) == len(set(reads)) and os.path.join(str(run), "summary.json") in reads, reads
     files = sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
     for name in ("README.md", "honesty.md", "honesty.json", "limitations.md", "recipe.json", "release_gate.json",
                  "podgpt-handoff.json", "model/model.safetensors", "model/config.json", "model/generation_config.json",
@@ -185,6 +242,8 @@ def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft
         assert out[0, len(ids):].tolist() == mine
     # the README's code runs as written, in the bundle's folder, and prints the reply podgpt's sampler gives
     code = re.search(r"```python\n(.*?)```", (bundle / "README.md").read_text(), re.S).group(1)
+    card = re.search(r"```python\n(.*?)```", (bundle / "model" / "README.md").read_text(), re.S).group(1)
+    assert "apply_chat_template" in code and code == card.replace("<this folder>", "model")  # the export's own
     printed = io.StringIO()
     cwd = os.getcwd()
     try:
