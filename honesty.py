@@ -258,17 +258,19 @@ def category_cell(name, c):
 def first_screen(h):
     """The essentials, in the first lines of honesty.md."""
     cats = h["categories"]
-    cells = lambda where: "; ".join(category_cell(n, cats[n]) for n in h[where])  # noqa: E731
+
+    def cells(where):
+        return "; ".join(category_cell(n, cats[n]) for n in h[where])
     can, cannot = cells(ABOVE) or "nothing measured above chance", cells(AT_OR_BELOW) or "-"
     if not cats:
         can = cannot = "unknown: no skills pack was evaluated"
-    free = [f"- **No chance level** (the score alone, neither above nor at chance): {cells(NO_CHANCE)}"] \
-        if h[NO_CHANCE] else []
+    free = cells(NO_CHANCE)
     return [f"# Honesty report: {h['run']}", "",
             f"- **Model**: {h['model']}",
             f"- **Release gate**: {gate_line(h['release_gate'])}",
             f"- **Can** (95% interval's low end above chance): {can}",
-            f"- **Not shown above chance** (at or below it): {cannot}", *free,
+            f"- **Not shown above chance** (at or below it): {cannot}",
+            *([f"- **No chance level** (the score alone, neither above nor at chance): {free}"] if free else []),
             "- **Never measured**: " + ("; ".join(h["never_measured"]) or "-"), "",
             "## Known limitations", "", *(f"- {x}" for x in h["limitations"] or ["none the numbers show"])]
 
