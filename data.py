@@ -339,6 +339,11 @@ class Loader:
         samples = np.arange(first_sample, first_sample + size)
         return self.batch([self.train_window(k) for k in samples], device, samples)
 
+    def train_targets(self, first_sample, size):
+        """The targets that train_batch(first_sample, size) counts (not IGNORE), from the loss masks alone."""
+        masks = np.stack([self.window_mask(self.train_window(k)) for k in range(first_sample, first_sample + size)])
+        return int(np.count_nonzero(masks[:, 1:]))
+
     def sources(self, samples):
         """Where training samples come from: each one's window, shard file, first token in that shard, and the
         document (its index in the shard's docs.npy) that this token belongs to."""

@@ -424,12 +424,24 @@ def scratch_beside(out, suffix):
 
 def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"):
     """The finished folder tmp renamed to out, over an earlier one that holds only its own files (checked again:
-    it may be new since)."""
-    if os.path.lexists(out):
-        check_replaceable(out, record, script, kind)
-        remove(out, record)
-    finish_scratch(tmp)
-    os.replace(tmp, out)
+    it may be new since). tmp keeps its mark until it is out, and the earlier one waits in a marked folder beside
+    it, put back if the rename fails: a failure leaves the earlier folder or the new one, the rest marked."""
+    if not os.path.lexists(out):
+        os.replace(tmp, out)
+        finish_scratch(tmp, out)
+        return
+    check_replaceable(out, record, script, kind)
+    with scratch_beside(out, "podgpt-old") as aside:
+        old = os.path.join(aside, "old")
+        os.replace(out, old)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old, out)
+            raise
+    finish_scratch(tmp, out)
+    remove(old, record)
+    remove_scratch(aside)
 
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):

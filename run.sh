@@ -21,7 +21,7 @@
 #                 from the latest checkpoint (train.py's resume=auto); > 0 uses torchrun on one node too
 #   DATA_DIR      overrides the config's data_dir (prepare, dryrun, train, eval)
 #   OUT_DIR       overrides the config's out_dir (sanity, train, sample; the dry run uses OUT_DIR/dryrun)
-#   STAGES        stages to run, in order (default "sanity prepare dryrun train sample"; for a config that sets
+#   STAGES        stages to run, in order (unset or empty: "sanity prepare dryrun train sample"; for a config that sets
 #                 pack_dir, "sanity skills prepare dryrun train sft eval handoff sample")
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
@@ -97,14 +97,6 @@ refuse() { echo "run.sh: $*" >&2; exit 2; }
 [[ -f $CONFIG ]] || refuse "CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)"
 command -v "${PYTHON%% *}" >/dev/null ||
     refuse "PYTHON=$PYTHON: no such command (give the interpreter, e.g. PYTHON=python3)"
-# a config that sets pack_dir (skills.py's, other than its default) runs the skills path by default
-if [[ -z ${STAGES+set} ]]; then
-    STAGES="sanity prepare dryrun train sample"
-    [[ $($PYTHON -c 'import sys, configurator, util
-util.run_main(lambda argv: print(configurator.configure("skills.py", argv).pack_dir
-                                 != configurator.configure("skills.py", []).pack_dir), sys.argv[1:])' "$CONFIG") == True ]] &&
-        STAGES="sanity skills prepare dryrun train sft eval handoff sample"
-fi
 for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS DRYRUN_STEPS; do
     [[ ${!v} =~ ^0*([0-9]{1,18})$ ]] || refuse "$v=${!v} is not a whole number: write it in digits (0-9)"
     printf -v "$v" %d "$((10#${BASH_REMATCH[1]}))"  # in decimal: bash reads 08 as a bad octal number
@@ -116,6 +108,20 @@ done
 [[ $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || refuse "MASTER_PORT=$MASTER_PORT is not a TCP port (1 to 65535)"
 [[ $DRYRUN_STEPS -ge 2 ]] || refuse "DRYRUN_STEPS=$DRYRUN_STEPS: the dry run needs at least 2 steps (a checkpoint at" \
     "half, then the resume from it); to skip it, leave dryrun out of STAGES"
+# the config's pack_dir (skills.py's), read once: line 1 says whether the config sets its own, other than skills.py's
+# default (then the skills path runs by default), the rest is the folder (PACK_DIR's default)
+CONFIG_PACK=
+if [[ -z ${STAGES:-} || -z ${PACK_DIR:-} ]]; then
+    CONFIG_PACK=$($PYTHON -c 'import sys, configurator, util
+def pack_dir(argv):
+    own = configurator.configure("skills.py", argv).pack_dir
+    print(own != configurator.configure("skills.py", []).pack_dir, own, sep="\n")
+util.run_main(pack_dir, sys.argv[1:])' "$CONFIG")
+fi
+if [[ -z ${STAGES:-} ]]; then  # unset or empty: the default stages
+    STAGES="sanity prepare dryrun train sample"
+    [[ ${CONFIG_PACK%%$'\n'*} == True ]] && STAGES="sanity skills prepare dryrun train sft eval handoff sample"
+fi
 [[ $STAGES =~ [^[:space:]] ]] || refuse "STAGES='$STAGES' names no stage (choose from: $STAGE_NAMES)"
 for s in $STAGES; do
     [[ " $STAGE_NAMES " == *" $s "* ]] || refuse "unknown stage '$s' in STAGES (choose from: $STAGE_NAMES)"
@@ -139,8 +145,7 @@ OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
 HANDOFF_DIR=${HANDOFF_DIR:-${OUT%/}-handoff}
-PACK_DIR=${PACK_DIR:-$($PYTHON -c 'import sys, configurator, util
-util.run_main(lambda argv: print(configurator.configure("skills.py", argv).pack_dir), sys.argv[1:])' "$CONFIG")}
+PACK_DIR=${PACK_DIR:-${CONFIG_PACK#*$'\n'}}
 # the sft stage's out_dir and data_dir, as its train.py resolves them (the eval stage evaluates its model too)
 SFT_OUT= SFT_DATA=
 [[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "* || " $STAGES " == *" handoff "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util

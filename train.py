@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import configurator
-from util import (IGNORE, MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
+from util import (MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
                   dtype_name, fail, first_line, format_seconds, log, on_rank0, peak_memory_gb, remove, run_main, setup,
                   warn, write_json)
 from attention import resolve_backend
@@ -529,14 +529,17 @@ class Trainer:
 
     # one step
 
+    def first_sample(self, micro):
+        """The first sample of this rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
+        return self.state.samples + (micro * self.proc.world + self.proc.rank) * self.cfg.micro_batch_size
+
     def micro_batch(self, micro, spike_drill):
-        """This rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
-        cfg, proc = self.cfg, self.proc
-        first = self.state.samples + (micro * proc.world + proc.rank) * cfg.micro_batch_size
+        """This rank's micro-batch `micro` of the step (the fire drill's, when spike_drill)."""
+        cfg, first = self.cfg, self.first_sample(micro)
         if spike_drill:
             return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, self.state.step, first],
-                                    proc.dev, cfg.objective == "bd3lm")
-        return self.train_data.train_batch(first, cfg.micro_batch_size, proc.dev)
+                                    self.proc.dev, cfg.objective == "bd3lm")
+        return self.train_data.train_batch(first, cfg.micro_batch_size, self.proc.dev)
 
     def step(self):
         """One optimizer step over the step's global batch, logged; the stop reason the ranks agreed on, or None."""
@@ -589,9 +592,9 @@ class Trainer:
         proc = self.proc
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
         batch = self.micro_batch(0, spike_drill)
-        batches, weights = self.target_weights(spike_drill) if self.train_data.masked else (None, None)
+        weights = self.target_weights(spike_drill) if self.train_data.masked else None
         for micro in range(self.grad_accum):
-            x, y = batch if batches is None else batches[micro]
+            x, y = batch
             last = micro == self.grad_accum - 1
             # gradients are reduced across ranks once per step, after the last micro-step
             if self.sharded:
@@ -608,21 +611,23 @@ class Trainer:
             loss_sum += micro_loss.detach()
             if stats:
                 stats_sum = stats[0] if stats_sum is None else stats_sum + stats[0]
-            if not last and batches is None:  # read and copy the next one while the GPU still works on this one
+            if not last:  # read and copy the next one while the GPU still works on this one
                 batch = self.micro_batch(micro + 1, spike_drill)
         return loss_sum, stats_sum
 
     def target_weights(self, spike_drill):
-        """SFT data (targets IGNORE outside the replies): the step's micro-batches, and each one's weight, its share
-        of the targets the whole step counts (every rank's) times the micro-batches of the step, so that the mean
-        over ranks and micro-batches the gradient and the logged loss take is the mean over every counted target,
-        not a mean of unequal micro-batches' means."""
-        batches = [self.micro_batch(micro, spike_drill) for micro in range(self.grad_accum)]
-        counts = torch.stack([(y != IGNORE).sum() for _, y in batches]).float()
+        """SFT data (targets IGNORE outside the replies): each of the step's micro-batches' weight, its share of the
+        targets the whole step counts (every rank's) times the micro-batches of the step, so that the mean over ranks
+        and micro-batches the gradient and the logged loss take is the mean over every counted target, not a mean of
+        unequal micro-batches' means. Counted in the loss masks alone: the micro-batches are read one at a time."""
+        cfg = self.cfg
+        counts = torch.tensor([cfg.micro_batch_size * cfg.block_size if spike_drill  # the drill's targets all count
+                               else self.train_data.train_targets(self.first_sample(micro), cfg.micro_batch_size)
+                               for micro in range(self.grad_accum)], device=self.proc.dev).float()
         total = counts.sum()
         if self.proc.distributed:
             dist.all_reduce(total)
-        return batches, counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
+        return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
 
     def clip_gradients(self, loss_sum):
         """The gradients unscaled and clipped to grad_clip: (their norm before clipping, whether the step is

@@ -401,11 +401,11 @@ def make_scratch(path):
     return path
 
 
-def finish_scratch(path):
-    """The scratch folder's files are the result (renamed into place next): its mark goes, and its lock."""
-    mark = os.path.join(path, SCRATCH_MARK)
-    fd = scratch_locks.pop(os.path.realpath(mark), None)
-    os.remove(mark)
+def finish_scratch(path, at):
+    """Scratch folder `path`, renamed to `at`, is the result: the mark it kept until it was in place goes there,
+    and its lock."""
+    fd = scratch_locks.pop(os.path.realpath(os.path.join(path, SCRATCH_MARK)), None)
+    os.remove(os.path.join(at, SCRATCH_MARK))
     if fd is not None:
         os.close(fd)
 

@@ -18,7 +18,7 @@ pytest.importorskip("safetensors")
 import export  # noqa: E402
 from checkpoint import find_checkpoint, load_model  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
-from util import Error, files_under, remove  # noqa: E402
+from util import SCRATCH_MARK, Error, files_under, remove  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
             "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}
@@ -324,3 +324,34 @@ def test_a_folder_holding_an_export_record_is_not_podgpts_to_delete_unless_its_f
     with pytest.raises(Error, match="podgpt did not make it"):
         remove(str(folder))
     assert (folder / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("earlier", [True, False], ids=["over-an-export", "new"])
+def test_a_rename_into_place_that_fails_leaves_the_earlier_export_and_nothing_else(tmp_path, monkeypatch, earlier):
+    """put_in_place renames the finished folder to --out. When that rename fails, the earlier export is there as it
+    was (or nothing, if there was none), and nothing beside it: the new folder held its scratch mark up to the
+    rename, so it was podgpt's to remove. (It dropped the mark first and deleted the earlier export before that: a
+    failure left neither export, and an unmarked folder that stayed.)"""
+    out = tmp_path / "x"
+    if earlier:
+        out.mkdir()
+        (out / "model.safetensors").write_text("the earlier")
+        (out / "podgpt.json").write_text(json.dumps({"files": ["model.safetensors", "podgpt.json"]}))
+    before = {f: (out / f).read_text() for f in files_under(out)} if earlier else None
+    new, replace, marked = tmp_path / ".x.podgpt-export", os.replace, []
+
+    def refused_for_the_new_folder(src, dst):
+        if src == str(new):
+            marked.append(os.path.isfile(os.path.join(src, SCRATCH_MARK)))
+            raise OSError("rename refused")
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", refused_for_the_new_folder)
+    with pytest.raises(OSError, match="rename refused"):
+        with export.scratch_beside(str(out), "podgpt-export") as tmp:
+            (new / "model.safetensors").write_text("the new")
+            (new / "podgpt.json").write_text(json.dumps({"files": ["model.safetensors", "podgpt.json"]}))
+            export.put_in_place(tmp, str(out))
+    assert marked == [True]
+    assert os.listdir(tmp_path) == (["x"] if earlier else [])
+    if earlier:
+        assert {f: (out / f).read_text() for f in files_under(out)} == before

@@ -244,10 +244,13 @@ def test_run_sh_refuses_a_bad_value_before_any_stage(tmp_path, env, line):
     assert (r.returncode, r.stderr, r.stdout) == (2, f"run.sh: {line}\n", "")
 
 
-def test_a_config_with_a_skills_pack_runs_the_skills_path_by_default(tmp_path):
-    """Without STAGES, a config that sets pack_dir gets sanity skills prepare dryrun train sft eval handoff sample:
-    its sft stage's config is checked before any stage runs (here one that is not there)."""
-    r = run(["bash", "run.sh"], env=dict(CONFIG="config/tiny_skills.py", SFT_CONFIG="/missing.py",
-                                         OUT_DIR=str(tmp_path / "out"), PYTHON=sys.executable), check=False)
+@pytest.mark.parametrize("stages", [None, ""], ids=["unset", "empty"])
+def test_a_config_with_a_skills_pack_runs_the_skills_path_by_default(tmp_path, stages):
+    """Without STAGES (unset, or set empty as a script's STAGES=$1 leaves it), a config that sets pack_dir gets
+    sanity skills prepare dryrun train sft eval handoff sample: its sft stage's config is checked before any stage
+    runs (here one that is not there)."""
+    env = dict(CONFIG="config/tiny_skills.py", SFT_CONFIG="/missing.py", OUT_DIR=str(tmp_path / "out"),
+               PYTHON=sys.executable) | ({} if stages is None else dict(STAGES=stages))
+    r = run(["bash", "run.sh"], env=env, check=False)
     assert (r.returncode, r.stderr) == (2, "run.sh: SFT_CONFIG=/missing.py: no such file (the sft stage's data_dir, "
                                            "out_dir and steps, e.g. config/tiny_skills_sft.py)\n")

@@ -104,6 +104,9 @@ def test_sft_targets_are_the_replies_alone(sft_data):
         want = np.where(mask[start + 1:start + 65] == 1, tokens[start + 1:start + 65], IGNORE)
         assert y[w].tolist() == want.tolist()
     assert (y != IGNORE).sum() == mask[1:loader.n * 64 + 1].sum() > 0
+    for first, size in ((0, 1), (1, 2), (loader.n - 1, 3)):  # what train.py weighs a micro-batch by (the last: 2 epochs)
+        _, y = loader.train_batch(first, size, torch.device("cpu"))
+        assert loader.train_targets(first, size) == (y != IGNORE).sum()
     val = manifest["splits"]["val"]  # bits per byte are the replies': their bytes and the tokens the loss counts
     val_mask = np.load(os.path.join(sft_data, val["shards"][0]["mask_file"]))
     assert val["loss_tokens"] == val_mask.sum() and manifest["splits"]["train"]["loss_tokens"] == mask.sum()
