@@ -172,6 +172,8 @@ def write_files(folder, files):
     torch.serialization.set_crc32_options(False)
     try:
         writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name))) for name, obj in files.items()}
+        for writer in writers.values():  # all done before one's error is raised: the caller then removes the folder
+            writer.join()
         crcs = {name: writer.result() for name, writer in writers.items()}
     finally:
         torch.serialization.set_crc32_options(crc_options)
@@ -557,8 +559,7 @@ def load_model(ckpt, device="cpu", verify=True):
 
 def rng_state():
     return dict(python=random.getstate(), numpy=[x.tolist() if isinstance(x, np.ndarray) else x
-                                                   for x in np.random.get_state()],
-                torch=torch.get_rng_state(),
+                                                   for x in np.random.get_state()], torch=torch.get_rng_state(),
                 cuda=torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)  # this rank's GPU
 
 
@@ -590,8 +591,7 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
     own = dict(ar=(), refine=REFINE_FIELDS, bd3lm=DIFFUSION_FIELDS)[mconfig.objective]
     left_out = ("padded_vocab", "multiple_of", *(f for f in REFINE_FIELDS + DIFFUSION_FIELDS if f not in own))
     model = {k: v for k, v in asdict(mconfig).items() if k not in left_out}
-    saved = dict(cfg, model=model, world_size=world,
-                 grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
+    saved = dict(cfg, model=model, world_size=world, grad_accum=grad_accum, data_fingerprint=manifest["fingerprint"],
                  tokenizer_fingerprint=tokenizer_fingerprint(cfg.data_dir, manifest))
     files = {"config.json": json.dumps(saved, indent=1).encode()}
     for f in manifest["tokenizer_files"]:
