@@ -57,8 +57,8 @@ def bpe_reserve(docs, threshold, min_tokens, least_tokens):
                 smallest.add(h, n)
             if held >= min_tokens:
                 return threshold
-    reserve = smallest.threshold()
-    return 2**64 if reserve is None else max(threshold, reserve)  # None: any of them may be held out
+    reserve = smallest.threshold()  # above `threshold`: the documents below that are in `held`
+    return 2**64 if reserve is None else reserve  # None: any of them may be held out
 
 
 class Ledger:

@@ -351,6 +351,9 @@ def bpe_training_texts(docs, threshold, max_chars):
             text = text.replace(SEGMENT, "\n")[: max_chars - n]
             n += len(text)
             yield text
+    if n == 0:  # rustbpe would learn no merge, and say nothing
+        fail("no training document for bpe:N to learn from: every one may be held out for validation (lower "
+             "--min_val_tokens or --val_fraction, or add documents)")
 
 
 # -----------------------------------------------------------------------------
@@ -630,7 +633,7 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
     lengths = segment_lengths(cfg.segments)
     bpe = parse_spec(cfg.tokenizer)[0] == "bpe" and not cfg.chat
-    reserve = threshold if bpe else 2**64  # no document below it trains the tokenizer (bpe:N's merges)
+    reserve = threshold  # bpe:N trains on the documents at or above it
     if bpe and cfg.val_fraction and cfg.min_val_tokens:
         unsplit = ((doc_hash(text.encode("utf-8")), split, text) for text, split in docs() if split != "train")
         reserve = bpe_reserve(unsplit, threshold, cfg.min_val_tokens, least_tokens(lengths))
@@ -653,8 +656,9 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     val = splits["val"]
     if ledger is not None and val["tokens"] < cfg.min_val_tokens and smallest.threshold() is not None:
         threshold = smallest.threshold()
-        if threshold > reserve:  # least_tokens counted more than the tokenizer made: a document in both
-            raise RuntimeError(f"{cfg.tokenizer} was trained on documents now held out for validation")
+        if bpe and threshold > reserve:  # least_tokens counted more pieces than tiktoken split (its Unicode tables)
+            fail(f"{cfg.tokenizer} was trained on documents min_val_tokens={cfg.min_val_tokens:,} now holds out: "
+                 "lower --min_val_tokens or raise --val_fraction")
         print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
               f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes), read back from the "
               "shards")
@@ -666,7 +670,8 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
 
 def least_tokens(lengths):
     """A document's fewest tokens under bpe:N, before its merges are known: the segments' lengths, or [BOS] and one
-    token at least for each piece BPE_PATTERN cuts the text into (the encoder merges within a piece, never across)."""
+    token at least for each piece BPE_PATTERN cuts the text into (the encoder merges within a piece, never across;
+    the regex module's pieces are tiktoken's wherever their Unicode tables agree on a letter or a digit)."""
     if lengths:
         return lambda text: sum(lengths)
     import regex  # tiktoken's own dependency

@@ -1,10 +1,10 @@
 """
-Does prepare.py tokenize at the tokenizer's own speed? MB/s of text through prepare.encode_all with one
-worker process (texts and token arrays crossing the process boundary, hashes, batching: all a worker does)
-against the raw tokenizer in one thread of this process (Tokenizer.encode_array: for gpt2 and bpe:N tiktoken's
-encode_to_numpy, its fastest call, the one the workers make), on the same documents. The pool's start (a fork, the tokenizer loaded from its files), timed on
-one empty document, is paid once a run, not per megabyte: the worker's steady rate leaves it out, and
-fraction = steady / raw, per core. The parent process reads the documents and writes the shards for all the
+Does prepare.py tokenize at the tokenizer's own speed? MB/s of text through prepare.encode_all with one worker
+process (texts and token arrays crossing the process boundary, hashes, batching: all a worker does) against the raw
+tokenizer in one thread of this process (Tokenizer.encode_array: for gpt2 and bpe:N tiktoken's encode_to_numpy, its
+fastest call, the one the workers make), on the same documents. The pool's start (a fork, the tokenizer loaded from
+its files), timed on one empty document, is paid once a run, not per megabyte: the worker's steady rate leaves it
+out, and fraction = steady / raw, per core. The parent process reads the documents and writes the shards for all the
 workers: its rate (reading, then write_shards on the results) over the workers' steady rate is how many worker
 processes it can keep busy.
 

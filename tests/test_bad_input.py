@@ -275,6 +275,10 @@ def prepare_foreign_dir(ctx):
     return ["prepare.py", "--max_docs=10", f"--data_dir={ctx.tmp / 'mine'}"]
 
 
+def prepare_bpe_with_all_held_out(ctx):  # 16 documents cannot be sure to hold min_val_tokens' 100,000 tokens
+    return ["prepare.py", "--tokenizer=bpe:2000", "--max_docs=16", f"--data_dir={ctx.tmp / 'small'}"]
+
+
 def prepare_broken_eval_rows(ctx):
     (ctx.tmp / "pack").mkdir()
     (ctx.tmp / "pack" / "eval.jsonl").write_text('{"prompt": "What is 2 + 2?"}\n')  # no answer, no answer_style
@@ -435,6 +439,9 @@ ROWS = [
      "unknown tokenizer 'wordpiece': use gpt2, byte, char or bpe:N with N > 256 (e.g. bpe:8192)"),
     ("prepare-over-a-foreign-folder", prepare_foreign_dir, 1,
      "{tmp}/mine holds what prepare.py did not write (notes.txt): move that out of it, or choose another --data_dir"),
+    ("prepare-bpe-with-every-document-held-out", prepare_bpe_with_all_held_out, 1,
+     "no training document for bpe:N to learn from: every one may be held out for validation (lower "
+     "--min_val_tokens or --val_fraction, or add documents)"),
     ("prepare-broken-eval-rows", prepare_broken_eval_rows, 1,
      "{tmp}/pack/eval.jsonl:1: no field 'category' (a row is {{category, prompt, answer, scratchpad, answer_style}})"),
 ]
