@@ -32,8 +32,8 @@ from objectives import make_model
 from preflight import param_counts
 from report import read_json, read_metrics
 from tokenizer import read_ranks
-from util import (EXPORT_MARK, MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, finish_scratch,
-                  first_line, make_scratch, remove, remove_scratch, run_main, write_atomic, write_json)
+from util import (MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, finish_scratch,
+                  first_line, make_scratch, remove_scratch, run_main, write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -46,7 +46,7 @@ chat_template = False           # an SFT model's tokenizer with the chat templat
 # --- end config
 
 TOKENIZER_DIR = "podgpt_tokenizer"
-PODGPT_FILE = EXPORT_MARK  # the export's record: what it holds, where it came from
+PODGPT_FILE = "podgpt.json"  # the export's record: what it holds, where it came from
 # fields of model.py's GPTConfig that Llama expresses, and the runtime settings that do not change the weights
 # (kernels, memory, document masking in training); anything else is an architecture Llama may not express
 LLAMA_FIELDS = {"vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "n_embd", "ffn_hidden", "rope_theta",
@@ -431,16 +431,15 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
         finish_scratch(tmp, out)
         return
     check_replaceable(out, record, script, kind)
-    with scratch_beside(out, "podgpt-old") as aside:
-        old = os.path.join(aside, "old")
-        os.replace(out, old)
-        try:
-            os.replace(tmp, out)
-        except BaseException:
-            os.replace(old, out)
-            raise
+    aside = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.podgpt-old"))
+    os.replace(out, os.path.join(aside, "old"))
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(os.path.join(aside, "old"), out)  # failing too, it leaves the earlier one in aside, marked
+        remove_scratch(aside)
+        raise
     finish_scratch(tmp, out)
-    remove(old, record)
     remove_scratch(aside)
 
 
@@ -459,7 +458,10 @@ def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"
         present = files_under(out)
     except OSError as e:
         fail(f"out={out} cannot be read whole ({first_line(e)}): not replacing it; choose another --out")
-    foreign = [f for f in present if f not in listed and not (by_entry and f.split("/")[0] in listed)]
+    # a scratch mark left by a kill between put_in_place's rename and its removal is podgpt's own (remove() takes
+    # it unless a live process holds it)
+    foreign = [f for f in present
+               if f not in listed and f != SCRATCH_MARK and not (by_entry and f.split("/")[0] in listed)]
     if not foreign:
         return
     what = f"earlier {kind}" if os.path.isfile(os.path.join(out, record)) else "folder"

@@ -27,7 +27,6 @@ holds nothing but the files its podgpt-handoff.json lists.
 
 import hashlib
 import os
-import platform
 import shutil
 import sys
 import sysconfig
@@ -40,7 +39,7 @@ from download import file_sha256
 from export import card_usage, check_replaceable, export, put_in_place, scratch_beside
 from prepare import PRESETS, is_url, resolve_sources
 from report import read_json
-from util import (BUNDLE_MARK, MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
+from util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
                   first_line, run_main, write_atomic, write_json)
 
 # --- config
@@ -55,6 +54,7 @@ examples = 4                    # eval.json's recorded replies quoted in README.
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "preflight.md", "preflight.json", "eval.json", "eval.md")
 CHECKSUMS = "checksums.sha256"
+BUNDLE_MARK = "podgpt-handoff.json"  # the bundle's own record of what it holds: a later bundle replaces only that
 
 
 def gate_check(folder, status, override):
@@ -85,18 +85,18 @@ def source_hashes(args):
                             "is given"))
             continue
         try:
-            files = [s.location for s in resolve_sources(part, 0, "", False)[0]]
+            found, description = resolve_sources(part, 0, "", False)
         except Error as e:  # gone, or no longer readable as a source: the rest of the recipe still stands
             out.append(dict(source=part, files=None, sha256=None, how=f"not recorded: {e}"))
             continue
-        if os.path.isfile(part):
+        files = [s.location for s in found]
+        if files == [part]:  # a file, not a folder
             out.append(dict(source=part, files=1, sha256=file_sha256(part), how="sha256 of the file"))
             continue
         root = sysconfig.get_paths()["stdlib"] if part == "stdlib" else part  # the paths' folder in the lines
         lines = "".join(f"{file_sha256(f)}  {os.path.relpath(f, root)}\n" for f in files)
-        where = f"Python {platform.python_version()}'s standard library here" if part == "stdlib" else part
         out.append(dict(source=part, files=len(files), sha256=hashlib.sha256(lines.encode()).hexdigest(),
-                        how=f"sha256 of the sorted 'sha256  path' lines of the {len(files)} files of {where}"))
+                        how=f"sha256 of the sorted 'sha256  path' lines of the files of {description}, here"))
     return out
 
 
@@ -133,7 +133,8 @@ def recipe(run):
     """The exact data behind the model of a run (honesty.read_run's): the base data's recipe, and the SFT data's
     for a fine-tuned run; the skills pack eval.py asked, by its manifest."""
     eval_pack = ((run["eval"] or {}).get("pack") or {}).get("folder")
-    parts = {"sft": run, "base": run["base"]} if run["base_dir"] else {"base": run}
+    base = run["base"] or (honesty.run_data(run["base_dir"]) if os.path.isdir(run["base_dir"]) else None)
+    parts = {"sft": run, "base": base} if run["base_dir"] else {"base": run}
     out = {name: data_recipe(r["config"].get("data_dir", ""), r["data"]) if r else
            {"data_dir": None, "missing": f"the base run ({run['base_dir']}) is not there to read"}
            for name, r in parts.items()}

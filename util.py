@@ -184,8 +184,6 @@ MARK = ".podgpt"  # in every folder a podgpt process writes whole (out_dir, data
 # the file inside every temporary folder podgpt makes: a folder is removed only when it holds one, so a
 # user's folder that happens to sit where podgpt wants its own is refused, never deleted
 SCRATCH_MARK = "PODGPT_SCRATCH"
-EXPORT_MARK = "podgpt.json"  # an export's own record of what it holds (export.py)
-BUNDLE_MARK = "podgpt-handoff.json"  # a hand-off bundle's own record of what it holds (handoff.py)
 # entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint folder (or one
 # being written), an atomic write's temporary file, a writability probe, the mark
 OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),
@@ -345,25 +343,23 @@ def files_under(path):
     return sorted(found)
 
 
-def remove(path, record=None):
-    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or the
-    `record` of an earlier export or bundle whose every file its caller has checked against it
-    (export.check_replaceable), or an entry named as podgpt names its own and of the kind that name is (OWN_NAMES;
-    never a link). Every delete podgpt makes goes through here; anything else stays, with one line."""
+def remove(path):
+    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or an entry
+    named as podgpt names its own and of the kind that name is (OWN_NAMES; never a link). Every delete podgpt makes
+    goes through here; anything else stays, with one line."""
     name, is_dir = os.path.basename(path), os.path.isdir(path) and not os.path.islink(path)
     if is_dir and not os.listdir(path):  # an empty folder: nothing in it to lose
         os.rmdir(path)
         return
     kind = "folder" if is_dir else "file" if os.path.isfile(path) and not os.path.islink(path) else None
-    mark = marked(path) or (record if record and os.path.isfile(os.path.join(path, record)) else None) \
-        if is_dir else None
+    mark = marked(path) if is_dir else None
     fd = None
-    if mark in (MARK, SCRATCH_MARK):  # held by a live podgpt process: its own to delete, not ours
+    if mark:  # held by a live podgpt process: its own to delete, not ours
         mark = os.path.join(path, mark)
         fd = scratch_locks.pop(os.path.realpath(mark), None)
         if fd is None and (fd := lock_file(mark)) is None and os.path.isfile(mark):
             fail(f"{path} is in use by another podgpt process ({holder(mark)}): wait for it to end, or stop it")
-    elif not mark and not any(pattern.fullmatch(name) and kind == want for pattern, want in OWN_NAMES):
+    elif not any(pattern.fullmatch(name) and kind == want for pattern, want in OWN_NAMES):
         fail(f"{path} is in podgpt's way and podgpt did not make it"
              + (f" (it holds no {SCRATCH_MARK} file)" if is_dir else "") + ": move or rename it, then rerun")
     try:

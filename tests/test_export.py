@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,7 +262,7 @@ UNICODE_DOC = "\n".join(["héllo 世界, naïve café — 東京 😀 ünïcöd�
 def tokenizer_run(tmp_path_factory):
     """make(spec): the out_dir of a 3-step run on data prepared with that tokenizer (made once per spec); the
     source puts multi-byte text first, so that a bpe learns merges inside characters too (no min_val_tokens: a bpe
-is trained without every document it may hold out)."""
+    is trained without every document it may hold out)."""
     root = tmp_path_factory.mktemp("tokenizer_runs")
     (root / "unicode.txt").write_text(UNICODE_DOC, encoding="utf-8")
     made = {}
@@ -303,6 +304,41 @@ def test_transformers_tokenizer_encodes_as_podgpt(spec, runs, tokenizer_run, tmp
     assert "encodes exactly as podgpt's tokenizer" in (dest / "README.md").read_text()
 
 
+def export_files(out, text):
+    """What put_in_place moves: a model file and the record listing it."""
+    out.mkdir(exist_ok=True)
+    (out / "model.safetensors").write_text(text)
+    (out / "podgpt.json").write_text(json.dumps({"files": ["model.safetensors", "podgpt.json"]}))
+
+
+def test_an_export_a_kill_left_marked_is_replaced_and_one_that_cannot_be_put_back_stays_beside(tmp_path, monkeypatch):
+    """A kill between put_in_place's rename and the mark's removal leaves --out holding its scratch mark: the next
+    export replaces it all the same. When the rename of the new folder and the put-back of the earlier one both
+    fail, the earlier export stays whole in the marked folder beside --out, never removed."""
+    out, replace = tmp_path / "x", os.replace
+    export_files(out, "killed")
+    (out / SCRATCH_MARK).write_text("")
+
+    def export_to_out(text):
+        with export.scratch_beside(str(out), "podgpt-export") as tmp:
+            export_files(Path(tmp), text)
+            export.put_in_place(tmp, str(out))
+    export_to_out("the new")
+    assert sorted(os.listdir(out)) == ["model.safetensors", "podgpt.json"]
+    assert (out / "model.safetensors").read_text() == "the new" and os.listdir(tmp_path) == ["x"]
+
+    def refused_into_out(src, dst):
+        if dst == str(out):
+            raise OSError("refused")
+        replace(src, dst)
+    monkeypatch.setattr(os, "replace", refused_into_out)
+    with pytest.raises(OSError, match="refused"):
+        export_to_out("the newest")
+    aside = tmp_path / ".x.podgpt-old"
+    assert os.listdir(tmp_path) == [".x.podgpt-old"] and (aside / SCRATCH_MARK).is_file()
+    assert (aside / "old" / "model.safetensors").read_text() == "the new"
+
+
 def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run, tmp_path, capfd):
     dest = tmp_path / "hf"
     r = do_export(capfd, tokenizer_run("char"), dest)
@@ -315,8 +351,8 @@ def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run,
 
 
 def test_a_folder_holding_an_export_record_is_not_podgpts_to_delete_unless_its_files_were_checked(tmp_path):
-    # util.remove trusts podgpt.json (or a bundle's record) only from a caller that checked every file against it
-    # (export.check_replaceable): a folder that merely holds one stays
+    # util.remove never takes podgpt.json (or a bundle's record) for its mark: put_in_place replaces an earlier export
+    # only after check_replaceable checked every file against it, and a folder that merely holds one stays
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "podgpt.json").write_text("{}")
