@@ -108,19 +108,19 @@ done
 [[ $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || refuse "MASTER_PORT=$MASTER_PORT is not a TCP port (1 to 65535)"
 [[ $DRYRUN_STEPS -ge 2 ]] || refuse "DRYRUN_STEPS=$DRYRUN_STEPS: the dry run needs at least 2 steps (a checkpoint at" \
     "half, then the resume from it); to skip it, leave dryrun out of STAGES"
-# the config's pack_dir (skills.py's), read once: line 1 says whether the config sets its own, other than skills.py's
-# default (then the skills path runs by default), the rest is the folder (PACK_DIR's default)
+# the config's pack_dir (skills.py's), read once: its first lines are the folder (PACK_DIR's default), the last says
+# whether the config sets its own, other than skills.py's default (then the skills path runs by default)
 CONFIG_PACK=
 if [[ -z ${STAGES:-} || -z ${PACK_DIR:-} ]]; then
     CONFIG_PACK=$($PYTHON -c 'import sys, configurator, util
 def pack_dir(argv):
     own = configurator.configure("skills.py", argv).pack_dir
-    print(own != configurator.configure("skills.py", []).pack_dir, own, sep="\n")
+    print(own, bool(own) and own != configurator.configure("skills.py", []).pack_dir, sep="\n")
 util.run_main(pack_dir, sys.argv[1:])' "$CONFIG")
 fi
 if [[ -z ${STAGES:-} ]]; then  # unset or empty: the default stages
     STAGES="sanity prepare dryrun train sample"
-    [[ ${CONFIG_PACK%%$'\n'*} == True ]] && STAGES="sanity skills prepare dryrun train sft eval handoff sample"
+    [[ ${CONFIG_PACK##*$'\n'} == True ]] && STAGES="sanity skills prepare dryrun train sft eval handoff sample"
 fi
 [[ $STAGES =~ [^[:space:]] ]] || refuse "STAGES='$STAGES' names no stage (choose from: $STAGE_NAMES)"
 for s in $STAGES; do
@@ -145,7 +145,7 @@ OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
 HANDOFF_DIR=${HANDOFF_DIR:-${OUT%/}-handoff}
-PACK_DIR=${PACK_DIR:-${CONFIG_PACK#*$'\n'}}
+PACK_DIR=${PACK_DIR:-${CONFIG_PACK%$'\n'*}}
 # the sft stage's out_dir and data_dir, as its train.py resolves them (the eval stage evaluates its model too)
 SFT_OUT= SFT_DATA=
 [[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "* || " $STAGES " == *" handoff "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util

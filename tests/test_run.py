@@ -244,6 +244,23 @@ def test_run_sh_refuses_a_bad_value_before_any_stage(tmp_path, env, line):
     assert (r.returncode, r.stderr, r.stdout) == (2, f"run.sh: {line}\n", "")
 
 
+def test_a_config_without_a_pack_runs_the_pretraining_stages_and_passes_no_pack_dir(tmp_path):
+    """A config whose pack_dir is "" (as train.py's default) gets the default stages, and no stage is handed a
+    --pack_dir. The interpreter is a stand-in that prints each stage's command (run.sh's own reads of the config and
+    of a run's summary, python -c and python -, run for real)."""
+    stand_ins, config = tmp_path / "bin", tmp_path / "no_pack.py"
+    stand_ins.mkdir()
+    (stand_ins / "python").write_text(f'#!/bin/sh\ncase "$1" in -c|-) exec {sys.executable} "$@";; esac\n'
+                                      'echo "python $*"\n')
+    (stand_ins / "python").chmod(0o755)
+    config.write_text('exec(open("config/tiny.py").read())\npack_dir = ""\n')
+    r = run(["bash", "run.sh"], env=dict(CONFIG=str(config), OUT_DIR=str(tmp_path / "out"),
+                                         PYTHON=str(stand_ins / "python")), check=False)
+    banners = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("===")]
+    assert banners == ["=== sanity", "=== prepare", "=== dryrun", "=== train", "=== sample", "=== done"], r.stdout
+    assert "--pack_dir" not in r.stdout
+
+
 @pytest.mark.parametrize("stages", [None, ""], ids=["unset", "empty"])
 def test_a_config_with_a_skills_pack_runs_the_skills_path_by_default(tmp_path, stages):
     """Without STAGES (unset, or set empty as a script's STAGES=$1 leaves it), a config that sets pack_dir gets
