@@ -592,7 +592,8 @@ class Trainer:
         proc = self.proc
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
         batch = self.micro_batch(0, spike_drill)
-        weights = self.target_weights(spike_drill) if self.train_data.masked else None
+        # the drill's batches count every target: equal micro-batches, as unmasked data's
+        weights = self.target_weights() if self.train_data.masked and not spike_drill else None
         for micro in range(self.grad_accum):
             x, y = batch
             last = micro == self.grad_accum - 1
@@ -615,14 +616,13 @@ class Trainer:
                 batch = self.micro_batch(micro + 1, spike_drill)
         return loss_sum, stats_sum
 
-    def target_weights(self, spike_drill):
+    def target_weights(self):
         """SFT data (targets IGNORE outside the replies): each of the step's micro-batches' weight, its share of the
         targets the whole step counts (every rank's) times the micro-batches of the step, so that the mean over ranks
         and micro-batches the gradient and the logged loss take is the mean over every counted target, not a mean of
         unequal micro-batches' means. Counted in the loss masks alone: the micro-batches are read one at a time."""
         cfg = self.cfg
-        counts = torch.tensor([cfg.micro_batch_size * cfg.block_size if spike_drill  # the drill's targets all count
-                               else self.train_data.train_targets(self.first_sample(micro), cfg.micro_batch_size)
+        counts = torch.tensor([self.train_data.train_targets(self.first_sample(micro), cfg.micro_batch_size)
                                for micro in range(self.grad_accum)], device=self.proc.dev).float()
         total = counts.sum()
         if self.proc.distributed:
