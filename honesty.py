@@ -39,16 +39,20 @@ def read_run(folder):
     summary = read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
         fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has ended")
-    config = read_json(os.path.join(folder, "config.json")) or {}
-    base = config.get("init_from") or ""
-    data_dir = config.get("data_dir") or ""
-    return dict(folder=folder, summary=summary, config=config,
-                metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
+    recorded = run_data(folder)
+    base = recorded["config"].get("init_from") or ""
+    return dict(recorded, folder=folder, summary=summary, metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
                 eval=read_json(os.path.join(folder, "eval.json")),
                 manifest=read_json(os.path.join(folder, "manifest.json")) or {},
-                data=read_json(os.path.join(data_dir, "manifest.json")) if data_dir else None,
                 base=read_run(base) if base and os.path.isfile(os.path.join(base, "summary.json")) else None,
                 base_dir=base)
+
+
+def run_data(folder):
+    """A run folder's config.json and its data's manifest.json, as read (a run that never ended has them too)."""
+    config = read_json(os.path.join(folder, "config.json")) or {}
+    data_dir = config.get("data_dir") or ""
+    return dict(config=config, data=read_json(os.path.join(data_dir, "manifest.json")) if data_dir else None)
 
 
 def gate_status(summary):
@@ -146,8 +150,8 @@ def unmeasured(run):
     if "bpb" not in report:
         out.append("no validation bits per byte (eval.py --data_dir)")
     if run["config"].get("init_from") and run["base"] is None:
-        out.append(f"the base run ({run['base_dir']}) is not there to read: its tokens and numbers are not in this "
-                   "report")
+        gone = "has no readable summary.json" if os.path.isdir(run["base_dir"]) else "is not there to read"
+        out.append(f"the base run ({run['base_dir']}) {gone}: its tokens and numbers are not in this report")
     return out + hardware_gaps(run)
 
 

@@ -104,14 +104,15 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
 
 def test_a_category_without_a_chance_level_is_neither_above_nor_below_it_and_each_contamination_is_said_once(
         tmp_path):
-    """A hand-made run folder: a free-form category (no chance level in the pack's manifest) is shown with its score
+    """A hand-made run folder, fine-tuned from a base run that never ended: a free-form category (no chance level in the pack's manifest) is shown with its score
     alone; the data's count of validation documents in training and the preflight gate that states it again are
     one line, as are the preflight and post-run gates that report the same eval rows in the corpus."""
-    data, run = tmp_path / "data", tmp_path / "run"
-    data.mkdir(), run.mkdir()
-    (data / "manifest.json").write_text(json.dumps({"tokenizer": "byte", "contamination": {
+    data, run, base = tmp_path / "data", tmp_path / "run", tmp_path / "base"
+    data.mkdir(), run.mkdir(), base.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": "byte", "tokenizer_files": [], "contamination": {
         "train_docs_in_val": 3, "val_documents": 10}}))
-    (run / "config.json").write_text(json.dumps({"data_dir": str(data), "block_size": 64}))
+    (run / "config.json").write_text(json.dumps({"data_dir": str(data), "block_size": 64, "init_from": str(base)}))
+    (base / "config.json").write_text(json.dumps({"data_dir": str(data)}))  # a base run that never ended: no summary
     rows = "data: 2 of 8 eval rows in training documents"
     gate = {"profile": "research", "verdict": "block",
             "gates": [{"name": "contamination", "verdict": "block", "detail": "3 training documents are also "
@@ -122,7 +123,10 @@ def test_a_category_without_a_chance_level_is_neither_above_nor_below_it_and_eac
             "story": dict(n=10, correct=1, accuracy=0.1, low=0.02, high=0.4, chance=None, above_chance=False)}
     overall = dict(n=20, correct=10, accuracy=0.5, low=0.3, high=0.7, chance=None, above_chance=False)
     (run / "eval.json").write_text(json.dumps({"pack": {"categories": cats, "overall": overall}}))
-    h = honesty.write(honesty.read_run(str(run)))
+    h = honesty.write(recorded := honesty.read_run(str(run)))
+    assert f"the base run ({base}) has no readable summary.json: its tokens and numbers are not in this report" in \
+        h["never_measured"]
+    assert handoff_py.recipe(recorded)["base"]["data_dir"] == str(data)  # its data's recipe, from its config.json
     assert (h["above_chance"], h["at_or_below_chance"], h["no_chance_level"]) == (["add"], [], ["story"])
     assert "at_or_below_chance" not in h["categories"]["story"]  # eval.py's record as it is: derived, not stored
     assert not [x for x in h["limitations"] if "at or below chance" in x]
