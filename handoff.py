@@ -37,7 +37,7 @@ from checkpoint import reading
 from data import tokenizer_fingerprint
 from download import file_sha256
 from export import card_usage, check_replaceable, export, put_in_place, scratch_beside
-from prepare import PRESETS, is_url, resolve_sources
+from sources import PRESETS, is_url, resolve_sources
 from report import read_json
 from util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
                   first_line, run_main, write_atomic, write_json)
@@ -74,7 +74,7 @@ def gate_check(folder, status, override):
 
 def source_hashes(args):
     """Each source of prepare.py's arguments with its sha256, hashed now (the shards' sha256s are what trained):
-    of the files prepare.py would read for it (prepare.resolve_sources)."""
+    of the files prepare.py would read for it (sources.resolve_sources)."""
     out = []
     for part in (p.strip() for p in args.get("source", "").split(",") if p.strip()):
         if part in PRESETS or is_url(part):  # a download: its sha256 only as prepare.py checked it

@@ -436,7 +436,7 @@ def jsonl_pack(cfg):
 def gsm8k_rows(path):
     """The problems of a GSM8K parquet file as pack rows: the answer the number after "####", the scratchpad
     the reasoning lines without their calculator annotations."""
-    from prepare import read_parquet
+    from sources import read_parquet
     from tasks import gsm8k_answer, gsm8k_plan
 
     rows = []
@@ -453,7 +453,7 @@ def gsm8k_pack(cfg):
     """GSM8K through prepare.py's preset: its test problems' first eval_rows are the eval rows, its training
     problems the SFT rows (the first sft_rows of those apart from every eval row)."""
     from download import download
-    from prepare import preset_urls
+    from sources import preset_urls
 
     train_url, test_url = preset_urls("gsm8k")
     test = gsm8k_rows(download(test_url, cfg.download_dir))[:cfg.eval_rows]

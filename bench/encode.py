@@ -24,6 +24,7 @@ import common
 import torch
 
 import prepare
+import sources
 from tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 from util import fail, run_main
 
@@ -58,8 +59,8 @@ def encode_all(docs, tok_dir):
 def main(argv):
     cfg, _ = common.configure(__file__, argv)
     common.check_counts(cfg, "iters")
-    inputs, description = prepare.resolve_sources(cfg["source"], 0, "", False)
-    docs = list(prepare.documents(inputs, "text", 0, cfg["max_docs"], "downloads", ""))
+    inputs, description = sources.resolve_sources(cfg["source"], 0, "", False)
+    docs = list(sources.documents(inputs, "text", 0, cfg["max_docs"], "downloads", ""))
     if not docs:
         fail(f"no documents in {cfg['source']}")
     n_bytes = sum(len(text.encode("utf-8")) for text, _ in docs)
@@ -72,7 +73,7 @@ def main(argv):
         encoded = list(prepare.encode_all(iter(docs), 1, tok_dir, []))
         with tempfile.TemporaryDirectory() as shard_dir:
             read, write = best_seconds(
-                cfg["iters"], lambda: list(prepare.documents(inputs, "text", 0, cfg["max_docs"], "downloads", "")),
+                cfg["iters"], lambda: list(sources.documents(inputs, "text", 0, cfg["max_docs"], "downloads", "")),
                 lambda: prepare.write_shards(shard_dir, iter(encoded), tok, prepare.shard_tokens, 0,
                                              prepare.SmallestHashes(0)))
     if worker <= start:

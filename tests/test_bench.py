@@ -226,8 +226,8 @@ def test_loader_against_the_gpu_rate(tmp_path, stdlib_data, capfd):
 
 def test_encode_a_worker_process_against_the_raw_tokenizer(tmp_path, capfd):
     rec = probe(capfd, tmp_path, "encode", "--tokenizer=char", "--max_docs=40", "--iters=1")
-    import prepare
-    texts = [text for text, _ in prepare.documents(prepare.resolve_sources("stdlib", 0, "", False)[0], "text", 0, 40,
+    import sources
+    texts = [text for text, _ in sources.documents(sources.resolve_sources("stdlib", 0, "", False)[0], "text", 0, 40,
                                                    "downloads", "")]
     assert rec["tokenizer"] == "char" and rec["docs"] == 40 and rec["source"].startswith("stdlib")
     assert close(rec["mb"], sum(len(t.encode()) for t in texts) / 1e6)

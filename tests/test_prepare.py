@@ -32,6 +32,7 @@ import data  # noqa: E402
 import download  # noqa: E402
 import holdout  # noqa: E402
 import prepare  # noqa: E402
+import sources  # noqa: E402
 import tokenizer  # noqa: E402
 import util  # noqa: E402
 from conftest import popen, tree  # noqa: E402
@@ -365,7 +366,7 @@ def test_the_1b_config_imports_the_climbmix_subset_it_is_planned_on():
     above checks how prepare.py applies those two). Without max_shards, run.sh fetched and tokenized every file."""
     cfg = configurator.configure(prepare.__file__, ["config/h200_1b_ddp8.py"])
     assert (cfg.source, cfg.max_docs, cfg.min_chars) == ("climbmix", 10_000_000, 100)
-    inputs, description = prepare.resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
+    inputs, description = sources.resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
     assert len(inputs) == 2048 and inputs[-1].location.endswith("/shard_02047.parquet")
     assert "climbmix (2048 of 6543 files" in description
 
@@ -742,7 +743,7 @@ def test_presets_through_local_mirrors(server, tmp_path, monkeypatch):
 
     speeches = [f"Speaker {i}:\nLine {i} of the play." for i in range(30)]
     server.files["/input.txt"] = ("\n\n".join(speeches) + "\n").encode()
-    monkeypatch.setattr(prepare, "TINYSHAKESPEARE_URL", server.url + "/input.txt")
+    monkeypatch.setattr(sources, "TINYSHAKESPEARE_URL", server.url + "/input.txt")
     out = tmp_path / "shakespeare"
     assert run("--source=tinyshakespeare", "--tokenizer=char", f"--data_dir={out}", f"--download_dir={cache}",
                "--val_fraction=0") == 0
@@ -835,7 +836,7 @@ def test_a_download_that_cannot_succeed_fails_at_once_and_leaves_nothing(case, s
                 raise OSError(errno.ENETUNREACH, "Network is unreachable")
             hub_env(monkeypatch, HF_ENDPOINT="http://192.0.2.1")
             monkeypatch.setattr(socket.socket, "connect", connect)
-        source, url = "fineweb-edu-10bt", prepare.preset_urls("fineweb-edu-10bt")[0]
+        source, url = "fineweb-edu-10bt", sources.preset_urls("fineweb-edu-10bt")[0]
     path = download.cache_path(url, str(downloads))
     expected = {
         "refused": f"connection refused: offline? put the file at {path}, or check the URL",
@@ -1018,7 +1019,7 @@ def test_a_preset_reads_the_hugging_face_cache_and_hf_hub_offline_never_asks_the
     assert decode_split(tmp_path / "data", "train") == new and not (tmp_path / "downloads").exists()
 
     hub_env(monkeypatch, HF_HUB_OFFLINE="1", HF_HUB_CACHE=tmp_path / "empty")  # HF_HUB_CACHE before HF_HOME/hub
-    url = prepare.preset_urls("fineweb-edu-10bt")[0]
+    url = sources.preset_urls("fineweb-edu-10bt")[0]
     path = download.cache_path(url, str(tmp_path / "downloads"))
     before = tree(tmp_path)
     capsys.readouterr()
