@@ -409,11 +409,15 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
     return out
 
 
+def beside(out, suffix):
+    """A folder's path beside `out` under a name no user picks: .NAME.suffix."""
+    return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{suffix}")
+
+
 @contextlib.contextmanager
 def scratch_beside(out, suffix):
-    """The folder to build `out` in: beside it, under a name no user picks (.NAME.suffix) and marked as podgpt's;
-    removed if the build fails."""
-    tmp = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{suffix}"))
+    """The folder to build `out` in: beside it and marked as podgpt's; removed if the build fails."""
+    tmp = make_scratch(beside(out, suffix))
     try:
         yield tmp
     except BaseException:
@@ -431,12 +435,17 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
         finish_scratch(tmp, out)
         return
     check_replaceable(out, record, script, kind)
-    aside = make_scratch(os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.podgpt-old"))
-    os.replace(out, os.path.join(aside, "old"))
+    aside = make_scratch(beside(out, "podgpt-old"))
+    old = os.path.join(aside, "old")
+    os.replace(out, old)
     try:
         os.replace(tmp, out)
     except BaseException:
-        os.replace(os.path.join(aside, "old"), out)  # failing too, it leaves the earlier one in aside, marked
+        try:
+            os.replace(old, out)
+        except OSError as e:  # the earlier one stays where it is, and the user is told where
+            fail(f"out={out}: the new {kind} could not be put in place, nor the earlier one back ({first_line(e)}): "
+                 f"the earlier {kind} is in {old}: move it back to {out}")
         remove_scratch(aside)
         raise
     finish_scratch(tmp, out)
@@ -458,8 +467,8 @@ def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"
         present = files_under(out)
     except OSError as e:
         fail(f"out={out} cannot be read whole ({first_line(e)}): not replacing it; choose another --out")
-    # a scratch mark left by a kill between put_in_place's rename and its removal is podgpt's own (remove() takes
-    # it unless a live process holds it)
+    # a scratch mark left by a kill between put_in_place's rename and its removal is podgpt's own (a second writer
+    # of out is stopped by scratch_beside's lock before it gets here)
     foreign = [f for f in present
                if f not in listed and f != SCRATCH_MARK and not (by_entry and f.split("/")[0] in listed)]
     if not foreign:

@@ -133,8 +133,7 @@ def recipe(run):
     """The exact data behind the model of a run (honesty.read_run's): the base data's recipe, and the SFT data's
     for a fine-tuned run; the skills pack eval.py asked, by its manifest."""
     eval_pack = ((run["eval"] or {}).get("pack") or {}).get("folder")
-    base = run["base"] or (honesty.run_data(run["base_dir"]) if os.path.isdir(run["base_dir"]) else None)
-    parts = {"sft": run, "base": base} if run["base_dir"] else {"base": run}
+    parts = {"sft": run, "base": run["base_data"]} if run["base_dir"] else {"base": run}
     out = {name: data_recipe(r["config"].get("data_dir", ""), r["data"]) if r else
            {"data_dir": None, "missing": f"the base run ({run['base_dir']}) is not there to read"}
            for name, r in parts.items()}

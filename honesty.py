@@ -35,17 +35,19 @@ FLAGS = {ABOVE: "above chance", AT_OR_BELOW: "AT OR BELOW CHANCE", NO_CHANCE: "n
 
 
 def read_run(folder):
-    """What the run folder (and, for a fine-tuned run, its base run) recorded; util.Error without a summary.json."""
+    """What the run folder (and, for a fine-tuned run, its base run) recorded; util.Error without a summary.json.
+    base: the base run's read_run, if it ended; base_data: its config and data, if its folder is there (run_data's,
+    or base's own)."""
     summary = read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
         fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has ended")
     recorded = run_data(folder)
-    base = recorded["config"].get("init_from") or ""
+    base_dir = recorded["config"].get("init_from") or ""
+    base = read_run(base_dir) if base_dir and os.path.isfile(os.path.join(base_dir, "summary.json")) else None
     return dict(recorded, folder=folder, summary=summary, metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
                 eval=read_json(os.path.join(folder, "eval.json")),
-                manifest=read_json(os.path.join(folder, "manifest.json")) or {},
-                base=read_run(base) if base and os.path.isfile(os.path.join(base, "summary.json")) else None,
-                base_dir=base)
+                manifest=read_json(os.path.join(folder, "manifest.json")) or {}, base=base, base_dir=base_dir,
+                base_data=base or (run_data(base_dir) if base_dir and os.path.isdir(base_dir) else None))
 
 
 def run_data(folder):
@@ -150,7 +152,7 @@ def unmeasured(run):
     if "bpb" not in report:
         out.append("no validation bits per byte (eval.py --data_dir)")
     if run["config"].get("init_from") and run["base"] is None:
-        gone = "has no readable summary.json" if os.path.isdir(run["base_dir"]) else "is not there to read"
+        gone = "has no readable summary.json" if run["base_data"] else "is not there to read"
         out.append(f"the base run ({run['base_dir']}) {gone}: its tokens and numbers are not in this report")
     return out + hardware_gaps(run)
 

@@ -23,6 +23,7 @@ import time
 import common
 import torch
 
+import holdout
 import prepare
 import sources
 from tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
@@ -75,7 +76,7 @@ def main(argv):
             read, write = best_seconds(
                 cfg["iters"], lambda: list(sources.documents(inputs, "text", 0, cfg["max_docs"], "downloads", "")),
                 lambda: prepare.write_shards(shard_dir, iter(encoded), tok, prepare.shard_tokens, 0,
-                                             prepare.SmallestHashes(0)))
+                                             holdout.SmallestHashes(0)))
     if worker <= start:
         fail(f"{n_bytes / 1e6:.2f} MB of text take no longer than the pool's start ({start:.3f} s): "
              "raise --max_docs or choose a bigger --source")

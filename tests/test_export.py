@@ -314,7 +314,7 @@ def export_files(out, text):
 def test_an_export_a_kill_left_marked_is_replaced_and_one_that_cannot_be_put_back_stays_beside(tmp_path, monkeypatch):
     """A kill between put_in_place's rename and the mark's removal leaves --out holding its scratch mark: the next
     export replaces it all the same. When the rename of the new folder and the put-back of the earlier one both
-    fail, the earlier export stays whole in the marked folder beside --out, never removed."""
+    fail, the earlier export stays whole in the folder beside --out, and the one line says where."""
     out, replace = tmp_path / "x", os.replace
     export_files(out, "killed")
     (out / SCRATCH_MARK).write_text("")
@@ -332,9 +332,10 @@ def test_an_export_a_kill_left_marked_is_replaced_and_one_that_cannot_be_put_bac
             raise OSError("refused")
         replace(src, dst)
     monkeypatch.setattr(os, "replace", refused_into_out)
-    with pytest.raises(OSError, match="refused"):
-        export_to_out("the newest")
     aside = tmp_path / ".x.podgpt-old"
+    with pytest.raises(Error, match=f"nor the earlier one back \\(OSError: refused\\): the earlier export is in "
+                       f"{aside}/old: move it back to {out}"):
+        export_to_out("the newest")
     assert os.listdir(tmp_path) == [".x.podgpt-old"] and (aside / SCRATCH_MARK).is_file()
     assert (aside / "old" / "model.safetensors").read_text() == "the new"
 

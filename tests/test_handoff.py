@@ -104,9 +104,10 @@ def test_the_honesty_report_flags_categories_at_chance_and_says_what_was_never_m
 
 def test_a_category_without_a_chance_level_is_neither_above_nor_below_it_and_each_contamination_is_said_once(
         tmp_path):
-    """A hand-made run folder, fine-tuned from a base run that never ended: a free-form category (no chance level in the pack's manifest) is shown with its score
-    alone; the data's count of validation documents in training and the preflight gate that states it again are
-    one line, as are the preflight and post-run gates that report the same eval rows in the corpus."""
+    """A hand-made run folder, fine-tuned from a base run that never ended: a free-form category (no chance level in
+    the pack's manifest) is shown with its score alone; the data's count of validation documents in training and the
+    preflight gate that states it again are one line, as are the preflight and post-run gates that report the same
+    eval rows in the corpus; the base run's data recipe comes from its config.json."""
     data, run, base = tmp_path / "data", tmp_path / "run", tmp_path / "base"
     data.mkdir(), run.mkdir(), base.mkdir()
     (data / "manifest.json").write_text(json.dumps({"tokenizer": "byte", "tokenizer_files": [], "contamination": {
