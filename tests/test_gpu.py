@@ -531,6 +531,17 @@ def test_bench_mfu(tmp_path, data):
     assert ext["n_layer"] == model_of(rec).n_layer == 4 and ext["depths"] == [1, 2] and len(ext["rows"]) == 4
 
 
+def test_bench_mfu_of_a_model_fsdp_shards(tmp_path, data):
+    # a process group of one on NCCL, the parameters gathered in bf16 for each block, as dist_mode=fsdp trains
+    rec = probe(tmp_path, "mfu", "config/tiny.py", f"--data_dir={data}", "--device=cuda", "--dtype=auto",
+                "--n_layer=1", "--micro_batches=2", "--grad_ckpts=none", "--dist_mode=fsdp", "--accum=2",
+                "--warmup=1", "--iters=3")
+    assert rec["dist_mode"] == "fsdp" and rec["accum"] == 2 and rec["dtype"] == "bfloat16"
+    for r in rec["rows"]:
+        assert r["sharded"] and r["tokens"] == 2 * r["micro_batch"] * 256 and r["peak_mem_gb"] > 0
+        assert close(r["tokens_per_sec"], r["tokens"] / r["step_time_s"])
+
+
 def test_bench_memory_measures_what_model_memory_estimate_predicts(tmp_path, data):
     # the 1B's width at 2 layers: its state (~1.4 GB) and activations, measured on the GPU
     rec = probe(tmp_path, "memory", "config/h200_1b_ddp8.py", "--n_layer=2", "--block_size=1024",
