@@ -185,7 +185,7 @@ def shard_documents(data_dir, shards):
     for shard in shards:
         path = os.path.join(data_dir, shard["file"])
         tokens, starts = open_shard(path), np.load(docs_file(path), mmap_mode="r")
-        mask = np.load(mask_file(path), mmap_mode="r") if "mask_file" in shard else None
+        mask = open_mask(data_dir, shard, False)
         for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True):
             yield tokens[a:b], None if mask is None else mask[a:b]
 

@@ -430,11 +430,11 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
     """The finished folder tmp renamed to out, over an earlier one that holds only its own files (checked again:
     it may be new since). tmp keeps its mark until it is out, and the earlier one waits in a marked folder beside
     it, put back if the rename fails: a failure leaves the earlier folder or the new one, the rest marked."""
+    check_replaceable(out, record, script, kind)
     if not os.path.lexists(out):
         os.replace(tmp, out)
         finish_scratch(tmp, out)
         return
-    check_replaceable(out, record, script, kind)
     aside = make_scratch(beside(out, "podgpt-old"))
     old = os.path.join(aside, "old")
     os.replace(out, old)
@@ -455,7 +455,12 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
     """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record` lists, each by
     its path inside it: `script` replaces nothing it did not write. (A record from before paths were listed names
-    the top-level entries: a folder it names stands for what the folder holds.)"""
+    the top-level entries: a folder it names stands for what the folder holds.) An earlier one that a replace cut
+    short left beside it stops it too: the next replace would remove it."""
+    waiting = os.path.join(beside(out, "podgpt-old"), "old")
+    if os.path.lexists(waiting):
+        fail(f"out={out}: an earlier {kind} waits in {waiting}, left by a replace cut short: move it back to {out} "
+             f"(or away), then rerun")
     if not os.path.lexists(out):
         return
     if not os.path.isdir(out) or os.path.islink(out):

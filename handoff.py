@@ -198,7 +198,7 @@ def fill(tmp, run, path, cfg, why):
     honesty.read_run read it."""
     export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
     copy_run(run["folder"], os.path.join(tmp, "run"))
-    if run["base_dir"] and os.path.isdir(run["base_dir"]):
+    if run["base_data"]:  # the base run's folder is there
         copy_run(run["base_dir"], os.path.join(tmp, "base_run"))
     gate = run["summary"].get("long_run_gate")
     write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else

@@ -423,8 +423,8 @@ class GPT(nn.Module):
     def head(self, x, targets, weights=None, in_graph=False):
         """The final norm, the LM head and the loss of forward()'s first two items. weights (the shape of targets):
         each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets; without,
-        the mean over the targets that are not IGNORE (SFT's prompt tokens), divided outside the compiled graph
-        unless in_graph (a break there would split a caller's loop)."""
+        the mean over the targets that are not IGNORE (SFT's prompt tokens), divided outside the compiled graph when
+        the loss is chunked, unless in_graph (a break there would split a caller's loop)."""
         config = self.config
         x = self.norm(x)
         if targets is None:
@@ -435,7 +435,8 @@ class GPT(nn.Module):
             total = self.cross_entropy_sum(logits, targets, weights)
         else:
             logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
-        return logits, (per_target if weights is not None or in_graph else per_target_outside)(total, targets, weights)
+        outside = logits is None and weights is None and not in_graph  # chunks the compiled backward rebuilds
+        return logits, (per_target_outside if outside else per_target)(total, targets, weights)
 
     def chunked_loss(self, x, targets, weights=None):
         """The summed (weighted) cross-entropy, loss_chunk tokens at a time. Each chunk runs under checkpoint, so the

@@ -68,10 +68,11 @@ def int_list(key, text):
 
 
 def check_counts(cfg, *keys):
-    """Stop unless each of these keys (warmup, iters, ...) is a non-negative count, the timed one positive."""
+    """Stop unless each of these keys (warmup, iters, ...) is a non-negative count, iters and accum positive."""
     for key in keys:
-        if cfg[key] < (1 if key == "iters" else 0):
-            fail(f"{key}={cfg[key]} must be {'positive' if key == 'iters' else '>= 0'}")
+        positive = key in ("iters", "accum")
+        if cfg[key] < positive:
+            fail(f"{key}={cfg[key]} must be {'positive' if positive else '>= 0'}")
 
 
 # -----------------------------------------------------------------------------
@@ -187,7 +188,10 @@ def train_step(model, optimizer, x, y, amp, loss_of, mark=None, accum=1):
     autocast and backward, the gradients summed; then gradient clipping, AdamW, gradients dropped. mark(phase)
     is called at the end of each phase ("forward", "backward", "optimizer"), e.g. to read the memory peak of each."""
     mark = mark or (lambda phase: None)
-    for _ in range(accum):
+    sharded = getattr(model, "_orig_mod", model)  # FSDP2's: gradients reduced after the last micro-batch, as train.py
+    for i in range(accum):
+        if hasattr(sharded, "set_requires_gradient_sync"):
+            sharded.set_requires_gradient_sync(i == accum - 1)
         with amp:
             loss = loss_of(model, x, y) / accum
         mark("forward")

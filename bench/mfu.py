@@ -33,6 +33,7 @@ from dataclasses import asdict
 
 import common
 import torch
+import torch.distributed as dist
 
 import configurator
 from preflight import flops_per_token, model_config, param_counts, peak_flops
@@ -106,9 +107,7 @@ def extrapolate(rows, depths, full):
 
 def main(argv):
     cfg, run = common.configure(__file__, argv, run=True)
-    common.check_counts(cfg, "warmup", "iters")
-    if cfg["accum"] < 1:
-        fail(f"accum={cfg['accum']} must be positive: micro-batches per optimizer step")
+    common.check_counts(cfg, "warmup", "iters", "accum")
     micro_batches = common.int_list("micro_batches", cfg["micro_batches"])
     settings = common.ckpt_settings("grad_ckpts", cfg["grad_ckpts"])
     if run["compile"] and cfg["warmup"] < 1:
@@ -153,9 +152,12 @@ def main(argv):
     common.write_result("mfu", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(full_config),
         params=param_counts(full_config)["total"], flops_per_token=fpt_full, dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], dist_mode=run["dist_mode"], accum=cfg["accum"], warmup=cfg["warmup"], iters=cfg["iters"],
-        peak_tflops=peak and peak / 1e12, ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
+        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], dist_mode=run["dist_mode"], accum=cfg["accum"],
+        warmup=cfg["warmup"], iters=cfg["iters"], peak_tflops=peak and peak / 1e12,
+        ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
         extrapolation=dict(n_layer=full, depths=depths, rows=fits) if fits is not None else None, best=best))
+    if dist.is_initialized():  # dist_mode=fsdp's group of one, ended as train.py ends its own
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -338,6 +338,10 @@ def test_an_export_a_kill_left_marked_is_replaced_and_one_that_cannot_be_put_bac
         export_to_out("the newest")
     assert os.listdir(tmp_path) == [".x.podgpt-old"] and (aside / SCRATCH_MARK).is_file()
     assert (aside / "old" / "model.safetensors").read_text() == "the new"
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(Error, match=f"an earlier export waits in {aside}/old, left by a replace cut short"):
+        export_to_out("later")  # the next export over it stops, and leaves it be
+    assert (aside / "old" / "model.safetensors").read_text() == "the new" and os.listdir(tmp_path) == [".x.podgpt-old"]
 
 
 def test_char_tokenizer_gets_no_transformers_tokenizer_but_a_note(tokenizer_run, tmp_path, capfd):
