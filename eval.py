@@ -40,13 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import configurator
-from data import Loader, bpb_scale, load_manifest
-from gates import record_eval_floors, wilson
-from loading import load_trained, locate
-from tasks import HUB_MC, hub_questions, read_rows
-from tokenizer import chat_ids, chat_prompt, load_tokenizer
-from util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, percent, run_main,
+from podgpt.core import configurator
+from podgpt.core.data import Loader, bpb_scale, load_manifest
+from podgpt.pod.gates import record_eval_floors, wilson
+from podgpt.release.loading import load_trained, locate
+from podgpt.corpus.tasks import HUB_MC, hub_questions, read_rows
+from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
+from podgpt.core.util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, percent, run_main,
                   setup, write_atomic, write_json)
 
 # --- config

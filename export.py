@@ -25,14 +25,14 @@ import sys
 
 import torch
 
-import configurator
-from checkpoint import find_checkpoint, load_model, reading
+from podgpt.core import configurator
+from podgpt.core.checkpoint import find_checkpoint, load_model, reading
 from model import RUNTIME_FIELDS, GPTConfig
-from objectives import make_model
-from preflight import param_counts
-from report import read_json, read_metrics
-from tokenizer import read_ranks
-from util import (MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, finish_scratch,
+from podgpt.research.objectives import make_model
+from podgpt.pod.preflight import param_counts
+from podgpt.pod.report import read_json, read_metrics
+from podgpt.core.tokenizer import read_ranks
+from podgpt.core.util import (MAKE_ROOM, SCRATCH_MARK, check_apart, disk_full, fail, files_under, finish_scratch,
                   first_line, make_scratch, remove_scratch, run_main, write_atomic, write_json)
 
 # --- config

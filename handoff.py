@@ -31,15 +31,15 @@ import shutil
 import sys
 import sysconfig
 
-import configurator
+from podgpt.core import configurator
 import honesty
-from checkpoint import reading
-from data import tokenizer_fingerprint
-from download import file_sha256
+from podgpt.core.checkpoint import reading
+from podgpt.core.data import tokenizer_fingerprint
+from podgpt.corpus.download import file_sha256
 from export import card_usage, check_replaceable, export, put_in_place, scratch_beside
-from sources import PRESETS, is_url, resolve_sources
-from report import read_json
-from util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
+from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
+from podgpt.pod.report import read_json
+from podgpt.core.util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
                   first_line, run_main, write_atomic, write_json)
 
 # --- config

@@ -17,9 +17,9 @@ be rerun whenever eval.py has attached another benchmark.
 import os
 import sys
 
-import configurator
-from report import read_json, read_metrics
-from util import fail, percent, run_main, write_atomic, write_json
+from podgpt.core import configurator
+from podgpt.pod.report import read_json, read_metrics
+from podgpt.core.util import fail, percent, run_main, write_atomic, write_json
 
 # --- config
 run = ""                        # the run folder (a train.py out_dir); "": out_dir

@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention, resolve_backend
-from util import IGNORE, device_mesh, first_line
+from podgpt.core.attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention, resolve_backend
+from podgpt.core.util import IGNORE, device_mesh, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend

@@ -50,16 +50,16 @@ import time
 
 import numpy as np
 
-import configurator
-from data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
+from podgpt.core import configurator
+from podgpt.core.data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
                   token_dtype, token_hash)
-from download import local_copy
-from holdout import Ledger, SmallestHashes, bpe_reserve
-from ngrams import MIN_WORDS, NGRAM, read_eval_grams
-from sources import GSM8K_FORMATS, documents, is_url, resolve_sources
-from tokenizer import (BPE_PATTERN, SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer,
+from podgpt.corpus.download import local_copy
+from podgpt.corpus.holdout import Ledger, SmallestHashes, bpe_reserve
+from podgpt.corpus.ngrams import MIN_WORDS, NGRAM, read_eval_grams
+from podgpt.corpus.sources import GSM8K_FORMATS, documents, is_url, resolve_sources
+from podgpt.core.tokenizer import (BPE_PATTERN, SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer,
                        train_tokenizer)
-from util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
+from podgpt.core.util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
                   remove_scratch, run_main)
 
 # --- config
@@ -606,7 +606,7 @@ def base_tokenizer_dir(base):
     latest checkpoint."""
     if os.path.isfile(os.path.join(base, "tokenizer.json")):
         return base
-    from checkpoint import find_checkpoint  # here: only SFT data needs torch's checkpoint code
+    from podgpt.core.checkpoint import find_checkpoint  # here: only SFT data needs torch's checkpoint code
     return find_checkpoint(base) or base
 
 

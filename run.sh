@@ -112,7 +112,8 @@ done
 # whether the config sets its own, other than skills.py's default (then the skills path runs by default)
 CONFIG_PACK=
 if [[ -z ${STAGES:-} || -z ${PACK_DIR:-} ]]; then
-    CONFIG_PACK=$($PYTHON -c 'import sys, configurator, util
+    CONFIG_PACK=$($PYTHON -c 'import sys
+from podgpt.core import configurator, util
 def pack_dir(argv):
     own = configurator.configure("skills.py", argv).pack_dir
     print(own, bool(own) and own != configurator.configure("skills.py", []).pack_dir, sep="\n")
@@ -141,14 +142,16 @@ PACK_ARG=()
 [[ -n ${PACK_DIR:-} ]] && PACK_ARG=("--pack_dir=$PACK_DIR")
 TRAIN_ARGS+=("${PACK_ARG[@]}")
 # the run's out_dir as train.py resolves it from the config and the overrides
-OUT=${OUT_DIR:-$($PYTHON -c 'import sys, configurator, util
+OUT=${OUT_DIR:-$($PYTHON -c 'import sys
+from podgpt.core import configurator, util
 util.run_main(lambda argv: print(configurator.configure("train.py", argv).out_dir), sys.argv[1:])' \
     "$CONFIG" "${TRAIN_ARGS[@]}")}
 HANDOFF_DIR=${HANDOFF_DIR:-${OUT%/}-handoff}
 PACK_DIR=${PACK_DIR:-${CONFIG_PACK%$'\n'*}}
 # the sft stage's out_dir and data_dir, as its train.py resolves them (the eval stage evaluates its model too)
 SFT_OUT= SFT_DATA=
-[[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "* || " $STAGES " == *" handoff "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys, configurator, util
+[[ (" $STAGES " == *" sft "* || " $STAGES " == *" eval "* || " $STAGES " == *" handoff "*) && -f $SFT_CONFIG ]] && { read -r SFT_OUT; read -r SFT_DATA; } < <($PYTHON -c 'import sys
+from podgpt.core import configurator, util
 util.run_main(lambda argv: print(*(configurator.configure("train.py", argv)[k] for k in ("out_dir", "data_dir")),
                                  sep="\n"), sys.argv[1:])' "$CONFIG" "$SFT_CONFIG" ${SFT_ARGS:-})
 

@@ -25,10 +25,10 @@ import threading
 
 import torch
 
-import configurator
-from loading import load_trained, locate
-from objectives import UNMASKING
-from util import fail, first_line, run_main, setup
+from podgpt.core import configurator
+from podgpt.release.loading import load_trained, locate
+from podgpt.research.objectives import UNMASKING
+from podgpt.core.util import fail, first_line, run_main, setup
 
 # --- config
 ckpt = ""                       # a checkpoint folder, or an out_dir (see which); "": out_dir
@@ -61,7 +61,7 @@ def main(argv):
         fail(f"which={config.which!r} is not one of best, latest", code=2)
     found = locate(config.ckpt or config.out_dir, config.which)
     if config.serve:
-        from serve import serve_http  # FastAPI and uvicorn: only the server needs them
+        from podgpt.release.serve import serve_http  # FastAPI and uvicorn: only the server needs them
         check_ranges(config, port=(lambda v: 0 <= v <= 65535, "0 to 65535 (0: any free port)"),
                      serve_max_tokens=(lambda v: v >= 1, "an integer >= 1"),
                      serve_read_timeout=(lambda v: v > 0, "a number of seconds above 0"),

@@ -31,17 +31,17 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-import configurator
-from checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
-from data import Loader, check_prepared, load_manifest
-from attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable, parity_errors, parity_tolerance,
+from podgpt.core import configurator
+from podgpt.core.checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
+from podgpt.core.data import Loader, check_prepared, load_manifest
+from podgpt.core.attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable, parity_errors, parity_tolerance,
                        resolve_backend)
 from model import GPT, GPTConfig, KVCache
-from objectives import make_model, random_batch
-from optim import make_optimizer
-from preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label, model_config, param_counts,
+from podgpt.research.objectives import make_model, random_batch
+from podgpt.core.optim import make_optimizer
+from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label, model_config, param_counts,
                        plan_layout, plan_vocab)
-from util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
+from podgpt.core.util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
                   make_scratch, on_rank0, remove_scratch, run_main, setup)
 
 # --- config

@@ -30,11 +30,11 @@ import os
 import random
 import sys
 
-import configurator
-from util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
-from tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
-from ngrams import MIN_WORDS, NGRAM, EvalGrams, shared_run
-from tokenizer import reply_text
+from podgpt.core import configurator
+from podgpt.core.util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
+from podgpt.corpus.tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
+from podgpt.corpus.ngrams import MIN_WORDS, NGRAM, EvalGrams, shared_run
+from podgpt.core.tokenizer import reply_text
 
 # --- config
 pack_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
@@ -436,8 +436,8 @@ def jsonl_pack(cfg):
 def gsm8k_rows(path):
     """The problems of a GSM8K parquet file as pack rows: the answer the number after "####", the scratchpad
     the reasoning lines without their calculator annotations."""
-    from sources import read_parquet
-    from tasks import gsm8k_answer, gsm8k_plan
+    from podgpt.corpus.sources import read_parquet
+    from podgpt.corpus.tasks import gsm8k_answer, gsm8k_plan
 
     rows = []
     for question, solution in zip(read_parquet(path, "question"), read_parquet(path, "answer"), strict=True):
@@ -452,8 +452,8 @@ def gsm8k_rows(path):
 def gsm8k_pack(cfg):
     """GSM8K through prepare.py's preset: its test problems' first eval_rows are the eval rows, its training
     problems the SFT rows (the first sft_rows of those apart from every eval row)."""
-    from download import download
-    from sources import preset_urls
+    from podgpt.corpus.download import download
+    from podgpt.corpus.sources import preset_urls
 
     train_url, test_url = preset_urls("gsm8k")
     test = gsm8k_rows(download(test_url, cfg.download_dir))[:cfg.eval_rows]

@@ -30,25 +30,25 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import configurator
-from util import (MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
+from podgpt.core import configurator
+from podgpt.core.util import (MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
                   dtype_name, fail, first_line, format_seconds, log, on_rank0, peak_memory_gb, remove, run_main, setup,
                   warn, write_json)
-from attention import resolve_backend
+from podgpt.core.attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
-from objectives import make_model
-from optim import check_optimizer, make_optimizer
-from data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
-from checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
-from preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
+from podgpt.research.objectives import make_model
+from podgpt.core.optim import check_optimizer, make_optimizer
+from podgpt.core.data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
+from podgpt.core.checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
+from podgpt.pod.preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
-from gates import long_run_gate
-from schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
-from report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
-from postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
-from dryrun import dryrun
-from tasks import check_segments, gsm8k_accuracy, gsm8k_problems
-from tokenizer import check_tokenizer_loads, load_tokenizer
+from podgpt.pod.gates import long_run_gate
+from podgpt.core.schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from podgpt.pod.report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
+from podgpt.pod.postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
+from podgpt.pod.dryrun import dryrun
+from podgpt.corpus.tasks import check_segments, gsm8k_accuracy, gsm8k_problems
+from podgpt.core.tokenizer import check_tokenizer_loads, load_tokenizer
 
 # --- config
 # I/O

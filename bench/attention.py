@@ -21,8 +21,8 @@ from collections import Counter
 import common
 import torch
 
-import attention
-from util import dtype_name, fail, first_line, run_main
+from podgpt.core import attention
+from podgpt.core.util import dtype_name, fail, first_line, run_main
 
 # --- config
 seq_lens = ""                   # comma-separated sequence lengths T; "": 1024,2048,4096 on a GPU, 64,128 on a CPU

@@ -32,10 +32,10 @@ from types import SimpleNamespace
 import common
 import torch
 
-import configurator
-from checkpoint import PREEMPT_SAVE_SECONDS, Checkpoints, too_slow_for_preemption
-from preflight import model_config, param_counts
-from util import fail, make_scratch, remove_scratch, run_main, warn
+from podgpt.core import configurator
+from podgpt.core.checkpoint import PREEMPT_SAVE_SECONDS, Checkpoints, too_slow_for_preemption
+from podgpt.pod.preflight import model_config, param_counts
+from podgpt.core.util import fail, make_scratch, remove_scratch, run_main, warn
 
 # --- config
 saves = 2                       # background saves timed, the first and later ones (each reuses the staging buffers)

@@ -26,11 +26,11 @@ sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py, pr
 import torch
 import torch.nn.functional as F
 
-import configurator
+from podgpt.core import configurator
 from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, shard_model
-from objectives import make_model, random_batch
-from optim import make_optimizer
-from util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
+from podgpt.research.objectives import make_model, random_batch
+from podgpt.core.optim import make_optimizer
+from podgpt.core.util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
 

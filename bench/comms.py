@@ -19,7 +19,7 @@ import common
 import torch
 import torch.distributed as dist
 
-from util import dtype_name, fail, run_main
+from podgpt.core.util import dtype_name, fail, run_main
 
 # --- config
 sizes = ""                      # message sizes in bytes, comma-separated; "": 1 KiB..1 GiB (GPU), ..4 MiB (CPU)

@@ -23,11 +23,11 @@ import time
 import common
 import torch
 
-import holdout
+from podgpt.corpus import holdout
 import prepare
-import sources
-from tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
-from util import fail, run_main
+from podgpt.corpus import sources
+from podgpt.core.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+from podgpt.core.util import fail, run_main
 
 # --- config
 source = "stdlib"       # prepare.py's source: stdlib | a file or folder

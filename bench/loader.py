@@ -20,8 +20,8 @@ import sys
 
 import common
 
-from data import Loader, load_manifest
-from util import fail, run_main
+from podgpt.core.data import Loader, load_manifest
+from podgpt.core.util import fail, run_main
 
 # --- config
 gpu_tokens_per_sec = 0.0        # tokens/s one GPU consumes (bench/mfu.py); 0: no comparison

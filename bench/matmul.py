@@ -15,8 +15,8 @@ import sys
 import common
 import torch
 
-from preflight import peak_flops
-from util import dtype_name, fail, run_main
+from podgpt.pod.preflight import peak_flops
+from podgpt.core.util import dtype_name, fail, run_main
 
 # --- config
 sizes = ""                      # comma-separated N (N x N @ N x N) or MxKxN ((M, K) @ (K, N)); "": the defaults below

@@ -19,9 +19,9 @@ from dataclasses import asdict
 import common
 import torch
 
-from objectives import random_batch
-from preflight import memory_estimate, model_config
-from util import autocast, dtype_name, run_main
+from podgpt.research.objectives import random_batch
+from podgpt.pod.preflight import memory_estimate, model_config
+from podgpt.core.util import autocast, dtype_name, run_main
 
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)

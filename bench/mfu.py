@@ -35,9 +35,9 @@ import common
 import torch
 import torch.distributed as dist
 
-import configurator
-from preflight import flops_per_token, model_config, param_counts, peak_flops
-from util import dtype_name, fail, run_main
+from podgpt.core import configurator
+from podgpt.pod.preflight import flops_per_token, model_config, param_counts, peak_flops
+from podgpt.core.util import dtype_name, fail, run_main
 
 # --- config
 micro_batches = "1,2,4,8"       # micro-batch sizes to sweep (sequences of block_size tokens)

@@ -23,8 +23,8 @@ import common
 import torch
 
 from export import hf_config
-from preflight import model_config
-from util import dtype_name, fail, run_main
+from podgpt.pod.preflight import model_config
+from podgpt.core.util import dtype_name, fail, run_main
 
 # --- config
 windows = 4                     # timing windows per model, alternating ours / HF

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from util import run_main
+from podgpt.core.util import run_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # runs a script as if the machine had GPUs that nothing may touch (a CPU test must pass on a GPU pod too)
@@ -98,7 +98,7 @@ def run_script(args, capfd):
     import torch
 
     script, *argv = map(str, args)
-    module = importlib.import_module(script.removesuffix(".py"))
+    module = importlib.import_module(script.removesuffix(".py").replace("/", "."))  # a script, or a module's path
     capfd.readouterr()  # what came before is not the script's
     gc.collect()  # nor are earlier tests' garbage's warnings (an unclosed file's ResourceWarning) at the next collection
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}

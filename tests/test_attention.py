@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-import attention as attn
+from podgpt.core import attention as attn
 import model
-from attention import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
+from podgpt.core.attention import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
                        resolve_backend)
 
 F32 = torch.float32

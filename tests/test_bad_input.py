@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from checkpoint import verify_checkpoint
+from podgpt.core.checkpoint import verify_checkpoint
 from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, shared, train_tiny, tree
 from test_preflight import contaminate
 

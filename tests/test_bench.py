@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from conftest import ROOT, TORCHRUN, run
-from configurator import read_defaults
+from podgpt.core.configurator import read_defaults
 from model import GPTConfig
-from preflight import flops_per_token, memory_estimate, param_counts
+from podgpt.pod.preflight import flops_per_token, memory_estimate, param_counts
 
 PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt", "encode")
 RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take train.py's config files and keys
@@ -105,7 +105,7 @@ def test_matmul(tmp_path, capfd):
 
 def test_attention_every_backend_with_and_without_documents(tmp_path, capfd):
     rec = probe(capfd, tmp_path, "attention", "--device=cpu", *FAST)  # the CPU defaults: T 64 and 128, head dim 16
-    import attention
+    from podgpt.core import attention
     backends = [*attention.ATTENTION_BACKENDS, "sdpa"]
     assert rec["backends"] == backends
     assert [(r["head_dim"], r["seq_len"], r["doc_mask"], r["backend"]) for r in rec["rows"]] == \
@@ -226,7 +226,7 @@ def test_loader_against_the_gpu_rate(tmp_path, stdlib_data, capfd):
 
 def test_encode_a_worker_process_against_the_raw_tokenizer(tmp_path, capfd):
     rec = probe(capfd, tmp_path, "encode", "--tokenizer=char", "--max_docs=40", "--iters=1")
-    import sources
+    from podgpt.corpus import sources
     texts = [text for text, _ in sources.documents(sources.resolve_sources("stdlib", 0, "", False)[0], "text", 0, 40,
                                                    "downloads", "")]
     assert rec["tokenizer"] == "char" and rec["docs"] == 40 and rec["source"].startswith("stdlib")

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-import configurator
+from podgpt.core import configurator
 from conftest import TINY_MODEL, run_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,13 +15,13 @@ import zlib
 import numpy as np
 import pytest
 
-import data
-import download
+from podgpt.core import data
+from podgpt.corpus import download
 import prepare
-import util
+from podgpt.core import util
 from conftest import run_script, tree
 from test_bad_input import TINY_RUN, finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
-from tokenizer import check_tokenizer_loads
+from podgpt.core.tokenizer import check_tokenizer_loads
 
 
 @pytest.fixture
@@ -207,7 +207,7 @@ def test_a_resume_keeps_a_line_that_is_not_utf8_and_drops_a_torn_last_line(finis
 
 def test_report_skips_a_line_that_is_not_utf8_with_one_warning(finished_run, tmp_path, capfd):
     out, rows = with_bad_lines(finished_run, tmp_path)
-    r = run_script(["report.py", f"--out_dir={out}"], capfd)
+    r = run_script(["podgpt/pod/report.py", f"--out_dir={out}"], capfd)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert [line for line in r.stderr.splitlines() if line.strip()] == [
         f"warning: {out}/metrics.jsonl: 1 line(s) not a metrics row (a JSON object with an integer step), line "

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from conftest import FAKE_CUDA, RANKS, TINY_MODEL, run, shared
 from model import GPT, GRAD_CKPT, GPTConfig, shard_model
-from util import resolve_device, setup
+from podgpt.core.util import resolve_device, setup
 
 CPU, CUDA0, CUDA1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
 NO_CUDA = "CUDA is not available here"

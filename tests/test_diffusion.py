@@ -9,19 +9,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attention
-import objectives
-import report
+from podgpt.core import attention
+from podgpt.research import objectives
+from podgpt.pod import report
 from conftest import read_metrics, run_script, train_tiny
-from checkpoint import find_checkpoint, load_model
-from data import Loader, diffusion_draws, load_manifest
+from podgpt.core.checkpoint import find_checkpoint, load_model
+from podgpt.core.data import Loader, diffusion_draws, load_manifest
 from export import tokenizer_dir
-from attention import BlockDiffusion
+from podgpt.core.attention import BlockDiffusion
 from model import GPTConfig, KVCache
-from objectives import LOGLINEAR_EPS, make_model
-from preflight import flops_per_token, memory_phases, param_counts
-from tasks import gsm8k_problems
-from tokenizer import load_tokenizer
+from podgpt.research.objectives import LOGLINEAR_EPS, make_model
+from podgpt.pod.preflight import flops_per_token, memory_phases, param_counts
+from podgpt.corpus.tasks import gsm8k_problems
+from podgpt.core.tokenizer import load_tokenizer
 from test_model import LiveBytes
 from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
 

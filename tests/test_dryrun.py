@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-import checkpoint
+from podgpt.core import checkpoint
 from conftest import ROOT, TINY_MODEL, TORCHRUN, popen, run, run_script
 
 ARGS = [*TINY_MODEL, "--micro_batch_size=2", "--total_batch_tokens=256", "--dryrun_steps=6"]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import eval as evaluate
-from checkpoint import find_checkpoint, load_model
+from podgpt.core.checkpoint import find_checkpoint, load_model
 from conftest import RANKS, Captured, read_metrics, run, run_script, shared, train_tiny
-from tasks import HUB_MC, hub_questions
+from podgpt.corpus.tasks import HUB_MC, hub_questions
 from test_prepare import hub_env, server  # noqa: F401  (server: a local hub's fixture)
-from tokenizer import chat_ids, chat_prompt, load_tokenizer, save_tokenizer, train_tokenizer, with_chat_tokens
+from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer, save_tokenizer, train_tokenizer, with_chat_tokens
 
 PACK_ROWS = [("arith", "2+2="), ("arith", "3+4="), ("arith", "10-3="), ("letters", "count a in banana")]
 QUESTIONS = ["def main(", "import", "for i in", "class Foo"]

@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import export  # noqa: E402
-from checkpoint import find_checkpoint, load_model  # noqa: E402
-from tokenizer import load_tokenizer  # noqa: E402
-from util import SCRATCH_MARK, Error, files_under, remove  # noqa: E402
+from podgpt.core.checkpoint import find_checkpoint, load_model  # noqa: E402
+from podgpt.core.tokenizer import load_tokenizer  # noqa: E402
+from podgpt.core.util import SCRATCH_MARK, Error, files_under, remove  # noqa: E402
 
 VARIANTS = {"gqa_tied": ["--n_kv_head=2", "--tie_embeddings=True"],
             "mha_untied": ["--n_kv_head=4", "--tie_embeddings=False"]}

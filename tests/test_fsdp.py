@@ -10,7 +10,7 @@ import torch
 
 from conftest import run, shared, train_losses
 from test_resume import ARGS, CKPT_EVERY, MAX_STEPS, assert_identical, ckpt_steps, load, train, wrapper
-from checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
+from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
 
 FSDP = ["--dist_mode=fsdp"]
 RESUME_AT = 2 * CKPT_EVERY

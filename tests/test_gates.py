@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-import gates
-from configurator import Config
+from podgpt.pod import gates
+from podgpt.core.configurator import Config
 from conftest import ROOT, TINY_MODEL, run_script
-from ngrams import read_eval_grams
-from util import Error
+from podgpt.corpus.ngrams import read_eval_grams
+from podgpt.core.util import Error
 
 B = 2 ** 20  # the 1B run's tokens per step
 

@@ -62,10 +62,10 @@ import torch
 
 from conftest import ROOT, read_metrics, run, train_losses
 from test_bench import close, model_of, run_probe
-from attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, parity_error, resolve_backend
+from podgpt.core.attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, parity_error, resolve_backend
 from model import fp8_unavailable
-from preflight import flops_per_token, peak_flops
-from checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
+from podgpt.pod.preflight import flops_per_token, peak_flops
+from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
 from sanity import largest_fits
 from test_diffusion import sampled_text
 
@@ -238,9 +238,9 @@ def test_compiled_bf16_run_trains_and_checkpoints(tiny):
 def test_the_first_save_s_pinned_buffers_are_ready_before_it(tmp_path):
     """On a GPU the staging buffers are pinned host memory, slow to allocate (seconds for a 1B model): after the
     first step they are allocated in the background, so the first save blocks no longer than a later one."""
-    from checkpoint import Checkpoints
+    from podgpt.core.checkpoint import Checkpoints
     from model import GPT, GPTConfig
-    from optim import make_optimizer
+    from podgpt.core.optim import make_optimizer
     torch.manual_seed(0)
     model = GPT(GPTConfig(block_size=16, vocab_size=8192, n_layer=4, n_head=4, n_kv_head=4, n_embd=256)).cuda()
     optimizer = make_optimizer(model, 1e-3, (0.9, 0.95), 0.1, fused=True)
@@ -722,7 +722,7 @@ def test_auto_finds_a_kernel_for_float32_under_tf32():
     """float32 on a GPU whose fp32 matmuls run in TF32 (train.py's matmul_precision=high): auto holds kernels to
     float16's tolerance there and finds one (against float32's, config/tiny.py --device=cuda found none on an
     H200: math 8.0e-4, flex 2.3e-3)."""
-    import attention
+    from podgpt.core import attention
     precision, cached = torch.get_float32_matmul_precision(), dict(attention.resolved)
     try:
         torch.set_float32_matmul_precision("high")
@@ -835,7 +835,7 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
     """The refine model's cache (one entry per block application) on CUDA in fp32: greedy tokens and
     logits equal recomputing every position."""
     from model import GPTConfig
-    from objectives import make_model
+    from podgpt.research.objectives import make_model
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
                        objective="refine", n_loops=2, n_sup_inference=3, T_recursion=2)
@@ -853,7 +853,7 @@ def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
     """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the
     gradients of the dense mask on SDPA's math kernel, within bf16's parity tolerance; HDP's too."""
     from model import GPTConfig
-    from objectives import make_model
+    from podgpt.research.objectives import make_model
     if backend_unavailable("flex", "cuda", BF16, 64, "diffusion") is not None:
         pytest.skip(f"flex cannot run on {gpu_name()}")
     for hdp in ("", "128,128,256"):

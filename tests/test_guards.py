@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-import data
-from checkpoint import load_model
+from podgpt.core import data
+from podgpt.core.checkpoint import load_model
 from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, train_losses
 from conftest import train_tiny as train
 

@@ -46,7 +46,11 @@ BELOW = {
 BENCH_MAY_NOT = {"train", "sanity", "sample"}
 
 
-OURS = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}  # the repo's top-level modules
+# the repo's modules by name: the scripts and model.py at the root, the rest in the package's layers
+PATHS = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
+PATHS.update({f[:-3]: os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "podgpt"))
+              for f in fs if f.endswith(".py") and f != "__init__.py"})
+OURS = set(PATHS)
 
 
 def podgpt_imports(source):
@@ -54,14 +58,18 @@ def podgpt_imports(source):
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            names.update(a.name.split(".")[-1 if a.name.startswith("podgpt.") else 0] for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
+            if node.module.startswith("podgpt."):
+                parts = node.module.split(".")
+                names.update([parts[-1]] if len(parts) > 2 else [a.name for a in node.names])
+            else:
+                names.add(node.module.split(".")[0])
     return names & OURS
 
 
 def imports_of(module):
-    with open(os.path.join(ROOT, f"{module}.py")) as f:
+    with open(PATHS[module]) as f:
         return podgpt_imports(f.read())
 
 
@@ -111,7 +119,7 @@ MAX_FUNCTION_LINES = 60
 def sources():
     """(name, source) of every top-level module and bench probe."""
     bench = os.path.join(ROOT, "bench")
-    paths = [os.path.join(ROOT, f"{m}.py") for m in sorted(OURS)]
+    paths = [PATHS[m] for m in sorted(OURS)]
     paths += [os.path.join(bench, f) for f in sorted(os.listdir(bench)) if f.endswith(".py")]
     for path in paths:
         with open(path) as f:

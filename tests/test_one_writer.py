@@ -17,7 +17,7 @@ import zlib
 import pytest
 import torch
 
-from checkpoint import verify_checkpoint, write_files
+from podgpt.core.checkpoint import verify_checkpoint, write_files
 from conftest import ROOT, TINY_MODEL, Captured, popen, run, run_script, shared, train_tiny, tree
 
 FAST = ["--micro_batch_size=4", "--total_batch_tokens=256"]
@@ -98,7 +98,7 @@ def test_a_second_export_to_the_same_out_is_refused_while_the_first_writes(tmp_p
     """export.py builds in a scratch folder beside --out; a second export.py to the same --out removed the
     first's scratch under it. The scratch is now held by the process that made it (here this test's): the
     second export is refused in one line and the scratch stays."""
-    from util import make_scratch, remove_scratch
+    from podgpt.core.util import make_scratch, remove_scratch
     scratch = make_scratch(str(tmp_path / ".x.podgpt-export"))
     (tmp_path / ".x.podgpt-export" / "model.safetensors").write_bytes(b"half written")
     try:
@@ -116,7 +116,7 @@ def test_a_second_prepare_py_on_a_data_dir_being_built_is_refused(tmp_path, stdl
     """prepare.py builds in data_dir/.podgpt-prepare; a second prepare.py on the same data_dir removed the
     first's build under it. That folder is held while a build runs (here by this test): the second is refused
     at once, naming the holder, and neither the build nor the data beside it is touched."""
-    from util import make_scratch, remove_scratch
+    from podgpt.core.util import make_scratch, remove_scratch
     data = shutil.copytree(stdlib_data, tmp_path / "data")
     scratch = make_scratch(str(data / ".podgpt-prepare"))
     (data / ".podgpt-prepare" / "train_000000.bin").write_bytes(b"half a shard")
@@ -136,7 +136,7 @@ def test_a_checkpoint_being_read_outlives_the_rotation_that_would_remove_it(tmp_
     """sample.py, export.py (and eval) hold the checkpoint they read (checkpoint.reading): a training run's
     rotation passes it over, so the reader never loses its files; the next rotation after the read removes
     it. Export itself then works from the held folder."""
-    from checkpoint import reading
+    from podgpt.core.checkpoint import reading
     out = copy_run(two_checkpoints, tmp_path)
     data = json.load(open(out / "config.json"))["data_dir"]
     with reading(str(out), "latest") as path:
@@ -268,7 +268,7 @@ def test_an_export_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, two
 
 def test_an_atomic_write_the_disk_refuses_leaves_no_temporary_file(tmp_path):
     """util.write_atomic writes x.tmp, then renames it over x: a write the disk refused left x.tmp behind."""
-    script = ("import resource, signal, sys, util; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+    script = ("import resource, signal, sys; from podgpt.core import util; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
               "resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)); "
               "util.write_atomic(sys.argv[1], 'x' * 100_000)")
     (tmp_path / "report.md").write_text("the one before")

@@ -9,7 +9,7 @@ import torch
 
 from conftest import Captured, read_metrics, shared, train_tiny
 from model import GPT, GPTConfig
-from optim import MuonAdamW, make_optimizer
+from podgpt.core.optim import MuonAdamW, make_optimizer
 from test_resume import ARGS, KILL_AT_STEP, MAX_STEPS, assert_same_run, ckpt_steps, load, train, wrapper
 
 MUON = ["--optimizer=muon"]

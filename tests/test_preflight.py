@@ -7,9 +7,9 @@ import shutil
 import numpy as np
 import pytest
 
-import preflight as preflight_module
+from podgpt.pod import preflight as preflight_module
 from conftest import TINY_MODEL, run_script
-from data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
+from podgpt.core.data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from prepare import write_shard
 
 NO_DATA = "--data_dir=/nonexistent/podgpt-data"  # planned before the data exists (and not inside out_dir)

@@ -27,14 +27,14 @@ from huggingface_hub.utils import logging as hub_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import configurator  # noqa: E402
-import data  # noqa: E402
-import download  # noqa: E402
-import holdout  # noqa: E402
+from podgpt.core import configurator  # noqa: E402
+from podgpt.core import data  # noqa: E402
+from podgpt.corpus import download  # noqa: E402
+from podgpt.corpus import holdout  # noqa: E402
 import prepare  # noqa: E402
-import sources  # noqa: E402
-import tokenizer  # noqa: E402
-import util  # noqa: E402
+from podgpt.corpus import sources  # noqa: E402
+from podgpt.core import tokenizer  # noqa: E402
+from podgpt.core import util  # noqa: E402
 from conftest import popen, tree  # noqa: E402
 from conftest import run as run_command  # noqa: E402
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import objectives
-from checkpoint import find_checkpoint
+from podgpt.research import objectives
+from podgpt.core.checkpoint import find_checkpoint
 from conftest import read_metrics, run_script, train_tiny
 from model import GPT, GPTConfig, KVCache
-from objectives import Refine, make_model, refine_objective
-from preflight import flops_per_token, memory_estimate, memory_phases, param_counts
+from podgpt.research.objectives import Refine, make_model, refine_objective
+from podgpt.pod.preflight import flops_per_token, memory_estimate, memory_phases, param_counts
 from test_fsdp import FSDP, assert_close_losses
 from test_model import measure_step
 from test_resume import ARGS, train

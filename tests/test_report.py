@@ -24,7 +24,7 @@ def trained(tmp_path_factory, stdlib_data):
 
 @pytest.fixture(scope="module")
 def reported(trained):
-    r = run([sys.executable, "report.py", f"--out_dir={trained}"])
+    r = run([sys.executable, "-m", "podgpt.pod.report", f"--out_dir={trained}"])
     assert "Traceback" not in r.stderr
     return trained
 
@@ -117,7 +117,7 @@ def test_without_matplotlib(trained, tmp_path):
         (out / name).write_text(read(os.path.join(trained, name)))
     wrapper = tmp_path / "no_mpl.py"
     wrapper.write_text("import sys\nsys.modules['matplotlib'] = None\nsys.path.insert(0, %r)\n"
-                       "import report\nsys.exit(1 if report.write_report(sys.argv[1]) else 0)\n" % ROOT)
+                       "from podgpt.pod import report\nsys.exit(1 if report.write_report(sys.argv[1]) else 0)\n" % ROOT)
     r = run([sys.executable, str(wrapper), str(out)])
     assert "Traceback" not in r.stderr
     for name in ["summary.md", "metrics.csv", "manifest.json"]:
@@ -130,7 +130,7 @@ def test_without_matplotlib(trained, tmp_path):
 
 def test_never_raises_on_an_empty_or_missing_folder(tmp_path):
     sys.path.insert(0, ROOT)
-    import report
+    from podgpt.pod import report
     assert report.write_report(str(tmp_path)) == {}
     md = (tmp_path / "summary.md").read_text()
     assert "No summary.json" in md
@@ -140,10 +140,10 @@ def test_never_raises_on_an_empty_or_missing_folder(tmp_path):
 def test_plots_false_draws_none_and_says_how_to_get_them(trained, tmp_path):
     """train.py --plots=False (the tests' tiny runs): the report without plots/, and summary.md says how to draw them."""
     sys.path.insert(0, ROOT)
-    import report
+    from podgpt.pod import report
     for name in ["metrics.jsonl", "summary.json"]:
         (tmp_path / name).write_text(read(os.path.join(trained, name)))
     assert report.write_report(str(tmp_path), plots=False) == {}
     assert not (tmp_path / "plots").exists() and (tmp_path / "metrics.csv").exists()
-    assert f"plots not drawn (plots=False): python report.py --out_dir={tmp_path} draws them" in read(
+    assert f"plots not drawn (plots=False): python -m podgpt.pod.report --out_dir={tmp_path} draws them" in read(
         tmp_path / "summary.md")

@@ -28,11 +28,11 @@ import torch
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import checkpoint
-from checkpoint import MARKER, STATE_DIR, Checkpoints, read_pointer
+from podgpt.core import checkpoint
+from podgpt.core.checkpoint import MARKER, STATE_DIR, Checkpoints, read_pointer
 from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, popen, read_metrics, run, shared, train_losses
 from model import GPT, GPTConfig
-from optim import make_optimizer
+from podgpt.core.optim import make_optimizer
 
 MAX_STEPS, CKPT_EVERY = 16, 5  # checkpoints at steps 5, 10, 15 and the final 16
 # 8 sequences of 64 tokens per step: accumulation 2 on one process, 1 on each of two ranks;
@@ -60,8 +60,9 @@ DDP_KILLS = kill_points(random.Random(6), 2)[1:]  # [9]
 WRAPPER = """\
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import checkpoint, data, train
-from util import run_main
+import train
+from podgpt.core import checkpoint, data
+from podgpt.core.util import run_main
 
 RANK = int(os.environ.get("RANK", 0))
 CFG = train.configure(sys.argv[1:])

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import gates
+from podgpt.pod import gates
 from conftest import ROOT, TINY_MODEL, popen, read_metrics, run, shared
 
 

@@ -6,14 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import configurator
-import attention
+from podgpt.core import configurator
+from podgpt.core import attention
 import model
 import sanity as sanity_script
 from conftest import TORCHRUN, run, run_script
-from attention import ATTENTION_BACKENDS
+from podgpt.core.attention import ATTENTION_BACKENDS
 from model import GPTConfig
-from preflight import memory_estimate
+from podgpt.pod.preflight import memory_estimate
 
 CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
           "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce", "capacity"]

@@ -26,11 +26,11 @@ import pytest
 import torch
 
 import sample
-import serve
-from checkpoint import MARKER, file_crc32, find_checkpoint, load_model
+from podgpt.release import serve
+from podgpt.core.checkpoint import MARKER, file_crc32, find_checkpoint, load_model
 from conftest import ROOT, Captured, popen, run, shared, train_tiny
-from tokenizer import load_tokenizer
-from util import run_main
+from podgpt.core.tokenizer import load_tokenizer
+from podgpt.core.util import run_main
 
 # the server's serve_max_tokens in these tests (not the default: the flag must take); a greedy generation this
 # long takes seconds on a CPU, long enough to see whether a client that leaves still holds the model

@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-import checkpoint
-import tokenizer
+from podgpt.core import checkpoint
+from podgpt.core import tokenizer
 from conftest import TINY_MODEL, run, shared, train_losses, train_tiny
-from data import Loader, docs_file, load_manifest, open_shard
+from podgpt.core.data import Loader, docs_file, load_manifest, open_shard
 from model import GPTConfig
-from objectives import make_model
+from podgpt.research.objectives import make_model
 from test_bad_input import CKPT, TINY_RUN, finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
 from test_model import tiny
 from test_prepare import gpt2_or_skip
-from tokenizer import CHAT_TOKENS, chat_prompt, chat_row, load_tokenizer, reply_text, save_tokenizer
-from util import IGNORE
+from podgpt.core.tokenizer import CHAT_TOKENS, chat_prompt, chat_row, load_tokenizer, reply_text, save_tokenizer
+from podgpt.core.util import IGNORE
 
 TEXTS = ["What is 17 + 25?", "42", "Sort: pear, apple\nkiwi", "<|user|> <|end|> typed, not special"]
 

@@ -4,7 +4,7 @@ import hashlib
 import json
 
 import skills
-import tasks
+from podgpt.corpus import tasks
 from conftest import run_script
 from test_prepare import GSM8K, gsm8k_parquet, hub_env, server  # noqa: F401  (server: a local hub's fixture)
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-import attention
+from podgpt.core import attention
 import model
 from conftest import train_tiny, tree
 from model import fp8_unavailable

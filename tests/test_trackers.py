@@ -12,7 +12,7 @@ from collections import namedtuple
 import pytest
 
 import train
-from configurator import configure
+from podgpt.core.configurator import configure
 from conftest import TINY_MODEL, Captured, read_metrics, run_script
 
 RUN = [*TINY_MODEL, "--micro_batch_size=4", "--total_batch_tokens=256", "--log_every=1", "--eval_every=3",

@@ -20,12 +20,12 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from attention import resolve_backend
-from gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
-from data import contamination, load_manifest
+from podgpt.core.attention import resolve_backend
+from podgpt.pod.gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
+from podgpt.core.data import contamination, load_manifest
 from model import GRAD_CKPT, GPTConfig
-from schedule import fit_horizon
-from util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
+from podgpt.core.schedule import fit_horizon
+from podgpt.core.util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
 LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more than this factor off its rule, either way
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long

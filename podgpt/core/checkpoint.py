@@ -35,11 +35,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import tokenizer_fingerprint
+from podgpt.core.data import tokenizer_fingerprint
 from model import DIFFUSION_FIELDS, REFINE_FIELDS, RUNTIME_FIELDS, GPTConfig
-from objectives import make_model
-from tokenizer import with_chat_tokens
-from util import CutShortThread, fail, first_line, format_bytes, lock_file, log, remove, warn
+from podgpt.research.objectives import make_model
+from podgpt.core.tokenizer import with_chat_tokens
+from podgpt.core.util import CutShortThread, fail, first_line, format_bytes, lock_file, log, remove, warn
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s

@@ -22,9 +22,9 @@ import re
 import sysconfig
 import urllib.parse
 
-from download import download
-from tasks import gsm8k_documents, pack_documents
-from util import fail, first_line
+from podgpt.corpus.download import download
+from podgpt.corpus.tasks import gsm8k_documents, pack_documents
+from podgpt.core.util import fail, first_line
 
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")

@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import open_shard
-from download import download, file_sha256
-from tokenizer import SEGMENT, load_tokenizer, reply_text
-from util import fail, first_line
+from podgpt.core.data import open_shard
+from podgpt.corpus.download import download, file_sha256
+from podgpt.core.tokenizer import SEGMENT, load_tokenizer, reply_text
+from podgpt.core.util import fail, first_line
 
 
 def gsm8k_document(question, answer, form):

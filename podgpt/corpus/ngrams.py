@@ -13,9 +13,9 @@ bytes and each gram one of its words, both mod 2^64 and computed with numpy over
 
 import numpy as np
 
-from download import file_sha256
-from tasks import read_rows
-from tokenizer import reply_text
+from podgpt.corpus.download import file_sha256
+from podgpt.corpus.tasks import read_rows
+from podgpt.core.tokenizer import reply_text
 
 NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the usual decontamination length)
 MIN_WORDS = 5    # a shorter prompt or reply is not checked: its words alone occur by chance

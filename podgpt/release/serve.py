@@ -38,8 +38,8 @@ from types import SimpleNamespace
 
 import torch
 
-from preflight import param_counts
-from util import fail, first_line
+from podgpt.pod.preflight import param_counts
+from podgpt.core.util import fail, first_line
 
 try:  # the server's libraries: sample.py imports this module only to serve, so sampling needs neither
     import uvicorn

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from util import fail, first_line
+from podgpt.core.util import fail, first_line
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)

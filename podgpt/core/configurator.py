@@ -35,10 +35,11 @@ import math
 import os
 import tokenize
 
-from util import Error
+from podgpt.core.util import Error
 
 BEGIN, END = "# --- config", "# --- end config"
 SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py", "skills.py", "eval.py", "handoff.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where the scripts are
 
 
 class ConfigError(Error):
@@ -145,10 +146,9 @@ def suggest(key, known):
 
 def foreign_keys(script_path):
     """Keys of the other podgpt scripts beside this one: a config file may set them."""
-    here = os.path.dirname(os.path.abspath(script_path))
     keys = set()
     for name in SCRIPTS:
-        path = os.path.join(here, name)
+        path = os.path.join(ROOT, name)
         if os.path.exists(path) and os.path.abspath(path) != os.path.abspath(script_path):
             keys |= set(read_defaults(path))
     return keys

@@ -10,7 +10,7 @@ tokenized once. prepare.py does the tokenizing and writing.
 import array
 import heapq
 
-from data import shard_documents, token_hash
+from podgpt.core.data import shard_documents, token_hash
 
 FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
 

@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 import torch
 
-from util import IGNORE, fail, first_line
+from podgpt.core.util import IGNORE, fail, first_line
 
 MAGIC = 20240520  # first int64 of every shard
 VERSION = 1  # shard and manifest format version

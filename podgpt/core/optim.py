@@ -4,7 +4,7 @@ nanochat's split, Muon for the blocks' matrices and AdamW for the rest, stepped 
 """
 import torch
 
-from util import fail
+from podgpt.core.util import fail
 
 
 def check_optimizer(cfg):

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
-from checkpoint import find_checkpoint, load_model, reading
+from podgpt.core.checkpoint import find_checkpoint, load_model, reading
 from export import finite, is_export, load_export, tokenizer_dir
-from tokenizer import load_tokenizer
-from util import fail, first_line
+from podgpt.core.tokenizer import load_tokenizer
+from podgpt.core.util import fail, first_line
 
 
 def locate(src, which):

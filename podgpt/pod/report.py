@@ -1,7 +1,7 @@
 """
 The run report: a human-readable page and portable files, written from what a run left in its out_dir.
 
-    python report.py --out_dir=out
+    python -m podgpt.pod.report --out_dir=out
 
 writes into out_dir:
 - summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours, dollars,
@@ -32,8 +32,8 @@ import sys
 import threading
 import time
 
-import configurator
-from util import fail, first_line, format_seconds, run_main, warn, write_atomic, write_json
+from podgpt.core import configurator
+from podgpt.core.util import fail, first_line, format_seconds, run_main, warn, write_atomic, write_json
 
 # --- config
 out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -616,7 +616,7 @@ def write_report(out_dir, plots=True, live=False):
     attempt("manifest.json", lambda: write_atomic(os.path.join(out_dir, "manifest.json"),
                                                   json.dumps(manifest(out_dir, config, summary, clock), indent=1) + "\n"))
     if not plots:
-        plots = f"plots not drawn (plots=False): python report.py --out_dir={out_dir} draws them"
+        plots = f"plots not drawn (plots=False): python -m podgpt.pod.report --out_dir={out_dir} draws them"
     else:
         plots = attempt("plots", lambda: write_plots(out_dir, rows))
         if plots is None:

@@ -16,7 +16,7 @@ import os
 
 import torch.distributed as dist
 
-from util import first_line, log, warn
+from podgpt.core.util import first_line, log, warn
 
 BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
 

@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from attention import BlockDiffusion
+from podgpt.core.attention import BlockDiffusion
 from model import GPT, KVCache, sample_next
 
 UNMASKING = ("schedule", "confidence")  # how bd3lm's sampler picks the tokens each denoising pass fills (generate)

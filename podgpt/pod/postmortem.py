@@ -14,9 +14,9 @@ from collections import Counter
 
 import torch
 
-import configurator
-from data import rare_token_batch
-from util import write_atomic, write_json
+from podgpt.core import configurator
+from podgpt.core.data import rare_token_batch
+from podgpt.core.util import write_atomic, write_json
 
 POSTMORTEM = "spike-postmortem"  # out_dir/spike-postmortem.md and .json
 POSTMORTEM_STEPS = 8            # steps (the bad one last) whose loss and grad norm a post-mortem shows

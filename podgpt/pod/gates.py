@@ -13,9 +13,9 @@ and checks the rest of the gates; the honesty report and the hand-off bundle rea
 import math
 import os
 
-from util import fail, first_line, write_json
-from download import file_sha256
-from report import read_json
+from podgpt.core.util import fail, first_line, write_json
+from podgpt.corpus.download import file_sha256
+from podgpt.pod.report import read_json
 
 PROFILE_NAMES = ("research", "release", "skill_release")
 # every threshold per profile: (research, release, skill_release); None: not checked under that profile
@@ -109,7 +109,7 @@ def said(profile, **rules):
 
 def base_checkpoint(init_from):
     """(tokens the base checkpoint of init_from trained on, its folder, its data_dir); None without one."""
-    from checkpoint import MARKER, find_checkpoint  # here: only an SFT run asks, and it has torch loaded anyway
+    from podgpt.core.checkpoint import MARKER, find_checkpoint  # here: only an SFT run asks, and it has torch loaded anyway
     path = find_checkpoint(init_from)
     marker, config = (read_json(os.path.join(path, name)) if path else None for name in (MARKER, "config.json"))
     if not marker or not config:
@@ -157,8 +157,8 @@ def no_pack(name, profile, pack_dir, why):
 
 def pack_sft_tokens(pack_dir, manifest):
     """Tokens of one pass over the pack's SFT rows, at the prepared data's tokens per byte; None without either."""
-    from tasks import read_rows
-    from tokenizer import reply_text
+    from podgpt.corpus.tasks import read_rows
+    from podgpt.core.tokenizer import reply_text
     split = (manifest or {}).get("splits", {}).get("train", {})
     path = os.path.join(pack_dir, "sft.jsonl")
     if not split.get("bytes") or not os.path.isfile(path):

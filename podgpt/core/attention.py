@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from util import first_line
+from podgpt.core.util import first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")

@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.parse
 
-from util import disk_full, fail, first_line, make_folders, remove_empty
+from podgpt.core.util import disk_full, fail, first_line, make_folders, remove_empty
 
 RETRIES = 5  # download attempts per file
 BACKOFF = 2.0  # seconds before the first retry, doubled after each failed attempt

@@ -8,8 +8,8 @@ import os
 
 import torch.distributed as dist
 
-from report import read_metrics
-from util import Folder, fail, is_master, log, remove, write_json
+from podgpt.pod.report import read_metrics
+from podgpt.core.util import Folder, fail, is_master, log, remove, write_json
 
 
 def dryrun_report(root, n, first, resumed, activities):
