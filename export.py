@@ -26,9 +26,10 @@ import sys
 import torch
 
 from podgpt.core import configurator
-from podgpt.core.checkpoint import find_checkpoint, load_model, reading
+from podgpt.core.checkpoint import find_checkpoint, reading
+from podgpt.pod.checkpoints import load_model
 from model import RUNTIME_FIELDS, GPTConfig
-from podgpt.research.objectives import make_model
+from podgpt.pod.objectives import make_config, make_model
 from podgpt.pod.preflight import param_counts
 from podgpt.pod.report import read_json, read_metrics
 from podgpt.core.tokenizer import read_ranks
@@ -516,7 +517,7 @@ def load_export(path, device="cpu"):
     try:
         with open(os.path.join(path, PODGPT_FILE)) as f:
             meta = json.load(f)
-        model = make_model(GPTConfig(**meta["model"]))
+        model = make_model(make_config(**meta["model"]))
         state = load_export_state(path)
         if model.config.tie_embeddings:
             state["lm_head.weight"] = state["embed_tokens.weight"]

@@ -14,7 +14,7 @@ The GPT of podgpt: a Llama-compatible decoder-only transformer.
   (loss_chunk) that never holds fp32 logits for the whole batch.
 - `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
 - For train.py: fp8 (torchao's float8 training for the linear layers) and FSDP2 sharding.
-GPT is the autoregressive model (objective="ar"); the other objectives' models subclass it in objectives.py.
+GPT predicts the next token; the objectives of podgpt/research/ subclass GPT and GPTConfig.
 """
 
 import importlib
@@ -35,16 +35,6 @@ GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
 # on them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
-OBJECTIVES = ("ar", "refine", "bd3lm")
-# refine's presets (deep-supervision refinement): (supervision_weight_base, improvement_reward_scale)
-REFINE_PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
-# GPTConfig fields of objective="refine"; an "ar" model's record leaves them out (checkpoint.run_record), so
-# checkpoints from before them resume and export unchanged
-REFINE_FIELDS = ("objective", "n_loops", "T_recursion", "n_sup_train", "n_sup_inference", "refine_preset",
-                 "supervision_weight_base", "improvement_reward_scale", "detach_threshold")
-# and objective="bd3lm"'s, likewise left out of other models' records
-DIFFUSION_FIELDS = ("objective", "diffusion_block", "noise_schedule", "clip_low", "clip_high", "hdp_segments")
-NOISE_SCHEDULES = ("loglinear", "clipped")
 
 
 @dataclass
@@ -65,27 +55,6 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    # objective="refine", deep-supervision refinement (objectives.py's Refine: how the states move): the same
-    # weights, each block applied many times; a pass through every layer is a supervision step, with a loss
-    objective: str = "ar"         # ar: next-token prediction | refine
-    n_loops: int = 2              # refine: latent updates per layer and repetition (the recipe's default)
-    T_recursion: int = 1          # refine: repetitions per layer; in training all but the last run without gradients
-    n_sup_train: int = 4          # refine: supervision steps per training forward (the recipe's default)
-    n_sup_inference: int = 4      # refine: supervision steps in evaluation and generation
-    refine_preset: str = "aggressive"  # moderate | aggressive | extreme: the next two when they are None
-    supervision_weight_base: float = None   # refine: step i's loss weighs base^i / sum_j base^j
-    improvement_reward_scale: float = None  # refine: minus this x (prev - cur) / prev from the second step on
-    detach_threshold: int = 2     # refine: y and z detached after each step >= this but the last (the recipe's 2)
-    # objective="bd3lm", block diffusion (objectives.py's BlockDiffusionLM): the sequence is cut into blocks of
-    # diffusion_block tokens, each noised to [MASK] (the vocabulary's last id: model_config adds it to the data's)
-    # at a rate t drawn per block, and denoised from the clean blocks before it
-    diffusion_block: int = 16     # bd3lm: tokens per block (1: the NELBO is the autoregressive loss)
-    noise_schedule: str = "loglinear"  # bd3lm: loglinear, t ~ U[1e-3, 1] | clipped, t ~ U[clip_low, clip_high] in training
-    clip_low: float = 0.3         # bd3lm, clipped: the paper's beta (a lower-variance, biased training loss;
-    clip_high: float = 0.8        # omega: validation always draws t from loglinear's range, so val_loss is the NELBO)
-    # bd3lm, HDP: "128,128,256", question, plan, execution, summing to block_size. The question is never noised
-    # and sees only itself; plan and execution are diffused in blocks, the plan seeing the question, the execution both
-    hdp_segments: str = ""
     # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
     attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks) | fa4
     doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
@@ -96,6 +65,10 @@ class GPTConfig:
     # enough that the head's matmul stays efficient; the loss is the same mean up to fp32 rounding
     loss_chunk: int = 8192
     padded_vocab: int = field(init=False)
+    objective = "ar"              # not a field: a research objective's config (podgpt/research/) has its own
+    added_tokens = 0              # ids an objective adds past the data's vocabulary
+    own_mask = None               # the kind of Mask an objective trains under, if it has its own
+    draws = None                  # an objective that makes its own targets: each sample's draws (data.Loader)
 
     def __post_init__(self):
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
@@ -116,57 +89,9 @@ class GPTConfig:
         if self.multiple_of < 1:
             raise ValueError(f"multiple_of={self.multiple_of}: the SwiGLU hidden size is rounded up to a multiple "
                              f"of this (1: not rounded)")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective={self.objective!r}: choose one of {', '.join(OBJECTIVES)}")
-        if self.objective == "bd3lm":
-            self.check_diffusion()
-        elif self.hdp_segments:
-            raise ValueError(f"hdp_segments={self.hdp_segments!r} is for objective=bd3lm (HDP is block diffusion)")
-        if self.refine_preset not in REFINE_PRESETS:
-            raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of {', '.join(REFINE_PRESETS)}")
-        for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1), ("n_sup_inference", 1),
-                           ("detach_threshold", 0)):
-            if getattr(self, key) < least:
-                raise ValueError(f"{key}={getattr(self, key)} must be at least {least}")
-        base, reward = REFINE_PRESETS[self.refine_preset]
-        self.supervision_weight_base = base if self.supervision_weight_base is None else self.supervision_weight_base
-        self.improvement_reward_scale = reward if self.improvement_reward_scale is None else \
-            self.improvement_reward_scale
-        if self.supervision_weight_base <= 0:
-            raise ValueError(f"supervision_weight_base={self.supervision_weight_base} must be positive")
         if self.ffn_hidden is None:
             self.ffn_hidden = -(-(8 * self.n_embd // 3) // self.multiple_of) * self.multiple_of
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
-
-    def check_diffusion(self):
-        if self.noise_schedule not in NOISE_SCHEDULES:
-            raise ValueError(f"noise_schedule={self.noise_schedule!r}: choose one of {', '.join(NOISE_SCHEDULES)}")
-        if self.noise_schedule == "clipped" and not 0 < self.clip_low < self.clip_high <= 1:
-            raise ValueError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 < clip_low < clip_high <= 1")
-        if self.doc_mask:
-            raise ValueError("doc_mask=True is for objective=ar or refine: bd3lm's attention goes block by block "
-                             "(hdp_segments keeps a question to itself)")
-        if self.diffusion_block < 1:
-            raise ValueError(f"diffusion_block={self.diffusion_block} must be at least 1")
-        diffused = self.segments[1:] if self.hdp_segments else [self.block_size]
-        if any(n % self.diffusion_block for n in diffused):
-            raise ValueError(f"diffusion_block={self.diffusion_block} must divide "
-                             + (f"the plan and execution segments {diffused}" if self.hdp_segments
-                                else f"block_size={self.block_size}"))
-
-    @property
-    def segments(self):
-        """hdp_segments as ints: [question, plan, execution]; [] when empty."""
-        if not self.hdp_segments:
-            return []
-        try:
-            segments = [int(n) for n in self.hdp_segments.split(",")]
-        except ValueError:
-            segments = []
-        if len(segments) != 3 or min(segments) < 1 or sum(segments) != self.block_size:
-            raise ValueError(f"hdp_segments={self.hdp_segments!r}: three positive lengths (question, plan, execution) "
-                             f"that sum to block_size={self.block_size}, e.g. \"128,128,256\" for 512")
-        return segments
 
     @property
     def head_dim(self):
@@ -174,39 +99,31 @@ class GPTConfig:
 
     @property
     def mask_kind(self):
-        """The kind of Mask training attends under (resolve_backend's `mask`): documents, diffusion, or None."""
-        return "diffusion" if self.objective == "bd3lm" else "documents" if self.doc_mask else None
-
-    @property
-    def mask_id(self):
-        """bd3lm's [MASK] token: the last id of the vocabulary (the data's vocabulary has one id less)."""
-        return self.vocab_size - 1
-
-    @property
-    def noised_from(self):
-        """bd3lm: the first position that is ever noised (after HDP's question), 0 without one."""
-        return self.segments[0] if self.hdp_segments else 0
-
-    def diffusion_blocks(self, device=None):
-        """bd3lm: the block of every position, (block_size,) int64: HDP's question is block 0 whole."""
-        positions = torch.arange(self.block_size, device=device)
-        q = self.noised_from
-        return torch.where(positions < q, 0, (positions - q) // self.diffusion_block + (q > 0))
+        """The kind of Mask training attends under (resolve_backend's `mask`): the objective's own, documents, or
+        None (causal)."""
+        return self.own_mask or ("documents" if self.doc_mask else None)
 
     def applications(self, training=True):
-        """(supervision steps, block applications per layer and step with gradients, without) of one forward:
-        (1, 1, 0) for "ar"; refine's earlier repetitions run without gradients in training only."""
-        if self.objective != "refine":
-            return 1, 1, 0
-        per_repetition = self.n_loops + 1
-        if not training:
-            return self.n_sup_inference, per_repetition * self.T_recursion, 0
-        return self.n_sup_train, per_repetition, per_repetition * (self.T_recursion - 1)
+        """(supervision steps, block applications per layer and step with gradients, without) of one forward."""
+        return 1, 1, 0
 
     @property
     def stream(self):
-        """Positions the blocks run on per token of a row: 2 for bd3lm (the noisy and the clean copy), else 1."""
-        return 2 if self.objective == "bd3lm" else 1
+        """Positions the blocks run on per token of a row."""
+        return 1
+
+    def sums_kept(self, mode):
+        """Bytes per token a layer keeps beyond its activations under activation checkpointing `mode`."""
+        return 0
+
+    def check_data(self, data_dir, manifest):
+        """Stop with one line when the prepared data cannot train this model (an objective's own check)."""
+
+    def random_batch(self, rows, device, seq_len=None):
+        """(inputs, targets) of random tokens as a training step takes them, for the probes that time or measure
+        a step (sanity.py's capacity, bench/): the compute does not depend on the tokens."""
+        shape = (rows, seq_len or self.block_size)
+        return tuple(torch.randint(0, self.vocab_size, shape, device=device) for _ in range(2))
 
     @property
     def cache_slots(self):
@@ -233,9 +150,8 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every block application (a layer's, or one of refine's) for positions [0, pos),
-    preallocated up to max_len. Each application has its own slot: refine applies a block to other inputs each
-    time, so each keeps its own keys and values."""
+    """Keys and values of every block application for positions [0, pos), preallocated up to max_len. Each
+    application has its own slot: an objective that applies a block many times keeps each one's keys."""
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         shape = (config.cache_slots, batch_size, config.n_kv_head, max_len, config.head_dim)
@@ -267,12 +183,12 @@ class Attention(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x, cache=None, mask=None, slot=None):
-        """mask: None (causal), False (none: bd3lm's sampler, whose block sees itself and every cached key), or a
-        Mask (Block.forward says more)."""
+        """mask: None (causal), False (none: the block sees itself and every cached key), or a Mask (Block.forward
+        says more)."""
         B, T, _ = x.shape
         hd = self.config.head_dim
         start = cache.pos if cache is not None else 0
-        positions = mask.positions if isinstance(mask, Mask) else None  # bd3lm's 2T rows: positions 0..T-1 twice
+        positions = mask.positions if isinstance(mask, Mask) else None  # a mask may place rows elsewhere
         at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
@@ -318,8 +234,8 @@ class Block(nn.Module):
 
     def body(self, x, cache, mask, slot, context):
         """x plus the block's two residual branches. mask: who sees whom in attention, None for causal (Attention
-        says more). context (refine): the branches read x + context and add to x alone. slot: this application's
-        KV-cache entry."""
+        says more). context: the branches read x + context and add to x alone (a recurrent objective's state).
+        slot: this application's KV-cache entry."""
         h = x if context is None else x + context
         x = x + self.self_attn(self.input_layernorm(h), cache, mask, slot)
         h = x if context is None else x + context
@@ -355,8 +271,8 @@ per_target_outside = torch.compiler.disable(per_target)
 
 
 class GPT(nn.Module):
-    """The autoregressive model (objective="ar"): embedding, blocks, head. objectives.py's models of the other
-    objectives subclass it (objectives.make_model builds the one a config asks for)."""
+    """The autoregressive model (objective="ar"): embedding, blocks, head. A research objective's model subclasses
+    it (podgpt/pod/objectives.py builds the one a config asks for)."""
 
     def __init__(self, config):
         super().__init__()
@@ -381,7 +297,7 @@ class GPT(nn.Module):
         """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
         or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits.
         With a cache, idx comes after the positions it holds, and idx's keys and values join them.
-        An objective's model (objectives.py) may add a third item, its stats: a 1-D tensor of numbers of the
+        A research objective's model may add a third item, its stats: a 1-D tensor of numbers of the
         batch, summed over micro-batches and ranks by train.py and named by the model's metrics()."""
         T = self.check_length(idx, cache)
         x = self.embed_tokens(idx)

@@ -27,7 +27,7 @@ import torch
 
 from podgpt.core import configurator
 from podgpt.release.loading import load_trained, locate
-from podgpt.research.objectives import UNMASKING
+from podgpt.research.bd3lm import UNMASKING
 from podgpt.core.util import fail, first_line, run_main, setup
 
 # --- config

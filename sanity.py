@@ -37,7 +37,7 @@ from podgpt.core.data import Loader, check_prepared, load_manifest
 from podgpt.core.attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable, parity_errors, parity_tolerance,
                        resolve_backend)
 from model import GPT, GPTConfig, KVCache
-from podgpt.research.objectives import make_model, random_batch
+from podgpt.pod.objectives import config_class, make_model
 from podgpt.core.optim import make_optimizer
 from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label, model_config, param_counts,
                        plan_layout, plan_vocab)
@@ -63,13 +63,8 @@ micro_batch_size = 8            # sequences per GPU per forward/backward
 dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
 grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
 loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
-objective = "ar"                # ar | refine | bd3lm: --capacity plans refine's recursion (each block applied many
-                                # times) and bd3lm's two copies of each row; bd3lm also checks its attention mask
-n_loops = 2                     # refine: latent updates per layer and repetition
-T_recursion = 1                 # refine: repetitions per layer (all but the last without gradients)
-n_sup_train = 4                 # refine: supervision steps per training forward
-diffusion_block = 16            # bd3lm: tokens per diffusion block
-hdp_segments = ""               # bd3lm: HDP's question, plan and execution lengths ("": plain)
+objective = "ar"                # ar | a module of podgpt/research/ (its keys follow): --capacity plans its model,
+                                # and an objective with a mask of its own has it checked
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 expect_world_size = 0           # ranks this config is written for; 0: any
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
@@ -169,7 +164,7 @@ def check_disk(path, min_gb):
 def check_attention(name, cfg, dev, dt, mask=None):
     """A backend of attention.py, or the one auto picks here (saying why), against attention.py's float64
     reference at the configured head layout: the output and the gradients of q, k and v (attention.parity_errors;
-    mask: None for causal, or a kind of attention.MASKS). Skipped, saying why, where it cannot run."""
+    mask: None for causal, or a kind of attention.masks()). Skipped, saying why, where it cannot run."""
     # a GPU's kernels work in 128-row tiles: T=256 crosses them; a CPU kernel has none to cross, and T=64 (what
     # attention.py's own parity check uses there) keeps the check quick on a CPU
     T, hd = min(cfg["block_size"], 256 if dev.type == "cuda" else 64), cfg["n_embd"] // cfg["n_head"]
@@ -307,7 +302,7 @@ def step_peak(model, optimizer, mb, dev, dt):
     torch.cuda.empty_cache()  # what a failed try left cached would count against the next one
     torch.cuda.reset_peak_memory_stats(dev)
     try:
-        x, y = random_batch(model.config, mb, dev)
+        x, y = model.config.random_batch(mb, dev)
         with autocast(dev, dt):
             loss = model(x, y)[1]  # as train.py: the logits (loss_chunk=0) are not held through the backward
         loss.backward()
@@ -507,8 +502,8 @@ def run_checks(cfg, proc, dt, world, device_error):
                for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
     # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
     checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, "documents"))]
-    if cfg["objective"] == "bd3lm":  # its 2T mask, on the backend auto picks for it here
-        checks += [("attention:diffusion", partial(check_attention, "auto", cfg, dev, dt, "diffusion"))]
+    if kind := config_class(cfg["objective"]).own_mask:  # an objective's own mask, on the backend auto picks for it
+        checks += [(f"attention:{kind}", partial(check_attention, "auto", cfg, dev, dt, kind))]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),

@@ -14,8 +14,8 @@ The batch of optimizer step s is the same set of sequences whatever the number o
 world size; a preemption signal, max_hours or a budget guard stops every rank at one step boundary, with a
 checkpoint; bad steps are skipped, then rolled back.
 
-optimizer=muon is nanochat's split: Muon for the blocks' matrices, AdamW for the rest. The objectives beyond
-next-token prediction (objective=refine, bd3lm) are objectives.py's: train.py logs the numbers each returns.
+optimizer=muon is nanochat's split: Muon for the blocks' matrices, AdamW for the rest. An objective beyond
+next-token prediction is a module of podgpt/research/ (its keys: --help): train.py logs the numbers it returns.
 """
 import os
 import random
@@ -36,10 +36,11 @@ from podgpt.core.util import (MAKE_ROOM, Folder, autocast, catch_signals, check_
                   warn, write_json)
 from podgpt.core.attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
-from podgpt.research.objectives import make_model
+from podgpt.pod.objectives import make_model, objective as research_objective
 from podgpt.core.optim import check_optimizer, make_optimizer
 from podgpt.core.data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
-from podgpt.core.checkpoint import Checkpoints, find_checkpoint, run_record, tensor_bytes
+from podgpt.core.checkpoint import find_checkpoint, tensor_bytes
+from podgpt.pod.checkpoints import Checkpoints, run_record
 from podgpt.pod.preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
                        plan_run, target_band, write_preflight)
 from podgpt.pod.gates import long_run_gate
@@ -47,7 +48,7 @@ from podgpt.core.schedule import budget_file_verdict, check_warmup, decay_horizo
 from podgpt.pod.report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
 from podgpt.pod.postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from podgpt.pod.dryrun import dryrun
-from podgpt.corpus.tasks import check_segments, gsm8k_accuracy, gsm8k_problems
+from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
 from podgpt.core.tokenizer import check_tokenizer_loads, load_tokenizer
 
 # --- config
@@ -70,22 +71,7 @@ tie_embeddings = True           # share the input embedding with the output head
 rope_theta = 10000.0            # RoPE base
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 init_std = 0.02                 # std of the normal init (residual projections scaled by 1/sqrt(2*n_layer))
-# objective (objectives.py): refine's val_loss is its last supervision step's cross-entropy; bd3lm's is the NELBO per token
-objective = "ar"                # ar: next-token prediction | refine: the recursive, deep-supervised model below | bd3lm
-n_loops = 2                     # refine: latent (z) updates per layer and repetition
-T_recursion = 1                 # refine: repetitions per layer; in training all but the last run without gradients
-n_sup_train = 4                 # refine: supervision steps (a pass through every layer, then a loss) per training forward
-n_sup_inference = 4             # refine: supervision steps in evaluation and generation
-refine_preset = "aggressive"    # refine: moderate (3, 0.5) | aggressive (5, 1.0) | extreme (10, 2.0): the next two
-supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j base^j; None: refine_preset's
-improvement_reward_scale = None  # refine: minus this x (prev - cur) / prev from the second step on; None: the preset's
-detach_threshold = 2            # refine: y and z are detached after each supervision step >= this, but the last
-refine_order_patience = 3       # refine: warn when the validation losses per step are out of order this many evaluations in a row
-diffusion_block = 16            # bd3lm: tokens per diffusion block (a block is denoised at once, the blocks in order)
-noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]: the NELBO) | clipped (t ~ U[clip_low, clip_high] in training)
-clip_low = 0.3                  # bd3lm, clipped: lowest mask rate drawn in training (BD3-LM's beta)
-clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation always draws from loglinear
-hdp_segments = ""               # bd3lm: "128,128,256" is HDP (question, plan, execution: prepare.py's hdp format); "": plain
+objective = "ar"                # ar: next-token prediction | a module of podgpt/research/ (its keys follow this list)
 eval_gsm8k_samples = 0          # gsm8k data: answer this many test problems (greedy) at each evaluation, log the accuracy
 # speed and memory: none of these changes what a step computes, beyond rounding (a run may resume with others)
 attn_backend = "auto"           # auto (fastest that passes a parity check here) | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa | fa4 (never auto's pick)
@@ -158,7 +144,7 @@ pack_dir = ""                   # the skills pack the run is judged with (its SF
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
 max_epochs = 0                  # corpus_model_fit blocks above this many passes over the training tokens; 0: the profile's
 lr_base = 0.0                   # lr_scaling warns when learning_rate is far from lr_base x sqrt(batch / lr_base_batch); 0: off
-lr_base_batch = 128             # sequences per optimizer step at which lr_base was tuned (block diffusion: 3e-4 at 128)
+lr_base_batch = 128             # sequences per optimizer step at which lr_base was tuned (e.g. 3e-4 at 128)
 expect_world_size = 0           # ranks this config is written for; 0: any
 gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (no memory gate on CPU)
 plan_gpu = ""                   # GPU to plan time with when not on it, e.g. "H100 PCIe"; "": the one in use
@@ -195,7 +181,7 @@ def check_config(cfg):
     tracker_names(cfg.log_to)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps", "learning_rate",
                 "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last", "max_bad_steps",
-                "budget_check_minutes", "refine_order_patience", "lr_base_batch"):
+                "budget_check_minutes", "lr_base_batch"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks", "early_stop_patience",
@@ -220,6 +206,12 @@ def check_config(cfg):
         fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked against")
     if cfg.budget_file and not os.path.isfile(cfg.budget_file):
         fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave budget_file empty")
+    module = research_objective(cfg.objective)
+    try:
+        if hasattr(module, "check_config"):
+            module.check_config(cfg)
+    except ValueError as e:
+        fail(str(e))
 
 
 # -----------------------------------------------------------------------------
@@ -238,19 +230,25 @@ def set_up(cfg):
     return proc, compute_dtype(cfg.dtype, proc.dev), cfg.total_batch_tokens // per_micro
 
 
-def open_data(cfg):
-    """(manifest, train Loader, validation Loader); all None for a preflight planned before data exists."""
+def read_manifest(cfg):
+    """The prepared data's manifest, checked; None for a preflight planned before data exists."""
     try:
         manifest = load_manifest(cfg.data_dir)
     except ValueError as e:
         if cfg.preflight_only and not os.path.exists(cfg.data_dir):
-            return None, None, None
+            return None
         fail(str(e))
     check_prepared(cfg.data_dir, manifest, cfg.vocab_size)
     check_tokenizer_loads(cfg.data_dir, manifest)  # every checkpoint carries a copy, which sample.py loads
-    if cfg.objective == "bd3lm":
-        check_segments(cfg.data_dir, manifest, cfg.hdp_segments, cfg.block_size)
-    return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed, cfg.objective == "bd3lm")
+    return manifest
+
+
+def open_data(cfg, manifest, mconfig):
+    """(manifest, train Loader, validation Loader) for the model mconfig; all None before the data exists."""
+    if manifest is None:
+        return None, None, None
+    mconfig.check_data(cfg.data_dir, manifest)
+    return manifest, *(Loader(cfg.data_dir, split, manifest, cfg.block_size, cfg.seed, mconfig.draws)
                        for split in ("train", "val"))
 
 
@@ -382,7 +380,7 @@ class Trainer:
         warn(f"step {self.state.step}: {message}")
 
     def objective_metrics(self, stats, prefix=""):
-        """The objective's numbers beyond the loss (stats: its forward's third item, objectives.py) by the names it
+        """The objective's numbers beyond the loss (stats: its forward's third item) by the names it
         gives them for metrics.jsonl; {} for an objective without."""
         return {} if stats is None else self.raw_model.metrics(stats, prefix)
 
@@ -538,7 +536,7 @@ class Trainer:
         cfg, first = self.cfg, self.first_sample(micro)
         if spike_drill:
             return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, self.state.step, first],
-                                    self.proc.dev, cfg.objective == "bd3lm")
+                                    self.proc.dev, self.train_data.draws)
         return self.train_data.train_batch(first, cfg.micro_batch_size, self.proc.dev)
 
     def step(self):
@@ -836,9 +834,9 @@ def train(cfg, keep_group=False):
     # out_dir is this run's alone: held before anything reads what an earlier run left (rank 0 for every rank)
     with Folder(cfg.out_dir, "out_dir", legacy=("ckpt/latest",)) as folder:
         on_rank0(proc.distributed, folder.hold)
-        data = open_data(cfg)
-        manifest = data[0]
+        manifest = read_manifest(cfg)
         mconfig = model_config(cfg, manifest)
+        data = open_data(cfg, manifest, mconfig)
         report, raw_model = plan_run(cfg, proc, dt, mconfig, data, lambda: build_model(cfg, proc, dt, mconfig))
         if cfg.preflight_only:
             on_rank0(proc.distributed, folder.claim)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from podgpt.core import configurator
 from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, shard_model
-from podgpt.research.objectives import make_model, random_batch
+from podgpt.pod.objectives import make_model
 from podgpt.core.optim import make_optimizer
 from podgpt.core.util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
@@ -213,7 +213,7 @@ def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, war
     try:
         # podgpt's model takes what its objective trains on (bd3lm: noise draws); transformers' takes token ids
         config = getattr(model, "config", None)
-        x, y = random_batch(config, micro_batch, dev, block_size) if isinstance(config, GPTConfig) else (
+        x, y = config.random_batch(micro_batch, dev, block_size) if isinstance(config, GPTConfig) else (
             torch.randint(0, vocab, (micro_batch, block_size), device=dev) for _ in range(2))
         seconds = seconds_per_call(lambda: train_step(model, optimizer, x, y, autocast(dev, dt), loss_of, accum=accum),
                                    dev, warmup, iters)
@@ -239,7 +239,7 @@ def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, step_t
     that took the most time on the device (the CPU's, without a GPU), printed: where a step loses time against the
     matmul ceiling. Returns the trace's kernel_time."""
     from torch.profiler import ProfilerActivity, profile
-    x, y = random_batch(model.config, micro_batch, dev, block_size)
+    x, y = model.config.random_batch(micro_batch, dev, block_size)
     gpu = dev.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * gpu, record_shapes=True) as prof:
         for _ in range(steps):

@@ -19,7 +19,6 @@ from dataclasses import asdict
 import common
 import torch
 
-from podgpt.research.objectives import random_batch
 from podgpt.pod.preflight import memory_estimate, model_config
 from podgpt.core.util import autocast, dtype_name, run_main
 
@@ -49,7 +48,7 @@ def phase_peaks(model, optimizer, mb, mconfig, dev, dt):
         torch.cuda.reset_peak_memory_stats(dev)
 
     try:
-        x, y = random_batch(mconfig, mb, dev)
+        x, y = mconfig.random_batch(mb, dev)
         for _ in range(2):
             common.train_step(model, optimizer, x, y, autocast(dev, dt), common.our_loss, mark)
     except torch.cuda.OutOfMemoryError:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from podgpt.core import attention as attn
+from podgpt.research.bd3lm import BlockDiffusion
 import model
 from podgpt.core.attention import (ATTENTION_BACKENDS, ATTENTION_KERNELS, Documents, attention, backend_unavailable,
                        resolve_backend)
@@ -111,7 +112,7 @@ def test_the_block_diffusion_mask_runs_on_the_backends_that_take_a_mask(monkeypa
     clean positions, blocks of 4); flash, which takes no mask, is refused saying which can; auto picks math here
     and says why not flex, the backend it tries first for this mask."""
     monkeypatch.setattr(attn, "resolved", {})
-    mask = attn.BlockDiffusion(torch.arange(20) // 4)
+    mask = BlockDiffusion(torch.arange(20) // 4)
     for name in ("math", "sdpa"):
         q, k, v = inputs()
         out = attention(name, q, k, v, True, mask)

@@ -10,15 +10,16 @@ import torch
 import torch.nn.functional as F
 
 from podgpt.core import attention
-from podgpt.research import objectives
+from podgpt.research import bd3lm
 from podgpt.pod import report
 from conftest import read_metrics, run_script, train_tiny
-from podgpt.core.checkpoint import find_checkpoint, load_model
-from podgpt.core.data import Loader, diffusion_draws, load_manifest
+from podgpt.core.checkpoint import find_checkpoint
+from podgpt.pod.checkpoints import load_model
+from podgpt.core.data import Loader, load_manifest
 from export import tokenizer_dir
-from podgpt.core.attention import BlockDiffusion
+from podgpt.research.bd3lm import LOGLINEAR_EPS, BlockDiffusion, diffusion_draws
 from model import GPTConfig, KVCache
-from podgpt.research.objectives import LOGLINEAR_EPS, make_model
+from podgpt.pod.objectives import make_config, make_model
 from podgpt.pod.preflight import flops_per_token, memory_phases, param_counts
 from podgpt.corpus.tasks import gsm8k_problems
 from podgpt.core.tokenizer import load_tokenizer
@@ -31,7 +32,7 @@ DIFFUSION = ["--objective=bd3lm", "--diffusion_block=8"]
 
 def tiny(seed=0, **kw):
     torch.manual_seed(seed)
-    return make_model(GPTConfig(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **kw})).eval()
+    return make_model(make_config(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **kw})).eval()
 
 
 def tokens(rows, T=32, seed=0):
@@ -134,7 +135,7 @@ def hand_mask(blocks):
 
 def test_bd3lm_mask_is_the_hand_built_one():
     """T = 8 in blocks of 2, checked whole, and FlexAttention's mask function gives the same pairs."""
-    config = GPTConfig(**{**SHAPE, "block_size": 8}, objective="bd3lm", diffusion_block=2)
+    config = make_config(**{**SHAPE, "block_size": 8}, objective="bd3lm", diffusion_block=2)
     blocks = config.diffusion_blocks()
     assert blocks.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     mask = BlockDiffusion(blocks)
@@ -150,7 +151,7 @@ def test_bd3lm_mask_is_the_hand_built_one():
 def test_hdp_mask_keeps_the_question_to_itself_and_the_plan_from_the_execution():
     """hdp_segments 4,4,8 in blocks of 2: the question is one block that sees only itself (both copies); a plan
     token sees the question and the plan before it, never the execution; an execution token sees all three."""
-    config = GPTConfig(**{**SHAPE, "block_size": 16}, objective="bd3lm", diffusion_block=2, hdp_segments="4,4,8")
+    config = make_config(**{**SHAPE, "block_size": 16}, objective="bd3lm", diffusion_block=2, hdp_segments="4,4,8")
     blocks = config.diffusion_blocks()
     assert blocks.tolist() == [0, 0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
     dense = BlockDiffusion(blocks).dense()[0, 0]
@@ -172,7 +173,7 @@ def test_config_refuses_what_cannot_be_a_diffusion_model():
                        (dict(noise_schedule="cosine"), "noise_schedule='cosine'"),
                        (dict(objective="ar", hdp_segments="8,8,16"), "is for objective=bd3lm")):
         with pytest.raises(ValueError, match=match):
-            GPTConfig(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **bad})
+            make_config(**{**SHAPE, "objective": "bd3lm", "diffusion_block": 4, **bad})
 
 
 # -----------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def test_config_refuses_what_cannot_be_a_diffusion_model():
 
 def test_flops_count_both_copies():
     plain = GPTConfig(**SHAPE)
-    diffusion = GPTConfig(**SHAPE, objective="bd3lm", diffusion_block=4)
+    diffusion = make_config(**SHAPE, objective="bd3lm", diffusion_block=4)
     d, T, L = 32, 32, 2
     layer = (param_counts(plain)["non_embedding"] - d) // L
     head = d + diffusion.padded_vocab * d
@@ -191,7 +192,7 @@ def test_flops_count_both_copies():
 @pytest.mark.parametrize("grad_ckpt, loss_chunk", [("none", 0), ("full", 128), ("selective", 128)])
 def test_memory_plan_counts_both_copies(grad_ckpt, loss_chunk):
     """What the planner says a bd3lm forward keeps for the backward is what a real fp32 step keeps, within 10%."""
-    config = GPTConfig(vocab_size=257, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, objective="bd3lm",
+    config = make_config(vocab_size=257, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, objective="bd3lm",
                        diffusion_block=16, grad_ckpt=grad_ckpt, loss_chunk=loss_chunk)
     torch.manual_seed(0)
     model = make_model(config)
@@ -345,14 +346,14 @@ def test_noise_draws_are_the_samples_own(stdlib_data):
     """A sample's draws depend on (seed, sample) alone: the same at any offset into the batch (any world
     size or micro-batch), different between samples; validation windows draw theirs by window."""
     manifest = load_manifest(stdlib_data)
-    train = Loader(stdlib_data, "train", manifest, 64, 7, diffusion=True)
+    train = Loader(stdlib_data, "train", manifest, 64, 7, draws=diffusion_draws)
     x, draws = train.train_batch(0, 5, torch.device("cpu"))
     x2, draws2 = train.train_batch(3, 2, torch.device("cpu"))
     assert x.shape == (5, 64) and draws.shape == (5, 2, 64) and draws.dtype == torch.float32
     assert torch.equal(x[3:], x2) and torch.equal(draws[3:], draws2)
     assert not torch.equal(draws[0], draws[1])
     assert torch.equal(draws[4], torch.from_numpy(diffusion_draws([7, 1], [4], 64)[0]))
-    val = Loader(stdlib_data, "val", manifest, 64, 7, diffusion=True)
+    val = Loader(stdlib_data, "val", manifest, 64, 7, draws=diffusion_draws)
     assert torch.equal(val.batch([2, 3], torch.device("cpu"))[1], torch.from_numpy(diffusion_draws([7, 0], [2, 3], 64)))
     ar = Loader(stdlib_data, "train", manifest, 64, 7)
     assert ar.n == train.n or ar.n + 1 == train.n  # a diffusion window reads no shifted target: 64 tokens, not 65
@@ -431,7 +432,7 @@ def test_gsm8k_accuracy_is_measured_on_the_test_problems(server, tmp_path, monke
     r = train_tiny(capfd, tmp_path / "out", data, *args)
     assert "step 1 | val loss" in r.stdout and "| gsm8k 0.0% of 1" in r.stdout
     right = tok.encode("Weng earns 12/60 = $0.2 per minute.\n#### 10")
-    monkeypatch.setattr(objectives.BlockDiffusionLM, "generate",
+    monkeypatch.setattr(bd3lm.BlockDiffusionLM, "generate",
                         lambda self, idx, n, **kw: iter(torch.tensor([t]) for t in right))
     train_tiny(capfd, tmp_path / "out2", data, *args)
     rows = read_metrics(tmp_path / "out2")
@@ -452,7 +453,7 @@ def test_sanity_plans_hdp_on_an_h200_and_checks_its_mask(tmp_path, capfd):
     r, rep, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=141",
                                 config="config/h200_hdp_diffusion.py", check=False)
     cap = rep["capacity"]
-    config = GPTConfig(**{k: v for k, v in cap["model"].items() if k != "padded_vocab"})
+    config = make_config(**{k: v for k, v in cap["model"].items() if k != "padded_vocab"})
     assert config.objective == "bd3lm" and config.hdp_segments == "128,128,256" and config.vocab_size == 50258
     assert cap["flops_per_token"] == flops_per_token(config) == 1477734912
     run_layout = cap["layouts"]["run"]

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import eval as evaluate
-from podgpt.core.checkpoint import find_checkpoint, load_model
+from podgpt.core.checkpoint import find_checkpoint
+from podgpt.pod.checkpoints import load_model
 from conftest import RANKS, Captured, read_metrics, run, run_script, shared, train_tiny
 from podgpt.corpus.tasks import HUB_MC, hub_questions
 from test_prepare import hub_env, server  # noqa: F401  (server: a local hub's fixture)

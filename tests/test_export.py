@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import export  # noqa: E402
-from podgpt.core.checkpoint import find_checkpoint, load_model  # noqa: E402
+from podgpt.core.checkpoint import find_checkpoint  # noqa: E402
+from podgpt.pod.checkpoints import load_model
 from podgpt.core.tokenizer import load_tokenizer  # noqa: E402
 from podgpt.core.util import SCRATCH_MARK, Error, files_under, remove  # noqa: E402
 

@@ -10,7 +10,8 @@ import torch
 
 from conftest import run, shared, train_losses
 from test_resume import ARGS, CKPT_EVERY, MAX_STEPS, assert_identical, ckpt_steps, load, train, wrapper
-from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
+from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint
+from podgpt.pod.checkpoints import load_model
 
 FSDP = ["--dist_mode=fsdp"]
 RESUME_AT = 2 * CKPT_EVERY

@@ -65,7 +65,8 @@ from test_bench import close, model_of, run_probe
 from podgpt.core.attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, parity_error, resolve_backend
 from model import fp8_unavailable
 from podgpt.pod.preflight import flops_per_token, peak_flops
-from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint, load_model
+from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint
+from podgpt.pod.checkpoints import load_model
 from sanity import largest_fits
 from test_diffusion import sampled_text
 
@@ -238,7 +239,7 @@ def test_compiled_bf16_run_trains_and_checkpoints(tiny):
 def test_the_first_save_s_pinned_buffers_are_ready_before_it(tmp_path):
     """On a GPU the staging buffers are pinned host memory, slow to allocate (seconds for a 1B model): after the
     first step they are allocated in the background, so the first save blocks no longer than a later one."""
-    from podgpt.core.checkpoint import Checkpoints
+    from podgpt.pod.checkpoints import Checkpoints
     from model import GPT, GPTConfig
     from podgpt.core.optim import make_optimizer
     torch.manual_seed(0)
@@ -835,9 +836,9 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
     """The refine model's cache (one entry per block application) on CUDA in fp32: greedy tokens and
     logits equal recomputing every position."""
     from model import GPTConfig
-    from podgpt.research.objectives import make_model
+    from podgpt.pod.objectives import make_config, make_model
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
+    config = make_config(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
                        objective="refine", n_loops=2, n_sup_inference=3, T_recursion=2)
     model = make_model(config).cuda().eval()
     prompt = torch.randint(0, 256, (2, 8), device="cuda")
@@ -853,14 +854,14 @@ def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
     """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the
     gradients of the dense mask on SDPA's math kernel, within bf16's parity tolerance; HDP's too."""
     from model import GPTConfig
-    from podgpt.research.objectives import make_model
+    from podgpt.pod.objectives import make_config, make_model
     if backend_unavailable("flex", "cuda", BF16, 64, "diffusion") is not None:
         pytest.skip(f"flex cannot run on {gpu_name()}")
     for hdp in ("", "128,128,256"):
         results = {}
         for backend in ("flex", "math"):
             torch.manual_seed(0)
-            config = GPTConfig(vocab_size=50258, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256,
+            config = make_config(vocab_size=50258, block_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256,
                                objective="bd3lm", diffusion_block=16, hdp_segments=hdp, attn_backend=backend)
             model = make_model(config).cuda()
             g = torch.Generator(device="cuda").manual_seed(1)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from podgpt.core import data
-from podgpt.core.checkpoint import load_model
+from podgpt.pod.checkpoints import load_model
 from conftest import ROOT, TINY_MODEL, Captured, popen, read_metrics, run_script, train_losses
 from conftest import train_tiny as train
 

@@ -16,7 +16,8 @@ import torch
 
 import handoff as handoff_py
 import honesty
-from podgpt.core.checkpoint import find_checkpoint, load_model
+from podgpt.core.checkpoint import find_checkpoint
+from podgpt.pod.checkpoints import load_model
 from conftest import Captured, run_script, shared, train_tiny, tree
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
 from test_sft import SFT_ARGS, sft_data  # noqa: F401 -- a fixture: SFT data in the base model's tokenizer

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_leaves
 from podgpt.core import configurator
 from conftest import ROOT, popen
 from model import RUNTIME_FIELDS, GPT, GPTConfig, sample_next
-from podgpt.research.objectives import make_model
+from podgpt.pod.objectives import make_model
 from podgpt.pod.preflight import flops_per_token, memory_estimate, memory_phases, param_counts, peak_flops, plan_layout
 
 
@@ -267,8 +267,8 @@ def test_the_refine_and_diffusion_losses_trace_into_one_graph(objective):
     """The autoregressive loss divides by its count of targets outside the compiled graph (per_target_outside);
     refine's loss, one a supervision step inside its loop, and bd3lm's weighted loss stay inside it: a graph break
     there would leave refine's loop to run eagerly, each block compiled apart."""
-    from podgpt.research.objectives import make_model
-    config = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, loss_chunk=16,
+    from podgpt.pod.objectives import make_config, make_model
+    config = make_config(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_kv_head=1, n_embd=32, loss_chunk=16,
                        objective=objective)
     model, x = make_model(config), torch.randint(0, 255, (2, 32))
     y = x if objective == "refine" else torch.rand(2, 2, 32)  # bd3lm's targets: the noise draws

@@ -4,23 +4,25 @@ states on CPU (a tiny model, the real forward), then the training loop's view of
 """
 import json
 import os
-from dataclasses import replace
+from dataclasses import asdict, fields
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from podgpt.research import objectives
+from podgpt.research import refine as objectives
 from podgpt.core.checkpoint import find_checkpoint
 from conftest import read_metrics, run_script, train_tiny
 from model import GPT, GPTConfig, KVCache
-from podgpt.research.objectives import Refine, make_model, refine_objective
+from podgpt.pod.objectives import make_config, make_model
+from podgpt.research.refine import Refine, refine_objective
 from podgpt.pod.preflight import flops_per_token, memory_estimate, memory_phases, param_counts
 from test_fsdp import FSDP, assert_close_losses
 from test_model import measure_step
 from test_resume import ARGS, train
 from test_sanity import sanity
 
+GPT_FIELDS = {f.name for f in fields(GPTConfig) if f.init}
 SHAPE = dict(vocab_size=96, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
 
 
@@ -34,7 +36,7 @@ def test_one_step_without_loops_is_the_plain_gpt(loss_chunk, grad_ckpt):
     """n_sup_train=1, n_loops=0, T_recursion=1: the same loss and the same gradients as the plain GPT with
     the same weights, to the bit."""
     plain = GPT(GPTConfig(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt))
-    refine = make_model(GPTConfig(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt, objective="refine",
+    refine = make_model(make_config(**SHAPE, loss_chunk=loss_chunk, grad_ckpt=grad_ckpt, objective="refine",
                                   n_sup_train=1, n_loops=0, T_recursion=1))
     refine.load_state_dict(plain.state_dict())
     x, y = batch(plain.config)
@@ -63,7 +65,7 @@ def test_the_objective_is_the_weighted_losses_minus_the_improvement_bonus():
 def test_detach_threshold_decides_which_steps_later_losses_reach(threshold, monkeypatch):
     """Step i's loss reaches back into the answer y of an earlier step j only while no step in between was
     detached: y is detached after each step k with threshold <= k < last. The latent z goes with it."""
-    config = GPTConfig(**SHAPE, objective="refine", n_sup_train=4, n_loops=1, detach_threshold=threshold)
+    config = make_config(**SHAPE, objective="refine", n_sup_train=4, n_loops=1, detach_threshold=threshold)
     model = make_model(config)
     answers, latents, losses = [], [], []
     # the final norm reads each step's y; the last layer's last application of a step is its y update (context z)
@@ -85,7 +87,7 @@ def test_detach_threshold_decides_which_steps_later_losses_reach(threshold, monk
 def test_kv_cache_generation_equals_full_recomputation():
     """Greedy generation through the KV cache (one entry per block application) gives the tokens and
     logits of recomputing every position from scratch."""
-    config = GPTConfig(**SHAPE, objective="refine", n_sup_inference=3, n_loops=2, T_recursion=2)
+    config = make_config(**SHAPE, objective="refine", n_sup_inference=3, n_loops=2, T_recursion=2)
     model = make_model(config).eval()
     assert config.cache_slots == 3 * 2 * 2 * 3
     x = batch(config)[0]
@@ -106,13 +108,13 @@ def test_flops_count_every_block_application():
     applications per token, and 4 passes of the final norm and head; T_recursion's extra repetitions run
     without gradients, at a forward's third."""
     shape = dict(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_kv_head=12, n_embd=768)
-    plain, refine = GPTConfig(**shape), GPTConfig(**shape, objective="refine", n_loops=2, T_recursion=1, n_sup_train=4)
+    plain, refine = GPTConfig(**shape), make_config(**shape, objective="refine", n_loops=2, T_recursion=1, n_sup_train=4)
     d, T = 768, 1024
     layer = (param_counts(plain)["non_embedding"] - d) // 12
     head = d + refine.padded_vocab * d
     assert flops_per_token(plain) == 6 * (12 * layer + head) + 12 * 12 * d * T
     assert flops_per_token(refine) == 6 * (144 * layer + 4 * head) + 12 * 144 * d * T
-    deep = GPTConfig(**shape, objective="refine", n_loops=2, T_recursion=3, n_sup_train=4)
+    deep = make_config(**shape, objective="refine", n_loops=2, T_recursion=3, n_sup_train=4)
     assert flops_per_token(deep) - flops_per_token(refine) == 2 * 144 * (2 * layer + 4 * d * T)
     assert param_counts(refine) == param_counts(plain)  # the same weights, applied more often
 
@@ -122,27 +124,29 @@ def test_flops_count_every_block_application():
 def test_memory_plan_counts_the_recursion(grad_ckpt, n_loops, n_sup, loss_chunk):
     """What the planner says the forward keeps for the backward is what a real fp32 step keeps, within
     10%: every block application with gradients, each supervision step's norm and loss."""
-    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+    config = make_config(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
                        grad_ckpt=grad_ckpt, loss_chunk=loss_chunk, objective="refine", n_loops=n_loops,
                        n_sup_train=n_sup)
     kept = measure_step(config, micro_batch=4)[0]
     forward = memory_phases(config, micro_batch_size=4, compute_bytes=4)["forward_end"]
     log_softmax = 0 if loss_chunk else n_sup * 4 * 4 * 128 * 256  # an unchunked loss keeps each step's
     assert 0.9 <= kept / (forward["activations"] + log_softmax) <= 1.1
-    plain = memory_phases(replace(config, objective="ar"), 4, compute_bytes=4)["forward_end"]
+    plain = memory_phases(make_config(**{k: v for k, v in asdict(config).items() if k in GPT_FIELDS}), 4,
+                          compute_bytes=4)["forward_end"]
     assert forward["activations"] > n_sup * (n_loops + 1) * 0.9 * plain["activations"] * 2 / 3
 
 
 def test_presets_set_both_and_explicit_keys_win():
-    assert (GPTConfig(**SHAPE).supervision_weight_base, GPTConfig(**SHAPE).improvement_reward_scale) == (5.0, 1.0)
-    extreme = GPTConfig(**SHAPE, refine_preset="extreme")
+    assert (objectives.Config(**SHAPE).supervision_weight_base,
+            objectives.Config(**SHAPE).improvement_reward_scale) == (5.0, 1.0)
+    extreme = objectives.Config(**SHAPE, refine_preset="extreme")
     assert (extreme.supervision_weight_base, extreme.improvement_reward_scale) == (10.0, 2.0)
-    mixed = GPTConfig(**SHAPE, refine_preset="moderate", improvement_reward_scale=0.0)
+    mixed = objectives.Config(**SHAPE, refine_preset="moderate", improvement_reward_scale=0.0)
     assert (mixed.supervision_weight_base, mixed.improvement_reward_scale) == (3.0, 0.0)
     for bad, match in ((dict(objective="diffusion"), "objective"), (dict(refine_preset="wild"), "refine_preset"),
                        (dict(n_sup_train=0), "n_sup_train"), (dict(T_recursion=0), "T_recursion")):
         with pytest.raises(ValueError, match=match):
-            GPTConfig(**SHAPE, **bad)
+            make_config(**{**SHAPE, "objective": "refine", **bad})
 
 
 # -----------------------------------------------------------------------------
@@ -219,7 +223,7 @@ def check_loop_fields(out, console):
     with open(os.path.join(find_checkpoint(str(out)), "config.json")) as f:  # the checkpoint's: the model too
         record = json.load(f)
     assert record["model"]["objective"] == "refine" and record["model"]["n_sup_train"] == 3
-    assert summary["flops_per_token"] == flops_per_token(GPTConfig(**record["model"]))
+    assert summary["flops_per_token"] == flops_per_token(make_config(**record["model"]))
     assert (out / "plots" / "refinement.png").stat().st_size > 0
     assert f"| refinement (validation, first to last supervision step) | {summary['final_val_refinement']:.1f}% |" \
         in (out / "summary.md").read_text()
@@ -252,7 +256,7 @@ def test_sanity_capacity_plans_the_recursion(tmp_path, capfd):
     r, report, checks, md = sanity(capfd, tmp_path, "--capacity", "--device=cpu", "--compile=False", "--gpu_mem_gb=80",
                                    config="config/h100_trm_fast.py", check=False)
     cap = report["capacity"]
-    config = GPTConfig(**{k: v for k, v in cap["model"].items() if k != "padded_vocab"})
+    config = make_config(**{k: v for k, v in cap["model"].items() if k != "padded_vocab"})
     assert config.objective == "refine" and config.n_layer * config.applications()[0] * config.applications()[1] == 144
     assert cap["flops_per_token"] == flops_per_token(config)
     run_layout = cap["layouts"]["run"]

@@ -29,7 +29,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from podgpt.core import checkpoint
-from podgpt.core.checkpoint import MARKER, STATE_DIR, Checkpoints, read_pointer
+from podgpt.pod import checkpoints
+from podgpt.core.checkpoint import MARKER, STATE_DIR, read_pointer
+from podgpt.pod.checkpoints import Checkpoints
 from conftest import FAKE_CUDA, RANKS, ROOT, TINY_MODEL, TORCHRUN, popen, read_metrics, run, shared, train_losses
 from model import GPT, GPTConfig
 from podgpt.core.optim import make_optimizer
@@ -62,6 +64,7 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 import train
 from podgpt.core import checkpoint, data
+from podgpt.pod import checkpoints
 from podgpt.core.util import run_main
 
 RANK = int(os.environ.get("RANK", 0))
@@ -149,7 +152,7 @@ checkpoint.save_file = save_file
 
 # rank 0 writes every checkpoint whole (model.pt, optimizer.pt), as ddp's ranks did before they shared the write
 ONE_WRITER = """\
-_init = checkpoint.Checkpoints.__init__
+_init = checkpoints.Checkpoints.__init__
 
 
 def init(self, *args, **kwargs):
@@ -157,7 +160,7 @@ def init(self, *args, **kwargs):
     self.writers, self.shared = 1, False
 
 
-checkpoint.Checkpoints.__init__ = init
+checkpoints.Checkpoints.__init__ = init
 """
 
 
@@ -428,7 +431,7 @@ def test_ddp_ranks_share_the_write_and_one_process_reads_it_whole(ref_ddp, tmp_p
     ckpts.restore(checkpoint.load_checkpoint(str(folder), proc.dev), state)
     assert state.step == 2 * CKPT_EVERY
     assert_identical(ckpts.state_dicts(), saved, "restored")
-    assert_identical(checkpoint.load_model(str(folder))[0].state_dict(), saved["model"], "load_model")  # sample, export
+    assert_identical(checkpoints.load_model(str(folder))[0].state_dict(), saved["model"], "load_model")  # sample, export
 
 
 def test_each_save_says_what_it_blocked_and_how_long_it_wrote(ref_single):

@@ -27,7 +27,8 @@ import torch
 
 import sample
 from podgpt.release import serve
-from podgpt.core.checkpoint import MARKER, file_crc32, find_checkpoint, load_model
+from podgpt.core.checkpoint import MARKER, file_crc32, find_checkpoint
+from podgpt.pod.checkpoints import load_model
 from conftest import ROOT, Captured, popen, run, shared, train_tiny
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import run_main

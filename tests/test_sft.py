@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from podgpt.core import checkpoint
+from podgpt.pod import checkpoints
 from podgpt.core import tokenizer
 from conftest import TINY_MODEL, run, shared, train_losses, train_tiny
 from podgpt.core.data import Loader, docs_file, load_manifest, open_shard
 from model import GPTConfig
-from podgpt.research.objectives import make_model
+from podgpt.pod.objectives import make_model
 from test_bad_input import CKPT, TINY_RUN, finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
 from test_model import tiny
 from test_prepare import gpt2_or_skip
@@ -146,14 +147,14 @@ def test_init_from_keeps_the_base_ids_rows(finished_run, sft_data):
     rows fall in the base's padded rows and take them, and a vocabulary that outgrows the padding keeps the new
     model's init beyond the base ids."""
     base_ckpt = str(finished_run / CKPT)
-    base_state = checkpoint.load_model(base_ckpt)[0].state_dict()
+    base_state = checkpoints.load_model(base_ckpt)[0].state_dict()
     base = base_state["embed_tokens.weight"]
     model, config = sft_model(base_ckpt, 260)
     assert model.config.padded_vocab == base.size(0) == 320  # 257 + 3 chat tokens: within the padding
-    checkpoint.start_from(model, False, str(finished_run), config, sft_data)
+    checkpoints.start_from(model, False, str(finished_run), config, sft_data)
     assert torch.equal(model.embed_tokens.weight, base) and model.lm_head.weight is model.embed_tokens.weight
     grown = sft_model(base_ckpt, 330)[0]
-    state = checkpoint.grown_state(base_state, grown, 257)["embed_tokens.weight"]
+    state = checkpoints.grown_state(base_state, grown, 257)["embed_tokens.weight"]
     assert state.size(0) == grown.config.padded_vocab == 384
     assert torch.equal(state[:257], base[:257]) and torch.equal(state[257:], grown.embed_tokens.weight[257:])
 
@@ -190,7 +191,7 @@ def test_a_step_s_loss_is_the_mean_over_every_reply_token_it_counts(finished_run
     args = [*SFT_ARGS, f"--init_from={finished_run}", "--max_steps=1", "--micro_batch_size=1",
             "--learning_rate=1e-30", "--min_lr=0", "--ckpt_every=1", f"--dist_mode={mode}"]
     train_tiny(capfd, tmp_path / "sft", sft_data, *args, nproc=nproc)
-    model = checkpoint.load_model(str(tmp_path / "sft" / "ckpt" / "step_0000001"))[0]
+    model = checkpoints.load_model(str(tmp_path / "sft" / "ckpt" / "step_0000001"))[0]
     seed = json.loads((tmp_path / "sft" / "config.json").read_text())["seed"]
     x, y = Loader(sft_data, "train", load_manifest(sft_data), 64, seed).train_batch(0, 2, torch.device("cpu"))
     with torch.no_grad():

@@ -35,14 +35,14 @@ OPT_IN_BACKENDS = ("fa4",)
 # `causal`: True for causal, aligned bottom-right when there are more keys than queries (the new
 # queries of the KV cache come after the cached keys); False for no mask; or a boolean tensor
 # (T_q, T_k), True where a query may attend (SDPA kernels only).
-# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each document), or
-# BlockDiffusion (bd3lm's 2T rows).
+# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each document), or a
+# research objective's own.
 
 class Mask:
     """Who sees whom in attention, said once by allowed(); each form a kind of kernel takes (FORMS: backend -> form)
     is derived from it, made on first use and kept: GPT.forward makes one per batch before the blocks run, so every
     layer and every recomputation under activation checkpointing reuses it. A new kind of mask is one subclass."""
-    kind = None          # its name where resolve_backend takes a kind of mask (MASKS)
+    kind = None          # its name where resolve_backend takes a kind of mask (masks())
     FORMS = {}           # the backends that can take it, and the form each takes
     refusal = ""         # a backend outside FORMS "cannot {refusal}"
     label = ""           # what a refusal adds to "Available here (device, dtype, head_dim...)"
@@ -111,36 +111,10 @@ class Documents(Mask):
         return cls(doc_ids)
 
 
-class BlockDiffusion(Mask):
-    """objective="bd3lm"'s attention over a 2T row, the noisy copy of a sequence (positions [0, T)) then its clean
-    copy ([T, 2T)), both at RoPE positions 0..T-1; blocks (T,) numbers the diffusion block of each position,
-    in order. A noisy token sees its own noisy block (both ways) and the clean blocks before it; a clean token
-    sees the clean blocks up to its own (both ways within it); nothing sees a noisy token from elsewhere.
-    BD3-LM's mask (Arriola et al. 2025: block diagonal, offset block causal, block causal); HDP's question is
-    one block that no other block precedes, so it sees only itself."""
-    kind, refusal, label, flex_first = "diffusion", "take bd3lm's block-diffusion mask", ", bd3lm mask", True
-    FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}  # no varlen: blocks see blocks
-
-    def __init__(self, blocks):
-        super().__init__(None, 2 * blocks.numel(), blocks.device)
-        self.blocks = blocks
-        self.positions = torch.arange(blocks.numel(), device=blocks.device).repeat(2)
-
-    def allowed(self, q, kv, b=None):
-        T = self.blocks.numel()
-        q_clean, kv_clean = q >= T, kv >= T
-        bq, bkv = self.blocks[q - T * q_clean], self.blocks[kv - T * kv_clean]
-        return ((bq == bkv) & ~q_clean & ~kv_clean  # a noisy token: its own noisy block
-                | (bkv < bq) & ~q_clean & kv_clean  # and the clean blocks before it
-                | (bkv <= bq) & q_clean & kv_clean)  # a clean token: the clean blocks up to its own
-
-    @classmethod
-    def example(cls, T, device):
-        """T/2 positions in blocks of 4 (T >= 16) or 16 (T >= 128), both copies."""
-        return cls(torch.arange(T // 2, device=device) // (16 if T >= 128 else 4))
-
-
-MASKS = {cls.kind: cls for cls in Mask.__subclasses__()}  # the kinds resolve_backend's `mask` names
+def masks():
+    """{kind: Mask subclass}: the kinds resolve_backend's `mask` names, a research objective's among them once
+    its module is imported."""
+    return {cls.kind: cls for cls in Mask.__subclasses__()}
 
 
 def sdpa_attention(q, k, v, causal, mask=None):
@@ -239,7 +213,7 @@ def flex_attention(q, k, v, causal, mask=None):
     if q.is_cuda and q.size(2) == k.size(2):
         return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
     # eager on purpose: torch's warning about it (slow, and "may produce incorrect results", which concerns only its
-    # debug mode) would alarm every sampler run; the sampler's logits equal the math kernel's (tests/test_diffusion.py)
+    # debug mode) would alarm every sampler run; the sampler's logits equal the math kernel's (tested)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         return eager(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
@@ -293,7 +267,7 @@ def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=
     shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
               (2, n_head, T, head_dim)]
     q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
-    example = None if mask is None else MASKS[mask].example(T, device)
+    example = None if mask is None else masks()[mask].example(T, device)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     reference_attention(*ref_in, example).backward(grad.double())
     test_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -340,12 +314,12 @@ def fa4_unavailable(device, dtype, head_dim):
 
 def backend_unavailable(name, device, dtype, head_dim, mask=None):
     """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of kind `mask`:
-    None, or one of MASKS), else one line saying why not and what would make it run."""
+    None, or one of masks()), else one line saying why not and what would make it run."""
     device = torch.device(device)
     if name not in ATTENTION_KERNELS:
         return f"unknown attention backend {name!r}: choose auto or one of {', '.join(ATTENTION_KERNELS)}"
-    if mask is not None and name not in MASKS[mask].FORMS:
-        return f"{name} cannot {MASKS[mask].refusal}; {', '.join(MASKS[mask].FORMS)} can"
+    if mask is not None and name not in masks()[mask].FORMS:
+        return f"{name} cannot {masks()[mask].refusal}; {', '.join(masks()[mask].FORMS)} can"
     if name in FLASH_PACKAGES:
         module, label, install = FLASH_PACKAGES[name]
         if importlib.util.find_spec(module) is None:
@@ -392,7 +366,7 @@ def trial_call(name, device, dtype, head_dim, mask):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ATTENTION_KERNELS[name](q, kv, kv, True, mask and MASKS[mask].example(16, device)).sum().backward()
+            ATTENTION_KERNELS[name](q, kv, kv, True, mask and masks()[mask].example(16, device)).sum().backward()
             return None
         except Exception as e:  # whatever a kernel raises, it cannot train here
             reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split())
@@ -410,10 +384,10 @@ def resolve_backend(name, device, dtype, head_dim, mask=None):
     "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error within
     PARITY_TOLERANCE); the note says which faster ones were skipped and why. A named backend that
     cannot run here is a ValueError that lists the ones that can: never a silent substitute.
-    mask: None (causal), or the kind of Mask it will get (MASKS). Cached per (name, device type, dtype,
+    mask: None (causal), or the kind of Mask it will get (masks()). Cached per (name, device type, dtype,
     head_dim, mask)."""
-    if mask not in (None, *MASKS):
-        raise ValueError(f"mask={mask!r}: None or one of {', '.join(MASKS)}")
+    if mask not in (None, *masks()):
+        raise ValueError(f"mask={mask!r}: None or one of {', '.join(masks())}")
     key = (name, torch.device(device).type, dtype, head_dim, mask)
     if key not in resolved:
         # trial and parity runs are eager work, never part of a compiled graph (disabling compilation at
@@ -438,11 +412,11 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
                                                                                        mask)]
         raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
                          f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
-                         f"{MASKS[mask].label if mask else ''}): "
+                         f"{masks()[mask].label if mask else ''}): "
                          f"{', '.join(here) or 'none'}")
     skipped = []
     tol = parity_tolerance(dtype, device)
-    flex_first = mask is not None and MASKS[mask].flex_first
+    flex_first = mask is not None and masks()[mask].flex_first
     for candidate in sorted(ATTENTION_BACKENDS, key=lambda b: flex_first and b != "flex"):
         why = backend_unavailable(candidate, device, dtype, head_dim, mask)
         if why is None:

@@ -40,6 +40,7 @@ from podgpt.core.util import Error
 BEGIN, END = "# --- config", "# --- end config"
 SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py", "skills.py", "eval.py", "handoff.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where the scripts are
+RESEARCH = os.path.join(ROOT, "podgpt", "research")  # an objective's keys: read from its file, never imported
 
 
 class ConfigError(Error):
@@ -59,8 +60,9 @@ class Config(dict):
             raise AttributeError(key) from None
 
 
-def read_defaults(path):
-    """{key: (default, comment)} for the assignments inside the config block of `path`."""
+def block_defaults(path):
+    """{key: (default, comment)} for the assignments inside the config block of `path` (a script, or a research
+    objective's module)."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
     lines = source.splitlines()
@@ -77,6 +79,28 @@ def read_defaults(path):
         if isinstance(node, ast.Assign) and begin < node.lineno < end:
             for target in node.targets:
                 defaults[target.id] = (ast.literal_eval(node.value), comments.get(node.lineno, ""))
+    return defaults
+
+
+def research_modules():
+    """{objective: its module's path}: the objectives beyond next-token prediction, a module of podgpt/research/
+    each."""
+    return {f[:-3]: os.path.join(RESEARCH, f) for f in sorted(os.listdir(RESEARCH))
+            if f.endswith(".py") and not f.startswith("_")}
+
+
+def research_keys():
+    """{key: the objective whose key it is} of every research objective."""
+    return {key: name for name, path in research_modules().items() for key in block_defaults(path)}
+
+
+def read_defaults(path):
+    """{key: (default, comment)} of a script: its config block, and when it chooses an objective (its `objective`
+    key), every research objective's keys after its own."""
+    defaults = block_defaults(path)
+    if "objective" in defaults:
+        for module in research_modules().values():
+            defaults.update(block_defaults(module))
     return defaults
 
 
@@ -225,4 +249,17 @@ def configure(script_path, argv):
         else:
             foreign = foreign_keys(script_path) if foreign is None else foreign
             apply_file(arg, config, defaults, foreign)
+    if "objective" in config:
+        check_objective(config, defaults)
     return Config(config)
+
+
+def check_objective(config, defaults):
+    """The objective is "ar" or a module of podgpt/research/, and no other objective's key is set."""
+    owners, names = research_keys(), ("ar", *research_modules())
+    if config["objective"] not in names:
+        raise ConfigError(f"objective={config['objective']!r} is not one of {', '.join(names)}")
+    for key, owner in owners.items():
+        if owner != config["objective"] and config[key] != defaults[key][0]:
+            raise ConfigError(f"{key}={shown(config[key])} is for objective={owner}: set objective={owner}, or "
+                              f"leave {key} out")

@@ -240,8 +240,8 @@ def bpb_scale(split):
 
 
 class Loader:
-    """Windows of block_size+1 tokens (input and shifted target) over a split's shards; with diffusion
-    (objective="bd3lm"), windows of block_size tokens and each sample's noise draws (diffusion_draws).
+    """Windows of block_size+1 tokens (input and shifted target) over a split's shards; with draws (an objective
+    that makes its own targets), windows of block_size tokens and each sample's draws(seed, keys, block_size).
 
     Window i of shard s starts at token i*block_size. Training visits all windows in a
     seeded random order per epoch (without replacement), and the order of epoch e is
@@ -250,9 +250,9 @@ class Loader:
     reads windows 0, 1, 2, ... in place.
     """
 
-    def __init__(self, data_dir, split, manifest, block_size, seed, diffusion=False):
-        self.block_size, self.seed, self.diffusion = block_size, seed, diffusion
-        self.span = block_size if diffusion else block_size + 1  # tokens a window reads
+    def __init__(self, data_dir, split, manifest, block_size, seed, draws=None):
+        self.block_size, self.seed, self.draws = block_size, seed, draws
+        self.span = block_size if draws else block_size + 1  # tokens a window reads
         self.data_dir, self.vocab_size = data_dir, manifest["vocab_size"]
         self.paths = [os.path.join(data_dir, s["file"]) for s in manifest["splits"][split]["shards"]]
         self.shards, self.masks = [], []
@@ -264,7 +264,7 @@ class Loader:
                     if header[key] != listed:
                         raise ValueError(f"{path}: {key} {header[key]} in its header, {listed} in manifest.json")
                 self.shards.append(open_shard(path))
-                self.masks.append(open_mask(data_dir, s, diffusion))
+                self.masks.append(open_mask(data_dir, s, bool(draws)))
             except ValueError as e:  # read_header's message names the shard; most also name the fix
                 fail(f"{e}" if "prepare.py" in str(e) else f"{e}: rebuild the data with prepare.py --force")
             except OSError as e:
@@ -274,7 +274,7 @@ class Loader:
         self.starts = np.cumsum([0] + counts)
         self.n = int(self.starts[-1])
         if self.n == 0:
-            fail(f"the {split} split of {data_dir} has fewer than {'block_size' if diffusion else 'block_size+1'} = "
+            fail(f"the {split} split of {data_dir} has fewer than {'block_size' if draws else 'block_size+1'} = "
                  f"{self.span} tokens: lower block_size or prepare more data")
         self._epoch, self._order = None, None
 
@@ -300,8 +300,8 @@ class Loader:
         return np.ones(self.span, dtype=np.uint8) if mask is None else mask[start:start + self.span]
 
     def batch(self, windows, device, keys=None):
-        """The windows' (inputs, targets); with diffusion (tokens, noise draws), the draws of `keys` (training's
-        sample numbers; None: the windows', as validation reads them)."""
+        """The windows' (inputs, targets); with draws (tokens, their draws), those of `keys` (training's sample
+        numbers; None: the windows', as validation reads them)."""
         rows = np.stack([self.window(int(i)) for i in windows])
         # a damaged shard's id past the vocabulary would index past the embedding (on a GPU, a device-side assert
         # that kills the process); checked here, on the CPU, where it costs a max over the batch
@@ -311,11 +311,11 @@ class Loader:
             fail(f"{self.paths[s]}: token {start + col:,} is id {rows[row, col]}, outside the vocabulary [0, "
                  f"{self.vocab_size}) of manifest.json: the shard is damaged (manifest.json lists its sha256 to check "
                  f"it against): rebuild the data with python prepare.py --data_dir={self.data_dir} --force")
-        if not self.diffusion:
+        if not self.draws:
             return to_device(rows, device, mask=np.stack([self.window_mask(int(i)) for i in windows]) if self.masked
                              else None)
-        return to_device(rows, device, diffusion_draws([self.seed, 0 if keys is None else 1],
-                                                       windows if keys is None else keys, self.block_size))
+        return to_device(rows, device, self.draws([self.seed, 0 if keys is None else 1],
+                                                  windows if keys is None else keys, self.block_size))
 
     def validation_sums(self, model, steps, size, rank, world, device):
         """This rank's sums over `steps` micro-batches of `size` windows of a validation split (micro-batch i of
@@ -358,20 +358,14 @@ class Loader:
         return found
 
 
-def diffusion_draws(seed, keys, block_size):
-    """objective="bd3lm"'s noise, (len(keys), 2, block_size) float32 uniform in [0, 1): row j from a generator of
-    (seed, keys[j]) alone, so a sample's noise is the same whatever the world size, the micro-batch or a resume
-    (objectives.BlockDiffusionLM.diffuse reads it: [:, 0] masks tokens, [:, 1] draws each block's t)."""
-    return np.stack([np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32) for k in keys])
-
-
-def open_mask(data_dir, shard, diffusion):
+def open_mask(data_dir, shard, own_targets):
     """The loss mask the manifest lists beside a shard, memory-mapped, or None (pretraining data: every target
-    counts); ValueError when it does not fit the shard."""
+    counts); ValueError when it does not fit the shard, or the objective makes its own targets (own_targets)."""
     if "mask_file" not in shard:
         return None
-    if diffusion:
-        raise ValueError(f"{shard['file']} is SFT data (a loss mask beside it): objective=bd3lm cannot train on it")
+    if own_targets:
+        raise ValueError(f"{shard['file']} is SFT data (a loss mask beside it): this objective makes its own "
+                         "targets and cannot train on it")
     path = os.path.join(data_dir, shard["mask_file"])
     mask = np.load(path, mmap_mode="r")
     if mask.dtype != np.uint8 or mask.shape != (shard["tokens"],):
@@ -381,8 +375,8 @@ def open_mask(data_dir, shard, diffusion):
 
 
 def to_device(rows, device, draws=None, mask=None):
-    """(inputs, targets) from rows of block_size+1 tokens; with draws, (rows, draws) (objective="bd3lm"). mask (the
-    rows' shape): a target whose mask is 0 becomes IGNORE."""
+    """(inputs, targets) from rows of block_size+1 tokens; with draws, (rows, draws). mask (the rows' shape): a
+    target whose mask is 0 becomes IGNORE."""
     if mask is not None:
         rows = rows.astype(np.int64)  # IGNORE is negative
         return move(rows[:, :-1], device), move(np.where(mask[:, 1:] != 0, rows[:, 1:], IGNORE), device)
@@ -396,14 +390,11 @@ def move(array, device):
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
-def rare_token_batch(rare, size, block_size, seed, device, diffusion=False):
+def rare_token_batch(rare, size, block_size, seed, device, draws=None):
     """A batch drawn uniformly from the rarest training tokens: a loss spike on demand (the 50M A100 run's drill);
-    diffusion: rows of block_size tokens and their noise draws."""
-    rng = np.random.default_rng(seed)
-    if diffusion:
-        return to_device(rng.choice(rare, size=(size, block_size)), device, rng.random((size, 2, block_size),
-                                                                                    dtype=np.float32))
-    return to_device(rng.choice(rare, size=(size, block_size + 1)), device)
+    with draws (Loader's), rows of block_size tokens and their draws."""
+    rows = np.random.default_rng(seed).choice(rare, size=(size, block_size + (draws is None)))
+    return to_device(rows, device, None if draws is None else draws(seed, range(size), block_size))
 
 
 def rarest_tokens(counts):

@@ -96,20 +96,6 @@ def gsm8k_accuracy(model, problems, tok, block_size, autocast, proc, sharded):
     return right.item() / len(problems)
 
 
-def check_segments(data_dir, manifest, hdp_segments, block_size):
-    """Block diffusion on data of fixed-length documents (prepare.py's segments, GSM8K's hdp form): a row must be
-    one document from its first token, and HDP's segments must be the data's."""
-    segments = manifest.get("prepare_args", {}).get("segments", "")
-    if not (segments or hdp_segments):
-        return
-    if hdp_segments and hdp_segments != segments:
-        fail(f"hdp_segments={hdp_segments} but {data_dir} was prepared with segments={segments or 'none'}: "
-             f"prepare it with --gsm8k_format=hdp --segments={hdp_segments}, or set hdp_segments to match")
-    if sum(int(n) for n in segments.split(",")) != block_size:
-        fail(f"block_size={block_size} but every document of {data_dir} is {segments.replace(',', '+')} "
-             f"tokens: set block_size to their sum, so that each row is one document")
-
-
 PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")  # a skills pack's row, all strings
 ANSWER_STYLES = ("direct", "scratchpad")
 

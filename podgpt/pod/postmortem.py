@@ -40,7 +40,7 @@ def bad_batch(cfg, st, train_data, rare, tok):
     first, drill = st.samples - n, f"spike@{st.step}" in st.injected
     if drill:
         rows = rare_token_batch(rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, st.step - 1, first],
-                                torch.device("cpu"), cfg.objective == "bd3lm")[0].numpy()
+                                torch.device("cpu"), train_data.draws)[0].numpy()
         sources = None
     else:
         sources = train_data.sources(range(first, first + n))

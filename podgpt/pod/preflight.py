@@ -14,7 +14,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import fields
 from functools import partial
 
 import torch
@@ -23,7 +22,8 @@ import torch.distributed as dist
 from podgpt.core.attention import resolve_backend
 from podgpt.pod.gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
 from podgpt.core.data import contamination, load_manifest
-from model import GRAD_CKPT, GPTConfig
+from model import GRAD_CKPT
+from podgpt.pod.objectives import config_class, config_fields, make_config
 from podgpt.core.schedule import fit_horizon
 from podgpt.core.util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
 
@@ -55,16 +55,17 @@ def plan_vocab(cfg, manifest=None):
 
 
 def model_config(cfg, manifest=None, **overrides):
-    """model.GPTConfig of a run's config: every GPTConfig field that is also a config key (so a field
-    the model gains, with its train.py key, passes through), the vocabulary from plan_vocab, BOS as
-    prepare.py numbers it (the last id; doc_mask needs it), and for objective=bd3lm one id more, its [MASK];
+    """The model config of a run's config (its objective's: objectives.make_config): every field that is also a
+    config key (so a field the model gains, with its train.py key, passes through), the vocabulary from
+    plan_vocab and the ids the objective adds, BOS as prepare.py numbers it (the last id; doc_mask needs it);
     `overrides` on top."""
-    kwargs = {f.name: cfg[f.name] for f in fields(GPTConfig) if f.init and f.name in cfg}
+    name = overrides.get("objective", cfg.get("objective", "ar"))
+    kwargs = {k: cfg[k] for k in config_fields(name) if k in cfg}
     vocab = plan_vocab(cfg, manifest)[0]
     kwargs["bos_id"] = manifest["bos_id"] if manifest else vocab - 1
-    kwargs["vocab_size"] = vocab + (dict(kwargs, **overrides).get("objective") == "bd3lm")
+    kwargs["vocab_size"] = vocab + config_class(name).added_tokens
     try:
-        return GPTConfig(**dict(kwargs, **overrides))
+        return make_config(**dict(kwargs, **overrides))
     except ValueError as e:
         fail(f"{e}: change the model shape")
 
@@ -87,10 +88,10 @@ def param_counts(config):
 
 def flops_per_token(config, seq_len=None):
     """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
-    parameters including the LM head but not the input embedding lookup. refine counts every block
-    application (and the final norm and head once per supervision step); the ones without gradients
-    (T_recursion's earlier repetitions) at a forward's third: 2*N + 4*H*Q*T. bd3lm runs the blocks over
-    2T positions (config.stream) per T tokens, each attending over 2T, and the head over the T noisy ones."""
+    parameters including the LM head but not the input embedding lookup. Every block application counts
+    (config.applications(): and the final norm and head once per supervision step), the ones without gradients at
+    a forward's third: 2*N + 4*H*Q*T; the blocks run over config.stream copies of each row, each attending over
+    all of them, and the head over one."""
     L, d, stream = config.n_layer, config.n_embd, config.stream
     T = (seq_len or config.block_size) * stream
     n_sup, with_grad, without = config.applications()
@@ -156,12 +157,11 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activat
                                          12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
     outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
     logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
-    # refine: every application with gradients keeps what a layer keeps, and each step its final norm's share;
-    # under checkpointing a layer's latent updates also keep the x + y they read, and rebuild the sums the
-    # norms read. An unchunked loss keeps each earlier step's log-softmax (4 bytes per logit)
+    # each block application with gradients keeps what a layer keeps, and each supervision step its final norm's
+    # share, and an objective's own sums; an unchunked loss keeps each earlier step's log-softmax (4 bytes per
+    # logit). The blocks and the embedding run on config.stream copies of each row, the final norm on one
     n_sup, per_layer, _ = config.applications()
-    sums = 4 * d if config.objective == "refine" and config.n_loops and mode != "none" else 0
-    # bd3lm: the blocks and the embedding run on the noisy and the clean copy (config.stream), the final norm on one
+    sums = config.sums_kept(mode)
     kept = config.stream * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (config.stream - 1) * 4 * d
     earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
-from podgpt.core.checkpoint import find_checkpoint, load_model, reading
+from podgpt.core.checkpoint import find_checkpoint, reading
+from podgpt.pod.checkpoints import load_model
 from export import finite, is_export, load_export, tokenizer_dir
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import fail, first_line
