@@ -17,6 +17,7 @@ BELOW = {
     "objectives": {"model", "attention"},
     "data": {"util"},
     "report": {"util", "configurator"},
+    "trackers": {"util", "report"},
     "checkpoint": {"util", "model", "objectives", "data", "tokenizer"},
     "schedule": {"util"},
     "gates": {"util", "report", "download", "checkpoint", "tasks", "tokenizer"},  # checkpoint: the base checkpoint's tokens, read
@@ -40,7 +41,7 @@ BELOW = {
     "handoff": {"util", "configurator", "report", "data", "download", "sources", "checkpoint", "export", "honesty"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight",
-              "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
+              "schedule", "report", "trackers", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}
