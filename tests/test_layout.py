@@ -28,9 +28,10 @@ BELOW = {
     "ngrams": {"download", "tasks", "tokenizer"},
     "download": {"util"},
     "tasks": {"util", "data", "download", "tokenizer"},
-    "holdout": {"data"},
+    "holdout": {"data", "util", "tokenizer"},
+    "shards": {"data"},
     "sources": {"util", "download", "tasks"},
-    "prepare": {"util", "configurator", "data", "download", "sources", "tokenizer", "checkpoint", "ngrams", "holdout"},
+    "prepare": {"util", "configurator", "data", "download", "sources", "tokenizer", "checkpoint", "ngrams", "holdout", "shards"},
     "skills": {"util", "configurator", "download", "tasks", "tokenizer", "ngrams", "sources"},  # sources: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "tokenizer", "report"},
     "serve": {"util", "preflight"},
