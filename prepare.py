@@ -6,39 +6,21 @@ Prepare training data: text sources -> tokenizer -> token shards + manifest.json
     python prepare.py --source=fineweb-edu-10bt --max_shards=2 --tokenizer=gpt2 --data_dir=data/fwe
     python prepare.py --source=corpus/,more.jsonl --tokenizer=bpe:8192 --data_dir=data/mine
 
-The sources (stdlib, a file or folder, an http(s) URL, a preset; comma-separated ones concatenated in order)
-are found and read as documents by sources.py.
+The sources are read as documents (sources.py); the tokenizer (byte, char, gpt2, or bpe:N trained
+here) and the shards are built in data_dir/.podgpt-prepare and moved into place when complete,
+manifest.json last, into a data_dir that holds nothing but prepare.py's own files. The format:
+docs/data-format.md; segments and gsm8k_format: docs/objectives.md.
 
-segments (e.g. 512, or 128,128,256 with gsm8k_format=hdp): every document is made exactly that many
-tokens, each segment tokenized on its own (the first after BOS), padded with BOS (which also ends a
-document) or cut to its length; the manifest says how many documents had a segment cut. Rows of
-block_size = the total then hold one document each, from its first token (train.py checks).
-
-pack_dir (a skills pack made before, skills.py): the eval rows that training documents hold, counted as the shards
-are written (ngrams.py: each row's 13-word windows, or a shorter prompt or reply whole) and recorded in
-manifest.json's eval_contamination with the pack's eval.jsonl sha256, which preflight's eval_contamination gate
-compares with the pack's as it is then.
-
-chat=True makes SFT data: the source is a skills pack's sft.jsonl (tasks.pack_documents), each row a document
-in the chat layout (tokenizer.chat_row) with a loss mask beside the shards (NAME.mask.npy: the reply's tokens),
-and the tokenizer is chat_base's (the base model's data_dir or checkpoint folder) with the chat tokens added.
-
-The tokenizer (tokenizer.py: byte, char, gpt2, bpe:N trained here on the training documents) and the
-shards go into data_dir, built in the scratch folder data_dir/.podgpt-prepare and moved into place when
-complete, manifest.json last; prepare.py writes only into a data_dir that holds nothing but its own files
-(docs/data-format.md; data.py reads them). Validation is whole documents, those with the smallest hashes
-of their text: val_fraction of them, and more while they hold fewer than min_val_tokens tokens (found at
-the end of the pass, then read back from the shards and written again, never tokenized twice; bpe:N, trained on
-training documents alone, is trained without any document that may be held out so: holdout.py). The split
-depends on the set of documents alone, so the output is the same for any number of workers, and
-duplicate documents always land in the same split.
+Validation is whole documents, those with the smallest hashes of their text: val_fraction of them,
+and more while they hold fewer than min_val_tokens tokens, read back from the shards rather than
+tokenized twice (holdout.py). The split depends on the set of documents alone: the output is the
+same for any number of workers, and duplicate documents land in the same split.
 """
 
 import array
 import collections
 import contextlib
 import hashlib
-import io
 import json
 import math
 import multiprocessing
@@ -51,165 +33,79 @@ import time
 import numpy as np
 
 from podgpt.core import configurator
-from podgpt.core.data import (HEADER_BYTES, HEADER_INTS, MAGIC, VERSION, docs_file, load_manifest, mask_file, shared_documents,
-                  token_dtype, token_hash)
+from podgpt.core.data import (HEADER_BYTES, VERSION, docs_file, load_manifest, mask_file,
+                              shared_documents, token_dtype, token_hash)
+from podgpt.core.tokenizer import (SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec,
+                                   save_tokenizer, train_tokenizer)
+from podgpt.core.util import (check_apart, disk_full, fail, first_line, in_use, make_folders,
+                              make_scratch, remove_empty, remove_scratch, run_main, signals_held)
 from podgpt.corpus.download import local_copy
-from podgpt.corpus.holdout import Ledger, SmallestHashes, bpe_reserve
-from podgpt.corpus.ngrams import MIN_WORDS, NGRAM, read_eval_grams
+from podgpt.corpus.holdout import (Ledger, SmallestHashes, bpe_reserve, bpe_training_texts,
+                                   doc_hash, least_tokens)
+from podgpt.corpus.ngrams import eval_grams, eval_record
+from podgpt.corpus.shards import save_npy, write_shard
 from podgpt.corpus.sources import GSM8K_FORMATS, documents, is_url, resolve_sources
-from podgpt.core.tokenizer import (BPE_PATTERN, SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec, save_tokenizer,
-                       train_tokenizer)
-from podgpt.core.util import (check_apart, disk_full, fail, first_line, in_use, make_folders, make_scratch, remove_empty,
-                  remove_scratch, run_main)
 
 # --- config
-source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated for several
-data_dir = "data/default"  # output folder: shards, manifest, tokenizer files (data/ holds one folder per dataset)
+source = "stdlib"  # stdlib | file or folder | http(s) URL | preset name; comma-separated: several
+data_dir = "data/default"  # output folder: shards, manifest, tokenizer (one folder per dataset)
 tokenizer = "byte"  # gpt2 | byte | char | bpe:N
 text_field = "text"  # field of .jsonl lines / column of .parquet files
-val_fraction = 0.005  # fraction of documents held out for validation (whole documents); 0: no validation
-min_val_tokens = 100_000  # with val_fraction > 0, at least this many (more documents, by hash): fewer make a noisy loss
+val_fraction = 0.005  # fraction of documents held out for validation (whole documents); 0: none
+min_val_tokens = 100_000  # with val_fraction > 0, at least this many: fewer make a noisy loss
 max_docs = 0  # stop after this many documents (0: all)
 max_shards = 0  # for presets: download only the first N files (0: all)
 min_chars = 0  # drop documents shorter than this many characters
-split_paragraphs = False  # .txt/.md/.py: one document per blank-line separated paragraph, not per file
-gsm8k_format = "qa"  # gsm8k preset: qa ("Question: ...\nAnswer: ...") | hdp (question, plan, execution: needs 3 segments)
-segments = ""  # token lengths each document is padded (BOS) or cut to, e.g. "512" or "128,128,256"; "": packed as is
+split_paragraphs = False  # .txt/.md/.py: a document per blank-line separated paragraph, not file
+gsm8k_format = "qa"  # gsm8k preset: qa (Question/Answer) | hdp (question, plan, execution: 3 parts)
+segments = ""  # token lengths each document is padded or cut to ("512", "128,128,256"); "": as is
 shard_tokens = 100_000_000  # target tokens per shard file
 workers = 0  # tokenizer processes (0: all cores)
-download_dir = "downloads"  # URL downloads (the hub's go to its cache, HF_HOME): beside data_dir, never inside it
+download_dir = "downloads"  # URL downloads (the hub's: its cache, HF_HOME); never inside data_dir
 sha256 = ""  # expected sha256 of a single-URL source (checked after download)
 bpe_train_chars = 2_000_000_000  # at most this many characters of training documents train bpe:N
-chat = False  # SFT data: source is a skills pack's sft.jsonl, each row a chat_row with the loss on the reply alone
-chat_base = ""  # with chat: the base model's data_dir or checkpoint folder, whose tokenizer (+ chat tokens) is used
-pack_dir = ""  # a skills pack whose eval.jsonl exists: count the training documents holding one of its eval rows
+chat = False  # SFT data: source is a skills pack's sft.jsonl, the loss on each reply alone
+chat_base = ""  # with chat: the base model's data_dir or checkpoint folder, whose tokenizer is used
+pack_dir = ""  # a skills pack: count the training documents holding one of its eval rows
 force = False  # rebuild even if data_dir already holds this exact result
 # --- end config
 
 # the config keys that determine the output (data_dir, download_dir, workers, force do not)
-OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tokens", "max_docs", "max_shards",
-               "min_chars", "split_paragraphs", "shard_tokens", "sha256", "bpe_train_chars")
-
-# output keys added since: in prepare_args only when set, so that data prepared before them is still this exact result
+OUTPUT_KEYS = ("source", "tokenizer", "text_field", "val_fraction", "min_val_tokens", "max_docs",
+               "max_shards", "min_chars", "split_paragraphs", "shard_tokens", "sha256",
+               "bpe_train_chars")
+# output keys added since: in prepare_args only when set, so older data is still this exact result
 LATER_KEYS = {"gsm8k_format": "qa", "segments": "", "chat": False, "chat_base": ""}
 
 BATCH_CHARS = 1 << 20  # characters of text sent to a tokenizer process at once
 
-SCRATCH = ".podgpt-prepare"  # the build's folder inside data_dir: a name no user picks, renames on one filesystem
+SCRATCH = ".podgpt-prepare"  # the build's folder inside data_dir: a name no user picks, renames
 MANIFEST = "manifest.json"
-# the other files prepare.py writes into data_dir, and write_shard's temporary ones (a crash may leave one):
-# with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
-OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|mask\.npy|bin\.tmp|bin\.(docs|mask)\.tmp)|tokenizer\.json"
-                      r"|tokenizer\.tiktoken"
-                      r"|train_counts\.npy")
-
-
-# -----------------------------------------------------------------------------
-# Shard files: the format data.py reads
-
-
-def write_shard(path, tokens, vocab_size, bos_id, doc_starts, mask=None):
-    """Write a shard (and its .docs.npy index beside it, and the loss mask if given: SFT data), each atomically;
-    returns the .bin's sha256."""
-    if not path.endswith(".bin"):
-        raise ValueError(f"{path}: shard files end in .bin")
-    tokens, doc_starts = np.asarray(tokens), np.asarray(doc_starts, dtype=np.int64)
-    whole_docs = (len(tokens) > 0 and len(doc_starts) > 0 and doc_starts[0] == 0 and doc_starts[-1] < len(tokens)
-                  and np.all(np.diff(doc_starts) > 0) and np.all(tokens[doc_starts] == bos_id))
-    if not whole_docs:
-        raise ValueError(f"{path}: a shard holds whole documents, each starting with bos_id={bos_id}")
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise ValueError(f"{path}: token ids must lie in [0, {vocab_size})")
-    tokens = tokens.astype(token_dtype(vocab_size), copy=False)
-    header = np.zeros(HEADER_INTS, dtype="<i8")
-    header[:7] = [MAGIC, VERSION, tokens.itemsize, len(tokens), vocab_size, len(doc_starts), bos_id]
-    digest = hashlib.sha256()
-    with open(path + ".tmp", "wb") as f:
-        for block in (header, np.ascontiguousarray(tokens)):
-            f.write(block)
-            digest.update(block)
-    os.replace(path + ".tmp", path)
-    save_npy(path + ".docs.tmp", doc_starts)
-    os.replace(path + ".docs.tmp", docs_file(path))
-    if mask is not None:
-        save_npy(path + ".mask.tmp", np.asarray(mask, dtype=np.uint8))
-        os.replace(path + ".mask.tmp", mask_file(path))
-    return digest.hexdigest()
-
-
-def save_npy(path, array):
-    """np.save into the file `path`, through bytes: numpy's own file writer (ndarray.tofile) turns a Ctrl-C that
-    lands inside it into a TypeError, a traceback where prepare.py owes one line (seen under load)."""
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    with open(path, "wb") as f:
-        f.write(buffer.getvalue())
-
-
-# -----------------------------------------------------------------------------
-# The split: by a document's hash
-
-
-def doc_hash(data):
-    """A document's place in the split, from its UTF-8 bytes alone: uniform in [0, 2**64), and
-    the documents whose hash is below a threshold are held out for validation."""
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-def in_training(text, split, threshold):
-    """Whether a document goes to training: its source's split, else its hash at or above the threshold."""
-    return split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
-
-
-def bpe_training_texts(docs, threshold, max_chars):
-    """The training documents (never validation ones), cut off after max_chars characters; segments apart."""
-    n = 0
-    for text, split in docs:
-        if n >= max_chars:
-            return
-        if in_training(text, split, threshold):
-            text = text.replace(SEGMENT, "\n")[: max_chars - n]
-            n += len(text)
-            yield text
-    if n == 0:  # rustbpe would learn no merge, and say nothing
-        fail("no training document for bpe:N to learn from: every one may be held out for validation (lower "
-             "--min_val_tokens or --val_fraction, or add documents)")
+# the other files prepare.py writes into data_dir, and write_shard's temporary ones (a crash may
+# leave one): with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
+OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|mask\.npy|bin\.tmp|bin\.(docs|mask)"
+                      r"\.tmp)|tokenizer\.json|tokenizer\.tiktoken|train_counts\.npy")
 
 
 # -----------------------------------------------------------------------------
 # Tokenizing in worker processes, writing shards
 
-worker_tok = None  # set in each worker process by init_worker
-
-
-@contextlib.contextmanager
-def signals_held(*signals):
-    """Run the block with these signals (Ctrl-C's SIGINT, SIGTERM) held back, then act on those that came.
-    Not signal.pthread_sigmask: it blocks the calling thread only, and numpy's BLAS threads then take the
-    signal and Python runs its handler in the main thread all the same (measured)."""
-    came = []
-    handlers = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in signals}
-    try:
-        yield
-    finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        for s in came:
-            signal.raise_signal(s)
+worker_tok = worker_lengths = worker_chat = worker_grams = None  # each worker's, set by init_worker
 
 
 def init_worker(tok_dir, lengths, chat, grams):
     global worker_tok, worker_lengths, worker_chat, worker_grams
-    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints one line;
-    # a worker of its own would print a KeyboardInterrupt traceback
+    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints
+    # one line, where each worker would print a traceback
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_tok, worker_lengths, worker_chat = load_tokenizer(tok_dir), lengths, chat  # from the files: nothing pickled
-    worker_grams = grams
+    worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
+    worker_lengths, worker_chat, worker_grams = lengths, chat, grams
 
 
 def encode_document(tok, text, lengths):
-    """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's SEGMENT-separated parts
-    tokenized one by one, the first after BOS, each padded with BOS or cut to its length."""
+    """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's
+    SEGMENT-separated parts tokenized one by one, the first after BOS, each padded with BOS or cut
+    to its length."""
     if not lengths:  # the ids cast once, straight into the shard's dtype
         ids = tok.encode_array(text)
         tokens = np.empty(len(ids) + 1, dtype=token_dtype(tok.vocab_size))
@@ -219,7 +115,8 @@ def encode_document(tok, text, lengths):
     if len(parts) == 1:  # a plain document: one segment
         parts += [""] * (len(lengths) - 1)
     if len(parts) != len(lengths):
-        raise ValueError(f"a document of {len(parts)} segments for segments of {len(lengths)} lengths")
+        raise ValueError(f"a document of {len(parts)} segments for segments of {len(lengths)} "
+                         "lengths")
     tokens, cut = [], False
     for i, (part, n) in enumerate(zip(parts, lengths, strict=True)):
         ids = [tok.bos_id] * (i == 0) + tok.encode(part)
@@ -229,19 +126,20 @@ def encode_document(tok, text, lengths):
 
 
 def encode_batch(docs):
-    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None, the eval rows
-    it holds a gram of, the tokens' token_hash) for each (text, split) of a batch; chat: each text a pack_documents
-    prompt and reply, tokenized as a chat_row, and n_bytes the reply's (the text its loss is on: bits per byte).
-    The hashes are taken here, not in write_shards: the one parent process writes for all the workers."""
+    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None,
+    the eval rows it holds a gram of, the tokens' token_hash) for each (text, split); chat: n_bytes
+    are the reply's, the text its loss is on. The hashes are taken here: one parent writes for all
+    workers."""
     dtype = token_dtype(worker_tok.vocab_size)
-    out, hits = [], worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
+    hits = worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
+    out = []
     for (text, split), found in zip(docs, hits, strict=True):
         data = text.encode("utf-8")
         n_bytes, mask = len(data), None
         if worker_chat:
             prompt, reply = text.split(SEGMENT)
-            (tokens, mask), cut, n_bytes = chat_row(worker_tok, prompt, reply), False, len(reply.encode("utf-8"))
-            mask = np.array(mask, dtype=np.uint8)
+            tokens, mask = chat_row(worker_tok, prompt, reply)
+            cut, n_bytes, mask = False, len(reply.encode("utf-8")), np.array(mask, dtype=np.uint8)
         else:
             tokens, cut = encode_document(worker_tok, text, worker_lengths)
         tokens = np.asarray(tokens).astype(dtype, copy=False)
@@ -266,21 +164,20 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
     from tqdm import tqdm
 
     with contextlib.ExitStack() as stack:
-        # the workers are forked holding Ctrl-C back until init_worker ignores it; one that came meanwhile
-        # stops the pool, already in the stack, before the scratch folder the workers read goes
+        # forked holding Ctrl-C back until init_worker ignores it: one that came meanwhile stops the
+        # pool, already in the stack, before the scratch folder the workers read goes
         with signals_held(signal.SIGINT):
-            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker, (tok_dir, lengths, chat, grams)))
+            pool = stack.enter_context(multiprocessing.Pool(n_workers, init_worker,
+                                                            (tok_dir, lengths, chat, grams)))
         bar = stack.enter_context(tqdm(unit="B", unit_scale=True, desc="tokenizing"))
-        # apply_async with a bounded queue rather than imap: imap reads its whole input ahead,
-        # which for a big corpus means all of it in memory
+        # apply_async with a bounded queue, not imap, which reads its whole input ahead into memory
         pending = collections.deque()
 
         def wait_for_pending(timeout=60):
-            """On the way out (the end, an error, a Ctrl-C), before the pool's __exit__ terminates it: every job
-            sent must have come back. terminate() joins the pool's result thread, which waits forever for the
-            rest of a result whose worker it killed mid-send (a Ctrl-C hung prepare.py so on CI, and once in 24
-            tries on a loaded 2-core VM). At most 2 * n_workers + 1 batches are out: ~1 s. A job whose worker
-            was killed from outside never comes back: it is given up after `timeout` seconds."""
+            """Before the pool's __exit__ terminates it, every job sent must be back: terminate()
+            joins the result thread, which waits forever for the rest of a result whose worker it
+            killed mid-send. A job whose worker was killed from outside never comes: given up at
+            timeout."""
             deadline = time.monotonic() + timeout
             for job in pending:
                 job.wait(max(0.0, deadline - time.monotonic()))
@@ -288,7 +185,7 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
 
         def first_results():
             results = pending[0].get()
-            pending.popleft()  # only once it is back: a Ctrl-C inside get() leaves it for wait_for_pending
+            pending.popleft()  # only once it is back: a Ctrl-C inside get() leaves it for the wait
             for result in results:
                 bar.update(result[1])
                 yield result
@@ -301,29 +198,30 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
             yield from first_results()
 
 
-def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None, ledger=None):
+def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None,
+                 ledger=None):
     """Pack encoded documents into shards per split (validation: hash below threshold), each also
-    added to `smallest`, a SmallestHashes, and to `ledger` (a holdout.Ledger, if given); returns the manifest's
-    splits, train unigram counts and contamination. The split keeps duplicate texts together, yet the count is of
-    the tokens written. eval_found (a Counter): each eval row's training documents are added to it."""
-    splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []} for name in ("train", "val")}
-    # token_hash of each document, 8 bytes apiece: 160 MB for the ~20M documents of 10B tokens
-    hashes = {name: array.array("Q") for name in splits}
+    added to `smallest` (a SmallestHashes), to `ledger` (a holdout.Ledger, if given) and, by eval
+    row, to eval_found (a Counter); returns the manifest's splits, train unigram counts and
+    contamination."""
+    splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []}
+              for name in ("train", "val")}
+    hashes = {name: array.array("Q") for name in splits}  # each document's token_hash: 8 bytes
     filling = {name: [] for name in splits}  # documents of the shard being filled
     masks = {name: [] for name in splits}  # and their loss masks (SFT data)
     filled = dict.fromkeys(splits, 0)  # and their tokens
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
 
     def close_shard(name):
-        docs = filling[name]
+        docs, file = filling[name], f"{name}_{len(splits[name]['shards']):06d}.bin"
         tokens = np.concatenate(docs)
         starts = np.cumsum([0] + [len(d) for d in docs[:-1]], dtype=np.int64)
-        file = f"{name}_{len(splits[name]['shards']):06d}.bin"
         mask = np.concatenate(masks[name]) if masks[name] else None
-        sha = write_shard(os.path.join(out_dir, file), tokens, tok.vocab_size, tok.bos_id, starts, mask)
-        splits[name]["shards"].append({"file": file, "docs_file": docs_file(file), "tokens": len(tokens),
-                                       "docs": len(docs), "sha256": sha} | ({} if mask is None else
-                                                                             {"mask_file": mask_file(file)}))
+        sha = write_shard(os.path.join(out_dir, file), tokens, tok.vocab_size, tok.bos_id, starts,
+                          mask)
+        splits[name]["shards"].append(
+            {"file": file, "docs_file": docs_file(file), "tokens": len(tokens), "docs": len(docs),
+             "sha256": sha} | ({} if mask is None else {"mask_file": mask_file(file)}))
         if name == "train":
             counts[:] += np.bincount(tokens, minlength=tok.vocab_size)
         filling[name], masks[name], filled[name] = [], [], 0
@@ -340,7 +238,7 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
         if name == "train" and eval_found is not None:
             eval_found.update(rows)
         filling[name].append(tokens)
-        if mask is not None:  # SFT data: the tokens the loss counts, for bits per byte of the replies
+        if mask is not None:  # SFT data: the tokens the loss counts, for the replies' bits per byte
             masks[name].append(mask)
             split["loss_tokens"] = split.get("loss_tokens", 0) + int(mask.sum())
         filled[name] += len(tokens)
@@ -361,21 +259,26 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
 # -----------------------------------------------------------------------------
 # The data_dir as a whole
 
+def shard_files(splits):
+    """The shards of splits, their indexes and loss masks."""
+    return [shard[key] for split in splits.values() for shard in split["shards"]
+            for key in ("file", "docs_file", "mask_file") if key in shard]
+
 
 def listed_files(manifest):
-    """The files a manifest lists besides itself: the tokenizer's, the counts, the shards and their indexes."""
-    shards = [shard for split in manifest["splits"].values() for shard in split["shards"]]
-    return (manifest["tokenizer_files"] + [manifest["token_counts"]]
-            + [shard[key] for shard in shards for key in ("file", "docs_file", "mask_file") if key in shard])
+    """The files a manifest lists besides itself."""
+    splits = manifest["splits"]
+    return manifest["tokenizer_files"] + [manifest["token_counts"]] + shard_files(splits)
 
 
 def is_complete(data_dir, args):
-    """Whether data_dir holds a finished build of exactly these arguments, every file there and each shard
-    of its size. A damaged manifest (a key missing, a value of the wrong type) is none: it is rebuilt."""
+    """Whether data_dir holds a finished build of exactly these arguments, every file there and each
+    shard of its size. A damaged manifest (a key missing, a value of the wrong type) is none:
+    rebuilt."""
     try:
         manifest = load_manifest(data_dir)
         saved = manifest.get("prepare_args")
-        if "pack_eval_sha256" not in args and isinstance(saved, dict):  # counted against a pack: still this data
+        if "pack_eval_sha256" not in args and isinstance(saved, dict):  # counted against a pack
             saved = {k: v for k, v in saved.items() if k != "pack_eval_sha256"}
         if saved != args:
             return False
@@ -383,27 +286,29 @@ def is_complete(data_dir, args):
         sizes = {shard["file"]: HEADER_BYTES + shard["tokens"] * itemsize
                  for split in manifest["splits"].values() for shard in split["shards"]}
         return (all(os.path.isfile(os.path.join(data_dir, f)) for f in listed_files(manifest))
-                and all(os.path.getsize(os.path.join(data_dir, f)) == size for f, size in sizes.items()))
+                and all(os.path.getsize(os.path.join(data_dir, f)) == n for f, n in sizes.items()))
     except (ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
 def own_file(entry):
-    """Whether an entry of data_dir is a file prepare.py writes there (by its name: a damaged manifest
-    cannot tell, and a hand-edited one could name a user's file)."""
-    return entry.is_file(follow_symlinks=False) and (entry.name == MANIFEST or OWN_FILE.fullmatch(entry.name))
+    """Whether an entry of data_dir is a file prepare.py writes there, by its name: a damaged
+    manifest cannot tell, and a hand-edited one could name a user's file."""
+    return (entry.is_file(follow_symlinks=False)
+            and (entry.name == MANIFEST or OWN_FILE.fullmatch(entry.name)))
 
 
 def check_own(data_dir):
-    """Fail, before anything is written, when data_dir holds anything prepare.py did not write: a rebuild
-    replaces prepare.py's files there, and a user's file or folder among them (notes, a run) must stay
-    as it is. Its scratch folder counts as prepare.py's here; make_scratch checks that it is."""
+    """Fail, before anything is written, when data_dir holds anything prepare.py did not write: a
+    rebuild replaces prepare.py's files there, and a user's file or folder among them must stay as
+    it is. The scratch folder counts as prepare.py's here; make_scratch checks that it is."""
     if not os.path.lexists(data_dir):
         return
     if not os.path.isdir(data_dir):
         fail(f"data_dir={data_dir} is not a folder: choose another --data_dir")
     with os.scandir(data_dir) as entries:
-        foreign = sorted(e.name + "/" * e.is_dir() for e in entries if e.name != SCRATCH and not own_file(e))
+        foreign = sorted(e.name + "/" * e.is_dir() for e in entries
+                         if e.name != SCRATCH and not own_file(e))
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         fail(f"{data_dir} holds what prepare.py did not write ({', '.join(foreign[:3])}{more}): "
@@ -411,10 +316,10 @@ def check_own(data_dir):
 
 
 def swap_into_place(scratch, data_dir, manifest):
-    """Move the new build from scratch into data_dir, then remove the old files the new manifest does not
-    list. The old manifest.json goes first and the new one comes last: a crash in between leaves a data_dir
-    without one, which the next run rebuilds, never a manifest beside files that are not its own. A Ctrl-C
-    waits until the renames are done (milliseconds)."""
+    """Move the new build from scratch into data_dir, then remove the old files the new manifest
+    does not list. The old manifest.json goes first and the new one comes last: a crash in between
+    leaves no manifest, which the next run rebuilds, never one beside files that are not its own. A
+    Ctrl-C waits until the renames are done (milliseconds)."""
     keep = listed_files(manifest) + [MANIFEST]
     with signals_held(signal.SIGINT, signal.SIGTERM):
         if os.path.lexists(os.path.join(data_dir, MANIFEST)):
@@ -438,103 +343,108 @@ def fingerprint(out_dir, tokenizer_files, splits):
     return digest.hexdigest()
 
 
-def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
-    """Train the tokenizer and write the shards into the scratch folder, holding out at least min_val_tokens
-    where the corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram counts
-    and contamination. grams (ngrams.EvalGrams or None): each eval row's training documents are counted into
-    eval_found, a Counter."""
+# -----------------------------------------------------------------------------
+# The build
 
-    def docs():
-        return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir, cfg.sha256,
-                         cfg.gsm8k_format, cfg.chat)
-
-    # documents whose hash is below the threshold are held out: a val_fraction of them (the hashes are
-    # uniform), or, when those hold fewer than min_val_tokens tokens, as many as it takes
-    threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
-    lengths = segment_lengths(cfg.segments)
+def make_tokenizer(scratch, cfg, docs, threshold, lengths):
+    """The Tokenizer, saved into scratch, and its files; and `reserve`, the highest threshold the
+    split may be raised to: bpe:N trains only on documents hashed at or above it."""
     bpe = parse_spec(cfg.tokenizer)[0] == "bpe" and not cfg.chat
-    reserve = threshold  # bpe:N trains on the documents at or above it
+    reserve = threshold if bpe else 2**64
     if bpe and cfg.val_fraction and cfg.min_val_tokens:
-        unsplit = ((doc_hash(text.encode("utf-8")), split, text) for text, split in docs() if split != "train")
+        unsplit = ((doc_hash(text.encode("utf-8")), split, text) for text, split in docs()
+                   if split != "train")
         reserve = bpe_reserve(unsplit, threshold, cfg.min_val_tokens, least_tokens(lengths))
         if reserve > threshold:
-            print(f"{cfg.tokenizer} is trained without the documents min_val_tokens={cfg.min_val_tokens:,} may hold "
-                  f"out for validation (hashes in the lowest {reserve / 2**64:.2%})")
-    meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base)) if cfg.chat else train_tokenizer(
-        cfg.tokenizer, lambda: (text for text, _ in docs()),
-        lambda: bpe_training_texts(docs(), reserve, cfg.bpe_train_chars))
-    tokenizer_files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
-    tok = load_tokenizer(scratch)  # what the workers and train.py will use, from the files
+            print(f"{cfg.tokenizer} is trained without the documents min_val_tokens="
+                  f"{cfg.min_val_tokens:,} may hold out for validation (hashes in the lowest "
+                  f"{reserve / 2**64:.2%})")
+    if cfg.chat:
+        meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base))
+    else:
+        meta, ranks = train_tokenizer(
+            cfg.tokenizer, lambda: (text for text, _ in docs()),
+            lambda: bpe_training_texts(docs(), reserve, cfg.bpe_train_chars))
+    files = save_tokenizer(scratch, meta.get("spec", cfg.tokenizer), meta, ranks)
+    return load_tokenizer(scratch), files, reserve  # from the files, as the workers load it
+
+
+def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
+    """Train the tokenizer and write the shards into scratch, holding out at least min_val_tokens
+    where the corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram
+    counts and contamination. grams (ngrams.EvalGrams or None): each eval row's training documents
+    are counted into eval_found, a Counter."""
+
+    def docs():
+        return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir,
+                         cfg.sha256, cfg.gsm8k_format, cfg.chat)
+
+    # the hashes are uniform: those below it are a val_fraction of the documents
+    threshold = base_threshold = math.ceil(cfg.val_fraction * 2**64)
+    lengths = segment_lengths(cfg.segments)
+    tok, tokenizer_files, reserve = make_tokenizer(scratch, cfg, docs, threshold, lengths)
     smallest = SmallestHashes(cfg.min_val_tokens)
-    ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens else None  # to replay a short split
-    # closed as soon as anything fails (a Ctrl-C too), not when the generator is collected: the pool stops
-    # and the progress bar ends before the error line is printed
+    # to replay a split short of min_val_tokens at a raised threshold
+    ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens else None
+    # closed as soon as anything fails (a Ctrl-C too), not when collected: the pool stops and the
+    # progress bar ends before the error line is printed
     encoded = encode_all(docs(), cfg.workers or os.cpu_count(), scratch, lengths, cfg.chat, grams)
     with contextlib.closing(encoded):
-        splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens, threshold, smallest,
-                                                     eval_found, ledger)
+        splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens,
+                                                     threshold, smallest, eval_found, ledger)
     val = splits["val"]
-    if ledger is not None and val["tokens"] < cfg.min_val_tokens and smallest.threshold() is not None:
+    short = ledger is not None and val["tokens"] < cfg.min_val_tokens
+    if short and smallest.threshold() is not None:  # None: the whole corpus holds too few
         threshold = smallest.threshold()
-        if bpe and threshold > reserve:  # least_tokens counted more pieces than tiktoken split (its Unicode tables)
-            fail(f"{cfg.tokenizer} was trained on documents min_val_tokens={cfg.min_val_tokens:,} now holds out: "
-                 "lower --min_val_tokens or raise --val_fraction")
-        print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than min_val_tokens="
-              f"{cfg.min_val_tokens:,}: holding out more documents (the next smallest hashes), read back from the "
-              "shards")
-        splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens, threshold,
-                                                    eval_found)
-    check_split(cfg, splits, raised=threshold > base_threshold)
+        if threshold > reserve:  # least_tokens counted more pieces than tiktoken's Unicode tables
+            fail(f"{cfg.tokenizer} was trained on documents min_val_tokens={cfg.min_val_tokens:,} "
+                 "now holds out: lower --min_val_tokens or raise --val_fraction")
+        print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens, fewer than "
+              f"min_val_tokens={cfg.min_val_tokens:,}: holding out more documents (the next "
+              "smallest hashes), read back from the shards")
+        splits, counts, contamination = split_again(scratch, ledger, splits, tok, cfg.shard_tokens,
+                                                    threshold, eval_found)
+    check_split(splits, threshold > base_threshold, cfg.source, cfg.val_fraction,
+                cfg.min_val_tokens)
     return tok, tokenizer_files, splits, counts, contamination
 
 
-def least_tokens(lengths):
-    """A document's fewest tokens under bpe:N, before its merges are known: the segments' lengths, or [BOS] and one
-    token at least for each piece BPE_PATTERN cuts the text into (the encoder merges within a piece, never across;
-    the regex module's pieces are tiktoken's wherever their Unicode tables agree on a letter or a digit)."""
-    if lengths:
-        return lambda text: sum(lengths)
-    import regex  # tiktoken's own dependency
-
-    pieces = regex.compile(BPE_PATTERN)
-    return lambda text: 1 + sum(1 for _ in pieces.finditer(text))
-
-
 def split_again(scratch, ledger, splits, tok, shard_tokens, threshold, eval_found):
-    """write_shards again at a raised threshold, the documents read back from the shards just written (moved
-    into a folder of the scratch folder, removed after): no document is tokenized twice."""
+    """write_shards again at a raised threshold, the documents read back from the shards just
+    written (moved into a folder of the scratch folder, removed after): no document is tokenized
+    twice."""
     first = os.path.join(scratch, "first-pass")
     os.mkdir(first)
-    names = [shard[key] for split in splits.values() for shard in split["shards"]
-             for key in ("file", "docs_file", "mask_file") if key in shard]
+    names = shard_files(splits)
     for name in names:
         os.replace(os.path.join(scratch, name), os.path.join(first, name))
     eval_found.clear()
-    again = write_shards(scratch, ledger.replay(first, splits), tok, shard_tokens, threshold, SmallestHashes(0),
-                         eval_found)
+    again = write_shards(scratch, ledger.replay(first, splits), tok, shard_tokens, threshold,
+                         SmallestHashes(0), eval_found)
     for name in names:
         os.remove(os.path.join(first, name))
     os.rmdir(first)
     return again
 
 
-def check_split(cfg, splits, raised):
-    """Fail on a split that cannot train: no documents, or none for training, or (val_fraction > 0) no
-    validation documents, fewer than min_val_tokens tokens of them, or, where that minimum `raised` the
-    threshold beyond val_fraction's, more than half of the tokens."""
+def check_split(splits, raised, source, val_fraction, min_val_tokens):
+    """Fail on a split that cannot train: no documents, or none for training, or (val_fraction > 0)
+    no validation documents, fewer than min_val_tokens tokens of them, or, where that minimum
+    `raised` the threshold beyond val_fraction's, more than half of the tokens."""
     train, val = splits["train"], splits["val"]
     n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
     if n_docs == 0:
-        fail(f"no documents in {cfg.source} (check --source, --text_field, --min_chars)")
-    if cfg.val_fraction > 0 and (val["tokens"] < cfg.min_val_tokens or raised and 2 * val["tokens"] > n_tokens):
-        fail(f"too little data for min_val_tokens={cfg.min_val_tokens:,}: holding out that many tokens "
+        fail(f"no documents in {source} (check --source, --text_field, --min_chars)")
+    short = val["tokens"] < min_val_tokens or raised and 2 * val["tokens"] > n_tokens
+    if val_fraction > 0 and short:
+        fail(f"too little data for min_val_tokens={min_val_tokens:,}: holding out that many tokens "
              f"in whole documents would leave less than half of the {n_tokens:,} tokens "
              f"({n_docs:,} documents) for training: lower --min_val_tokens or add documents "
              "(raise --max_docs)")
     if train["docs"] == 0:
         fail(f"all {n_docs} documents went to validation: lower --val_fraction")
-    if cfg.val_fraction > 0 and val["docs"] == 0:
-        fail(f"no document went to validation ({n_docs} documents, val_fraction={cfg.val_fraction}): "
+    if val_fraction > 0 and val["docs"] == 0:
+        fail(f"no document went to validation ({n_docs} documents, val_fraction={val_fraction}): "
              "raise --val_fraction or --min_val_tokens, or add documents "
              "(--val_fraction=0 trains without validation)")
 
@@ -548,7 +458,8 @@ def segment_lengths(spec):
     except ValueError:
         lengths = [0]
     if min(lengths) < 1:
-        fail(f"segments={spec!r}: token lengths separated by commas, each at least 1, e.g. 512 or 128,128,256")
+        fail(f"segments={spec!r}: token lengths separated by commas, each at least 1, e.g. 512 or "
+             "128,128,256")
     return lengths
 
 
@@ -562,11 +473,11 @@ def check_args(cfg):
     if cfg.gsm8k_format not in GSM8K_FORMATS:
         fail(f"gsm8k_format={cfg.gsm8k_format!r} is not one of {', '.join(GSM8K_FORMATS)}")
     if cfg.gsm8k_format == "hdp" and len(lengths) != 3:
-        fail(f"gsm8k_format=hdp makes each problem three segments (question, plan, execution): set segments to their "
-             f"token lengths, e.g. --segments=128,128,256 (got {cfg.segments!r})")
+        fail("gsm8k_format=hdp makes each problem three segments (question, plan, execution): set "
+             f"segments to their token lengths, e.g. --segments=128,128,256 (got {cfg.segments!r})")
     if cfg.chat and (not cfg.chat_base or cfg.segments):
-        fail("chat=True makes SFT data in the tokenizer of the base model: set --chat_base to its data_dir or "
-             "checkpoint folder (and no --segments)")
+        fail("chat=True makes SFT data in the tokenizer of the base model: set --chat_base to its "
+             "data_dir or checkpoint folder (and no --segments)")
     if not 0 <= cfg.val_fraction < 1:
         fail(f"val_fraction={cfg.val_fraction} must be in [0, 1)")
     for key, zero in (("min_val_tokens", "no minimum"), ("max_docs", "all"), ("max_shards", "all"),
@@ -576,110 +487,100 @@ def check_args(cfg):
     for key in ("shard_tokens", "bpe_train_chars"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
-    # side by side: a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among
-    # its downloads (a local source needs no download_dir, but checking always is simpler)
+    # a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among its
+    # downloads (a local source needs no download_dir, but checking always is simpler)
     check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
 
 
-def eval_grams(pack_dir):
-    """The ngrams.EvalGrams of pack_dir's eval rows, or None (no pack_dir, or no eval.jsonl in it: said why)."""
-    if not pack_dir:
-        return None
-    path = os.path.join(pack_dir, "eval.jsonl")
-    if not os.path.isfile(path):
-        print(f"pack_dir={pack_dir} has no eval.jsonl (make the pack first: skills.py): the corpus is not checked "
-              "against its eval rows")
-        return None
-    return read_eval_grams(path)
-
-
-def eval_record(pack_dir, grams, found):
-    """manifest.json's eval_contamination: the training documents holding an eval row's gram, by eval row."""
-    return {"pack_dir": pack_dir, "eval_sha256": grams.sha256, "ngram": NGRAM, "min_words": MIN_WORDS,
-            "eval_rows": grams.rows, "rows_checked": grams.rows_checked,
-            "rows_found": len(found),  # and the training documents of each, by its row number (1: the first)
-            "train_docs_by_row": {str(row + 1): n for row, n in sorted(found.items())}}
-
-
 def base_tokenizer_dir(base):
-    """The folder holding the base model's tokenizer: a data_dir or a checkpoint folder as given, an out_dir's
-    latest checkpoint."""
+    """The folder holding the base model's tokenizer: a data_dir or a checkpoint folder as given, an
+    out_dir's latest checkpoint."""
     if os.path.isfile(os.path.join(base, "tokenizer.json")):
         return base
-    from podgpt.core.checkpoint import find_checkpoint  # here: only SFT data needs torch's checkpoint code
+    from podgpt.core.checkpoint import find_checkpoint  # here: only SFT data needs it
     return find_checkpoint(base) or base
 
 
+def write_data(scratch, cfg, inputs, description, args, grams):
+    """Tokenize the corpus into scratch, then its unigram counts and manifest.json; returns the
+    manifest."""
+    eval_found = collections.Counter()
+    tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(
+        scratch, cfg, inputs, grams, eval_found)
+    save_npy(os.path.join(scratch, "train_counts.npy"), counts)
+    manifest = dict(format_version=VERSION, tokenizer=tok.spec, vocab_size=tok.vocab_size,
+                    bos_id=tok.bos_id, token_dtype=token_dtype(tok.vocab_size).name,
+                    tokenizer_files=tokenizer_files, splits=splits, token_counts="train_counts.npy",
+                    source=description, prepare_args=args, contamination=contamination)
+    if grams:
+        manifest["eval_contamination"] = eval_record(cfg.pack_dir, grams, eval_found)
+    # what a checkpoint's data check compares: the tokenizer and the shards alone
+    manifest["fingerprint"] = fingerprint(scratch, tokenizer_files, splits)
+    with open(os.path.join(scratch, MANIFEST), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=2)
+        f.write("\n")
+    return manifest
+
+
+def print_totals(out_dir, manifest, segments, seconds):
+    train, val = manifest["splits"]["train"], manifest["splits"]["val"]
+    n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
+    print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, "
+          f"shards: {len(train['shards'])}")
+    print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens "
+          f"({val['tokens'] / n_tokens:.1%} of tokens) held out")
+    if segments:
+        cut = train["cut"] + val["cut"]
+        print(f"segments {segments}: every document is {sum(segment_lengths(segments))} tokens; "
+              f"{cut:,} of {n_docs:,} ({cut / n_docs:.1%}) had a segment cut to its length "
+              f"(train {train['cut']:,}, validation {val['cut']:,})")
+    print(f"wrote {out_dir}: {manifest['tokenizer']} tokenizer (vocab {manifest['vocab_size']}), "
+          f"fingerprint {manifest['fingerprint'][:12]}, {seconds:.1f}s")
+
+
 def build(cfg):
-    """Prepare cfg.data_dir: reused when it holds this exact result, else built in its scratch folder and
-    moved into place. What data_dir held that prepare.py did not write stops it before it writes."""
+    """Prepare cfg.data_dir: reused when it holds this exact result, else built in its scratch
+    folder and moved into place. What data_dir held that prepare.py did not write stops it before it
+    writes."""
     t0 = time.time()
     check_args(cfg)
     out_dir = os.path.normpath(cfg.data_dir)
-    if holder := in_use(os.path.join(out_dir, SCRATCH)):  # one writer: its scratch folder is held while it builds
-        fail(f"data_dir={out_dir} is being written by another prepare.py ({holder}): wait for it to end (or stop "
-             f"it), or choose another --data_dir")
-    args = {key: cfg[key] for key in OUTPUT_KEYS} | {k: cfg[k] for k, default in LATER_KEYS.items() if cfg[k] != default}
+    if holder := in_use(os.path.join(out_dir, SCRATCH)):  # one writer: its scratch folder is held
+        fail(f"data_dir={out_dir} is being written by another prepare.py ({holder}): wait for it "
+             "to end (or stop it), or choose another --data_dir")
+    args = {key: cfg[key] for key in OUTPUT_KEYS}
+    args |= {k: cfg[k] for k, default in LATER_KEYS.items() if cfg[k] != default}
     grams = eval_grams(cfg.pack_dir)
-    args |= {"pack_eval_sha256": grams.sha256} if grams else {}  # another pack's eval rows: counted again
+    args |= {"pack_eval_sha256": grams.sha256} if grams else {}  # another pack's: counted again
     if not cfg.force and is_complete(out_dir, args):
-        print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; --force rebuilds")
+        print(f"{out_dir} already holds this data (same arguments, all files present): reusing it; "
+              "--force rebuilds")
         return
     check_own(out_dir)
-    inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256, cfg.split_paragraphs)
-    for source in inputs:  # under HF_HUB_OFFLINE, local_copy fails on a missing file now, not hours into tokenizing
+    inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256,
+                                          cfg.split_paragraphs)
+    for source in inputs:  # under HF_HUB_OFFLINE a missing file fails now, not hours into a run
         if is_url(source.location):
             local_copy(source.location, cfg.download_dir)
     made = make_folders(out_dir)
-    scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames, also to a mount point
-    eval_found = collections.Counter()
+    scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames
     try:
-        tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(scratch, cfg, inputs, grams, eval_found)
-        save_npy(os.path.join(scratch, "train_counts.npy"), counts)
-        manifest = {
-            "format_version": VERSION,
-            "tokenizer": tok.spec,
-            "vocab_size": tok.vocab_size,
-            "bos_id": tok.bos_id,
-            "token_dtype": token_dtype(tok.vocab_size).name,
-            "tokenizer_files": tokenizer_files,
-            "splits": splits,
-            "token_counts": "train_counts.npy",
-            "source": description,
-            "prepare_args": args,
-            "contamination": contamination,  # not in the fingerprint: that is of the tokenizer and shards alone
-            **({"eval_contamination": eval_record(cfg.pack_dir, grams, eval_found)} if grams else {}),
-            "fingerprint": fingerprint(scratch, tokenizer_files, splits),
-        }
-        with open(os.path.join(scratch, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=2)
-            f.write("\n")
+        manifest = write_data(scratch, cfg, inputs, description, args, grams)
         swap_into_place(scratch, out_dir, manifest)
-    finally:  # done or failed, the scratch folder goes, and a data_dir this run made if it is left empty
+    finally:  # done or failed, the scratch folder goes, and a data_dir this run made if left empty
         remove_scratch(scratch)
         remove_empty(made)
-    train, val = splits["train"], splits["val"]
-    n_tokens = train["tokens"] + val["tokens"]
-    print(f"train: {train['docs']:,} documents, {train['tokens']:,} tokens, shards: {len(train['shards'])}")
-    print(f"validation: {val['docs']:,} documents, {val['tokens']:,} tokens ({val['tokens'] / n_tokens:.1%} of tokens) "
-          "held out")
-    if cfg.segments:
-        cut = train["cut"] + val["cut"]
-        print(f"segments {cfg.segments}: every document is {sum(segment_lengths(cfg.segments))} tokens; {cut:,} of "
-              f"{train['docs'] + val['docs']:,} ({cut / (train['docs'] + val['docs']):.1%}) had a segment cut to its "
-              f"length (train {train['cut']:,}, validation {val['cut']:,})")
-    print(f"wrote {out_dir}: {tok.spec} tokenizer (vocab {tok.vocab_size}), fingerprint "
-          f"{manifest['fingerprint'][:12]}, {time.time() - t0:.1f}s")
+    print_totals(out_dir, manifest, cfg.segments, time.time() - t0)
 
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
     try:
         build(cfg)
-    except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
-        if disk_full(e):  # a write's error names no file: the folder, and that build() removed its files
-            fail(f"the disk of data_dir={cfg.data_dir} is full ({first_line(e)}): free space on it and rerun the same "
-                 "command (this run's partial files there are removed)")
+    except OSError as e:  # a full disk, a folder that cannot be written: one line, as any error
+        if disk_full(e):  # its error names no file: say the folder, and that build() cleaned up
+            fail(f"the disk of data_dir={cfg.data_dir} is full ({first_line(e)}): free space on it "
+                 "and rerun the same command (this run's partial files there are removed)")
         fail(str(e))
 
 

@@ -45,7 +45,8 @@ from podgpt.pod.preflight import (check_gate_settings, finish_preflight, flops_p
                        plan_run, target_band, write_preflight)
 from podgpt.pod.gates import long_run_gate
 from podgpt.core.schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
-from podgpt.pod.report import MetricsFile, Trackers, outcome, target_verdict, tracker_names, write_report
+from podgpt.pod.report import MetricsFile, outcome, target_verdict, write_report
+from podgpt.pod.trackers import Trackers, tracker_names
 from podgpt.pod.postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
 from podgpt.pod.dryrun import dryrun
 from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems

@@ -19,6 +19,7 @@ BELOW = {
     "bd3lm": {"model", "attention", "util"},
     "data": {"util"},
     "report": {"util", "configurator"},
+    "trackers": {"util", "report"},
     "checkpoint": {"util"},
     "checkpoints": {"util", "model", "objectives", "checkpoint", "data", "tokenizer"},
     "schedule": {"util"},
@@ -30,9 +31,10 @@ BELOW = {
     "ngrams": {"download", "tasks", "tokenizer"},
     "download": {"util"},
     "tasks": {"util", "data", "download", "tokenizer"},
-    "holdout": {"data"},
+    "holdout": {"data", "util", "tokenizer"},
+    "shards": {"data"},
     "sources": {"util", "download", "tasks"},
-    "prepare": {"util", "configurator", "data", "download", "sources", "tokenizer", "checkpoint", "ngrams", "holdout"},
+    "prepare": {"util", "configurator", "data", "download", "sources", "tokenizer", "checkpoint", "ngrams", "holdout", "shards"},
     "skills": {"util", "configurator", "download", "tasks", "tokenizer", "ngrams", "sources"},  # sources: the gsm8k preset's files, read
     "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "checkpoints", "tokenizer",
                "report"},
@@ -44,8 +46,7 @@ BELOW = {
     "handoff": {"util", "configurator", "report", "data", "download", "sources", "checkpoint", "export", "honesty"},
     "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
     "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "checkpoints",
-              "preflight",
-              "schedule", "report", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
+              "preflight", "schedule", "report", "trackers", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
 }
 # bench/'s probes share bench/common.py and may use any module but the scripts' insides
 BENCH_MAY_NOT = {"train", "sanity", "sample"}

@@ -10,7 +10,7 @@ import pytest
 from podgpt.pod import preflight as preflight_module
 from conftest import TINY_MODEL, run_script
 from podgpt.core.data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
-from prepare import write_shard
+from podgpt.corpus.shards import write_shard
 
 NO_DATA = "--data_dir=/nonexistent/podgpt-data"  # planned before the data exists (and not inside out_dir)
 

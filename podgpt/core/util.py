@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -565,3 +565,19 @@ def catch_signals():
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(s, on_signal)
     return stop_signal
+
+
+@contextmanager
+def signals_held(*signals):
+    """Run the block with these signals held back, then act on those that came. Not
+    signal.pthread_sigmask: it blocks the calling thread only, and numpy's BLAS threads would take
+    the signal, which Python then handles in the main thread all the same."""
+    came = []
+    handlers = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in signals}
+    try:
+        yield
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        for s in came:
+            signal.raise_signal(s)

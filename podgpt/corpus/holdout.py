@@ -8,11 +8,50 @@ tokenized once. prepare.py does the tokenizing and writing.
 """
 
 import array
+import hashlib
 import heapq
 
 from podgpt.core.data import shard_documents, token_hash
+from podgpt.core.tokenizer import BPE_PATTERN, SEGMENT
+from podgpt.core.util import fail
 
 FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
+
+
+def doc_hash(data):
+    """A document's place in the split, from its UTF-8 bytes alone: uniform in [0, 2**64), so the
+    documents below a threshold are a share of them, and duplicates land together."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def bpe_training_texts(docs, threshold, max_chars):
+    """The texts of the training documents, (text, source split) in docs with a hash at or above
+    threshold (none that may be held out), cut off after max_chars characters; segments apart."""
+    n = 0
+    for text, split in docs:
+        if n >= max_chars:
+            return
+        in_training = split == "train" if split else doc_hash(text.encode("utf-8")) >= threshold
+        if in_training:
+            text = text.replace(SEGMENT, "\n")[: max_chars - n]
+            n += len(text)
+            yield text
+    if n == 0:  # rustbpe would learn no merge, and say nothing
+        fail("no training document for bpe:N to learn from: every one may be held out for "
+             "validation (lower --min_val_tokens or --val_fraction, or add documents)")
+
+
+def least_tokens(lengths):
+    """A document's fewest tokens under bpe:N, before its merges are known (bpe_reserve's bound):
+    the segments' lengths, or BOS and one token for each piece BPE_PATTERN cuts the text into (the
+    encoder merges within a piece, never across; the regex module's pieces are tiktoken's wherever
+    their Unicode tables agree on a letter or a digit)."""
+    if lengths:
+        return lambda text: sum(lengths)
+    import regex  # tiktoken's own dependency
+
+    pieces = regex.compile(BPE_PATTERN)
+    return lambda text: 1 + sum(1 for _ in pieces.finditer(text))
 
 
 class SmallestHashes:

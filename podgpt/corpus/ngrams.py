@@ -11,6 +11,8 @@ bytes and each gram one of its words, both mod 2^64 and computed with numpy over
 """
 
 
+import os
+
 import numpy as np
 
 from podgpt.corpus.download import file_sha256
@@ -93,6 +95,28 @@ def read_eval_grams(path):
     """The EvalGrams of a pack's eval.jsonl (each row checked as skills.py checks them: one line naming a bad one),
     with the file's sha256."""
     return EvalGrams(read_rows(path)[0], file_sha256(path))
+
+
+def eval_grams(pack_dir):
+    """The EvalGrams of pack_dir's eval rows; None without a pack_dir, or, said, without its
+    eval.jsonl."""
+    if not pack_dir:
+        return None
+    path = os.path.join(pack_dir, "eval.jsonl")
+    if not os.path.isfile(path):
+        print(f"pack_dir={pack_dir} has no eval.jsonl (make the pack first: skills.py): the corpus "
+              "is not checked against its eval rows")
+        return None
+    return read_eval_grams(path)
+
+
+def eval_record(pack_dir, grams, found):
+    """manifest.json's eval_contamination: the training documents holding an eval row's gram
+    (found, a Counter by 0-based row), by row number (1: the first)."""
+    return {"pack_dir": pack_dir, "eval_sha256": grams.sha256, "ngram": NGRAM,
+            "min_words": MIN_WORDS, "eval_rows": grams.rows, "rows_checked": grams.rows_checked,
+            "rows_found": len(found),
+            "train_docs_by_row": {str(row + 1): n for row, n in sorted(found.items())}}
 
 
 class EvalGrams:

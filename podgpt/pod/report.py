@@ -1,42 +1,38 @@
 """
-The run report: a human-readable page and portable files, written from what a run left in its out_dir.
+The run report: a page to read and portable files, written from what a run left in its out_dir.
 
     python -m podgpt.pod.report --out_dir=out
 
 writes into out_dir:
-- summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours, dollars,
-                MFU, the preflight verdict, and the plots (or a line saying why there are none)
+- summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours,
+                dollars, MFU, the preflight verdict, and the plots (or a line saying why none)
 - metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
-- manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars spent
+- manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars
 - plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
                 (refine: the loss of each supervision step)
 
-train.py writes metrics.jsonl through MetricsFile, calls write_report after every evaluation (live=True) and at
-the end, and with log_to mirrors every metrics line to TensorBoard, Weights & Biases or MLflow (Trackers). The
-report reads only the small files of out_dir, and a missing or damaged one leaves its part empty rather than
-raising: a report must never turn a finished run into a failed one.
+train.py writes metrics.jsonl through MetricsFile and calls write_report after every evaluation
+(live=True) and at the end; trackers.py mirrors the same lines live. The report reads only the small
+files of out_dir, and a missing or damaged one leaves its part empty rather than raising: a report
+must never turn a finished run into a failed one.
 """
 
 import csv
 import hashlib
 import importlib
-import importlib.util
 import io
 import json
 import math
 import os
 import platform
-import queue
 import subprocess
 import sys
-import threading
-import time
 
 from podgpt.core import configurator
-from podgpt.core.util import fail, first_line, format_seconds, run_main, warn, write_atomic, write_json
+from podgpt.core.util import fail, format_seconds, run_main, warn, write_atomic
 
 # --- config
-out_dir = "out"                 # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
+out_dir = "out"  # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
 # --- end config
 
 PLOTS = "plots"  # subfolder of out_dir for the PNGs
@@ -54,24 +50,23 @@ def read_json(path):
 
 
 def metrics_lines(path):
-    """(line number, the line's bytes, its row) for each line of metrics.jsonl, where the row is the line's JSON
-    object with an integer step, or None: for half a line (a run killed mid-write), damage, someone else's line.
-    Read as bytes, not text: a byte that is not UTF-8 (a damaged block of the disk) makes one line not a row,
-    where decoding the file would end the read there with an error."""
+    """(line number, the line's bytes, its row) for each line of metrics.jsonl; the row is None for
+    half a line (a run killed mid-write), damage, or someone else's line. Read as bytes: a byte that
+    is not UTF-8 (a damaged block of the disk) then spoils one line, where decoding the file would
+    end the read."""
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
             except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError too
                 row = None
-            if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
-                row = None
-            yield line_no, line, row
+            step = row.get("step") if isinstance(row, dict) else None
+            is_row = isinstance(step, int) and not isinstance(step, bool)
+            yield line_no, line, row if is_row else None
 
 
 def read_metrics(path):
-    """The metric rows of metrics.jsonl: event rows dropped (they are not metrics), lines that are not rows
-    skipped."""
+    """The metric rows of metrics.jsonl: event rows are not metrics."""
     try:
         return [row for _, _, row in metrics_lines(path) if row is not None and "event" not in row]
     except OSError:
@@ -79,17 +74,16 @@ def read_metrics(path):
 
 
 def not_rows(path, line_nos, fate):
-    """The warning for lines of metrics.jsonl that are not metrics rows (their line numbers, what becomes of them)."""
+    """Warn of lines of metrics.jsonl that are not rows, saying what becomes of them."""
     lines = ", ".join(map(str, line_nos[:5])) + (" ..." if len(line_nos) > 5 else "")
-    warn(f"{path}: {len(line_nos)} line(s) not a metrics row (a JSON object with an integer step), line {lines}: "
-         f"{fate}")
+    warn(f"{path}: {len(line_nos)} line(s) not a metrics row (a JSON object with an integer step), "
+         f"line {lines}: {fate}")
 
 
 def rewrite_metrics(path, last_step):
-    """On resume: drop the metrics lines of steps past last_step, which the resumed run writes again, and a
-    torn last line (a run killed mid-write). A line that is not one of podgpt's rows (someone else's, or
-    damaged, even one that is not UTF-8) is kept byte for byte, with a warning: podgpt removes only what it
-    wrote."""
+    """On resume: drop the lines of steps past last_step, which the resumed run writes again, and a
+    torn last line. A line that is not one of podgpt's rows is kept byte for byte, with a warning:
+    podgpt removes only what it wrote."""
     if not os.path.exists(path):
         return
     kept, foreign = [], []
@@ -110,17 +104,19 @@ def rewrite_metrics(path, last_step):
 
 
 class MetricsFile:
-    """metrics.jsonl as a run writes it (rank 0): from the step it starts at (rewrite_metrics), a JSON object a
-    line, appended with os.write, so no buffer holds half a line that a later flush could add."""
+    """metrics.jsonl as a run writes it (rank 0), a JSON object a line, appended with os.write, so
+    no buffer holds half a line that a later flush could add."""
 
     def __init__(self, path, step):
         rewrite_metrics(path, step)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, row):
-        """The row in strict JSON (a non-finite value as null: its event line says what), as written. A write the
-        disk refuses is taken back whole (truncating needs no space), the file closed, and the OSError raised."""
-        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+        """The row in strict JSON (a non-finite value as null: its event line says what), as
+        written. A write the disk refuses is taken back whole (truncating needs no space), the file
+        closed, and the OSError raised."""
+        row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+               for k, v in row.items()}
         line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.fd, 0, os.SEEK_END)
         try:
             while line:  # a full disk may take part of it before it refuses
@@ -140,7 +136,7 @@ def is_number(v):
 
 
 def run_config(out_dir):
-    """The resolved config of the run: config.json of the checkpoint ckpt/latest names; None without one."""
+    """The run's resolved config: config.json of the checkpoint ckpt/latest names, or None."""
     ckpt_root = os.path.join(out_dir, "ckpt")
     try:
         with open(os.path.join(ckpt_root, "latest")) as f:
@@ -154,7 +150,7 @@ def run_config(out_dir):
 # metrics.csv
 
 def long_rows(rows):
-    """(step, name, value) for every numeric field; an eval row repeats its step's `tokens`, kept once."""
+    """(step, name, value) of every numeric field, once: an eval row repeats its step's tokens."""
     seen, out = set(), []
     for row in rows:
         for name, value in row.items():
@@ -171,7 +167,8 @@ def write_csv(path, rows):
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["step", "name", "value"])
-    w.writerows((s, n, repr(v) if isinstance(v, float) else v) for s, n, v in long_rows(rows))  # repr: exact round-trip
+    # repr: a float's exact round trip
+    w.writerows((s, n, repr(v) if isinstance(v, float) else v) for s, n, v in long_rows(rows))
     write_atomic(path, buf.getvalue())
 
 
@@ -187,18 +184,19 @@ def version(module):
 
 def git_commit():
     try:
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                           capture_output=True, text=True, timeout=5)
+        r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
         return (r.stdout.strip() or None) if r.returncode == 0 else None
-    except Exception:
+    except Exception:  # no git, or not a clone: null
         return None
 
 
 def config_hash(config):
-    """sha256 of the config in canonical JSON, so the same run config hashes the same however it was formatted."""
+    """sha256 of the config in canonical JSON: the same however the config was formatted."""
     if config is None:
         return None
-    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def cpu_name():
@@ -207,7 +205,7 @@ def cpu_name():
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:
+    except OSError:  # not Linux
         pass
     return platform.processor() or platform.machine() or None
 
@@ -218,9 +216,10 @@ def hardware():
         import torch
         if torch.cuda.is_available():
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:
+    except Exception:  # no torch, or a broken driver: a manifest without GPUs rather than none
         pass
-    return dict(cpu=cpu_name(), cpu_count=os.cpu_count(), gpus=gpus, gpu_count=len(gpus), host=platform.node())
+    return dict(cpu=cpu_name(), cpu_count=os.cpu_count(), gpus=gpus, gpu_count=len(gpus),
+                host=platform.node())
 
 
 def spent(summary, clock):
@@ -230,15 +229,13 @@ def spent(summary, clock):
     return None
 
 
-def manifest(out_dir, config, summary, clock):
+def manifest(config, summary, clock):
     config = config or {}
-    return dict(seed=config.get("seed"),
-                versions=dict(python=platform.python_version(), torch=version("torch"), numpy=version("numpy"),
-                              tiktoken=version("tiktoken"), podgpt=git_commit()),
-                config_hash=config_hash(config or None),
-                hardware=hardware(),
-                world_size=(summary or {}).get("world_size", config.get("world_size")),
-                cost_usd=spent(summary, clock))
+    versions = dict(python=platform.python_version(), torch=version("torch"),
+                    numpy=version("numpy"), tiktoken=version("tiktoken"), podgpt=git_commit())
+    world_size = (summary or {}).get("world_size", config.get("world_size"))
+    return dict(seed=config.get("seed"), versions=versions, config_hash=config_hash(config or None),
+                hardware=hardware(), world_size=world_size, cost_usd=spent(summary, clock))
 
 
 # ----------------------------------------------------------------------------
@@ -249,11 +246,13 @@ def series(rows, x, y):
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+LOSSES = [("loss", "train"), ("val_loss", "validation")]
 # (file, title, x field, [(y field, label)], y label)
 FIGURES = [
-    ("loss_steps.png", "loss", "step", [("loss", "train"), ("val_loss", "validation")], "loss"),
-    ("loss_tokens.png", "loss against tokens", "tokens", [("loss", "train"), ("val_loss", "validation")], "loss"),
-    ("grad_norm.png", "gradient norm (before clipping)", "step", [("grad_norm", "grad norm")], "norm"),
+    ("loss_steps.png", "loss", "step", LOSSES, "loss"),
+    ("loss_tokens.png", "loss against tokens", "tokens", LOSSES, "loss"),
+    ("grad_norm.png", "gradient norm (before clipping)", "step", [("grad_norm", "grad norm")],
+     "norm"),
     ("tokens_per_sec.png", "throughput", "step", [("tokens_per_sec", "tokens/s")], "tokens/s"),
     ("lr.png", "learning rate", "step", [("lr", "lr")], "lr"),
     ("memory.png", "peak device memory", "step", [("mem_gb", "memory")], "GB"),
@@ -261,12 +260,12 @@ FIGURES = [
 
 
 def figures(rows):
-    """FIGURES, and for a refine run (train.py's sup_loss_<i> fields) the loss of each supervision step; for a run
-    with eval_gsm8k_samples, the accuracy of its GSM8K answers."""
+    """FIGURES, and those of the fields only some runs write: a refine run's loss of each
+    supervision step (sup_loss_<i>), and eval_gsm8k_samples' accuracy."""
     steps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("sup_loss_")})
-    extra = [("refinement.png", "loss per supervision step", "step",
-              [(f"{p}sup_loss_{i}", f"{label} step {i}") for p, label in (("", "train"), ("val_", "validation"))
-               for i in steps], "loss")] if steps else []
+    ys = [(f"{p}sup_loss_{i}", f"{label} step {i}")
+          for p, label in (("", "train"), ("val_", "validation")) for i in steps]
+    extra = [("refinement.png", "loss per supervision step", "step", ys, "loss")] if steps else []
     if any("gsm8k_accuracy" in r for r in rows):
         extra.append(("gsm8k_accuracy.png", "GSM8K test problems answered right (greedy)", "step",
                       [("gsm8k_accuracy", "accuracy")], "share right"))
@@ -280,12 +279,14 @@ def write_plots(out_dir, rows):
         matplotlib.use("Agg")  # no display on a training node
         import matplotlib.pyplot as plt
     except Exception as e:  # ImportError, or a None put in sys.modules
-        return f"plots skipped: matplotlib is not installed ({type(e).__name__}); pip install matplotlib for them"
+        return (f"plots skipped: matplotlib is not installed ({type(e).__name__}); "
+                "pip install matplotlib for them")
     folder = os.path.join(out_dir, PLOTS)
     written = []
     for name, title, x, ys, ylabel in figures(rows):
         # fixed margins, not tight_layout, which measures every label's text at every evaluation
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=100, gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100,
+                               gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
         try:
             drawn = 0
             for y, label in ys:
@@ -322,9 +323,10 @@ def last(rows, name):
 
 
 def target_verdict(band, status, val_loss):
-    """Whether the run got where target_val_loss (as preflight.target_band) says, judged on its final validation
-    loss (done means the final one, not the best): met or missed; not reached when a guard or a signal stopped the
-    run before its last step, or it failed; None without a target. An early stop completes a run."""
+    """Whether the run got where target_val_loss (as preflight.target_band) says, judged on its
+    final validation loss, not the best: met or missed; not reached when a guard or a signal stopped
+    the run before its last step, or it failed; None without a target. An early stop completes a
+    run."""
     if band is None:
         return None
     if status != "completed" or val_loss is None:
@@ -340,41 +342,70 @@ def target_text(band):
 
 
 def outcome(summary, max_steps, out_dir):
-    """train.py's last console line from its summary.json: what a completed or stopped run did; "" for a failed
-    run, whose error line says it."""
+    """train.py's last console line, from summary.json; "" for a failed run: its error says it."""
     s, band = summary, summary["target_val_loss"]
     if s["status"] == "completed":
         why = f"horizon: {s['horizon_by']} pays for {s['horizon']:,} of max_steps={max_steps:,}" \
             if s["stop_reason"] == "horizon" else s["stop_reason"]
-        return (f"done ({why}): {s['steps']} steps in {format_seconds(s['elapsed_s'])} | final val loss "
-                f"{s['final_val_loss']:.4f} (best {fmt(s['best_val_loss'])} at step {s['best_step']}, unigram baseline "
-                f"{s['unigram_val_loss']:.4f})" + (f" | target_val_loss {target_text(band)}: {s['target']}" if band else "")
-                + f" | summary in {out_dir}/summary.json")
+        target = f" | target_val_loss {target_text(band)}: {s['target']}" if band else ""
+        return (f"done ({why}): {s['steps']} steps in {format_seconds(s['elapsed_s'])} | "
+                f"final val loss {s['final_val_loss']:.4f} (best {fmt(s['best_val_loss'])} at step "
+                f"{s['best_step']}, unigram baseline {s['unigram_val_loss']:.4f}){target} | "
+                f"summary in {out_dir}/summary.json")
     if s["status"] == "stopped":
         signal_name = f" {s['signal']}" if s["stop_reason"] == "signal" else ""
-        return (f"stopped at step {s['steps']} ({s['stop_reason']}{signal_name}) after {format_seconds(s['elapsed_s'])}, "
-                f"${s['cost_usd']:.2f} | " + ("no checkpoint written: already over budget_usd"
-                                              if s["stop_reason"] == "budget_file_spent"
-                                              else f"checkpoint {s['checkpoint']}: the same command resumes"))
+        resume = f"checkpoint {s['checkpoint']}: the same command resumes"
+        if s["stop_reason"] == "budget_file_spent":
+            resume = "no checkpoint written: already over budget_usd"
+        return (f"stopped at step {s['steps']} ({s['stop_reason']}{signal_name}) after "
+                f"{format_seconds(s['elapsed_s'])}, ${s['cost_usd']:.2f} | {resume}")
     return ""
 
 
+def preflight_section(preflight):
+    """The preflight verdict and the gates that did not pass."""
+    lines = ["## preflight", ""]
+    if preflight is None:
+        return lines + ["no preflight.json", ""]
+    lines += [f"verdict: **{preflight.get('verdict', 'unknown')}** "
+              f"({preflight.get('profile', '?')} profile)", ""]
+    lines += [f"- {g.get('name')}: {g.get('verdict')}: {g.get('detail')}"
+              for g in preflight.get("gates") or []
+              if isinstance(g, dict) and g.get("verdict") not in ("pass", "skip")]
+    return lines + [""]
+
+
 def gate_section(record):
-    """summary.md's long-run gate: its verdict and every check after the run (its preflight gates: the preflight
-    section)."""
+    """The long-run gate's verdict and each check after the run; its preflight gates are above."""
     lines = ["## long-run gate", ""]
     if not isinstance(record, dict):
         return lines + ["no release gate recorded", ""]
     lines += [f"verdict: **{record.get('verdict')}** ({record.get('profile')} profile)", "",
               "| after the run | verdict | detail |", "|---|---|---|"]
-    lines += [f"| {g.get('name')} | {g.get('verdict')} | {g.get('detail')} |" for g in record.get("post_run") or []]
+    lines += [f"| {g.get('name')} | {g.get('verdict')} | {g.get('detail')} |"
+              for g in record.get("post_run") or []]
     return lines + [""]
+
+
+def plots_section(plots):
+    lines = ["## plots", ""]
+    if isinstance(plots, str):
+        lines += [plots, ""]
+    elif not plots:
+        lines += ["no metric rows to plot", ""]
+    else:
+        for title, path in plots:
+            lines += [f"![{title}]({path})", ""]
+    return lines + ["Also here: metrics.csv (every metric as step, name, value), manifest.json "
+                    "(versions, config hash, hardware, spend).", ""]
 
 
 def summary_md(out_dir, summary, clock, preflight, rows, plots):
     s = summary or {}
     elapsed = s.get("elapsed_s", (clock or {}).get("elapsed"))
     mfus = [r["mfu"] for r in rows if is_number(r.get("mfu"))]
+    refined = s.get("final_val_refinement", last(rows, "val_refinement"))
+    accuracy = last(rows, "gsm8k_accuracy")
     lines = [f"# run report: {os.path.abspath(out_dir)}", ""]
     if summary is None:
         lines += ["No summary.json: the run is still going, or was killed before it ended. "
@@ -382,7 +413,8 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
     lines += [
         "| | |", "|---|---|",
         f"| outcome | {s.get('status', 'unknown')} |",
-        f"| stop reason | {s.get('stop_reason', 'unknown')}" + (f" ({s['signal']})" if s.get("signal") else "") + " |",
+        f"| stop reason | {s.get('stop_reason', 'unknown')}"
+        + (f" ({s['signal']})" if s.get("signal") else "") + " |",
         f"| steps | {fmt(s.get('steps', last(rows, 'step')), 'd')} |",
         f"| tokens | {fmt(s.get('tokens', last(rows, 'tokens')), ',')} |",
         f"| final train loss | {fmt(s.get('final_train_loss', last(rows, 'loss')))} |",
@@ -393,207 +425,32 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
         f"| final val bits per byte | {fmt(s.get('final_val_bpb', last(rows, 'val_bpb')))} |",
         f"| unigram baseline val loss | {fmt(s.get('unigram_val_loss'))} |",
         *([f"| refinement (validation, first to last supervision step) | {fmt(refined, '.1f')}% |"]
-          if (refined := s.get("final_val_refinement", last(rows, "val_refinement"))) is not None else []),
+          if refined is not None else []),
         *([f"| GSM8K accuracy (last evaluation, greedy) | {fmt(100 * accuracy, '.1f')}% |"]
-          if (accuracy := last(rows, "gsm8k_accuracy")) is not None else []),
+          if accuracy is not None else []),
         f"| hours | {fmt(elapsed / 3600 if is_number(elapsed) else None, '.3f')} |",
         f"| dollars | {fmt(spent(summary, clock), '.2f')} |",
-        # MFU is empty on devices without a known peak (docs/long-runs.md): say so rather than print 0
-        "| MFU | " + (f"{mfus[-1]:.1%} last, {sum(mfus) / len(mfus):.1%} mean" if mfus else "- (no known peak for this device)") + " |",
-        f"| spikes / non-finite steps / rollbacks | {s.get('spikes', '-')} / {s.get('nonfinite_steps', '-')} / {s.get('rollbacks', '-')} |",
-        f"| checkpoint (latest, best) | {s.get('checkpoint', '-')}, {s.get('best_checkpoint', '-')} |",
+        # MFU is empty on devices without a known peak (docs/long-runs.md): said, not printed as 0
+        "| MFU | " + (f"{mfus[-1]:.1%} last, {sum(mfus) / len(mfus):.1%} mean" if mfus
+                      else "- (no known peak for this device)") + " |",
+        f"| spikes / non-finite steps / rollbacks | {s.get('spikes', '-')} / "
+        f"{s.get('nonfinite_steps', '-')} / {s.get('rollbacks', '-')} |",
+        f"| checkpoint (latest, best) | {s.get('checkpoint', '-')}, "
+        f"{s.get('best_checkpoint', '-')} |",
         "",
     ]
-    lines += ["## preflight", ""]
-    if preflight is None:
-        lines += ["no preflight.json", ""]
-    else:
-        lines += [f"verdict: **{preflight.get('verdict', 'unknown')}** ({preflight.get('profile', '?')} profile)", ""]
-        for g in preflight.get("gates") or []:
-            if isinstance(g, dict) and g.get("verdict") not in ("pass", "skip"):
-                lines.append(f"- {g.get('name')}: {g.get('verdict')}: {g.get('detail')}")
-        lines.append("")
+    lines += preflight_section(preflight)
     lines += gate_section(s.get("long_run_gate")) if summary is not None else []
-    lines += ["## plots", ""]
-    if isinstance(plots, str):
-        lines += [plots, ""]
-    elif not plots:
-        lines += ["no metric rows to plot", ""]
-    else:
-        for title, path in plots:
-            lines += [f"![{title}]({path})", ""]
-    lines += ["Also here: metrics.csv (every metric as step, name, value), manifest.json (versions, config hash, "
-              "hardware, spend).", ""]
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------
-# trackers: every metrics line mirrored, as the run writes it, to TensorBoard, Weights & Biases or MLflow
-
-TRACKERS = ("tensorboard", "wandb", "mlflow")  # each the name of its package, and of its pip install
-
-
-def comma_list(text):
-    """The names of a comma-separated setting ("a, b,a" -> ["a", "b"])."""
-    return list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-
-
-def tracker_names(log_to):
-    """The trackers log_to names ("tensorboard,wandb"), each known and installed; else one line (util.Error)."""
-    names = comma_list(log_to)
-    for name in names:
-        if name not in TRACKERS:
-            fail(f"log_to={log_to!r}: no tracker named {name!r}; name any of {', '.join(TRACKERS)}, comma-separated", 2)
-    for name in names:
-        if importlib.util.find_spec(name) is None:  # without importing it: wandb and mlflow take seconds
-            fail(f"log_to={name} needs the {name} package, which is not installed: pip install {name} "
-                 f"(or leave {name} out of log_to)", 2)
-    return names
-
-
-def tracker_values(row):
-    """(step, {name: number}) of a metrics line: a training or validation line's numbers under their
-    metrics.jsonl names; an event line as event/<name> = 1 and its numbers as event/<name>/<field>."""
-    event = row.get("event")
-    values = {f"event/{event}": 1} if event else {}
-    values.update({(f"event/{event}/{k}" if event else k): v for k, v in row.items() if k != "step" and is_number(v)})
-    return row["step"], values
-
-
-class TensorBoard:
-    """Event files in out_dir/tensorboard: `tensorboard --logdir out` shows every run under out/. A resumed
-    run purges the steps past its checkpoint, which it trains again."""
-
-    def __init__(self, out_dir, name, config, tags, run_id, step):
-        from torch.utils.tensorboard import SummaryWriter
-        self.id = None
-        self.writer = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=step or None, flush_secs=30)
-        self.writer.add_text("run", name + (f" (tags: {', '.join(tags)})" if tags else ""), step)
-        # indented four spaces: TensorBoard's text tab renders markdown, and this keeps the lines apart
-        self.writer.add_text("config", "\n".join(f"    {k} = {v!r}" for k, v in config.items()), step)
-
-    def log(self, step, values):
-        for k, v in values.items():
-            self.writer.add_scalar(k, v, step)
-
-    def close(self, status):
-        self.writer.close()
-
-
-class WandB:
-    """A Weights & Biases run in wandb_project (WANDB_API_KEY or `wandb login`; WANDB_MODE=offline keeps it in
-    out_dir/wandb for a later `wandb sync`). A resumed run continues the same wandb run (its id in
-    trackers.json); podgpt's step is the x axis, which a resume or a rollback may take back over."""
-
-    def __init__(self, out_dir, name, config, tags, run_id, step):
-        import wandb
-        self.run = wandb.init(project=config["wandb_project"], name=name, config=dict(config), tags=tags,
-                              dir=out_dir, id=run_id, resume="allow")
-        self.run.define_metric("step")
-        self.run.define_metric("*", step_metric="step")  # wandb's own step may only grow
-        self.id = self.run.id
-
-    def log(self, step, values):
-        self.run.log(dict(values, step=step))
-
-    def close(self, status):
-        self.run.finish(exit_code=0 if status in ("completed", "stopped") else 1)
-
-
-class MLflow:
-    """An MLflow run in mlflow_experiment, at MLFLOW_TRACKING_URI (unset: mlflow 3's default, ./mlflow.db).
-    Through MlflowClient and the run's id: mlflow's module-level calls keep their active run per thread,
-    and Trackers logs from its own. A resumed run continues the same MLflow run (its id in trackers.json)."""
-
-    def __init__(self, out_dir, name, config, tags, run_id, step):
-        import mlflow
-        from mlflow.entities import Metric, Param
-        self.client, self.metric = mlflow.MlflowClient(), Metric
-        if run_id:
-            self.client.update_run(run_id, status="RUNNING")
-        else:
-            experiment = self.client.get_experiment_by_name(config["mlflow_experiment"])
-            experiment_id = experiment.experiment_id if experiment else \
-                self.client.create_experiment(config["mlflow_experiment"])
-            run_id = self.client.create_run(experiment_id, run_name=name, tags={t: "true" for t in tags}).info.run_id
-            params = [Param(k, repr(v)) for k, v in config.items()]
-            for i in range(0, len(params), 100):  # the tracking server takes at most 100 params per batch
-                self.client.log_batch(run_id, params=params[i:i + 100])
-        self.id = run_id
-
-    def log(self, step, values):
-        ms = int(time.time() * 1000)
-        self.client.log_batch(self.id, metrics=[self.metric(k, v, ms, step) for k, v in values.items()])
-
-    def close(self, status):
-        self.client.set_terminated(self.id, {"completed": "FINISHED", "stopped": "KILLED"}.get(status, "FAILED"))
-
-
-class Trackers:
-    """Rank 0's mirror of metrics.jsonl to the trackers log_to names. Lines go through a queue to a thread
-    of their own, so a slow or unreachable tracker never holds a step up; a tracker that fails to start or
-    raises gets one warning and training goes on (one that raises is still tried with the next lines: an
-    outage can end). The trackers' run ids go to out_dir/trackers.json, so a resumed run continues them."""
-
-    CLASSES = dict(tensorboard=TensorBoard, wandb=WandB, mlflow=MLflow)
-
-    def __init__(self, cfg, step):
-        """cfg: train.py's config (log_to, run_name, run_tags, out_dir); step: the step the run starts at."""
-        path = os.path.join(cfg.out_dir, "trackers.json")
-        ids = read_json(path) if step else None  # a run from step 0 is a new run for the trackers too
-        ids = ids if isinstance(ids, dict) else {}
-        name, tags = cfg.run_name or cfg.out_dir, comma_list(cfg.run_tags)
-        self.live, self.failures = [], {}
-        for tracker in tracker_names(cfg.log_to):
-            try:
-                self.live.append((tracker, self.CLASSES[tracker](cfg.out_dir, name, cfg, tags, ids.get(tracker), step)))
-            except Exception as e:
-                warn(f"log_to: {tracker} did not start ({first_line(e)}); training goes on without it "
-                     f"(metrics.jsonl has every line)")
-        # a tracker that did not start this time keeps its run for the next
-        write_json(path, dict(ids, **{tracker: t.id for tracker, t in self.live if t.id}))
-        self.queue = queue.Queue()
-        self.thread = threading.Thread(target=self.deliver, name="trackers", daemon=True)
-        self.thread.start()
-
-    def log(self, row):
-        self.queue.put(tracker_values(row))
-
-    def deliver(self):
-        while (item := self.queue.get()) is not None:
-            for tracker, t in self.live:
-                self.attempt(tracker, t.log, *item)
-
-    def attempt(self, tracker, call, *args):
-        try:
-            call(*args)
-        except Exception as e:
-            self.failures[tracker] = self.failures.get(tracker, 0) + 1
-            if self.failures[tracker] == 1:
-                warn(f"log_to: {tracker} failed ({first_line(e)}); training goes on, and so do the attempts "
-                     f"to reach it")
-
-    def close(self, status, wait=60):
-        """Deliver what is queued (waiting at most `wait` seconds) and end the tracker runs."""
-        self.queue.put(None)
-        self.thread.join(wait)
-        if self.thread.is_alive():
-            warn(f"log_to: the trackers took more than {wait} s for their last lines; leaving without them "
-                 f"(metrics.jsonl has every line)")
-            return
-        for tracker, t in self.live:
-            self.attempt(tracker, t.close, status)
-        for tracker, n in self.failures.items():
-            warn(f"log_to: {n} call(s) to {tracker} failed in this run; metrics.jsonl has every line")
+    return "\n".join(lines + plots_section(plots))
 
 
 # ----------------------------------------------------------------------------
 
 def write_report(out_dir, plots=True, live=False):
-    """Write summary.md, metrics.csv, manifest.json and (plots=True) plots/ into out_dir. Never raises: a part
-    that fails is reported in summary.md (or on stderr) and the rest is still written. Returns {file: problem}.
-    live: the run is still going (train.py, at every evaluation), so a summary.json is a stopped run's, which a
-    resumed run replaces at its end: it is left out."""
+    """Write summary.md, metrics.csv, manifest.json and (plots=True) plots/ into out_dir. Never
+    raises: a part that fails is reported in summary.md (or on stderr) and the rest is still
+    written. Returns {file: problem}. live: the run is still going, so a summary.json is a stopped
+    run's, which the resumed run replaces at its end: it is left out."""
     problems = {}
 
     def attempt(name, fn):
@@ -604,6 +461,9 @@ def write_report(out_dir, plots=True, live=False):
             print(f"report: {name} not written: {problems[name]}", file=sys.stderr)
             return None
 
+    def written(name, text):
+        attempt(name, lambda: write_atomic(os.path.join(out_dir, name), text()))
+
     if not os.path.isdir(out_dir):
         print(f"report: {out_dir} is not a folder", file=sys.stderr)
         return {"out_dir": "missing"}
@@ -613,16 +473,15 @@ def write_report(out_dir, plots=True, live=False):
     preflight = read_json(os.path.join(out_dir, "preflight.json"))
     config = attempt("config", lambda: run_config(out_dir))
     attempt("metrics.csv", lambda: write_csv(os.path.join(out_dir, "metrics.csv"), rows))
-    attempt("manifest.json", lambda: write_atomic(os.path.join(out_dir, "manifest.json"),
-                                                  json.dumps(manifest(out_dir, config, summary, clock), indent=1) + "\n"))
+    written("manifest.json", lambda: json.dumps(manifest(config, summary, clock), indent=1) + "\n")
     if not plots:
-        plots = f"plots not drawn (plots=False): python -m podgpt.pod.report --out_dir={out_dir} draws them"
+        plots = (f"plots not drawn (plots=False): python -m podgpt.pod.report --out_dir={out_dir} "
+                 "draws them")
     else:
         plots = attempt("plots", lambda: write_plots(out_dir, rows))
         if plots is None:
             plots = f"plots skipped: {problems.get('plots')}"
-    attempt("summary.md", lambda: write_atomic(os.path.join(out_dir, "summary.md"),
-                                               summary_md(out_dir, summary, clock, preflight, rows, plots)))
+    written("summary.md", lambda: summary_md(out_dir, summary, clock, preflight, rows, plots))
     return problems
 
 
@@ -631,13 +490,15 @@ def main(argv):
     config = configurator.configure(__file__, argv)
     path = os.path.join(config.out_dir, "metrics.jsonl")
     if not os.path.isfile(path):  # its manifest.json would go over another's
-        fail(f"{config.out_dir} holds no metrics.jsonl: not a training run's out_dir; give --out_dir=<a run's folder>")
+        fail(f"{config.out_dir} holds no metrics.jsonl: not a training run's out_dir; give "
+             "--out_dir=<a run's folder>")
     # a torn last line is one a run is writing now, or was killed writing: no warning for it
     damaged = [n for n, line, row in metrics_lines(path) if row is None and line.endswith(b"\n")]
     if damaged:
         not_rows(path, damaged, "the report skips them")
     problems = write_report(config.out_dir)
-    print(f"report in {config.out_dir}/summary.md" + (f" ({len(problems)} part(s) failed)" if problems else ""))
+    failed = f" ({len(problems)} part(s) failed)" if problems else ""
+    print(f"report in {config.out_dir}/summary.md{failed}")
     return 1 if problems else 0
 
 
