@@ -42,7 +42,8 @@ import torch.nn.functional as F
 
 from podgpt.core import configurator
 from podgpt.core.data import Loader, bpb_scale, load_manifest
-from podgpt.pod.gates import record_eval_floors, wilson
+from podgpt.pod.gates import wilson
+from podgpt.release.gates import record_eval_floors
 from podgpt.release.loading import load_trained, locate
 from podgpt.corpus.tasks import HUB_MC, hub_questions, read_rows
 from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer

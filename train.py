@@ -253,6 +253,15 @@ def open_data(cfg, manifest, mconfig):
                        for split in ("train", "val"))
 
 
+def release_gates(pack_dir):
+    """The skills pack's release gates (podgpt/release/gates.py) for a run judged with a pack; None without one,
+    and pretraining loads nothing of the release path."""
+    if not pack_dir:
+        return None
+    from podgpt.release import gates
+    return gates
+
+
 def build_model(cfg, proc, dt, mconfig):
     """The model on this rank's device (its share of it under fsdp), its attention kernel resolved first
     (before torch.compile traces it) and logged in one short line (verbose: with the kernels auto skipped and
@@ -787,7 +796,7 @@ class Trainer:
                        world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
                        best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
                        **self.objective_metrics(self.val_stats if val_loss is not None else None, "final_val_"))
-        summary["long_run_gate"] = long_run_gate(cfg, summary)
+        summary["long_run_gate"] = long_run_gate(cfg, summary, release_gates(cfg.pack_dir))
         write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
         self.write_clock()
         self.metrics.close()
@@ -838,7 +847,9 @@ def train(cfg, keep_group=False):
         manifest = read_manifest(cfg)
         mconfig = model_config(cfg, manifest)
         data = open_data(cfg, manifest, mconfig)
-        report, raw_model = plan_run(cfg, proc, dt, mconfig, data, lambda: build_model(cfg, proc, dt, mconfig))
+        release = release_gates(cfg.pack_dir)
+        report, raw_model = plan_run(cfg, proc, dt, mconfig, data, lambda: build_model(cfg, proc, dt, mconfig),
+                                     release)
         if cfg.preflight_only:
             on_rank0(proc.distributed, folder.claim)
             return finish_preflight(cfg, report, proc.rank == 0), None, None

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from podgpt.pod import gates
+from podgpt.release import gates as release_gates
 from podgpt.core.configurator import Config
 from conftest import ROOT, TINY_MODEL, run_script
 from podgpt.corpus.ngrams import read_eval_grams
@@ -86,7 +87,7 @@ def pack(sft, evals):
 
 def test_sft_category_balance_is_the_smallest_category_over_the_largest():
     def balance(sft, profile="skill_release"):
-        return gates.sft_category_balance(cfg(profile, pack_dir="p"), pack(sft, [30] * len(sft)))
+        return release_gates.sft_category_balance(cfg(profile, pack_dir="p"), pack(sft, [30] * len(sft)))
 
     assert [balance(s)["verdict"] for s in ([100, 95], [100, 40], [100, 10])] == ["pass", "warn", "block"]
     assert balance([100, 40])["value"] == 0.4 and "the smallest, c1, has 40 SFT rows" in balance([100, 40])["detail"]
@@ -96,7 +97,7 @@ def test_sft_category_balance_is_the_smallest_category_over_the_largest():
 def test_eval_coverage_is_the_widest_wilson_interval_of_a_category():
     """At 50% correct a 95% interval is 0.342 wide over 29 rows (the 1B pack's), 0.366 over 25, 0.52 over 10."""
     def coverage(rows, profile="skill_release"):
-        return gates.eval_skill_release_coverage(cfg(profile, pack_dir="p"), pack([100, 100], rows))
+        return release_gates.eval_skill_release_coverage(cfg(profile, pack_dir="p"), pack([100, 100], rows))
 
     got = {rows[1]: coverage(rows) for rows in ([30, 29], [30, 25], [30, 10])}
     assert [g["verdict"] for g in got.values()] == ["pass", "warn", "block"]
@@ -108,7 +109,7 @@ def test_eval_coverage_is_the_widest_wilson_interval_of_a_category():
 
 def test_the_pack_gates_need_a_pack_only_under_skill_release():
     for profile, verdict in (("research", "skip"), ("skill_release", "block")):
-        found = {g["name"]: g for g in gates.pack_gates(cfg(profile), 1e6, None)}
+        found = {g["name"]: g for g in release_gates.pack_gates(cfg(profile), 1e6, None)}
         assert [found[n]["verdict"] for n in ("sft_category_balance", "eval_skill_release_coverage",
                                               "eval_contamination")] == [verdict] * 3
 
@@ -135,18 +136,18 @@ def pack_report(overall, chance, cats):
 def test_eval_floors_and_the_hook_that_records_them_in_summary_json(tmp_path):
     good = pack_report((60, 100), 0.1, [(0.6, 0.0), (0.7, 0.5), (0.5, 0.0), (0.9, 0.25)])
     weak = pack_report((60, 100), 0.1, [(0.0, 0.0), (0.7, 0.5), (0.5, 0.0), (0.9, 0.25)])  # 1 of 4 at chance
-    assert [gates.eval_floors(p, good)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "pass"]
-    assert [gates.eval_floors(p, weak)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "pass"]
+    assert [release_gates.eval_floors(p, good)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "pass"]
+    assert [release_gates.eval_floors(p, weak)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "pass"]
     weaker = pack_report((60, 100), 0.1, [(0.0, 0.0), (0.5, 0.5), (0.5, 0.0), (0.9, 0.25)])  # 2 of 4
-    assert [gates.eval_floors(p, weaker)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "block"]
+    assert [release_gates.eval_floors(p, weaker)["verdict"] for p in gates.PROFILE_NAMES] == ["skip", "pass", "block"]
     at_chance = pack_report((12, 100), 0.1, [(0.6, 0.0)])
-    floors = gates.eval_floors("release", at_chance)
+    floors = release_gates.eval_floors("release", at_chance)
     assert floors["verdict"] == "block" and "not above the pooled chance 0.100" in floors["detail"]
-    assert gates.record_eval_floors(tmp_path, good) is None  # no summary.json: nothing recorded
+    assert release_gates.record_eval_floors(tmp_path, good) is None  # no summary.json: nothing recorded
     record = {"profile": "skill_release", "verdict": "pass", "gates": [gates.gate("x", "pass", 1, 1, "")],
               "post_run": [gates.gate("eval_floors", "pass", None, None, "an earlier evaluation")]}
     (tmp_path / "summary.json").write_text(json.dumps({"status": "completed", "long_run_gate": record}))
-    assert gates.record_eval_floors(tmp_path, weaker)["verdict"] == "block"
+    assert release_gates.record_eval_floors(tmp_path, weaker)["verdict"] == "block"
     after = json.loads((tmp_path / "summary.json").read_text())
     assert after["status"] == "completed" and after["long_run_gate"]["verdict"] == "block"
     assert [g["name"] for g in after["long_run_gate"]["post_run"]] == ["eval_floors"]  # replaced, not added

@@ -1,135 +1,169 @@
-"""The modules import one way, from the bottom up: util -> attention -> model -> optim, and objectives beside
-model (it imports model and attention), data -> checkpoint (which builds models through objectives), preflight
--> train and the other scripts. A module imports only podgpt modules below it (at its top or inside a function),
-so each can be read, copied and tested without the ones above it; no script imports train.py's insides."""
+"""The house: the root holds the scripts a user runs and model.py; the library beneath is podgpt/, whose folders
+are layers that import one way, from the bottom up (core -> corpus -> model.py -> pod -> research, release ->
+the scripts). A module imports only its own layer and those below it (at its top or inside a function), so each
+can be read, copied and tested without the ones above; no script imports train.py's insides. Pretraining loads
+nothing of the release path or the research objectives, and the core never names one. Files stay short."""
 import ast
+import functools
 import os
+import re
+import sys
 
-from conftest import ROOT
+from conftest import ROOT, TINY_MODEL, run
 
-# each module and the podgpt modules it may import
-BELOW = {
-    "util": set(),
-    "configurator": {"util"},
-    "attention": {"util"},
-    "model": {"util", "attention"},
-    "optim": {"util"},
-    "objectives": {"model", "configurator"},
-    "refine": {"model"},
-    "bd3lm": {"model", "attention", "util"},
-    "data": {"util"},
-    "report": {"util", "configurator"},
-    "trackers": {"util", "report"},
-    "checkpoint": {"util"},
-    "checkpoints": {"util", "model", "objectives", "checkpoint", "data", "tokenizer"},
-    "schedule": {"util"},
-    "gates": {"util", "report", "download", "checkpoint", "tasks", "tokenizer"},  # checkpoint: the base checkpoint's tokens, read
-    "preflight": {"util", "attention", "model", "objectives", "data", "schedule", "gates"},
-    "postmortem": {"util", "configurator", "data"},
-    "dryrun": {"util", "report"},
-    "tokenizer": {"util"},
-    "ngrams": {"download", "tasks", "tokenizer"},
-    "download": {"util"},
-    "tasks": {"util", "data", "download", "tokenizer"},
-    "holdout": {"data", "util", "tokenizer"},
-    "shards": {"data"},
-    "sources": {"util", "download", "tasks"},
-    "prepare": {"util", "configurator", "data", "download", "sources", "tokenizer", "checkpoint", "ngrams", "holdout", "shards"},
-    "skills": {"util", "configurator", "download", "tasks", "tokenizer", "ngrams", "sources"},  # sources: the gsm8k preset's files, read
-    "export": {"util", "configurator", "model", "objectives", "preflight", "checkpoint", "checkpoints", "tokenizer",
-               "report"},
-    "serve": {"util", "preflight"},
-    "loading": {"util", "checkpoint", "checkpoints", "tokenizer", "export"},
-    "sample": {"util", "configurator", "bd3lm", "preflight", "loading", "serve"},
-    "eval": {"util", "configurator", "data", "tasks", "tokenizer", "loading", "gates"},
-    "honesty": {"util", "configurator", "report"},
-    "handoff": {"util", "configurator", "report", "data", "download", "sources", "checkpoint", "export", "honesty"},
-    "sanity": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "preflight"},
-    "train": {"util", "configurator", "attention", "model", "objectives", "optim", "data", "checkpoint", "checkpoints",
-              "preflight", "schedule", "report", "trackers", "postmortem", "dryrun", "tasks", "tokenizer", "gates"},
+# each layer and the layers it may import; a script may import any module, and another script but train.py
+MAY_IMPORT = {
+    "core": {"core"},
+    "corpus": {"core", "corpus"},
+    "model": {"core"},
+    "pod": {"core", "corpus", "model", "pod"},
+    "research": {"core", "model"},  # and no objective imports another
+    "release": {"core", "corpus", "model", "pod", "release"},
 }
-# bench/'s probes share bench/common.py and may use any module but the scripts' insides
-BENCH_MAY_NOT = {"train", "sanity", "sample"}
+LAYERS = sorted(set(MAY_IMPORT) - {"model"})  # podgpt/'s folders
+SCRIPTS = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")} - {"model"}
+# files that run the research objectives or the release path; pretraining's process must load none of them
+NOT_IN_PRETRAINING = ("podgpt.release", "podgpt.research")
 
 
-# the repo's modules by name: the scripts and model.py at the root, the rest in the package's layers
-PATHS = {f[:-3]: os.path.join(ROOT, f) for f in os.listdir(ROOT) if f.endswith(".py")}
-PATHS.update({f[:-3]: os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "podgpt"))
-              for f in fs if f.endswith(".py") and f != "__init__.py"})
-OURS = set(PATHS)
+@functools.cache
+def library():
+    """{dotted module name: path} of every module under podgpt/."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "podgpt")):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                found[rel.removesuffix(".__init__")] = os.path.join(folder, f)
+    return found
 
 
-def podgpt_imports(source):
-    """The podgpt modules that this Python source imports anywhere in its code."""
+def layer_of(module):
+    """The layer of a dotted module name: a podgpt/ folder, "model", "script", or None (not ours)."""
+    parts = module.split(".")
+    if parts[0] == "podgpt":
+        return parts[1] if len(parts) > 1 else "podgpt"
+    return "model" if module == "model" else "script" if parts[0] in SCRIPTS else None
+
+
+def imported(source):
+    """The modules of ours that Python source imports anywhere in it: {dotted name}."""
     names = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names.update(a.name.split(".")[-1 if a.name.startswith("podgpt.") else 0] for a in node.names)
+            names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("podgpt."):
-                parts = node.module.split(".")
-                names.update([parts[-1]] if len(parts) > 2 else [a.name for a in node.names])
-            else:
-                names.add(node.module.split(".")[0])
-    return names & OURS
+            # `from podgpt.core import util` imports podgpt.core.util; `from podgpt.core.util import x`, that module
+            names.update(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in library() else node.module
+                         for a in node.names)
+    return {n for n in names if layer_of(n)}
 
 
-def imports_of(module):
-    with open(PATHS[module]) as f:
-        return podgpt_imports(f.read())
+def breaches(module, source):
+    """'module imports X' for each import of source (module's) that its layer may not make."""
+    layer, found = layer_of(module), []
+    for name in sorted(imported(source)):
+        target = layer_of(name)
+        if layer == "script":
+            bad = name == "train" and module != "train"
+        else:
+            bad = target not in MAY_IMPORT.get(layer, set())
+        if bad:
+            found.append(f"{module} ({layer}) imports {name} ({target})")
+    return found
 
 
-def test_the_finder_sees_imports_at_the_top_and_inside_functions():
-    source = "import os, util\nfrom model import GPT\ndef f():\n    import data.x\n    from train import main\n"
-    assert podgpt_imports(source) == {"util", "model", "data", "train"}
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
 
 
-def test_modules_import_only_what_is_below_them():
-    for module, allowed in BELOW.items():
-        assert imports_of(module) <= allowed, f"{module}.py imports {imports_of(module) - allowed}"
+def test_the_checker_sees_a_breach_at_the_top_and_inside_a_function():
+    source = "import os\nfrom podgpt.core import util\ndef f():\n    from podgpt.release.gates import pack_gates\n"
+    assert breaches("podgpt.core.data", source) == [
+        "podgpt.core.data (core) imports podgpt.release.gates (release)"]
+    assert breaches("podgpt.pod.report", "import model\nfrom podgpt.corpus import tasks\n") == []
+    assert breaches("podgpt.research.refine", "from podgpt.pod import gates\n") == [
+        "podgpt.research.refine (research) imports podgpt.pod.gates (pod)"]
+    assert breaches("eval", "import train\nfrom podgpt.release import loading\n") == ["eval (script) imports train (script)"]
 
 
-def below(module):
-    """Every module that `module` may reach through the imports BELOW allows."""
-    seen, todo = set(), list(BELOW[module])
-    while todo:
-        m = todo.pop()
-        if m not in seen:
-            seen.add(m)
-            todo += BELOW[m]
-    return seen
+def test_every_module_imports_only_its_layer_and_those_below():
+    wrong = [b for module, path in library().items() for b in breaches(module, read(path))]
+    wrong += breaches("model", read(os.path.join(ROOT, "model.py")))
+    wrong += [b for script in SCRIPTS for b in breaches(script, read(os.path.join(ROOT, f"{script}.py")))]
+    assert not wrong, "; ".join(wrong)
 
 
-def test_every_module_has_its_place_and_the_layers_have_no_cycle():
-    assert OURS == set(BELOW), f"place {OURS - set(BELOW)} in BELOW (or drop {set(BELOW) - OURS})"
-    for module in BELOW:
-        assert module not in below(module), f"{module} may import itself through {below(module)}"
-    assert not any("train" in allowed for allowed in BELOW.values())  # train.py's insides stay its own
+def test_the_root_holds_the_scripts_model_and_the_layers():
+    """ls at the root: the scripts a user runs (each with its config block and its __main__), model.py, run.sh,
+    the folders and the project's files; podgpt/ holds the layers and nothing else."""
+    others = {"README.md", "requirements.txt", "requirements-dev.txt", "pytest.ini", "run.sh", "config", "bench",
+              "tests", "docs", "podgpt"}
+    listed = {f for f in os.listdir(ROOT) if not f.startswith(".")} - {f"{s}.py" for s in SCRIPTS} - {"model.py"}
+    assert listed - others <= {"data", "out", "export", "downloads", "mlruns", "mlflow.db", "__pycache__"}  # made by runs
+    for script in SCRIPTS:
+        source = read(os.path.join(ROOT, f"{script}.py"))
+        assert "# --- config" in source and '__name__ == "__main__"' in source, f"{script}.py is not a script"
+    folders = {f for f in os.listdir(os.path.join(ROOT, "podgpt")) if not f.startswith(("_", "."))}
+    assert {f.removesuffix(".py") for f in folders} == set(LAYERS)
 
 
 def test_bench_imports_no_script_insides():
-    bench = os.path.join(ROOT, "bench")
-    for f in sorted(os.listdir(bench)):
+    """bench/'s probes may use any module, and prepare.py's encoder (bench/encode.py), but not the insides of the
+    scripts that run a model."""
+    for f in sorted(os.listdir(os.path.join(ROOT, "bench"))):
         if f.endswith(".py"):
-            with open(os.path.join(bench, f)) as fh:
-                wrong = podgpt_imports(fh.read()) & BENCH_MAY_NOT
+            wrong = imported(read(os.path.join(ROOT, "bench", f))) & {"train", "sanity", "sample"}
             assert not wrong, f"bench/{f} imports {wrong}"
 
 
-# a file is read in one sitting and a function on one screen: the model itself in well under the rest's bound
-MAX_LINES = {"model": 600}
-MAX_FILE_LINES = 900
+# model.py, train.py, sanity.py, the core and the run's checkpoints never name a research objective
+NO_OBJECTIVE = ["model.py", "train.py", "sanity.py", "podgpt/pod/checkpoints.py"] + [
+    os.path.join("podgpt", "core", f) for f in sorted(os.listdir(os.path.join(ROOT, "podgpt", "core")))
+    if f.endswith(".py")]
+OBJECTIVE_NAMES = re.compile(r"bd3lm|refine|diffusion", re.IGNORECASE)
+
+
+def named_objectives(source):
+    return [line for line in source.splitlines() if OBJECTIVE_NAMES.search(line)]
+
+
+def test_the_core_names_no_research_objective():
+    assert named_objectives("import torch\n# a research objective adds its own mask\n") == []
+    assert named_objectives("x = 1\nif objective == 'bd3lm':\n") == ["if objective == 'bd3lm':"]
+    found = {path: named_objectives(read(os.path.join(ROOT, path))) for path in NO_OBJECTIVE}
+    assert not any(found.values()), {p: lines for p, lines in found.items() if lines}
+
+
+# train.py run as python train.py would run it, and the names of every module loaded when it exits written out
+LOADED = """import atexit, os, runpy, sys
+atexit.register(lambda: open(os.environ["LOADED_TO"], "w").write("\\n".join(sorted(sys.modules))))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def loaded_modules(stdlib_data, out, *args):
+    """The modules a train.py run loaded (sys.modules at its exit: imports by importlib too)."""
+    run([sys.executable, "-c", LOADED, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
+         "--max_steps=2", "--eval_every=2", *args], env={"LOADED_TO": str(out) + ".modules"})
+    return set(read(str(out) + ".modules").split())
+
+
+def test_pretraining_loads_neither_the_release_path_nor_a_research_objective(tmp_path, stdlib_data):
+    plain = loaded_modules(stdlib_data, tmp_path / "ar", "--objective=ar", "--gate_profile=research")
+    assert "podgpt.pod.preflight" in plain and "podgpt.core.checkpoint" in plain  # the run's own are listed
+    assert not [m for m in plain if m.startswith(NOT_IN_PRETRAINING)]
+    # the same look finds a research objective where a run trains one
+    refined = loaded_modules(stdlib_data, tmp_path / "refine", "--objective=refine", "--n_sup_train=2",
+                             "--n_sup_inference=2")
+    assert "podgpt.research.refine" in refined and "podgpt.release.gates" not in refined
+
+
+# a file is read in one sitting and a function on one screen
+MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 60
-
-
-def sources():
-    """(name, source) of every top-level module and bench probe."""
-    bench = os.path.join(ROOT, "bench")
-    paths = [PATHS[m] for m in sorted(OURS)]
-    paths += [os.path.join(bench, f) for f in sorted(os.listdir(bench)) if f.endswith(".py")]
-    for path in paths:
-        with open(path) as f:
-            yield os.path.relpath(path, ROOT), f.read()
 
 
 def long_functions(source, limit):
@@ -145,10 +179,12 @@ def test_the_length_checks_see_a_long_function():
 
 
 def test_files_and_functions_stay_short():
+    paths = [*library().values(), *(os.path.join(ROOT, f"{m}.py") for m in [*SCRIPTS, "model"])]
+    paths += [os.path.join(ROOT, "bench", f) for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")]
     too_long = []
-    for name, source in sources():
-        limit = MAX_LINES.get(name.removesuffix(".py"), MAX_FILE_LINES)
-        if source.count("\n") > limit:
-            too_long.append(f"{name} has {source.count(chr(10))} lines (at most {limit})")
+    for path in sorted(paths):
+        source, name = read(path), os.path.relpath(path, ROOT)
+        if source.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{name} has {source.count(chr(10))} lines (at most {MAX_FILE_LINES})")
         too_long += [f"{name}: {f}" for f in long_functions(source, MAX_FUNCTION_LINES)]
     assert not too_long, "; ".join(too_long)

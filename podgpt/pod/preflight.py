@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from podgpt.core.attention import resolve_backend
-from podgpt.pod.gates import check_profile, gate, limits, pack_gates, release_token_budget, verdict_of
+from podgpt.pod.gates import check_profile, gate, limits, no_pack_gates, release_token_budget, verdict_of
 from podgpt.core.data import contamination, load_manifest
 from model import GRAD_CKPT
 from podgpt.pod.objectives import config_class, config_fields, make_config
@@ -443,9 +443,10 @@ def loss_gate(cfg, plan, manifest):
 # -----------------------------------------------------------------------------
 # the report
 
-def gates_report(cfg, proc, mconfig, manifest, dt):
+def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
     """Every gate that needs no model on the device, checked on rank 0 before anything is allocated and
-    sent to every rank: the report {profile, gates, plan}. A block stops the run here (allow_unsafe: a
+    sent to every rank: the report {profile, gates, plan}. release: podgpt/release/gates.py for a run judged with a
+    skills pack (its gates), else None. A block stops the run here (allow_unsafe: a
     warning; preflight_only: reported at the end). Planning from a CPU for a GPU pod (preflight_only with
     gpu_mem_gb): the config's world size, and no local disk or kernels."""
     report = [None]
@@ -456,7 +457,8 @@ def gates_report(cfg, proc, mconfig, manifest, dt):
         dtype_bytes = 4 if dt == torch.float32 else 2
         counts = param_counts(mconfig)
         gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts), *data_gates(cfg, manifest),
-                 *pack_gates(cfg, counts["total"], manifest), lr_scaling_gate(cfg)]
+                 *(release.pack_gates if release else no_pack_gates)(cfg, counts["total"], manifest),
+                 lr_scaling_gate(cfg)]
         gates.append(memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
                      gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
         gates += [disk_gate(cfg, counts, None if planning(cfg, proc) else free_disk(cfg.out_dir)),
@@ -548,13 +550,13 @@ def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block
     return 3 * micro_batch_size * block_size / (time.time() - t0)
 
 
-def plan_run(cfg, proc, dt, mconfig, data, build_model):
+def plan_run(cfg, proc, dt, mconfig, data, build_model, release=None):
     """The preflight report of the run about to train, and its model once one is needed: (report, model or None).
     data: (manifest, train Loader, validation Loader), all None before the data exists; build_model(): the model on
     this rank's device. Time and cost are planned at a planned throughput, or measured here on the real model (not
     when planning another machine, and not for a model that cannot fit)."""
     manifest, train_data, _ = data
-    report = gates_report(cfg, proc, mconfig, manifest, dt)
+    report = gates_report(cfg, proc, mconfig, manifest, dt, release)
     tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
     measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
         and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
