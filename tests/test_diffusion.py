@@ -15,7 +15,7 @@ from podgpt.pod import report
 from conftest import read_metrics, run_script, train_tiny
 from podgpt.core.checkpoint import find_checkpoint, load_model
 from podgpt.core.data import Loader, diffusion_draws, load_manifest
-from export import tokenizer_dir
+from podgpt.release.hf import tokenizer_dir
 from podgpt.core.attention import BlockDiffusion
 from model import GPTConfig, KVCache
 from podgpt.research.objectives import LOGLINEAR_EPS, make_model
