@@ -6,7 +6,7 @@ Export a podgpt checkpoint as a Hugging Face Llama folder (transformers, vLLM).
     python export.py config/tiny.py --out=export/tiny               # the run a config names
 
 The folder holds config.json (LlamaForCausalLM), model.safetensors (or shards and an index past
-max_shard_gb; a tied head stored once, as the embedding),
+max_shard_gb, as huggingface_hub splits them; a tied head stored once, as the embedding),
 generation_config.json (bos = eos = podgpt's BOS id, the padding ids suppressed), tokenizer.json and
 tokenizer_config.json for transformers (none for the char tokenizer: a note and the model card say
 why), podgpt_tokenizer/ (the checkpoint's own tokenizer files, which sample.py reads), podgpt.json

@@ -145,7 +145,8 @@ def hf_tensors(cfg, state_dict, dt):
     """{HF name: tensor}; a tied head once, as the embedding. model.py rotates halves for RoPE
     (inv_freq = theta^(-2i/head_dim)) as transformers' rotate_half does: q and k map unpermuted
     (tests/test_export.py checks the logits against LlamaForCausalLM, and a permuted layout)."""
-    # each a copy with storage of its own: safetensors refuses tensors that share memory
+    # each a copy with storage of its own: safetensors refuses tensors that share memory, and
+    # huggingface_hub sizes a tensor's shard by its storage
     return {name if name == "lm_head.weight" else "model." + name:
             t.detach().to("cpu", dt, copy=True).contiguous() for name, t in state_dict.items()
             if not (name == "lm_head.weight" and cfg.tie_embeddings)}
@@ -153,27 +154,15 @@ def hf_tensors(cfg, state_dict, dt):
 
 def write_weights(folder, tensors, max_shard_bytes):
     """model.safetensors, or shards of at most max_shard_bytes (a larger tensor alone in one) and
-    their index."""
-    shards, current, size = [], {}, 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_safetensors(shards[0], os.path.join(folder, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(shard, os.path.join(folder, name))
-        weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    write_json(os.path.join(folder, "model.safetensors.index.json"),
-               {"metadata": {"total_size": total}, "weight_map": weight_map})
+    their index, as huggingface_hub plans them: the names and the index transformers reads."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    plan = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
+    # each written here, not by save_torch_state_dict: its errors name no file, its files are 0600
+    for name, keys in plan.filename_to_tensors.items():
+        save_safetensors({k: tensors[k] for k in keys}, os.path.join(folder, name))
+    if plan.is_sharded:
+        write_json(os.path.join(folder, "model.safetensors.index.json"),
+                   {"metadata": plan.metadata, "weight_map": plan.tensor_to_filename})
 
 
 def save_safetensors(tensors, path):
@@ -375,6 +364,7 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
 def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=False):
     """Write the export of checkpoint `path` to `out`, whole or not at all; util.Error if not."""
     require("safetensors")
+    require("huggingface_hub")
     if weight_dtype not in DTYPES:
         fail(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
