@@ -1,12 +1,12 @@
 """
-A checkpoint as a Hugging Face Llama folder (transformers, vLLM): written (export; export.py's
-docstring lists what it holds), read back into podgpt (load_export), and put in place over an
-earlier folder only when that holds nothing but the files its record lists (put_in_place, which
-handoff.py's bundles use too).
+A checkpoint as a Hugging Face Llama folder (export.py's docstring lists it): written (export), read
+back into podgpt (load_export), and put in place over an earlier folder that holds nothing but the
+files its record lists (put_in_place, which handoff.py's bundles use too).
 """
 
 import contextlib
 import errno
+import importlib.util
 import json
 import math
 import os
@@ -41,14 +41,6 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
                  "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-
-
-def require(module):
-    try:
-        __import__(module)
-    except ImportError:
-        fail(f"{module} is not installed: pip install {module} "
-             "(or pip install -r requirements.txt)")
 
 
 def finite(x):
@@ -97,56 +89,35 @@ def special_tokens(path, cfg):
 
 
 def hf_config(cfg, torch_dtype, special=None):
-    """config.json. vocab_size is the padded vocabulary: the weights stay bit for bit the
-    checkpoint's (a tied matrix stays one matrix) and the round size keeps the matmuls fast; the
-    padding ids are never targets in training, the tokenizer never emits them, and
-    generation_config.json suppresses them (vLLM does not: the model card says so). special:
-    special_tokens' (BOS, EOS); None: a base model's, both the last id."""
+    """config.json, vocab_size the padded vocabulary: the weights stay the checkpoint's bit for bit
+    and the matmuls fast; generation_config.json suppresses the padding ids (vLLM does not: the
+    card says so). special: special_tokens' (BOS, EOS); None: both the last id (a base model's)."""
     bos, eos = special[:2] if special else (cfg.vocab_size - 1,) * 2
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": cfg.padded_vocab,
-        "hidden_size": cfg.n_embd,
-        "intermediate_size": cfg.ffn_hidden,
-        "num_hidden_layers": cfg.n_layer,
-        "num_attention_heads": cfg.n_head,
-        "num_key_value_heads": cfg.n_kv_head,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.block_size,
-        "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "pretraining_tp": 1,
-        "initializer_range": cfg.init_std,
-        "tie_word_embeddings": cfg.tie_embeddings,
-        "bos_token_id": bos,
-        "eos_token_id": eos,
-        "use_cache": True,
-        "dtype": torch_dtype,
-        "torch_dtype": torch_dtype,
-    }
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": cfg.padded_vocab, "hidden_size": cfg.n_embd,
+            "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+            "max_position_embeddings": cfg.block_size, "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0,
+            "mlp_bias": False, "pretraining_tp": 1, "initializer_range": cfg.init_std,
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
+            "use_cache": True, "dtype": torch_dtype, "torch_dtype": torch_dtype}
 
 
 def generation_config(cfg, bos, eos):
-    """generation_config.json: the padding ids suppressed. No max_length:
-    generate(max_new_tokens=...) would warn that both are set, every time."""
+    """generation_config.json: the padding ids suppressed, and no max_length, which
+    generate(max_new_tokens=...) would warn of every time."""
     gen = {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos],
            "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
     return {k: v for k, v in gen.items() if v is not None}
 
 
 def hf_tensors(cfg, state_dict, dt):
-    """{HF name: tensor}; a tied head once, as the embedding. model.py rotates halves for RoPE
-    (inv_freq = theta^(-2i/head_dim)) as transformers' rotate_half does: q and k map unpermuted
-    (tests/test_export.py checks the logits against LlamaForCausalLM, and a permuted layout)."""
-    # each a copy with storage of its own: safetensors refuses tensors that share memory, and
-    # huggingface_hub sizes a tensor's shard by its storage
+    """{HF name: tensor}, a tied head once (as the embedding). model.py's RoPE rotates halves as
+    transformers' rotate_half does: q and k map unpermuted (tests/test_export.py checks)."""
+    # copies: safetensors refuses tensors that share memory; huggingface_hub sizes them by storage
     return {name if name == "lm_head.weight" else "model." + name:
             t.detach().to("cpu", dt, copy=True).contiguous() for name, t in state_dict.items()
             if not (name == "lm_head.weight" and cfg.tie_embeddings)}
@@ -181,24 +152,11 @@ def save_safetensors(tensors, path):
     os.chmod(path, 0o666 & ~umask)
 
 
-def write_tokenizers(src, folder, block_size, template=False):
-    """podgpt's tokenizer files from checkpoint `src` into folder's TOKENIZER_DIR (sample.py reads
-    them), and transformers' beside them; None, or why transformers' could not be written."""
-    os.makedirs(os.path.join(folder, TOKENIZER_DIR))
-    for name in ("tokenizer.json", "tokenizer.tiktoken"):
-        if os.path.exists(os.path.join(src, name)):
-            # copyfile, not copy: the bytes without the checkpoint file's mode, which may be private
-            shutil.copyfile(os.path.join(src, name), os.path.join(folder, TOKENIZER_DIR, name))
-    return write_hf_tokenizer(src, folder, block_size, template)
-
-
 def write_hf_tokenizer(src, folder, block_size, template=False):
-    """tokenizer.json + tokenizer_config.json for transformers in `folder`, from podgpt's tokenizer
-    files in `src`; None, or why none was written. transformers' tiktoken converter builds it, so it
-    splits text with the same pattern and merges by the same ranks as tiktoken: the same ids
-    (tests/test_export.py checks). template: a chat tokenizer gets CHAT_TEMPLATE and reads the chat
-    markers in text as their tokens, which apply_chat_template needs (it encodes the rendered
-    template as text); otherwise a typed marker stays text."""
+    """tokenizer.json + tokenizer_config.json for transformers, from podgpt's files in `src`; None,
+    or why none was written. transformers' tiktoken converter splits and merges as tiktoken does:
+    the same ids. template: a chat tokenizer gets CHAT_TEMPLATE and reads the chat markers in text
+    as tokens, as apply_chat_template needs; otherwise a marker typed in a text stays text."""
     meta = read_json(os.path.join(src, "tokenizer.json"))
     if meta is None:
         return f"no readable podgpt tokenizer.json in {src}"
@@ -284,9 +242,9 @@ def card_training(path, run_cfg, trainer, out_dir):
         losses = [r["loss"] for r in read_metrics(os.path.join(out_dir, "metrics.jsonl"))
                   if "loss" in r and r["step"] <= trainer.get("step", -1)]
         train_loss = losses[-1] if losses else None
-    recipe_keys = ("max_steps", "total_batch_tokens", "micro_batch_size", "learning_rate", "min_lr",
-                   "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "seed", "dtype",
-                   "world_size", "grad_accum")
+    recipe_keys = ("max_steps total_batch_tokens micro_batch_size learning_rate min_lr "
+                   "warmup_steps weight_decay beta1 beta2 grad_clip seed dtype world_size "
+                   "grad_accum").split()
 
     def fmt(x):
         return "n/a" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
@@ -312,9 +270,8 @@ def card_training(path, run_cfg, trainer, out_dir):
 
 def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special,
                template):
-    """README.md of the export of checkpoint `path` (named `source` in it); tokenizer_note: why
-    there is no transformers tokenizer (None: there is one); special: special_tokens'; template:
-    a chat template was asked for."""
+    """README.md of the export of checkpoint `path`, named `source`; tokenizer_note: why there is
+    no transformers tokenizer (None: there is one); template: a chat template was asked for."""
     p = param_counts(cfg)
     bos, eos, chat = special
     use = card_usage("<this folder>", bos, tokenizer_note is None, template and bool(chat))
@@ -363,8 +320,9 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
 
 def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=False):
     """Write the export of checkpoint `path` to `out`, whole or not at all; util.Error if not."""
-    require("safetensors")
-    require("huggingface_hub")
+    for lib in ("safetensors", "huggingface_hub"):  # the weights' format, and their shards' plan
+        if importlib.util.find_spec(lib) is None:
+            fail(f"{lib} is not installed: pip install {lib} (or pip install -r requirements.txt)")
     if weight_dtype not in DTYPES:
         fail(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
@@ -385,7 +343,11 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
         write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype, special))
         write_json(os.path.join(tmp, "generation_config.json"),
                    generation_config(cfg, *special[:2]))
-        note = write_tokenizers(path, tmp, cfg.block_size, chat_template)
+        os.makedirs(os.path.join(tmp, TOKENIZER_DIR))  # podgpt's own tokenizer, for sample.py
+        for name in ("tokenizer.json", "tokenizer.tiktoken"):
+            if os.path.exists(os.path.join(path, name)):  # copyfile: the bytes, not a private mode
+                shutil.copyfile(os.path.join(path, name), os.path.join(tmp, TOKENIZER_DIR, name))
+        note = write_hf_tokenizer(path, tmp, cfg.block_size, chat_template)
         if note:
             print(f"note: no tokenizer.json for transformers: {note}; "
                   f"the model card says so, and podgpt's tokenizer is in {TOKENIZER_DIR}/")
@@ -426,10 +388,9 @@ def scratch_beside(out, suffix):
 
 
 def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"):
-    """The finished folder tmp renamed to out, over an earlier one that holds only its own files
-    (checked again: it may be new since). tmp keeps its mark until it is out, and the earlier one
-    waits in a marked folder beside it, put back if the rename fails: a failure leaves the earlier
-    folder or the new one, the rest marked."""
+    """The finished folder tmp renamed to out, over an earlier one holding only its own files
+    (checked again: it may be new). Until then tmp keeps its mark, and the earlier one waits in a
+    marked folder beside, put back if the rename fails: one is left whole, the rest marked."""
     check_replaceable(out, record, script, kind)
     if not os.path.lexists(out):
         os.replace(tmp, out)
@@ -454,10 +415,8 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
     """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record`
-    lists, each by its path inside it: `script` replaces nothing it did not write. (A record from
-    before paths were listed names the top-level entries: a folder it names stands for what the
-    folder holds.) An earlier one that a replace cut short left beside it stops it too: the next
-    replace would remove it."""
+    lists by path (an older record lists top-level entries): `script` replaces nothing it did not
+    write. An earlier one left beside it by a replace cut short stops it too: it would be lost."""
     waiting = os.path.join(beside(out, "podgpt-old"), "old")
     if os.path.lexists(waiting):
         fail(f"out={out}: an earlier {kind} waits in {waiting}, left by a replace cut short: "
@@ -508,10 +467,8 @@ def load_export_state(path):
     if os.path.exists(index):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(path, name)))
-    return {k.removeprefix("model."): v for k, v in tensors.items()}
+    return {k.removeprefix("model."): v for name in files
+            for k, v in load_file(os.path.join(path, name)).items()}
 
 
 def load_export(path, device="cpu"):

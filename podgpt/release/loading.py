@@ -50,13 +50,11 @@ def load_trained(found, dev, info=False):
 
 
 def load_exported(path, dev):
-    """load_export(path, dev), or one line naming what cannot be read and the fix: export the
-    checkpoint again."""
+    """load_export(path, dev), or one line naming what cannot be read and the fix."""
     try:
         from safetensors import SafetensorError  # an export's weights need it, a checkpoint's not
     except ImportError:
-        fail(f"export {path} holds its weights in safetensors, which is not installed: "
-             "pip install safetensors")
+        fail(f"safetensors is not installed, and export {path} needs it: pip install safetensors")
     again = f"export its checkpoint again (python export.py --ckpt=CHECKPOINT --out={path})"
     try:
         return load_export(path, dev)
