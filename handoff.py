@@ -36,7 +36,7 @@ import honesty
 from podgpt.core.checkpoint import reading
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.corpus.download import file_sha256
-from export import card_usage, check_replaceable, export, put_in_place, scratch_beside
+from podgpt.release.hf import card_usage, check_replaceable, export, put_in_place, scratch_beside
 from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
 from podgpt.pod.report import read_json
 from podgpt.core.util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail, files_under,
@@ -152,7 +152,7 @@ def copy_run(folder, dest):
 
 
 def usage(model):
-    """The export's own code (export.card_usage) for the export in `model`, run from the bundle's folder."""
+    """The export's own code (hf.card_usage) for the export in `model`, run from the bundle's folder."""
     hf_tokenizer = read_json(os.path.join(model, "tokenizer_config.json"))  # written with tokenizer.json, or neither
     bos = (read_json(os.path.join(model, "config.json")) or {}).get("bos_token_id")
     return card_usage(os.path.basename(model), bos, hf_tokenizer is not None, "chat_template" in (hf_tokenizer or {}))

@@ -5,8 +5,8 @@ GPT as fast as the reference implementation of the architecture it copies?
     python bench/vs_hf.py config/h200_1b_ddp8.py --device=cuda --micro_batch_size=8
     python bench/vs_hf.py config/h200_1b_ddp8.py --device=cuda --compile=True
 
-Both models: the shape of the config (export.hf_config maps it: hidden, intermediate, heads,
-kv heads, head dim, RoPE theta, RMSNorm eps, tied embeddings, padded vocabulary, positions),
+Both models: the shape of the config (release/hf.py's hf_config maps it: hidden, intermediate,
+heads, kv heads, head dim, RoPE theta, RMSNorm eps, tied embeddings, padded vocabulary, positions),
 fp32 weights under the same autocast dtype, SDPA attention (ours attn_backend="sdpa", HF's
 attn_implementation="sdpa"), the same torch.compile setting, the same step (forward, fp32
 cross-entropy on every position, backward, clipping, train.py's AdamW), in this process on
@@ -22,7 +22,7 @@ from dataclasses import asdict
 import common
 import torch
 
-from export import hf_config
+from podgpt.release.hf import hf_config
 from podgpt.pod.preflight import model_config
 from podgpt.core.util import dtype_name, fail, run_main
 

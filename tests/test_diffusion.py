@@ -16,7 +16,7 @@ from conftest import read_metrics, run_script, train_tiny
 from podgpt.core.checkpoint import find_checkpoint
 from podgpt.pod.checkpoints import load_model
 from podgpt.core.data import Loader, load_manifest
-from export import tokenizer_dir
+from podgpt.release.hf import tokenizer_dir
 from podgpt.research.bd3lm import LOGLINEAR_EPS, BlockDiffusion, diffusion_draws
 from model import GPTConfig, KVCache
 from podgpt.pod.objectives import make_config, make_model

@@ -61,7 +61,7 @@ def trained(tmp_path_factory, stdlib_data):
         with Captured() as captured:
             train_tiny(captured, root / "run", stdlib_data, "--total_batch_tokens=256", "--micro_batch_size=4",
                        "--max_steps=3", "--eval_every=3", "--ckpt_every=3", "--learning_rate=1e-2", "--seed=7")
-        from export import export
+        from podgpt.release.hf import export
         export(find_checkpoint(str(root / "run"), "best"), str(root / "export"))
     root = shared(tmp_path_factory, "eval_run", build)
     return str(root / "run"), str(root / "export")

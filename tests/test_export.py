@@ -16,9 +16,9 @@ from conftest import Captured, run, run_script, shared, train_tiny
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import export  # noqa: E402
+from podgpt.release import hf as export  # noqa: E402
 from podgpt.core.checkpoint import find_checkpoint  # noqa: E402
-from podgpt.pod.checkpoints import load_model
+from podgpt.pod.checkpoints import load_model  # noqa: E402
 from podgpt.core.tokenizer import load_tokenizer  # noqa: E402
 from podgpt.core.util import SCRATCH_MARK, Error, files_under, remove  # noqa: E402
 

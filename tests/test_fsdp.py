@@ -132,7 +132,7 @@ def test_sigkill_during_a_sharded_save_leaves_the_previous_checkpoint(runs, stdl
 def test_export_reads_a_sharded_checkpoint(runs, tmp_path):
     pytest.importorskip("safetensors")
     pytest.importorskip("transformers")
-    from export import load_export
+    from podgpt.release.hf import load_export
     dest = tmp_path / "hf"
     run([sys.executable, "export.py", f"--ckpt={runs['fsdp']}", f"--out={dest}", "--which=latest"])
     exported, _ = load_export(str(dest), "cpu")

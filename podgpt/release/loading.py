@@ -1,8 +1,8 @@
 """
-A trained model ready to use, as sample.py and eval.py take it: a checkpoint folder, a run's out_dir (its best
-or latest checkpoint) or a folder export.py wrote; the model in eval mode on a device and the tokenizer saved
-with it. A checkpoint is held against the run's rotation while it is read (checkpoint.reading); a problem is
-one line naming the fix.
+A trained model ready to use, as sample.py and eval.py take it: a checkpoint folder, a run's out_dir
+(its best or latest checkpoint) or a folder export.py wrote; the model in eval mode on a device and
+the tokenizer saved with it. A checkpoint is held against the run's rotation while it is read
+(checkpoint.reading); a problem is one line naming the fix.
 """
 
 import contextlib
@@ -13,14 +13,14 @@ import torch
 
 from podgpt.core.checkpoint import find_checkpoint, reading
 from podgpt.pod.checkpoints import load_model
-from export import finite, is_export, load_export, tokenizer_dir
+from podgpt.release.hf import finite, is_export, load_export, tokenizer_dir
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import fail, first_line
 
 
 def locate(src, which):
-    """What `src` names: src, which, exported (an export folder), path (the export, or the checkpoint folder
-    find_checkpoint picks); one line with the fix when there is none."""
+    """What `src` names: src, which, exported (an export folder), path (the export, or the
+    checkpoint folder find_checkpoint picks); one line with the fix when there is none."""
     exported = is_export(src)
     path = src if exported else find_checkpoint(src, which)
     if path is None:
@@ -29,43 +29,46 @@ def locate(src, which):
 
 
 def load_trained(found, dev, info=False):
-    """path (the checkpoint or export folder), exported, model, tok, and with info=True the checkpoint's info
-    (checkpoint_info) of what locate found, or one line naming the fix."""
+    """path (the checkpoint or export folder), exported, model, tok, and with info=True the
+    checkpoint's info (checkpoint_info) of what locate found, or one line naming the fix."""
     src, which, exported, path = found.src, found.which, found.exported, found.path
-    with contextlib.ExitStack() as held:  # a checkpoint is held against the run's rotation while it is read
+    with contextlib.ExitStack() as held:  # a checkpoint is held against the run's rotation
         try:
             if not exported:
                 path = held.enter_context(reading(src, which))
-            model, saved = load_exported(path, dev) if exported else load_model(path, dev, verify=False)
+            model, saved = (load_exported(path, dev) if exported
+                            else load_model(path, dev, verify=False))
             details = checkpoint_info(path, exported, saved) if info else None
         except ValueError as e:
-            fail(f"checkpoint {path} cannot be used: {e}: pick another (--ckpt=<folder>, --which=latest)")
+            fail(f"checkpoint {path} cannot be used: {e}: pick another "
+                 "(--ckpt=<folder>, --which=latest)")
         try:
             tok = load_tokenizer(tokenizer_dir(path))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            fail(f"{path}: its tokenizer files do not load ({first_line(e)}): pick another checkpoint "
-                 f"(--ckpt=<folder>, --which=latest) or export it again")
+            fail(f"{path}: its tokenizer files do not load ({first_line(e)}): pick another "
+                 f"checkpoint (--ckpt=<folder>, --which=latest) or export it again")
     return SimpleNamespace(path=path, exported=exported, model=model, tok=tok, info=details)
 
 
 def load_exported(path, dev):
-    """load_export(path, dev), or one line naming what cannot be read and the fix: export the checkpoint again."""
+    """load_export(path, dev), or one line naming what cannot be read and the fix."""
     try:
-        from safetensors import SafetensorError  # an export's weights need it, a checkpoint's do not
+        from safetensors import SafetensorError  # an export's weights need it, a checkpoint's not
     except ImportError:
-        fail(f"export {path} holds its weights in safetensors, which is not installed: pip install safetensors")
+        fail(f"safetensors is not installed, and export {path} needs it: pip install safetensors")
     again = f"export its checkpoint again (python export.py --ckpt=CHECKPOINT --out={path})"
     try:
         return load_export(path, dev)
-    except SafetensorError as e:  # a truncated or damaged weights file (safetensors' error is no ValueError)
-        fail(f"export {path}: {', '.join(unreadable_weights(path))} cannot be read ({first_line(e)}): {again}")
-    except ValueError as e:  # podgpt.json unreadable or unknown to this model.py, or the weights do not fit it
+    except SafetensorError as e:  # a truncated or damaged weights file (it is no ValueError)
+        fail(f"export {path}: {', '.join(unreadable_weights(path))} cannot be read "
+             f"({first_line(e)}): {again}")
+    except ValueError as e:  # podgpt.json unreadable or unknown to model.py, or weights that misfit
         fail(f"export {path} cannot be used: {e}: {again}")
 
 
 def unreadable_weights(path):
-    """The safetensors files of an export that safetensors cannot open (a truncated file holds fewer bytes than
-    its header promises); all of them if each opens, as one failed further in."""
+    """The safetensors files of an export that safetensors cannot open (a truncated file holds fewer
+    bytes than its header promises); all of them if each opens, as one failed further in."""
     from safetensors import safe_open
 
     def opens(name):
@@ -79,15 +82,15 @@ def unreadable_weights(path):
 
 
 def checkpoint_info(path, exported, saved):
-    """Step, validation losses and model config of a checkpoint (trainer.pt, config.json) or an export
-    (podgpt.json: `saved`, as load_export read it)."""
-    if exported:
-        trainer = saved
-    else:
+    """Step, validation losses and model config of a checkpoint (trainer.pt, config.json) or an
+    export (podgpt.json: `saved`, as load_export read it)."""
+    trainer = saved
+    if not exported:
         try:
-            trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+            trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu",
+                                 weights_only=True)
         except Exception as e:  # a damaged pickle can raise many kinds of error
             raise ValueError(f"trainer.pt is unreadable ({first_line(e)})") from None
     return {"checkpoint": path, "exported": exported, "step": trainer.get("step"),
-            "val_loss": finite(trainer.get("val_loss")), "best_val_loss": finite(trainer.get("best_val_loss")),
-            "model": saved["model"]}
+            "val_loss": finite(trainer.get("val_loss")),
+            "best_val_loss": finite(trainer.get("best_val_loss")), "model": saved["model"]}
