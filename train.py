@@ -30,27 +30,29 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from podgpt.core import configurator
-from podgpt.core.util import (MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
-                  dtype_name, fail, first_line, format_seconds, log, on_rank0, peak_memory_gb, remove, run_main, setup,
-                  warn, write_json)
-from podgpt.core.attention import resolve_backend
 from model import float8_linears, fp8_unavailable, shard_model
-from podgpt.pod.objectives import make_model, objective as research_objective
-from podgpt.core.optim import check_optimizer, make_optimizer
-from podgpt.core.data import Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens, unigram_baseline
+from podgpt.core import configurator
+from podgpt.core.attention import resolve_backend
 from podgpt.core.checkpoint import find_checkpoint, tensor_bytes
+from podgpt.core.data import (Loader, bpb_scale, check_prepared, load_manifest, rare_token_batch, rarest_tokens,
+                              unigram_baseline)
+from podgpt.core.optim import check_optimizer, make_optimizer
+from podgpt.core.schedule import Budget, Schedule
+from podgpt.core.tokenizer import check_tokenizer_loads, load_tokenizer
+from podgpt.core.util import (MAKE_ROOM, Folder, autocast, catch_signals, check_apart, compute_dtype, disk_full,
+                              dtype_name, fail, first_line, format_seconds, log, on_rank0, peak_memory_gb, remove,
+                              run_main, setup, warn, write_json)
+from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
 from podgpt.pod.checkpoints import Checkpoints, run_record
-from podgpt.pod.preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts, peak_flops,
-                       plan_run, target_band, write_preflight)
+from podgpt.pod.dryrun import dryrun
 from podgpt.pod.gates import long_run_gate
-from podgpt.core.schedule import budget_file_verdict, check_warmup, decay_horizon, lr_at, over_limit, restore_clock, start_horizon
+from podgpt.pod.guards import LOSS_EMA_DECAY, STOP_REASONS, BadSteps, Clock, Drills, restore_clock
+from podgpt.pod.objectives import make_model, objective as research_objective
+from podgpt.pod.postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
+from podgpt.pod.preflight import (check_gate_settings, finish_preflight, flops_per_token, model_config, param_counts,
+                                  peak_flops, plan_run, start_horizon, target_band, write_preflight)
 from podgpt.pod.report import MetricsFile, outcome, target_verdict, write_report
 from podgpt.pod.trackers import Trackers, tracker_names
-from podgpt.pod.postmortem import POSTMORTEM_STEPS, PostMortem, bad_batch
-from podgpt.pod.dryrun import dryrun
-from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
-from podgpt.core.tokenizer import check_tokenizer_loads, load_tokenizer
 
 # --- config
 # I/O
@@ -164,13 +166,9 @@ fp8 = False                     # float8 matmuls in the linear layers (torchao):
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest: true fp32
 # --- end config
 
-INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
-LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (their mean let one overshoot)
 # a torchrun worker keeps its wrapped model until os._exit (util.exit_worker): freeing DDP's reducer or FSDP's
 # groups after the process group is gone joins a gloo thread that can wait forever for the interpreter lock
 LIVE_MODELS = []
-STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
 
 
 def check_config(cfg):
@@ -332,8 +330,8 @@ def wrap_model(cfg, proc, raw_model):
 # the loop
 
 class Trainer:
-    """The training loop and what it keeps between steps. Everything a resumed run needs to continue
-    exactly is in `state`, which goes into every checkpoint; the rest is timing for the guards."""
+    """The training loop and what it keeps between steps. Everything a resumed run needs to continue exactly is in
+    `state`, which goes into every checkpoint; the rest is the guards' timing (clock) and the run's log."""
 
     def __init__(self, cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state, stop_signal,
                  t_start):
@@ -342,257 +340,101 @@ class Trainer:
         self.model, self.raw_model, self.optimizer, self.ckpts = model, raw_model, optimizer, ckpts
         self.state, self.stop_signal, self.sharded = state, stop_signal, cfg.dist_mode == "fsdp"
         self.scaler = torch.amp.GradScaler(enabled=dt == torch.float16)
-        self.rare = rarest_tokens(np.load(os.path.join(cfg.data_dir, self.manifest["token_counts"]))) \
-            if cfg.inject_spike_at_step >= 0 else None
+        self.schedule = Schedule.of(cfg)
         self.flops_tok = flops_per_token(raw_model.config)
         self.peak = peak_flops(torch.cuda.get_device_name(proc.dev)) if proc.dev.type == "cuda" else None
         self.bpb_scale = bpb_scale(self.manifest["splits"]["val"])
-        # the guards' clock: wall clock and spend accrue step by step, startup included
-        self.t_last, self.gpu_rate = t_start, proc.world * cfg.usd_per_gpu_hour / 3600  # dollars per second
-        self.step_times, self.eval_seconds, self.next_budget_check = deque(maxlen=GUARD_STEPS), 0.0, 0.0
-        # the slowest save's write (until one is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s)
-        self.save_seconds = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
-        self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
-        self.pace = deque(maxlen=GUARD_STEPS)  # (steps done, elapsed) at the recent steps' ends: wsd's projection
-        self.val_stats = None  # the objective's numbers of the last evaluation (evaluate), if it has any
-        self.problems = None  # eval_gsm8k_samples' (prompt, answer) pairs
-        if cfg.eval_gsm8k_samples:
-            try:
-                self.problems = gsm8k_problems(cfg.data_dir, self.manifest, cfg.eval_gsm8k_samples)
-            except ValueError as e:
-                fail(f"eval_gsm8k_samples={cfg.eval_gsm8k_samples}: {e}")
+        # until a save is measured, its write: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s
+        save_s = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
+        self.clock = Clock(state, t_start, Budget.of(cfg), self.schedule, proc.world * cfg.usd_per_gpu_hour / 3600,
+                           save_s)
+        self.drills = Drills(cfg.inject_spike_at_step, cfg.inject_nan_at_step, cfg.inject_slow_at_step,
+                             cfg.inject_slow_seconds)
+        self.rare = rarest_tokens(np.load(os.path.join(cfg.data_dir, self.manifest["token_counts"]))) \
+            if cfg.inject_spike_at_step >= 0 else None
         self.metrics_path, self.clock_path = (os.path.join(cfg.out_dir, f) for f in ("metrics.jsonl", "clock.json"))
         self.metrics = MetricsFile(self.metrics_path, state.step) if proc.rank == 0 else None
         self.trackers = Trackers(cfg, state.step) if proc.rank == 0 and tracker_names(cfg.log_to) else None
-        self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
-        self.recent = deque(maxlen=POSTMORTEM_STEPS)  # (step, loss, grad norm, lr) of the steps a post-mortem shows
         self.postmortem = PostMortem(cfg, __file__, proc.world, ckpts.root, state.step, LOSS_EMA_DECAY) \
             if proc.rank == 0 else None
+        self.bad = BadSteps(cfg.spike_factor, self.event, self.postmortem, self.write_postmortem)
+        self.recent = deque(maxlen=POSTMORTEM_STEPS)  # (step, loss, grad norm, lr) of the steps a post-mortem shows
+        self.problems = gsm8k_questions(cfg.data_dir, self.manifest, cfg.eval_gsm8k_samples)
+        self.t_log, self.step_at_log, self.diverged, self.last_loss = time.time(), state.step, None, None
+        self.val_stats = None  # the objective's numbers of the last evaluation (evaluate), if it has any
+        self.save_due = False  # the ranks agreed this step that ckpt_every_minutes have passed since the last save
 
-    def write_metrics(self, row):
-        if self.metrics is not None:
-            try:
-                row = self.metrics.write(row)
-            except OSError as e:
-                self.metrics = None
-                out_of_space(self.metrics_path, e, self.ckpts)
-            if self.trackers:
-                self.trackers.log(row)
-
-    def write_clock(self):
-        try:
-            write_json(self.clock_path, dict(elapsed=self.state.elapsed, cost_usd=self.state.cost_usd))
-        except OSError as e:
-            out_of_space(self.clock_path, e, self.ckpts)
-
-    def event(self, name, message, **fields):
-        self.write_metrics(dict(step=self.state.step, event=name, **fields))
-        warn(f"step {self.state.step}: {message}")
-
-    def objective_metrics(self, stats, prefix=""):
-        """The objective's numbers beyond the loss (stats: its forward's third item) by the names it
-        gives them for metrics.jsonl; {} for an objective without."""
-        return {} if stats is None else self.raw_model.metrics(stats, prefix)
-
-    def objective_console(self, stats):
-        """The same numbers as the objective shows them on a console line; "" without."""
-        return "" if stats is None else self.raw_model.console(stats)
-
-    def evaluate(self):
-        """The validation loss, the mean over every target eval_steps micro-batches per rank count (SFT data: the
-        replies'), on all ranks; the objective's stats (its forward's third item), their mean per micro-batch, in
-        self.val_stats."""
-        cfg, proc = self.cfg, self.proc
-        self.model.eval()
-        with torch.no_grad(), self.autocast:
-            sums = self.val_data.validation_sums(self.raw_model, cfg.eval_steps, cfg.micro_batch_size, proc.rank,
-                                                 proc.world, proc.dev)
-        self.model.train()
+    def loop(self):
+        """Train until the horizon (max_steps, or what the budget pays for), a stop (signal, guard, early stop) or
+        divergence: (the stop reason, the last validation loss, or None when the last step was not evaluated)."""
+        cfg, st, proc = self.cfg, self.state, self.proc
+        self.clock.tick()
+        reason = self.guard() if proc.rank == 0 else None  # a resumed run may already be past a limit
         if proc.distributed:
-            dist.all_reduce(sums)
-        loss, *stats, counted = sums.tolist()
-        self.val_stats = [v / (cfg.eval_steps * proc.world) for v in stats] or None
-        return loss / max(counted, 1)
-
-    def checkpoint(self, val_loss, best):
-        st = self.state
-        self.ckpts.save(dict(vars(st), tokens=st.step * self.cfg.total_batch_tokens, val_loss=val_loss), best)
-
-    def saved(self):
-        """Each save that reached the disk since the last look: what it cost the loop and how long it took to
-        write, as a metrics.jsonl event; the slowest write is what the guards keep back for the final save."""
-        for record in self.ckpts.finished():
-            self.save_seconds = max(self.save_seconds, record["written_s"])
-            self.write_metrics({"step": record["step"], "event": "checkpoint", **record})
-
-    # guards: time, money, signals
-
-    def tick(self):
-        now = time.time()
-        self.state.elapsed += now - self.t_last
-        self.state.cost_usd += (now - self.t_last) * self.gpu_rate
-        self.t_last = now
-
-    def reserve(self):
-        """What a stop keeps back: one more step, an evaluation and the final save (a stop while a save is written
-        in the background waits for it, then writes its own)."""
-        return max(self.step_times, default=0.0) + self.eval_seconds \
-            + self.save_seconds * (2 if self.ckpts.writing else 1)
-
-    def guard(self):
-        """Rank 0's verdict: the name of the guard that must stop the run now, or None. The reserve is what
-        one more step (as slow as the slowest recent one), an evaluation and the final save take, so no limit is
-        crossed."""
-        cfg = self.cfg
-        if limit := over_limit(cfg, self.state, self.reserve(), self.gpu_rate):
-            return limit
-        if not cfg.budget_file or time.time() < self.next_budget_check:
-            return None
-        self.next_budget_check = time.time() + cfg.budget_check_minutes * 60
-        limit, spend = budget_file_verdict(cfg)
-        if spend:
-            spent, projected = spend
-            self.event("budget_warning", f"spent ${spent:.2f} of budget_usd=${cfg.budget_usd:.2f} "
-                       f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
-        return limit
-
-    def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, stats=None):
-        """One all-reduce per step: the summed loss (and the objective's summed stats, if it has any), and
-        whether any rank saw a non-finite step, a signal, or (rank 0) a guard, rank 0's decay_to (wsd: the horizon
-        to decay to from the next step; 0: none) and whether a save is due by rank 0's clock. Every rank then takes
-        the same decisions. (mean loss, finite, stop reason or None, decay_to, save due, mean stats or None)."""
-        flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
-                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
-                 1.0 if save_due else 0.0]
-        # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
-        v = torch.cat([loss_sum.double().reshape(1), torch.tensor(flags, device=self.proc.dev, dtype=torch.float64),
-                       *([] if stats is None else [stats.double()])])
-        if self.proc.distributed:
-            dist.all_reduce(v)
-        v = v.tolist()
-        reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
-        n = self.grad_accum * self.proc.world
-        return v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0, [s / n for s in v[6:]] if stats is not None else None
-
-    # bad steps: drills, spikes, rollbacks
-
-    def injecting(self, kind, at):
-        """Whether this step is one of the drill's; each drill step fires once, even if a rollback replays it."""
-        st = self.state
-        tag = f"{kind}@{st.step + 1}"  # steps are numbered as logged: the first one is step 1
-        if at < 0 or not at <= st.step + 1 < at + INJECT_STEPS or tag in st.injected:
-            return False
-        st.injected.append(tag)
-        return True
-
-    def account(self, loss, finite, grad_norm):
-        """Count a non-finite step or a spike (each an event), else fold the loss into its EMA."""
-        st, cfg = self.state, self.cfg
-        spike = finite and st.loss_ema is not None and loss > cfg.spike_factor * st.loss_ema
-        if not finite:
-            st.nonfinite_steps += 1
-            self.event("nonfinite", f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm.item()}): step "
-                       f"skipped on every rank", loss=str(loss), grad_norm=str(grad_norm.item()))
-        elif spike:
-            st.spikes += 1
-            self.event("spike", f"loss {loss:.4f} is {loss / st.loss_ema:.1f}x its recent average {st.loss_ema:.4f}",
-                       loss=loss, loss_ema=st.loss_ema)
-        else:
-            st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
-        st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
-        if (spike or not finite) and self.postmortem:
-            batch = bad_batch(cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir))
-            self.postmortem.add("spike" if finite else "nonfinite", st, self.recent, batch, self.ckpts.on_disk)
-            self.write_postmortem()
-
-    def rollback(self):
-        """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
-        st, cfg = self.state, self.cfg
-        if st.rollbacks >= cfg.max_rollbacks:
-            return (f"{cfg.max_bad_steps} bad steps in a row after {st.rollbacks} rollbacks (max_rollbacks="
-                    f"{cfg.max_rollbacks}): the run diverges; lower learning_rate or check the data")
-        path, ckpt = self.ckpts.newest()
-        if ckpt is None:
-            return (f"{st.bad_in_a_row} bad steps in a row at step {st.step} and no checkpoint to roll back to: "
-                    f"lower learning_rate, raise warmup_steps, or check the data")
-        keep = dict(elapsed=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes, nonfinite_steps=st.nonfinite_steps,
-                    injected=st.injected, rollbacks=st.rollbacks + 1, lr_scale=st.lr_scale * 0.5)
-        bad_at = st.step
-        self.ckpts.restore(ckpt, st)
-        vars(st).update(keep, bad_in_a_row=0)
-        self.t_log, self.step_at_log = time.time(), st.step
-        self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
-                   f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",
-                   from_step=bad_at, lr_scale=st.lr_scale, rollbacks=st.rollbacks)
-        if self.postmortem:
-            self.postmortem.rolled_back(st.step, st.lr_scale)
-            self.write_postmortem()
-        return None
-
-    def write_postmortem(self):
-        try:
-            self.postmortem.write()
-        except OSError as e:
-            out_of_space(self.postmortem.path + ".md", e, self.ckpts)
-
-    # one step
-
-    def first_sample(self, micro):
-        """The first sample of this rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
-        return self.state.samples + (micro * self.proc.world + self.proc.rank) * self.cfg.micro_batch_size
-
-    def micro_batch(self, micro, spike_drill):
-        """This rank's micro-batch `micro` of the step (the fire drill's, when spike_drill)."""
-        cfg, first = self.cfg, self.first_sample(micro)
-        if spike_drill:
-            return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, self.state.step, first],
-                                    self.proc.dev, self.train_data.draws)
-        return self.train_data.train_batch(first, cfg.micro_batch_size, self.proc.dev)
+            reason = self.agree(torch.zeros(1, device=proc.dev), True, reason)[2]
+        if not reason and cfg.stop_at_step and st.step >= cfg.stop_at_step:
+            reason = "stop_at_step"
+        if reason:
+            log(f"not training: {reason} already reached at step {st.step}")
+        val_loss = None
+        while st.step < st.horizon and not reason:
+            reason = self.step()
+            if not reason and st.step == cfg.stop_at_step:
+                reason = "stop_at_step"
+            new_best, val_loss = False, None
+            if reason is None and (st.step % cfg.eval_every == 0 or st.step == st.horizon):
+                val_loss, new_best = self.validate()
+                if cfg.early_stop_patience and st.evals_since_best >= cfg.early_stop_patience:
+                    reason = "early_stop"
+            if reason == "budget_file_spent":
+                break  # already over the cap: not one more byte or second
+            # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
+            if self.ckpts.due(st.step, st.horizon, new_best, bool(reason), st.bad_in_a_row, self.save_due):
+                self.clock.tick()
+                self.checkpoint(val_loss, new_best)
+            if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
+                self.diverged = self.rollback()
+                reason = "diverged" if self.diverged else None
+            self.saved()  # a background save that has ended: reported (or its error raised) now
+        return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
 
     def step(self):
-        """One optimizer step over the step's global batch, logged; the stop reason the ranks agreed on, or None."""
+        """One optimizer step over the step's global batch: the stop reason the ranks agreed on, or None. Before
+        it, the learning rate and the fire drills; after the backward, the guards' verdicts, agreed by every rank in
+        one all-reduce; after the update, the step's account (wsd's decay, the drills, spikes) and its log line."""
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
-        base_lr = lr_at(st.step, cfg, st.horizon, st.decay_start, st.decay_lr)
-        lr = base_lr * st.lr_scale
-        for g in self.optimizer.param_groups:  # optimizer=muon: each group at its own peak_lr, on lr's schedule
-            g["lr"] = lr * g["peak_lr"] / cfg.learning_rate if "peak_lr" in g else lr
-        spike_drill, nan_drill = self.injecting("spike", cfg.inject_spike_at_step), \
-            self.injecting("nan", cfg.inject_nan_at_step)
+        lr, base_lr = self.set_lr()
+        spike_drill, nan_drill = self.drills.pick(st)
         loss_sum, stats = self.forward_backward(spike_drill, nan_drill)
         grad_norm, finite = self.clip_gradients(loss_sum)
-        if 0 <= cfg.inject_slow_at_step <= st.step:
-            time.sleep(cfg.inject_slow_seconds)
-        self.tick()
-        guard, decay_to, save_due = (self.guard(), self.decay_to(), self.ckpts.time_due()) if proc.rank == 0 \
-            else (None, 0, False)
-        loss, finite, reason, decay_to, self.save_due, stats = self.agree(loss_sum, finite, guard, decay_to, save_due,
-                                                                          stats)
+        self.drills.slow_down(st.step)
+        self.clock.tick()
+        verdicts = (self.guard(), self.clock.decay_to(self.ckpts.writing), self.ckpts.time_due()) \
+            if proc.rank == 0 else (None, 0, False)
+        loss, finite, reason, decay_to, self.save_due, stats = self.agree(loss_sum, finite, *verdicts, stats)
         if finite:
             self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         st.step += 1
         st.samples += cfg.total_batch_tokens // cfg.block_size
-        if decay_to:  # from the next step, linear from this step's learning rate to min_lr at step decay_to
-            planned = decay_to == st.horizon
-            if not planned:
-                st.horizon_by = "time or money left"
-            st.decay_start, st.decay_lr, st.horizon = st.step, base_lr, decay_to
-            self.event("decay", f"the learning rate decays from {base_lr:.3g} to min_lr at step {decay_to} ("
-                       + ("as planned" if planned else "what max_hours or budget_usd leaves pays for no more") + ")",
-                       horizon=decay_to, lr=base_lr)
-        if spike_drill or nan_drill:
-            self.event("drill", "fire drill: " + ("a batch of the rarest tokens" if spike_drill
-                                                  else "a NaN loss on the last rank"),
-                       drill="spike" if spike_drill else "nan")
-        self.recent.append((st.step, loss, grad_norm, lr))
-        self.account(loss, finite, grad_norm)
-        self.step_times.append(time.time() - t_step)
+        self.after_step(loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill)
+        self.clock.step_times.append(time.time() - t_step)
         if st.step % cfg.log_every == 0 or st.step == st.horizon:
             self.log_step(loss, lr, grad_norm.item(), stats)
         self.last_loss = loss
         return reason
+
+    def set_lr(self):
+        """The step's learning rate, the schedule's times the rollbacks' scale, set in every group: (it, the
+        schedule's). optimizer=muon: each group at its own peak_lr, on the schedule's shape."""
+        st = self.state
+        base_lr = self.schedule.lr(st.step, st.horizon, st.decay_start, st.decay_lr)
+        lr = base_lr * st.lr_scale
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g["peak_lr"] / self.schedule.learning_rate if "peak_lr" in g else lr
+        return lr, base_lr
 
     def forward_backward(self, spike_drill, nan_drill):
         """This rank's micro-steps of the step, forward and backward: (their summed loss, and the objective's
@@ -624,19 +466,6 @@ class Trainer:
                 batch = self.micro_batch(micro + 1, spike_drill)
         return loss_sum, stats_sum
 
-    def target_weights(self):
-        """SFT data (targets IGNORE outside the replies): each of the step's micro-batches' weight, its share of the
-        targets the whole step counts (every rank's) times the micro-batches of the step, so that the mean over ranks
-        and micro-batches the gradient and the logged loss take is the mean over every counted target, not a mean of
-        unequal micro-batches' means. Counted in the loss masks alone: the micro-batches are read one at a time."""
-        cfg = self.cfg
-        counts = torch.tensor([self.train_data.train_targets(self.first_sample(micro), cfg.micro_batch_size)
-                               for micro in range(self.grad_accum)], device=self.proc.dev).float()
-        total = counts.sum()
-        if self.proc.distributed:
-            dist.all_reduce(total)
-        return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
-
     def clip_gradients(self, loss_sum):
         """The gradients unscaled and clipped to grad_clip: (their norm before clipping, whether the step is
         finite)."""
@@ -649,29 +478,131 @@ class Trainer:
         finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled() or bool(torch.isfinite(grad_norm)))
         return grad_norm, finite
 
-    def log_step(self, loss, lr, grad_norm, stats):
-        """A metrics line, clock.json (what the guards resume with), and a console line; with the objective's
-        numbers of the step (stats), if it has any."""
-        cfg, st, now = self.cfg, self.state, time.time()
-        tok_s = (st.step - self.step_at_log) * cfg.total_batch_tokens / (now - self.t_log)
-        mfu = self.flops_tok * tok_s / (self.peak * self.proc.world) if self.peak else None
-        eta = (st.horizon - st.step) * (now - self.t_log) / (st.step - self.step_at_log)
-        self.t_log, self.step_at_log = now, st.step
-        row = dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=st.step * cfg.total_batch_tokens,
-                   tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
-                   cost_usd=st.cost_usd, **self.objective_metrics(stats))
-        self.write_metrics(row)
-        if self.metrics is not None:
-            self.write_clock()
-        log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
-            f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
-            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{self.objective_console(stats)}", flush=True)
+    def agree(self, loss_sum, finite, guard_reason, decay_to=0, save_due=False, stats=None):
+        """One all-reduce per step: the summed loss (and the objective's summed stats, if it has any), and
+        whether any rank saw a non-finite step, a signal, or (rank 0) a guard, rank 0's decay_to (wsd: the horizon
+        to decay to from the next step; 0: none) and whether a save is due by rank 0's clock. Every rank then takes
+        the same decisions. (mean loss, finite, stop reason or None, decay_to, save due, mean stats or None)."""
+        flags = [0.0 if finite else 1.0, 1.0 if self.stop_signal else 0.0,
+                 float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
+                 1.0 if save_due else 0.0]
+        # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
+        v = torch.cat([loss_sum.double().reshape(1), torch.tensor(flags, device=self.proc.dev, dtype=torch.float64),
+                       *([] if stats is None else [stats.double()])])
+        if self.proc.distributed:
+            dist.all_reduce(v)
+        v = v.tolist()
+        reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
+        n = self.grad_accum * self.proc.world
+        return v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0, [s / n for s in v[6:]] if stats is not None else None
+
+    def after_step(self, loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill):
+        """The step's account: wsd's decay from the next step (to min_lr at step decay_to, linear from this step's
+        learning rate), the fire drill it ran, and a spike or non-finite step counted (the post-mortem's)."""
+        st, cfg = self.state, self.cfg
+        if decay_to:
+            planned = decay_to == st.horizon
+            if not planned:
+                st.horizon_by = "time or money left"
+            st.decay_start, st.decay_lr, st.horizon = st.step, base_lr, decay_to
+            self.event("decay", f"the learning rate decays from {base_lr:.3g} to min_lr at step {decay_to} ("
+                       + ("as planned" if planned else "what max_hours or budget_usd leaves pays for no more") + ")",
+                       horizon=decay_to, lr=base_lr)
+        if spike_drill or nan_drill:
+            self.event("drill", "fire drill: " + ("a batch of the rarest tokens" if spike_drill
+                                                  else "a NaN loss on the last rank"),
+                       drill="spike" if spike_drill else "nan")
+        self.recent.append((st.step, loss, grad_norm, lr))
+        self.bad.account(st, loss, finite, grad_norm, lambda: bad_batch(cfg, st, self.train_data, self.rare,
+                                                                        load_tokenizer(cfg.data_dir)),
+                         self.recent, self.ckpts.on_disk)
+
+    # what a step reads
+
+    def first_sample(self, micro):
+        """The first sample of this rank's slice of the step's global batch: disjoint across ranks and micro-steps."""
+        return self.state.samples + (micro * self.proc.world + self.proc.rank) * self.cfg.micro_batch_size
+
+    def micro_batch(self, micro, spike_drill):
+        """This rank's micro-batch `micro` of the step (the fire drill's, when spike_drill)."""
+        cfg, first = self.cfg, self.first_sample(micro)
+        if spike_drill:
+            return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size, [cfg.seed, self.state.step, first],
+                                    self.proc.dev, self.train_data.draws)
+        return self.train_data.train_batch(first, cfg.micro_batch_size, self.proc.dev)
+
+    def target_weights(self):
+        """SFT data (targets IGNORE outside the replies): each micro-batch's weight, its share of the targets the
+        whole step counts (every rank's) times the micro-batches of the step, so that the mean the gradient and the
+        logged loss take over ranks and micro-batches is the mean over every counted target, not a mean of unequal
+        micro-batches' means. Counted in the loss masks alone: the micro-batches are read one at a time."""
+        cfg = self.cfg
+        counts = torch.tensor([self.train_data.train_targets(self.first_sample(micro), cfg.micro_batch_size)
+                               for micro in range(self.grad_accum)], device=self.proc.dev).float()
+        total = counts.sum()
+        if self.proc.distributed:
+            dist.all_reduce(total)
+        return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
+
+    # the guards: time, money, signals; bad steps
+
+    def guard(self):
+        """Rank 0's verdict: the guard that must stop the run now (a limit it would cross within one more step, an
+        evaluation and the final save), or None."""
+        return self.clock.stop_reason(self.ckpts.writing, self.event)
+
+    def rollback(self):
+        """Back to the newest good checkpoint at half the learning rate; None, or why that cannot be."""
+        st, cfg = self.state, self.cfg
+        if st.rollbacks >= cfg.max_rollbacks:
+            return (f"{cfg.max_bad_steps} bad steps in a row after {st.rollbacks} rollbacks (max_rollbacks="
+                    f"{cfg.max_rollbacks}): the run diverges; lower learning_rate or check the data")
+        path, ckpt = self.ckpts.newest()
+        if ckpt is None:
+            return (f"{st.bad_in_a_row} bad steps in a row at step {st.step} and no checkpoint to roll back to: "
+                    f"lower learning_rate, raise warmup_steps, or check the data")
+        keep = dict(elapsed=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes, nonfinite_steps=st.nonfinite_steps,
+                    injected=st.injected, rollbacks=st.rollbacks + 1, lr_scale=st.lr_scale * 0.5)
+        bad_at = st.step
+        self.ckpts.restore(ckpt, st)
+        vars(st).update(keep, bad_in_a_row=0)
+        self.t_log, self.step_at_log = time.time(), st.step
+        self.event("rollback", f"{cfg.max_bad_steps} bad steps in a row up to step {bad_at}: rolled back to {path}, "
+                   f"learning rate x {st.lr_scale:g} (rollback {st.rollbacks} of {cfg.max_rollbacks})",
+                   from_step=bad_at, lr_scale=st.lr_scale, rollbacks=st.rollbacks)
+        if self.postmortem:
+            self.postmortem.rolled_back(st.step, st.lr_scale)
+            self.write_postmortem()
+        return None
+
+    def fit(self, tokens_per_sec, t_start):
+        """A new run's horizon (preflight.start_horizon), the startup so far spent."""
+        self.state.horizon, self.state.horizon_by = start_horizon(self.cfg, self.proc, tokens_per_sec,
+                                                                  time.time() - t_start, self.clock.save_seconds)
+
+    # evaluation
+
+    def evaluate(self):
+        """The validation loss, the mean over every target eval_steps micro-batches per rank count (SFT data: the
+        replies'), on all ranks; the objective's stats (its forward's third item), their mean per micro-batch, in
+        self.val_stats."""
+        cfg, proc = self.cfg, self.proc
+        self.model.eval()
+        with torch.no_grad(), self.autocast:
+            sums = self.val_data.validation_sums(self.raw_model, cfg.eval_steps, cfg.micro_batch_size, proc.rank,
+                                                 proc.world, proc.dev)
+        self.model.train()
+        if proc.distributed:
+            dist.all_reduce(sums)
+        loss, *stats, counted = sums.tolist()
+        self.val_stats = [v / (cfg.eval_steps * proc.world) for v in stats] or None
+        return loss / max(counted, 1)
 
     def validate(self):
         """Evaluate now: (validation loss, whether it is a new best), logged."""
         st, t0 = self.state, time.time()
         val_loss = self.evaluate()
-        self.eval_seconds = time.time() - t0
+        self.clock.eval_seconds = time.time() - t0
         new_best = val_loss < st.best_val_loss
         if new_best:
             st.best_val_loss, st.best_step, st.evals_since_best = val_loss, st.step, 0
@@ -702,16 +633,75 @@ class Trainer:
             name, message, fields = warning
             self.event(name, message, **fields)
 
-    def fit(self, tokens_per_sec, t_start):
-        """A new run's horizon (schedule.start_horizon), the startup so far spent."""
-        self.state.horizon, self.state.horizon_by = start_horizon(self.cfg, self.proc, tokens_per_sec,
-                                                                  time.time() - t_start, self.gpu_rate,
-                                                                  self.save_seconds)
+    def objective_metrics(self, stats, prefix=""):
+        """The objective's numbers beyond the loss (stats: its forward's third item) by the names it gives them for
+        metrics.jsonl; {} for an objective without."""
+        return {} if stats is None else self.raw_model.metrics(stats, prefix)
 
-    def decay_to(self):
-        """wsd, rank 0: the horizon to decay to from the next step on, or 0 (schedule.decay_horizon)."""
-        self.pace.append((self.state.step + 1, self.state.elapsed))  # this step's end, as the next tick will count it
-        return decay_horizon(self.cfg, self.state, self.pace, self.reserve(), self.gpu_rate)
+    def objective_console(self, stats):
+        """The same numbers as the objective shows them on a console line; "" without."""
+        return "" if stats is None else self.raw_model.console(stats)
+
+    # checkpoints
+
+    def checkpoint(self, val_loss, best):
+        st = self.state
+        self.ckpts.save(dict(vars(st), tokens=st.step * self.cfg.total_batch_tokens, val_loss=val_loss), best)
+
+    def saved(self):
+        """Each save that reached the disk since the last look: what it cost the loop and how long it took to
+        write, as a metrics.jsonl event; the slowest write is what the guards keep back for the final save."""
+        for record in self.ckpts.finished():
+            self.clock.save_seconds = max(self.clock.save_seconds, record["written_s"])
+            self.write_metrics({"step": record["step"], "event": "checkpoint", **record})
+
+    # the log: metrics.jsonl (and the trackers), clock.json, the console
+
+    def write_metrics(self, row):
+        if self.metrics is not None:
+            try:
+                row = self.metrics.write(row)
+            except OSError as e:
+                self.metrics = None
+                out_of_space(self.metrics_path, e, self.ckpts)
+            if self.trackers:
+                self.trackers.log(row)
+
+    def write_clock(self):
+        try:
+            write_json(self.clock_path, dict(elapsed=self.state.elapsed, cost_usd=self.state.cost_usd))
+        except OSError as e:
+            out_of_space(self.clock_path, e, self.ckpts)
+
+    def write_postmortem(self):
+        try:
+            self.postmortem.write()
+        except OSError as e:
+            out_of_space(self.postmortem.path + ".md", e, self.ckpts)
+
+    def event(self, name, message, **fields):
+        self.write_metrics(dict(step=self.state.step, event=name, **fields))
+        warn(f"step {self.state.step}: {message}")
+
+    def log_step(self, loss, lr, grad_norm, stats):
+        """A metrics line, clock.json (what the guards resume with), and a console line; with the objective's
+        numbers of the step (stats), if it has any."""
+        cfg, st, now = self.cfg, self.state, time.time()
+        tok_s = (st.step - self.step_at_log) * cfg.total_batch_tokens / (now - self.t_log)
+        mfu = self.flops_tok * tok_s / (self.peak * self.proc.world) if self.peak else None
+        eta = (st.horizon - st.step) * (now - self.t_log) / (st.step - self.step_at_log)
+        self.t_log, self.step_at_log = now, st.step
+        row = dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm, tokens=st.step * cfg.total_batch_tokens,
+                   tokens_per_sec=tok_s, mfu=mfu, mem_gb=peak_memory_gb(self.proc.dev), elapsed=st.elapsed,
+                   cost_usd=st.cost_usd, **self.objective_metrics(stats))
+        self.write_metrics(row)
+        if self.metrics is not None:
+            self.write_clock()
+        log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} | "
+            f"{tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | "
+            f"mem {row['mem_gb']:.2f} GB | eta {format_seconds(eta)}{self.objective_console(stats)}", flush=True)
+
+    # the end
 
     def unsaved(self, reason):
         """Why the run ends without its model on disk (every stop saves the step it stopped at, but a stop over
@@ -726,40 +716,6 @@ class Trainer:
                 f"failed: see the warnings): free disk space for {root}, then run the same command again: it resumes "
                 f"from step {on_disk}")
 
-    def loop(self):
-        """Train until the horizon (max_steps, or what the budget pays for), a stop (signal, guard, early stop) or
-        divergence: (the stop reason, the last validation loss, or None when the last step was not evaluated)."""
-        cfg, st, proc = self.cfg, self.state, self.proc
-        self.tick()
-        reason = self.guard() if proc.rank == 0 else None  # a resumed run may already be past a limit
-        if proc.distributed:
-            reason = self.agree(torch.zeros(1, device=proc.dev), True, reason)[2]
-        if not reason and cfg.stop_at_step and st.step >= cfg.stop_at_step:
-            reason = "stop_at_step"
-        if reason:
-            log(f"not training: {reason} already reached at step {st.step}")
-        val_loss = None
-        while st.step < st.horizon and not reason:
-            reason = self.step()
-            if not reason and st.step == cfg.stop_at_step:
-                reason = "stop_at_step"
-            new_best, val_loss = False, None
-            if reason is None and (st.step % cfg.eval_every == 0 or st.step == st.horizon):
-                val_loss, new_best = self.validate()
-                if cfg.early_stop_patience and st.evals_since_best >= cfg.early_stop_patience:
-                    reason = "early_stop"
-            if reason == "budget_file_spent":
-                break  # already over the cap: not one more byte or second
-            # a periodic checkpoint waits for the end of a run of bad steps, so a rollback never lands inside one
-            if self.ckpts.due(st.step, st.horizon, new_best, bool(reason), st.bad_in_a_row, self.save_due):
-                self.tick()
-                self.checkpoint(val_loss, new_best)
-            if not reason and st.bad_in_a_row >= cfg.max_bad_steps:
-                self.diverged = self.rollback()
-                reason = "diverged" if self.diverged else None
-            self.saved()  # a background save that has ended: reported (or its error raised) now
-        return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
-
     def finish(self, reason, val_loss):
         """A final evaluation and checkpoint when the run completed, then summary.json and the report;
         rank 0's summary (None elsewhere)."""
@@ -773,22 +729,35 @@ class Trainer:
                 self.checkpoint(val_loss, val_loss <= st.best_val_loss and cfg.save_best)
         self.ckpts.wait()  # the last save on disk before the summary names it and the run exits
         self.saved()
-        self.tick()
+        self.clock.tick()
         if self.proc.rank != 0:
             return None
+        summary = self.summary(reason, val_loss)
+        write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
+        self.write_clock()
+        self.metrics.close()
+        write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
+        if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
+            self.trackers.close(summary["status"])
+        if line := outcome(summary, cfg.max_steps, cfg.out_dir):
+            log(line)
+        return summary
+
+    def summary(self, reason, val_loss):
+        """summary.json: how the run ended and what it measured, with its long-run gate."""
+        st, cfg = self.state, self.cfg
         status = {"max_steps": "completed", "horizon": "completed", "early_stop": "completed",
                   "diverged": "failed"}.get(reason, "stopped")
         lost = self.unsaved(reason)
         status = "failed" if lost else status
-        unigram = unigram_baseline(cfg.data_dir, self.manifest, self.val_data)
-        signal_name = self.stop_signal[0] if self.stop_signal else None
         best, band = st.best_step >= 0, target_band(cfg.target_val_loss)
-        summary = dict(status=status, stop_reason=reason, signal=signal_name, steps=st.step, horizon=st.horizon,
-                       horizon_by=st.horizon_by, lr_schedule=cfg.lr_schedule, decay_start=st.decay_start,
-                       tokens=st.step * cfg.total_batch_tokens, final_train_loss=self.last_loss,
-                       final_val_loss=val_loss, best_val_loss=st.best_val_loss if best else None,
-                       best_step=st.best_step if best else None,
-                       final_val_bpb=None if val_loss is None else val_loss * self.bpb_scale, unigram_val_loss=unigram,
+        summary = dict(status=status, stop_reason=reason, signal=self.stop_signal[0] if self.stop_signal else None,
+                       steps=st.step, horizon=st.horizon, horizon_by=st.horizon_by, lr_schedule=cfg.lr_schedule,
+                       decay_start=st.decay_start, tokens=st.step * cfg.total_batch_tokens,
+                       final_train_loss=self.last_loss, final_val_loss=val_loss,
+                       best_val_loss=st.best_val_loss if best else None, best_step=st.best_step if best else None,
+                       final_val_bpb=None if val_loss is None else val_loss * self.bpb_scale,
+                       unigram_val_loss=unigram_baseline(cfg.data_dir, self.manifest, self.val_data),
                        target_val_loss=list(band) if band else None, target=target_verdict(band, status, val_loss),
                        elapsed_s=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes,
                        nonfinite_steps=st.nonfinite_steps, rollbacks=st.rollbacks, lr_scale=st.lr_scale,
@@ -797,15 +766,17 @@ class Trainer:
                        best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
                        **self.objective_metrics(self.val_stats if val_loss is not None else None, "final_val_"))
         summary["long_run_gate"] = long_run_gate(cfg, summary, release_gates(cfg.pack_dir))
-        write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
-        self.write_clock()
-        self.metrics.close()
-        write_report(cfg.out_dir, cfg.plots)  # summary.md, plots, metrics.csv, manifest.json: never raises
-        if self.trackers:  # last: a slow tracker may take its minute, and a preempted pod may not give it one
-            self.trackers.close(status)
-        if line := outcome(summary, cfg.max_steps, cfg.out_dir):
-            log(line)
         return summary
+
+
+def gsm8k_questions(data_dir, manifest, n):
+    """eval_gsm8k_samples' (prompt, answer) pairs of GSM8K data; None when n is 0."""
+    if not n:
+        return None
+    try:
+        return gsm8k_problems(data_dir, manifest, n)
+    except ValueError as e:
+        fail(f"eval_gsm8k_samples={n}: {e}")
 
 
 # -----------------------------------------------------------------------------
@@ -863,7 +834,8 @@ def train(cfg, keep_group=False):
                             cfg.ckpt_min_free_gb, cfg.ckpt_async, cfg.ckpt_every_minutes)
         state = new_state(cfg)
         resumed = ckpts.resume(cfg.resume, saved, cfg.allow_resume_mismatch, cfg.data_dir, state, cfg.init_from)
-        restore_clock(cfg, state)
+        if cfg.resume != "never":
+            restore_clock(os.path.join(cfg.out_dir, "clock.json"), state)
         check_writable(cfg, proc, report, folder)
         model = wrap_model(cfg, proc, raw_model)
         log_run(cfg, proc, dt, mconfig, data, grad_accum)
@@ -898,7 +870,7 @@ def main(argv):
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir, lambda args: train(configure(args), keep_group=True))
-    check_warmup(cfg)  # not for a dry run, which runs a long run's config for a few steps
+    Schedule.of(cfg).check_warmup(cfg.max_steps)  # not for a dry run, which runs a long run's config for a few steps
     return train(cfg)[0]
 
 

@@ -15,7 +15,6 @@ import shlex
 import subprocess
 import sys
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import numpy as np
@@ -152,19 +151,18 @@ def test_max_hours_stops_before_the_limit_then_a_resume_trains_nothing(tmp_path,
 
 
 def test_max_hours_keeps_back_the_slowest_recent_step():
-    """Trainer.guard on its own: with 1 s left, an evaluation and a save of 0.25 s each, and 19 steps of 0.1 s
-    behind one of 0.9 s (a loaded machine), it stops now: the slowest step would cross the limit, which their
+    """The guard (guards.Clock) on its own: with 1 s left, an evaluation and a save of 0.25 s each, and 19 steps of
+    0.1 s behind one of 0.9 s (a loaded machine), it stops now: the slowest step would cross the limit, which their
     average (0.14 s) would not. Once that step is older than the last GUARD_STEPS, the fast ones decide again."""
-    import train
-    cfg = SimpleNamespace(max_hours=1.0, budget_usd=0.0, usd_per_gpu_hour=0.0, budget_file="")
-    trainer = SimpleNamespace(cfg=cfg, state=SimpleNamespace(elapsed=3600 - 1.0, cost_usd=0.0), eval_seconds=0.25,
-                              save_seconds=0.25, ckpts=SimpleNamespace(writing=False), gpu_rate=0.0,
-                              step_times=deque(maxlen=train.GUARD_STEPS))
-    trainer.reserve = lambda: train.Trainer.reserve(trainer)
-    trainer.step_times.extend([0.9] + [0.1] * 19)
-    assert train.Trainer.guard(trainer) == "max_hours"
-    trainer.step_times.append(0.1)
-    assert train.Trainer.guard(trainer) is None
+    from podgpt.core.schedule import Budget
+    from podgpt.pod.guards import Clock
+    state = SimpleNamespace(elapsed=3600 - 1.0, cost_usd=0.0)
+    clock = Clock(state, time.time(), Budget(max_hours=1.0), None, 0.0, save_seconds=0.25)
+    clock.eval_seconds = 0.25
+    clock.step_times.extend([0.9] + [0.1] * 19)
+    assert clock.stop_reason(False, None) == "max_hours"
+    clock.step_times.append(0.1)
+    assert clock.stop_reason(False, None) is None
 
 
 def test_budget_usd_stops_before_the_spend_crosses_the_cap(tmp_path, stdlib_data, capfd):

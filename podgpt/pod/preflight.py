@@ -24,8 +24,9 @@ from podgpt.pod.gates import check_profile, gate, limits, no_pack_gates, release
 from podgpt.core.data import contamination, load_manifest
 from model import GRAD_CKPT
 from podgpt.pod.objectives import config_class, config_fields, make_config
-from podgpt.core.schedule import fit_horizon
-from podgpt.core.util import autocast, fail, first_line, format_bytes, mean_over_ranks, warn, write_atomic, write_json
+from podgpt.core.schedule import Budget, fit_horizon, step_seconds
+from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mean_over_ranks, warn, write_atomic,
+                              write_json)
 
 LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more than this factor off its rule, either way
 LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
@@ -361,6 +362,30 @@ def attention_gate(cfg, mconfig, runtime):
         return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
 
 
+def planned_horizon(cfg, tokens_per_sec, world, spent_s=0.0, reserve_s=0.0):
+    """schedule.fit_horizon of this run at tokens_per_sec on `world` ranks, after spent_s of its time."""
+    accum = cfg.total_batch_tokens / (cfg.micro_batch_size * cfg.block_size * world)
+    step_s = step_seconds(tokens_per_sec, cfg.total_batch_tokens, accum, cfg.eval_steps, cfg.eval_every)
+    usd_per_s = world * cfg.usd_per_gpu_hour / 3600
+    return fit_horizon(cfg.max_steps, Budget.of(cfg), step_s, usd_per_s, spent_s, spent_s * usd_per_s, reserve_s)
+
+
+def start_horizon(cfg, proc, tokens_per_sec, spent_s, reserve_s):
+    """A new run's horizon, (steps, what sets them), rank 0's for every rank: with fit_budget, what max_hours and
+    budget_usd pay for at preflight's tokens_per_sec after the startup's spent_s, keeping back reserve_s for a last
+    evaluation and save; else max_steps."""
+    fitted = [(cfg.max_steps, "max_steps")]
+    if cfg.fit_budget and tokens_per_sec and proc.rank == 0:
+        fitted = [planned_horizon(cfg, tokens_per_sec, proc.world, spent_s, reserve_s)]
+    if proc.distributed:
+        dist.broadcast_object_list(fitted)
+    horizon, by = fitted[0]
+    if horizon < cfg.max_steps:
+        log(f"horizon: {by} pays for {horizon:,} of max_steps={cfg.max_steps:,} steps at {tokens_per_sec:,.0f} "
+            f"tokens/s: the {cfg.lr_schedule} schedule ends there")
+    return horizon, by
+
+
 def time_gate(cfg, tokens_per_sec, source, world):
     """time_and_cost: hours and dollars of the planned tokens, and the horizon: where max_hours or budget_usd end
     the schedule (fit_budget), or would stop the run before it ends (a block without fit_budget)."""
@@ -368,7 +393,7 @@ def time_gate(cfg, tokens_per_sec, source, world):
     usd = hours * world * cfg.usd_per_gpu_hour
     detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
               + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
-    steps, by = fit_horizon(cfg, tokens_per_sec, world)
+    steps, by = planned_horizon(cfg, tokens_per_sec, world)
     if by == "max_steps":
         return gate("time_and_cost", "pass", hours, cfg.max_hours or None, detail)
     if cfg.fit_budget:
@@ -493,7 +518,7 @@ def plan_time(cfg, proc, report, tokens_per_sec, source):
     throughput, skipped and said why."""
     if tokens_per_sec:
         report["gates"].append(time_gate(cfg, tokens_per_sec, source, plan_world(cfg, proc)))
-        steps, by = fit_horizon(cfg, tokens_per_sec, plan_world(cfg, proc))
+        steps, by = planned_horizon(cfg, tokens_per_sec, plan_world(cfg, proc))
         report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec, source=source)
     elif cfg.preflight_only:
         report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "

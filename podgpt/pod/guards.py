@@ -1,0 +1,127 @@
+"""
+The guards around a paid run's steps: its clock and spend (Clock: the stop before max_hours or budget_usd is
+crossed, budget_file's verdict, wsd's decay when what is left pays for no more), the fire drills that rehearse a
+bad batch, a NaN or a slower pod (Drills), and the bad steps: spikes and non-finite steps counted, each an event
+and an entry of the post-mortem (BadSteps). train.py's loop calls them before and after each step.
+"""
+import json
+import os
+import time
+from collections import deque
+
+from podgpt.core.schedule import decay_horizon
+from podgpt.core.util import first_line, warn
+
+GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (their mean let one overshoot)
+INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
+LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
+STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
+
+
+class Clock:
+    """Wall clock and spend, accrued step by step into the loop's state (startup included), and what a stop keeps
+    back: one more step (as slow as the slowest recent one), an evaluation and the final save."""
+
+    def __init__(self, state, t_start, budget, schedule, usd_per_s, save_seconds):
+        self.state, self.budget, self.schedule, self.usd_per_s = state, budget, schedule, usd_per_s
+        self.t_last, self.save_seconds = t_start, save_seconds  # the slowest save's write, estimated until measured
+        self.eval_seconds, self.next_budget_check = 0.0, 0.0
+        self.step_times = deque(maxlen=GUARD_STEPS)
+        self.pace = deque(maxlen=GUARD_STEPS)  # (steps done, elapsed) at the recent steps' ends: wsd's projection
+
+    def tick(self):
+        now = time.time()
+        self.state.elapsed += now - self.t_last
+        self.state.cost_usd += (now - self.t_last) * self.usd_per_s
+        self.t_last = now
+
+    def reserve(self, writing):
+        """Seconds a stop keeps back; writing: a save is in the background, which a stop waits for first."""
+        return max(self.step_times, default=0.0) + self.eval_seconds + self.save_seconds * (2 if writing else 1)
+
+    def stop_reason(self, writing, event):
+        """Rank 0's verdict: the guard that must stop the run now, or None. event(name, message, **fields): the
+        loop's, for budget_file's warning."""
+        st, budget = self.state, self.budget
+        if limit := budget.crossed(st.elapsed, st.cost_usd, self.reserve(writing), self.usd_per_s):
+            return limit
+        if not budget.budget_file or time.time() < self.next_budget_check:
+            return None
+        self.next_budget_check = time.time() + budget.check_minutes * 60
+        limit, spend = budget.file_verdict()
+        if spend:
+            spent, projected = spend
+            event("budget_warning", f"spent ${spent:.2f} of budget_usd=${budget.budget_usd:.2f} "
+                  f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
+        return limit
+
+    def decay_to(self, writing):
+        """wsd, rank 0: the horizon to decay to from the next step on, or 0 (schedule.decay_horizon)."""
+        self.pace.append((self.state.step + 1, self.state.elapsed))  # this step's end, as the next tick counts it
+        return decay_horizon(self.schedule, self.budget, self.state, self.pace, self.reserve(writing), self.usd_per_s)
+
+
+def restore_clock(path, state):
+    """What a killed run spent after its last checkpoint, into state: path is its clock.json, which the loop writes
+    with every metrics line."""
+    if not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            clock = json.load(f)
+        state.elapsed = max(state.elapsed, float(clock["elapsed"]))
+        state.cost_usd = max(state.cost_usd, float(clock["cost_usd"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warn(f"ignoring {path} ({first_line(e)}): time and cost count from the checkpoint")
+
+
+class Drills:
+    """Fire drills (each -1: off): the steps logged as spike_at.. train on batches of the rarest tokens, nan_at.. get a
+    NaN loss on the last rank (INJECT_STEPS each), and from slow_at on every step sleeps slow_seconds."""
+
+    def __init__(self, spike_at, nan_at, slow_at, slow_seconds):
+        self.spike_at, self.nan_at, self.slow_at, self.slow_seconds = spike_at, nan_at, slow_at, slow_seconds
+
+    def pick(self, state):
+        """(spike, nan): the drills the next step runs; each drill step fires once, even if a rollback replays it."""
+        return self.firing(state, "spike", self.spike_at), self.firing(state, "nan", self.nan_at)
+
+    @staticmethod
+    def firing(state, kind, at):
+        tag = f"{kind}@{state.step + 1}"  # steps are numbered as logged: the first one is step 1
+        if at < 0 or not at <= state.step + 1 < at + INJECT_STEPS or tag in state.injected:
+            return False
+        state.injected.append(tag)
+        return True
+
+    def slow_down(self, step):
+        if 0 <= self.slow_at <= step:
+            time.sleep(self.slow_seconds)
+
+
+class BadSteps:
+    """Spikes (a loss above spike_factor x the EMA of recent losses) and non-finite steps: each an event (the loop's
+    event()) and, on rank 0, an entry of the post-mortem; they count in a row toward a rollback."""
+
+    def __init__(self, spike_factor, event, postmortem, write_postmortem):
+        self.spike_factor, self.event = spike_factor, event
+        self.postmortem, self.write_postmortem = postmortem, write_postmortem
+
+    def account(self, st, loss, finite, grad_norm, batch, recent, on_disk):
+        """Count the step just taken (st.step) as non-finite or a spike, else fold its loss into the EMA. batch():
+        the step's batch as the post-mortem shows it; recent: the steps up to it; on_disk: the newest checkpoint."""
+        spike = finite and st.loss_ema is not None and loss > self.spike_factor * st.loss_ema
+        if not finite:
+            st.nonfinite_steps += 1
+            self.event("nonfinite", f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm.item()}): step "
+                       f"skipped on every rank", loss=str(loss), grad_norm=str(grad_norm.item()))
+        elif spike:
+            st.spikes += 1
+            self.event("spike", f"loss {loss:.4f} is {loss / st.loss_ema:.1f}x its recent average {st.loss_ema:.4f}",
+                       loss=loss, loss_ema=st.loss_ema)
+        else:
+            st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
+        st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
+        if (spike or not finite) and self.postmortem:
+            self.postmortem.add("spike" if finite else "nonfinite", st, recent, batch(), on_disk)
+            self.write_postmortem()
