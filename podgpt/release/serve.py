@@ -194,46 +194,21 @@ def prompt_ids(ctx, value):
                        f"{vocab - 1}, or a list holding one of those", "prompt")
 
 
-def kmp_table(s):
-    """table[k]: the length of the longest proper prefix of s[:k + 1] that is also its suffix (KMP's failure table)."""
-    table, m = [0] * len(s), 0
-    for k in range(1, len(s)):
-        while m and s[k] != s[m]:
-            m = table[m - 1]
-        if s[k] == s[m]:
-            m += 1
-        table[k] = m
-    return table
+def first_stop(text, stops):
+    """Where in text the first stop string to end in it begins (of two that end at once, the longer: it
+    begins first), or None."""
+    found = [(i + len(s), -len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    return min(found)[2] if found else None
 
 
-class StopStrings:
-    """Finds a request's stop strings in text that comes a piece at a time, in time linear in the text: a KMP
-    automaton per stop string, advanced one character at a time (matching each new token against the whole text
-    would be quadratic, and a long stop string would hold the model for seconds per token)."""
-
-    def __init__(self, stops):
-        self.stops, self.tables = stops, [kmp_table(s) for s in stops]
-        self.matched = [0] * len(stops)  # per stop string: the longest prefix of it that ends the text so far
-
-    def find(self, text):
-        """Reads the next piece of text: (where in it the first stop string to complete ends, its length), or None."""
-        for end, c in enumerate(text, 1):
-            found = 0
-            for i, s in enumerate(self.stops):
-                m = self.matched[i]
-                while m and s[m] != c:  # fall back to the longest shorter prefix that still ends the text
-                    m = self.tables[i][m - 1]
-                m += s[m] == c
-                self.matched[i] = m
-                if m == len(s):
-                    found = max(found, m)  # of two that end here, the longer one begins first
-            if found:
-                return end, found
-        return None
-
-    def held(self):
-        """How many characters at the end of the text could begin a stop string: they wait for more text."""
-        return max(self.matched, default=0)
+def held_back(text, stops):
+    """How many characters at the end of text could begin a stop string: they wait for more text. Only
+    the last MAX_STOP_CHARS - 1 can, so a token costs the same however long the text before it."""
+    firsts = {s[0] for s in stops}
+    for i in range(max(0, len(text) - max(map(len, stops), default=0) + 1), len(text)):
+        if text[i] in firsts and any(s.startswith(text[i:]) for s in stops):
+            return len(text) - i
+    return 0
 
 
 def model_input(ctx, ids):
@@ -326,7 +301,6 @@ def complete(ctx, p, ids, gone, scored=None):
     else:
         generator.manual_seed(p["seed"])
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end inside a character
-    stops = StopStrings(p["stop"])
     held, n, finish = "", 0, "length"  # held: the text not yielded yet
     with forward_logits(ctx.model, scored is not None) as logits:
         for token in ctx.model.generate(model_input(ctx, ids), p["max_tokens"], temperature=p["temperature"],
@@ -342,15 +316,14 @@ def complete(ctx, p, ids, gone, scored=None):
             if token.item() == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
                 finish = "stop"
                 break
-            new = decoder.decode(ctx.tok.decode_bytes([token.item()]))
-            found = stops.find(new)
-            if found:
-                end, length = found
-                text = held + new[:end]
-                yield text[:len(text) - length], "stop", n
+            # the text not yielded yet holds no stop string and ends with the longest start of
+            # one: a stop string that ends in the new text begins in it, so it is all that is searched
+            held += decoder.decode(ctx.tok.decode_bytes([token.item()]))
+            cut = first_stop(held, p["stop"])
+            if cut is not None:
+                yield held[:cut], "stop", n
                 return
-            held += new
-            ready = len(held) - stops.held()
+            ready = len(held) - held_back(held, p["stop"])
             if ready > 0:
                 yield held[:ready], None, n
                 held = held[ready:]
