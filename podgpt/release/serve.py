@@ -48,6 +48,7 @@ try:  # the server's libraries: sample.py imports this module only to serve, so 
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
     from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.utils import get_path_with_query_string
 except ImportError as e:
     fail(f"the server needs FastAPI and uvicorn ({e.name} is not installed): pip install fastapi uvicorn")
 
@@ -69,7 +70,6 @@ UNSUPPORTED = {"n": (1, "this server returns one completion per request"),
 SUPPORTED = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "echo", "logprobs",
              "model", "user")  # the parameters this server reads (model and user only as names)
 ROUTES = {"/health": "GET", "/info": "GET", "/v1/models": "GET", "/v1/completions": "POST"}
-HEAD_END = re.compile(rb"\n\r?\n")  # the blank line that ends a request's head, as h11 finds it
 STOP_SECONDS = 3                # at SIGTERM or Ctrl-C, how long the running generation gets to reach its next token
 
 
@@ -389,14 +389,18 @@ class ModelQueue:
 
 
 # -----------------------------------------------------------------------------
-# the HTTP layer: uvicorn's connections with the bounds they lack, the FastAPI app, the model's thread
+# the HTTP layer: uvicorn's connection with the bounds it lacks, the FastAPI app, the model's thread
 
 
 def log(client, message):
-    """A line of the server's log, as http.server wrote them: the client's address, the time, what happened. One
-    write, so that threads' lines do not interleave."""
-    sys.stderr.write(f"{client} - - [{time.strftime('%d/%b/%Y %H:%M:%S')}] {message}\n")
+    """A line of the server's log: the client's address (client: its (host, port), None once it is
+    gone), the time, what happened. One write, so that threads' lines do not interleave."""
+    sys.stderr.write(f"{client[0] if client else '-'} - - [{time.strftime('%d/%b/%Y %H:%M:%S')}] {message}\n")
     sys.stderr.flush()
+
+
+def request_line(scope):
+    return f'{scope["method"]} {get_path_with_query_string(scope)} HTTP/{scope["http_version"]}'
 
 
 def error_json(e):
@@ -405,47 +409,29 @@ def error_json(e):
     return {"error": {"message": str(e), "type": kind, "param": e.param}}
 
 
-def framing_error(head):
-    """RequestError for a request head (its bytes, up to the blank line) whose body this server does not read: a
-    completion without a Content-Length or with a chunked body (411), a Content-Length that is not a size (400) or
-    is over MAX_BODY_BYTES (413: refused unread); None for one it reads."""
-    lines = head.split(b"\n")
-    method, _, target = lines[0].decode("latin-1").partition(" ")
-    headers = {}
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if colon:
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    size = headers.get("content-length")
-    if (method, target.split(" ", 1)[0].split("?", 1)[0]) == ("POST", "/v1/completions") and (
-            size is None or "transfer-encoding" in headers):
-        return RequestError("the body has no Content-Length (a chunked body is not read): send it whole, "
-                            "with its length in bytes", status=411)
-    if size is None:
-        return None
+def length_error(size):
+    """RequestError for a Content-Length (its text) that is not a size (400) or is over MAX_BODY_BYTES
+    (413: refused unread); None for one this server reads."""
     if not (size.isascii() and size.isdigit()):  # isdigit() alone passes "²", which int() refuses
-        return RequestError(f"Content-Length {shown(size)} is not a size in bytes: send the body's length")
-    if len(size) > 9 or int(size) > MAX_BODY_BYTES:  # more than 9 digits is over the limit; int() refuses thousands
-        return RequestError(f"Content-Length {shown(size)} is above this server's limit of {MAX_BODY_BYTES} "
-                            "bytes: send a shorter prompt", status=413)
+        return RequestError(f"Content-Length {shown(size)} is not a size in bytes: send the body's "
+                            "length")
+    if len(size) > 9 or int(size) > MAX_BODY_BYTES:  # int() refuses thousands of digits
+        return RequestError(f"Content-Length {shown(size)} is above this server's limit of "
+                            f"{MAX_BODY_BYTES} bytes: send a shorter prompt", status=413)
     return None
 
 
 class Connection(H11Protocol):
-    """uvicorn's HTTP/1.1 connection (h11), one request each, with the bounds uvicorn leaves out: the whole request
-    (head and body) within read_timeout seconds of the connection (uvicorn bounds a head's size, not its time, so a
-    client sending a byte at a time could hold a connection for as long as it likes); a body's framing checked
-    before h11 reads it (h11 refuses a Content-Length it cannot read with a reply of its own, not the JSON error);
-    and `left`, set when the client closes its connection or its sending side, which stops its generation. A
-    request's scope["state"]["connection"] is its Connection."""
+    """uvicorn's HTTP/1.1 connection (h11), one request each, with the bounds uvicorn lacks: the whole
+    request within read_timeout seconds of the connection (uvicorn bounds a head's size, never the
+    time a request takes: a client sending a byte at a time would hold its connection for as long as
+    it likes), the JSON error for a head h11 refuses (uvicorn answers in plain text), and the 400 for
+    a body cut short by the client's EOF (where uvicorn drops the connection unanswered)."""
 
     def __init__(self, *args, read_timeout, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
-        self.head = b""  # the request's bytes until its head has come whole; then None
-        self.line = ""  # its request line, for the log
-        self.left = threading.Event()
-        self.app_state = dict(self.app_state, connection=self)  # each request's scope["state"] is a copy of it
+        self.head = b""  # the bytes that came before h11 made a request of them
 
     def connection_made(self, transport):
         super().connection_made(transport)
@@ -453,71 +439,55 @@ class Connection(H11Protocol):
 
     def connection_lost(self, exc):
         self.timer.cancel()
-        self.left.set()
         super().connection_lost(exc)
 
     def data_received(self, data):
-        if self.head is None and not self.reading_body():
-            return  # bytes after the request (one request per connection: never read), or after h11 refused it
-        if self.head is not None:
-            start = max(0, len(self.head) - 3)
+        if self.cycle is None:
             self.head += data
-            end = HEAD_END.search(self.head, start)
-            if end:
-                head, self.head = self.head[:end.start()], None
-                self.line = head.split(b"\n", 1)[0].strip().decode("latin-1")
-                error = framing_error(head)
-                if error:
-                    return self.refuse(error)
+        elif not self.cycle.more_body:
+            return  # bytes after the request, never read: h11 would pause reading, blind to a leaving
         super().data_received(data)
-        if self.cycle is not None and not self.cycle.more_body:
-            self.flow.resume_reading()  # h11 pauses at bytes after the request: reading on sees the client leave
-
-    def reading_body(self):
-        return self.cycle is not None and self.cycle.more_body
 
     def eof_received(self):
-        """The client has sent all it will (it closed, or shut its sending side): its generation stops, a body cut
-        short ends there (the app answers 400), and a reply on its way still goes out."""
-        self.left.set()
-        if self.head is not None:
-            return False  # no request: the connection closes
-        if self.reading_body():
-            self.cycle.more_body = False
-            self.cycle.message_event.set()
+        if self.cycle is None or not self.cycle.more_body:
+            return False  # the connection closes: its client has left, and its generation stops
+        self.cycle.more_body = False  # a body cut short ends here, and gets the app's 400
+        self.cycle.message_event.set()
         return True
 
     def too_slow(self):
-        """read_timeout after the connection opened: a request whose head has not come whole is dropped unanswered
-        (as http.server did), one whose body has not gets 408."""
-        if self.head is not None:
+        """read_timeout after the connection opened: a request whose head has not come whole is dropped
+        unanswered, one whose body has not gets 408 (its handler then sees its client gone)."""
+        if self.cycle is None:
             self.transport.close()
-        elif self.reading_body():
-            self.refuse(RequestError(f"the request did not arrive within {self.read_timeout} s (serve_read_timeout): "
-                                     "send it at once", status=408))
+        elif self.cycle.more_body:
+            self.refuse(RequestError(f"the request did not arrive within {self.read_timeout} s "
+                                     "(serve_read_timeout): send it at once", status=408))
+
+    def send_400_response(self, msg):
+        """h11 refused the request's head: the JSON error, naming the Content-Length h11 cannot read, or
+        h11's reason (uvicorn calls this handling h11's error)."""
+        size = re.search(rb"(?im)^content-length:(.*)$", self.head)
+        error = size and length_error(size[1].strip().decode("latin-1"))
+        reason = first_line(sys.exc_info()[1])[:80]  # h11's reason may quote the request at length
+        self.refuse(error or RequestError(f"the request is not HTTP that h11 reads ({reason}): send "
+                                          "a well-formed HTTP/1.1 request"))
 
     def refuse(self, error):
-        """Answers error here, with the JSON error, and closes the connection: for a request h11 must not read, or
-        one too slow to arrive, whose handler then sees its client gone. In the client's HTTP version."""
+        """Answers error and closes the connection, past h11: in the client's HTTP version (h11 writes
+        1.1 alone)."""
+        line = self.head.split(b"\n", 1)[0].strip().decode("latin-1")
         body = json.dumps(error_json(error)).encode()
-        version = "HTTP/1.0" if self.line.endswith("HTTP/1.0") else "HTTP/1.1"
-        self.transport.write(f"{version} {error.status} {http.HTTPStatus(error.status).phrase}\r\n"
-                             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                             "Connection: close\r\n\r\n".encode() + body)
+        self.transport.write(f"HTTP/1.{int(not line.endswith('HTTP/1.0'))} {error.status} "
+                             f"{http.HTTPStatus(error.status).phrase}\r\nContent-Type: application/json"
+                             f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                             + body)
         self.transport.close()
-        self.log(f'"{self.line}" {error.status} -')
-
-    def drop(self):
-        """Ends the connection unanswered, its client gone: uvicorn writes nothing more to it."""
-        self.cycle.disconnected = True
-        self.transport.close()
-
-    def log(self, message):
-        log(self.client[0] if self.client else "-", message)
+        log(self.client, f'"{line}" {error.status} -')
 
 
 class NoReply(Response):
-    """The reply to a client that has left: none (Connection.drop has ended the connection)."""
+    """The reply to a client that has left: none (uvicorn writes nothing to a closed connection)."""
 
     async def __call__(self, scope, receive, send):
         pass
@@ -533,20 +503,20 @@ def error_reply(e):
 
 
 def logged(app):
-    """app, logging the status of each reply as http.server did: '<client> - - [<time>] "<request line>" 200 -'."""
+    """app, logging the status of each reply: '<client> - - [<time>] "<request line>" 200 -' (uvicorn's
+    access log leaves out a reply to a client already gone)."""
     async def app_logged(scope, receive, send):
-        conn = scope["state"]["connection"]
-
         async def send_logged(message):
             if message["type"] == "http.response.start":
-                conn.log(f'"{conn.line}" {message["status"]} -')
+                log(scope["client"], f'"{request_line(scope)}" {message["status"]} -')
             await send(message)
         await app(scope, receive, send_logged)
     return app_logged
 
 
 def make_app(ctx):
-    """The API as a FastAPI app; a path or method it does not answer gets the JSON error, not FastAPI's own."""
+    """The API as a FastAPI app; a path or method it does not answer gets the JSON error, not
+    FastAPI's own."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     models = {"object": "list", "data": [{"id": ctx.name, "object": "model", "created": ctx.created,
                                           "owned_by": "podgpt"}]}
@@ -565,41 +535,52 @@ def make_app(ctx):
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(ctx, request)
+        try:
+            return await answer(ctx, request)
+        except RequestError as e:
+            return error_reply(e)
+        except (ClientDisconnect, ConnectionAbortedError):  # the client left (generate logs it)
+            return NoReply()
+        except Exception as e:  # a bug, or out of memory: say so and keep serving
+            print(f"error: POST /v1/completions: {first_line(e)}", file=sys.stderr, flush=True)
+            return error_reply(RequestError(first_line(e), status=500))
 
     @app.exception_handler(HTTPException)
     async def unrouted(request, e):
         path = request.url.path
         if path not in ROUTES:
-            return error_reply(RequestError(f"no such path {path}: use GET /health, GET /info, GET /v1/models or "
-                                            "POST /v1/completions", status=404))
-        return error_reply(RequestError(f"{request.method} {path} is not supported: use {ROUTES[path]} {path}",
-                                        status=405, headers={"Allow": ROUTES[path]}))
+            return error_reply(RequestError(f"no such path {path}: use GET /health, GET /info, GET "
+                                            "/v1/models or POST /v1/completions", status=404))
+        return error_reply(RequestError(f"{request.method} {path} is not supported: use "
+                                        f"{ROUTES[path]} {path}", status=405,
+                                        headers={"Allow": ROUTES[path]}))
     return logged(app)
 
 
 async def answer(ctx, request):
-    """The reply to POST /v1/completions: the completion, a stream of it, or the JSON error. The model runs on a
-    thread of its own, so that the server goes on answering (and refusing) while it generates."""
-    conn = request.scope["state"]["connection"]
-    try:
-        body = await request.body()  # ClientDisconnect if the client left, or was too slow (Connection.too_slow)
-        size = int(request.headers["content-length"])  # Connection.data_received has checked it
-        if len(body) < size:
-            raise RequestError(f"the body ended after {len(body)} of the {size} bytes its Content-Length promised: "
-                               "send all of it")
-        p, ids, prompt = parse_completion(body, ctx)
-        said = lambda line: conn.log(f"{conn.line}: {line}")  # noqa: E731
-        replies = in_thread(generate(ctx, p, ids, prompt, conn.left.is_set, said))
-        first = await anext(replies)
-    except RequestError as e:
-        return error_reply(e)
-    except (ClientDisconnect, ConnectionAbortedError):  # the client left (generate logs it)
-        conn.drop()
-        return NoReply()
-    except Exception as e:  # a bug, or out of memory: say so and keep serving
-        print(f"error: POST /v1/completions: {first_line(e)}", file=sys.stderr, flush=True)
-        return error_reply(RequestError(first_line(e), status=500))
+    """The reply to POST /v1/completions: the completion or a stream of it. The model runs on a thread
+    of its own, so that the server goes on answering (and refusing) while it generates."""
+    size = request.headers.get("content-length")
+    if size is None or "transfer-encoding" in request.headers:
+        raise RequestError("the body has no Content-Length (a chunked body is not read): send it "
+                           "whole, with its length in bytes", status=411)
+    # h11 refuses a length of over 20 digits before FastAPI's max_body_size could see it: one check
+    # serves both (and answers in JSON where max_body_size would answer some in plain text)
+    error = length_error(size)
+    if error:
+        raise error
+    body = await request.body()  # ClientDisconnect if the client left, or was too slow (408)
+    if len(body) < int(size):
+        raise RequestError(f"the body ended after {len(body)} of the {size} bytes its "
+                           "Content-Length promised: send all of it")
+    p, ids, prompt = parse_completion(body, ctx)
+    # after the body, uvicorn's receive() returns only once the client has left (or the reply ended)
+    left = threading.Event()
+    asyncio.ensure_future(request.receive()).add_done_callback(lambda _: left.set())
+    client, line = request.scope["client"], request_line(request.scope)
+    replies = in_thread(generate(ctx, p, ids, prompt, left.is_set,
+                                 lambda said: log(client, f"{line}: {said}")))
+    first = await anext(replies)
     if not p["stream"]:
         return json_reply(200, first)
     return StreamingResponse(events(first, replies),
@@ -607,8 +588,9 @@ async def answer(ctx, request):
 
 
 async def events(first, replies):
-    """A stream's server-sent events: `data: {chunk}` for each chunk, then `data: [DONE]`. A stream cut short (the
-    client left, the server is stopping, a bug) ends without [DONE]: too late for an error's status."""
+    """A stream's server-sent events: `data: {chunk}` for each chunk, then `data: [DONE]`. A stream cut
+    short (the client left, the server is stopping, a bug) ends without [DONE]: too late for an
+    error's status."""
     try:
         yield f"data: {json.dumps(first)}\n\n"
         async for chunk in replies:
@@ -622,8 +604,8 @@ async def events(first, replies):
 
 
 async def in_thread(replies):
-    """What the generator `replies` yields, made on a thread of its own (the event loop goes on serving meanwhile);
-    its exception comes out here."""
+    """What the generator `replies` yields, made on a thread of its own (the event loop goes on serving
+    meanwhile, and a client that stops reading does not hold the model); its exception comes out here."""
     loop, items = asyncio.get_running_loop(), asyncio.Queue()
 
     def put(item):
@@ -648,15 +630,17 @@ async def in_thread(replies):
 
 
 def generate(ctx, p, ids, prompt, gone, say):
-    """A completion's replies, made holding the model (ctx.queue: one generation at a time, the others wait within
-    bounds or get a 503): the whole reply, or a stream's chunks (the last one counts the tokens). gone(): whether
-    the client has left, which ends the generation (say() logs it)."""
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": ctx.name}
+    """A completion's replies, made holding the model (ctx.queue: one generation at a time, the others
+    wait within bounds or get a 503): the whole reply, or a stream's chunks (the last one counts the
+    tokens). gone(): whether the client has left, which ends the generation (say() logs it)."""
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+            "created": int(time.time()), "model": ctx.name}
 
     def reply(text, finish, n, logprobs=None):
-        return dict(head, choices=[{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}],
-                    usage={"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n})
+        return dict(head, choices=[{"text": text, "index": 0, "logprobs": logprobs,
+                                    "finish_reason": finish}],
+                    usage={"prompt_tokens": len(ids), "completion_tokens": n,
+                           "total_tokens": len(ids) + n})
 
     with ctx.queue.turn():
         scored = None if p["logprobs"] is None else []
@@ -680,30 +664,23 @@ def generate(ctx, p, ids, prompt, gone, say):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, which names its address once it is up, and ends at SIGTERM or Ctrl-C as soon as the running
-    generation has stopped: uvicorn's graceful shutdown would wait for every client."""
+    """uvicorn's server, which ends at SIGTERM or Ctrl-C as soon as the running generation has stopped:
+    uvicorn's graceful shutdown waits for every client (timeout_graceful_shutdown then cancels them,
+    with a traceback each), and then raises the signal again (exit -15, not 0)."""
 
     def __init__(self, config, ctx):
         super().__init__(config)
         self.ctx = ctx
 
-    async def startup(self, sockets=None):
-        await super().startup(sockets)
-        host, port = sockets[0].getsockname()[:2]
-        print(f"serving {self.ctx.name} on http://{host}:{port}", flush=True)
-
-    def handle_exit(self, sig, frame):
-        self.ctx.stopping.set()  # at once (uvicorn looks every 0.1 s): a generation ends at its next token
-        super().handle_exit(sig, frame)
-
     async def shutdown(self, sockets=None):
         print("stopping", file=sys.stderr, flush=True)
+        self.ctx.stopping.set()  # the running generation ends at its next token
         if not self.ctx.queue.close(STOP_SECONDS):
-            print(f"warning: the generation did not stop within {STOP_SECONDS} s: exiting anyway", file=sys.stderr,
-                  flush=True)
-        # End at once, the queue closed so that no generation starts: threads may be waiting in line or encoding a
-        # prompt, and the interpreter's teardown would end them inside that call (pthread_exit), which can abort the
-        # process from native code; os._exit ends them all where they are.
+            print(f"warning: the generation did not stop within {STOP_SECONDS} s: exiting anyway",
+                  file=sys.stderr, flush=True)
+        # End at once, the queue closed so that no generation starts: threads may be waiting in line
+        # or encoding a prompt, and the interpreter's teardown would end them inside that call
+        # (pthread_exit), which can abort the process from native code; os._exit ends them all.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -714,25 +691,28 @@ def serve_http(config, path, model, tok, info, dev):
     cfg = model.config
     # created (/v1/models): when the checkpoint or export was written
     ctx = SimpleNamespace(model=model, tok=tok, dev=dev, name=path, created=int(os.path.getmtime(path)),
-                          queue=ModelQueue(config.serve_max_queue, config.serve_max_wait), stopping=threading.Event(),
-                          max_tokens=config.serve_max_tokens, max_prompt=cfg.block_size - 1,
-                          read_timeout=config.serve_read_timeout)
-    ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec, block_size=cfg.block_size,
-                    device=str(dev), limits={"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
-                                             "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS,
-                                             "stop_chars": MAX_STOP_CHARS, "read_seconds": ctx.read_timeout,
-                                             "logprobs": MAX_LOGPROBS, "queue": config.serve_max_queue,
-                                             "wait_seconds": config.serve_max_wait})
+                          queue=ModelQueue(config.serve_max_queue, config.serve_max_wait),
+                          stopping=threading.Event(), max_tokens=config.serve_max_tokens,
+                          max_prompt=cfg.block_size - 1)
+    limits = {"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
+              "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS, "stop_chars": MAX_STOP_CHARS,
+              "read_seconds": config.serve_read_timeout, "logprobs": MAX_LOGPROBS,
+              "queue": config.serve_max_queue, "wait_seconds": config.serve_max_wait}
+    ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec,
+                    block_size=cfg.block_size, device=str(dev), limits=limits)
     try:
-        # the system's longest accept queue: a burst of clients gets answers (a 503 past the queue's bound), not resets
-        sock = socket.create_server((config.host, config.port), backlog=socket.SOMAXCONN)
+        sock = socket.create_server((config.host, config.port))
     except OSError as e:
         fail(f"cannot listen on {config.host}:{config.port} ({first_line(e)}): "
              "pick another --port (0: any free one) or --host")
-    # one request per connection (Connection: close), as Connection reads them; uvicorn's own log lines only for
-    # what goes wrong (the access log is logged()'s)
-    settings = uvicorn.Config(make_app(ctx), http=functools.partial(Connection, read_timeout=ctx.read_timeout),
-                              loop="asyncio", ws="none", lifespan="off", proxy_headers=False,
-                              headers=[("Connection", "close")], log_config=None, log_level="warning",
+    host, port = sock.getsockname()[:2]
+    print(f"serving {path} on http://{host}:{port}", flush=True)  # it takes connections from now on
+    # one request per connection (Connection: close), as Connection reads them; the system's longest
+    # accept queue, so that a burst of clients gets answers (a 503 past the line's bound), not
+    # resets; uvicorn's own log lines only for errors (the access log is logged()'s)
+    settings = uvicorn.Config(make_app(ctx), loop="asyncio", ws="none", lifespan="off",
+                              http=functools.partial(Connection, read_timeout=config.serve_read_timeout),
+                              headers=[("Connection", "close")], backlog=socket.SOMAXCONN,
+                              proxy_headers=False, log_config=None, log_level="error",
                               access_log=False)
     Server(settings, ctx).run(sockets=[sock])
