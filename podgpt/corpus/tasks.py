@@ -61,8 +61,8 @@ def gsm8k_problems(data_dir, manifest, n):
     tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
     lengths = [int(length) for length in args.get("segments", "").split(",") if length]  # as prepare.py checked them
     if args["source"] != "gsm8k" or not lengths:
-        raise ValueError(f"{data_dir} holds no GSM8K problems of a fixed length: prepare it with --source=gsm8k and "
-                         f"--segments (config/h200_gsm8k_bd3lm.py)")
+        fail(f"eval_gsm8k_samples={n}: {data_dir} holds no GSM8K problems of a fixed length: prepare it with "
+             f"--source=gsm8k and --segments (config/h200_gsm8k_bd3lm.py)")
     problems = []
     for shard in manifest["splits"]["val"]["shards"]:
         rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, sum(lengths))

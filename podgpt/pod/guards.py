@@ -1,33 +1,68 @@
 """
-The guards around a paid run's steps: its clock and spend (Clock: the stop before max_hours or budget_usd is
-crossed, budget_file's verdict, wsd's decay when what is left pays for no more), the fire drills that rehearse a
-bad batch, a NaN or a slower pod (Drills), and the bad steps: spikes and non-finite steps counted, each an event
-and an entry of the post-mortem (BadSteps). train.py's loop calls them before and after each step.
+The guards around a paid run's steps: its clock and spend (Clock: the stop before max_hours or
+budget_usd is crossed, budget_file's verdict, wsd's decay when what is left pays for no more), the
+fire drills that rehearse a bad batch, a NaN or a slower pod (Drills), and the bad steps: spikes and
+non-finite steps counted, each an event and an entry of the post-mortem (BadSteps). train.py's loop
+calls them before and after each step.
 """
 import json
 import os
 import time
 from collections import deque
 
+import torch
+import torch.distributed as dist
+
 from podgpt.core.schedule import decay_horizon
 from podgpt.core.util import first_line, warn
+from podgpt.pod.postmortem import POSTMORTEM_STEPS
 
-GUARD_STEPS = 20                # the guards keep back the slowest of this many recent steps (their mean let one overshoot)
-INJECT_STEPS = 5                # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
+# the guards keep back the slowest of this many recent steps (their mean let one overshoot)
+GUARD_STEPS = 20
+# steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
+INJECT_STEPS = 5
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
 
 
+def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,
+          accum=1):
+    """One all-reduce per step, so that every rank takes the same decisions: the summed loss (and
+    the objective's summed stats), whether any rank saw a non-finite step or a signal, rank 0's
+    guard, its decay_to (wsd: the horizon to decay to from the next step; 0: none) and save_due (by
+    its clock). (mean loss over the accum micro-steps of every rank, finite, stop reason or None,
+    decay_to, save due, mean stats or None)."""
+    flags = [0.0 if finite else 1.0, 1.0 if signal else 0.0,
+             float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
+             1.0 if save_due else 0.0]
+    # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
+    v = torch.cat([
+        loss_sum.double().reshape(1),
+        torch.tensor(flags, device=proc.dev, dtype=torch.float64),
+        *([] if stats is None else [stats.double()])
+    ])
+    if proc.distributed:
+        dist.all_reduce(v)
+    v = v.tolist()
+    reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
+    n = accum * proc.world
+    return v[0] / n, v[1] == 0, reason, int(
+        v[4]), v[5] > 0, None if stats is None else [s / n for s in v[6:]]
+
+
 class Clock:
-    """Wall clock and spend, accrued step by step into the loop's state (startup included), and what a stop keeps
-    back: one more step (as slow as the slowest recent one), an evaluation and the final save."""
+    """Wall clock and spend, accrued step by step into the loop's state (startup included), and what
+    a stop keeps back: one more step (as slow as the slowest recent one), an evaluation and the
+    final save."""
 
     def __init__(self, state, t_start, budget, schedule, usd_per_s, save_seconds):
         self.state, self.budget, self.schedule, self.usd_per_s = state, budget, schedule, usd_per_s
-        self.t_last, self.save_seconds = t_start, save_seconds  # the slowest save's write, estimated until measured
+        # the slowest save's write, estimated until measured
+        self.t_last, self.save_seconds = t_start, save_seconds
         self.eval_seconds, self.next_budget_check = 0.0, 0.0
         self.step_times = deque(maxlen=GUARD_STEPS)
-        self.pace = deque(maxlen=GUARD_STEPS)  # (steps done, elapsed) at the recent steps' ends: wsd's projection
+        # (steps done, elapsed) at the recent steps' ends: wsd's projection
+        self.pace = deque(maxlen=GUARD_STEPS)
 
     def tick(self):
         now = time.time()
@@ -36,12 +71,14 @@ class Clock:
         self.t_last = now
 
     def reserve(self, writing):
-        """Seconds a stop keeps back; writing: a save is in the background, which a stop waits for first."""
-        return max(self.step_times, default=0.0) + self.eval_seconds + self.save_seconds * (2 if writing else 1)
+        """Seconds a stop keeps back; writing: a save is in the background, which a stop waits for
+        first."""
+        return max(self.step_times,
+                   default=0.0) + self.eval_seconds + self.save_seconds * (2 if writing else 1)
 
     def stop_reason(self, writing, event):
-        """Rank 0's verdict: the guard that must stop the run now, or None. event(name, message, **fields): the
-        loop's, for budget_file's warning."""
+        """Rank 0's verdict: the guard that must stop the run now, or None. event(name, message,
+        **fields): the loop's, for budget_file's warning."""
         st, budget = self.state, self.budget
         if limit := budget.crossed(st.elapsed, st.cost_usd, self.reserve(writing), self.usd_per_s):
             return limit
@@ -56,14 +93,17 @@ class Clock:
         return limit
 
     def decay_to(self, writing):
-        """wsd, rank 0: the horizon to decay to from the next step on, or 0 (schedule.decay_horizon)."""
-        self.pace.append((self.state.step + 1, self.state.elapsed))  # this step's end, as the next tick counts it
-        return decay_horizon(self.schedule, self.budget, self.state, self.pace, self.reserve(writing), self.usd_per_s)
+        """wsd, rank 0: the horizon to decay to from the next step on, or 0
+        (schedule.decay_horizon)."""
+        # this step's end, as the next tick counts it
+        self.pace.append((self.state.step + 1, self.state.elapsed))
+        return decay_horizon(self.schedule, self.budget, self.state, self.pace,
+                             self.reserve(writing), self.usd_per_s)
 
 
 def restore_clock(path, state):
-    """What a killed run spent after its last checkpoint, into state: path is its clock.json, which the loop writes
-    with every metrics line."""
+    """What a killed run spent after its last checkpoint, into state: path is its clock.json, which
+    the loop writes with every metrics line."""
     if not os.path.exists(path):
         return
     try:
@@ -76,14 +116,17 @@ def restore_clock(path, state):
 
 
 class Drills:
-    """Fire drills (each -1: off): the steps logged as spike_at.. train on batches of the rarest tokens, nan_at.. get a
-    NaN loss on the last rank (INJECT_STEPS each), and from slow_at on every step sleeps slow_seconds."""
+    """Fire drills (each -1: off): the steps logged as spike_at.. train on batches of the rarest
+    tokens, nan_at.. get a NaN loss on the last rank (INJECT_STEPS each), and from slow_at on every
+    step sleeps slow_seconds."""
 
     def __init__(self, spike_at, nan_at, slow_at, slow_seconds):
-        self.spike_at, self.nan_at, self.slow_at, self.slow_seconds = spike_at, nan_at, slow_at, slow_seconds
+        self.spike_at, self.nan_at = spike_at, nan_at
+        self.slow_at, self.slow_seconds = slow_at, slow_seconds
 
     def pick(self, state):
-        """(spike, nan): the drills the next step runs; each drill step fires once, even if a rollback replays it."""
+        """(spike, nan): the drills the next step runs; each drill step fires once, even if a
+        rollback replays it."""
         return self.firing(state, "spike", self.spike_at), self.firing(state, "nan", self.nan_at)
 
     @staticmethod
@@ -100,28 +143,65 @@ class Drills:
 
 
 class BadSteps:
-    """Spikes (a loss above spike_factor x the EMA of recent losses) and non-finite steps: each an event (the loop's
-    event()) and, on rank 0, an entry of the post-mortem; they count in a row toward a rollback."""
+    """Spikes (a loss above spike_factor x the EMA of recent losses) and non-finite steps: each an
+    event (the loop's event()) and, on rank 0, an entry of the post-mortem; they count in a row
+    toward a rollback."""
 
-    def __init__(self, spike_factor, event, postmortem, write_postmortem):
-        self.spike_factor, self.event = spike_factor, event
+    def __init__(self, spike_factor, max_bad_steps, max_rollbacks, event, postmortem,
+                 write_postmortem):
+        self.spike_factor, self.max_bad_steps = spike_factor, max_bad_steps
+        self.max_rollbacks, self.event = max_rollbacks, event
         self.postmortem, self.write_postmortem = postmortem, write_postmortem
+        # (step, loss, grad norm, lr) a post-mortem shows
+        self.recent = deque(maxlen=POSTMORTEM_STEPS)
 
-    def account(self, st, loss, finite, grad_norm, batch, recent, on_disk):
-        """Count the step just taken (st.step) as non-finite or a spike, else fold its loss into the EMA. batch():
-        the step's batch as the post-mortem shows it; recent: the steps up to it; on_disk: the newest checkpoint."""
+    def account(self, st, loss, finite, grad_norm, lr, batch, on_disk):
+        """Count the step just taken (st.step) as non-finite or a spike, else fold its loss into
+        the EMA. batch(): the step's batch as the post-mortem shows it; on_disk: the newest
+        checkpoint."""
+        self.recent.append((st.step, loss, grad_norm, lr))
         spike = finite and st.loss_ema is not None and loss > self.spike_factor * st.loss_ema
         if not finite:
             st.nonfinite_steps += 1
-            self.event("nonfinite", f"non-finite loss or gradient (loss {loss}, grad norm {grad_norm.item()}): step "
-                       f"skipped on every rank", loss=str(loss), grad_norm=str(grad_norm.item()))
+            self.event("nonfinite", f"non-finite loss or gradient (loss {loss}, grad norm "
+                       f"{grad_norm.item()}): step skipped on every rank", loss=str(loss),
+                       grad_norm=str(grad_norm.item()))
         elif spike:
             st.spikes += 1
-            self.event("spike", f"loss {loss:.4f} is {loss / st.loss_ema:.1f}x its recent average {st.loss_ema:.4f}",
-                       loss=loss, loss_ema=st.loss_ema)
+            self.event("spike", f"loss {loss:.4f} is {loss / st.loss_ema:.1f}x its recent average "
+                       f"{st.loss_ema:.4f}", loss=loss, loss_ema=st.loss_ema)
         else:
-            st.loss_ema = loss if st.loss_ema is None else LOSS_EMA_DECAY * st.loss_ema + (1 - LOSS_EMA_DECAY) * loss
+            ema = st.loss_ema
+            st.loss_ema = loss if ema is None else LOSS_EMA_DECAY * ema + (1 -
+                                                                           LOSS_EMA_DECAY) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
         if (spike or not finite) and self.postmortem:
-            self.postmortem.add("spike" if finite else "nonfinite", st, recent, batch(), on_disk)
+            kind = "spike" if finite else "nonfinite"
+            self.postmortem.add(kind, st, self.recent, batch(), on_disk)
             self.write_postmortem()
+
+    def rollback(self, st, ckpts):
+        """max_bad_steps in a row: back to the newest good checkpoint at half the learning rate;
+        None, or why that cannot be (the run diverges)."""
+        if st.rollbacks >= self.max_rollbacks:
+            return (f"{self.max_bad_steps} bad steps in a row after {st.rollbacks} rollbacks "
+                    f"(max_rollbacks={self.max_rollbacks}): the run diverges; lower learning_rate "
+                    f"or check the data")
+        path, ckpt = ckpts.newest()
+        if ckpt is None:
+            return (f"{st.bad_in_a_row} bad steps in a row at step {st.step} and no checkpoint to "
+                    f"roll back to: lower learning_rate, raise warmup_steps, or check the data")
+        keep = dict(elapsed=st.elapsed, cost_usd=st.cost_usd, spikes=st.spikes,
+                    nonfinite_steps=st.nonfinite_steps, injected=st.injected,
+                    rollbacks=st.rollbacks + 1, lr_scale=st.lr_scale * 0.5)
+        bad_at = st.step
+        ckpts.restore(ckpt, st)
+        vars(st).update(keep, bad_in_a_row=0)
+        self.event("rollback", f"{self.max_bad_steps} bad steps in a row up to step {bad_at}: "
+                   f"rolled back to {path}, learning rate x {st.lr_scale:g} (rollback "
+                   f"{st.rollbacks} of {self.max_rollbacks})", from_step=bad_at,
+                   lr_scale=st.lr_scale, rollbacks=st.rollbacks)
+        if self.postmortem:
+            self.postmortem.rolled_back(st.step, st.lr_scale)
+            self.write_postmortem()
+        return None

@@ -1,8 +1,9 @@
 """
-The model a run trains: next-token prediction ("ar": model.py's GPT), or an objective of podgpt/research/, one
-module each, found by its file name and imported only when a config or a checkpoint names it. A research module
-gives Config (a GPTConfig with its fields; its config block's keys join train.py's and sanity.py's) and Model (a
-GPT), and may give check_config(cfg) for its training keys.
+The model a run trains: next-token prediction ("ar": model.py's GPT), or an objective of
+podgpt/research/, one module each, found by its file name and imported only when a config or a
+checkpoint names it. A research module gives Config (a GPTConfig with its fields; its config block's
+keys join train.py's and sanity.py's) and Model (a GPT), and may give check_config(cfg) for its
+training keys.
 """
 import importlib
 from dataclasses import fields
@@ -12,11 +13,13 @@ from podgpt.core.configurator import research_keys, research_modules
 
 
 def objective(name):
-    """The research module of objective `name`; None for "ar". ValueError for a name that is neither."""
+    """The research module of objective `name`; None for "ar". ValueError for a name that is
+    neither."""
     if name == "ar":
         return None
     if name not in research_modules():
-        raise ValueError(f"objective={name!r}: choose one of {', '.join(('ar', *research_modules()))}")
+        raise ValueError(f"objective={name!r}: choose one of "
+                         f"{', '.join(('ar', *research_modules()))}")
     return importlib.import_module(f"podgpt.research.{name}")
 
 
@@ -31,13 +34,15 @@ def config_fields(name):
 
 
 def make_config(**values):
-    """The model config of values["objective"] (default "ar"): a run's model fields, or a checkpoint's record.
-    ValueError for a field of another objective; the dataclass's TypeError for one no model has."""
+    """The model config of values["objective"] (default "ar"): a run's model fields, or a
+    checkpoint's record. ValueError for a field of another objective; the dataclass's TypeError for
+    one no model has."""
     name = values.pop("objective", "ar")
     known, owners = config_fields(name), research_keys()
     for key, value in values.items():
         if key in owners and key not in known:
-            raise ValueError(f"{key}={value!r} is for objective={owners[key]}, not objective={name}")
+            raise ValueError(f"{key}={value!r} is for objective={owners[key]}, not "
+                             f"objective={name}")
     return config_class(name)(**values, **({} if name == "ar" else {"objective": name}))
 
 
