@@ -17,8 +17,7 @@ it twice (on the device, and its CPU copy), so on a CPU a 1B model needs ~27 GB 
 below the config's depth, measures a K-layer slice of the same width and scales the times to the
 full depth by the bytes (copying and writing go at a rate in bytes). A save written in more than
 checkpoint.PREEMPT_SAVE_SECONDS would not fit between a SIGTERM and its SIGKILL: the probe warns,
-as train.py does, with what to change. (Named ckpt.py: a bench/checkpoint.py would stand in for the
-repo's checkpoint.py wherever bench/ comes first on the module path.)
+as train.py does, with what to change.
 """
 
 import json

@@ -3,7 +3,7 @@ What the bench/ probes share: their config, the device they measure, the clock, 
 training step they time, and the result line each one appends.
 
 Every probe is a script with its settings as commented globals between the config markers
-(configurator.py; --help lists them). A probe that measures a training run (mfu, memory,
+(podgpt/core/configurator.py; --help lists them). A probe that measures a training run (mfu, memory,
 loader, vs_hf) also takes the run the way train.py does: config files and train.py's keys.
 Each invocation appends ONE JSON line to bench/results/<probe>.jsonl (or --out): the probe,
 the device, torch and CUDA versions, the UTC date, the exact command, and its figures.
@@ -20,7 +20,7 @@ import time
 from datetime import datetime, timezone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py, preflight.py, data.py
+sys.path.insert(0, ROOT)  # the probes measure the repo's own code: model.py and podgpt/
 
 # after the path: these are the repo's modules
 import torch

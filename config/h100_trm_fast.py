@@ -1,6 +1,6 @@
 # Deep-supervision refinement, phase 1 ("fast"): check on 8x H100 that refinement works before paying for phase 2
 # (config/h100_trm_extreme.py). The recipe's system is nanochat with a "TRM" objective; here it is
-# objective="refine" (objectives.py: Refine), with the recipe's settings where it gives them.
+# objective="refine" (podgpt/research/refine.py: Refine), with the recipe's settings where it gives them.
 #   python prepare.py config/h100_trm_fast.py
 #   torchrun --standalone --nproc_per_node=8 train.py config/h100_trm_fast.py
 # Watch the console's "steps a -> b -> c -> d (x% refined)" on every validation line: the recipe's

@@ -1,5 +1,5 @@
 # The deep-supervision refinement recipe on the embedded default's data, CPU-sized: a tiny byte-level model run
-# recursively (objectives.py: Refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
+# recursively (podgpt/research/refine.py: Refine) with deep supervision. It shows on a 2-core CPU what the H100 presets
 # (config/h100_trm_fast.py, config/h100_trm_extreme.py) are for: the validation loss falls from each
 # supervision step to the next (the console's "steps a -> b -> c (x% refined)", metrics.jsonl's
 # val_sup_loss_<i>, plots/refinement.png).

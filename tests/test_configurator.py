@@ -43,6 +43,10 @@ def test_defaults_and_overrides(tmp_path):
     (["--max_steps"], "--max_steps has no value"),
     (["config/does_not_exist.py"], "config file 'config/does_not_exist.py' not found"),
     (["-x"], "cannot read argument '-x'"),
+    (["--hdp_segments=8,8,16"], "hdp_segments='8,8,16' is for objective=bd3lm: set objective=bd3lm, or leave "
+                                "hdp_segments out"),
+    (["--objective=refine", "--diffusion_block=8"], "diffusion_block=8 is for objective=bd3lm"),
+    (["--objective=diffusion"], "objective='diffusion' is not one of ar, bd3lm, refine"),
 ])
 def test_mistakes_give_one_line_and_exit_2(args, message, capfd):
     if args == ["--max_step=5"]:  # one as a new `python train.py`: its imports add nothing to the one line either
@@ -66,6 +70,20 @@ def test_config_file_unknown_key_and_wrong_type(tmp_path):
     bad.write_text("max_steps = undefined_name\n")
     with pytest.raises(configurator.ConfigError, match="NameError"):
         parse(str(bad))
+
+
+def test_an_objective_s_keys_come_from_its_module_and_join_the_scripts_that_choose_one():
+    """podgpt/research/'s modules each add their config block's keys to train.py and sanity.py (read from the
+    file, not imported), and to no script without an objective key; a config file may set them for every
+    script."""
+    research = configurator.research_keys()
+    assert research["n_loops"] == "refine" and research["diffusion_block"] == "bd3lm"
+    for script, has in (("train.py", True), ("sanity.py", True), ("prepare.py", False), ("eval.py", False)):
+        keys = configurator.read_defaults(os.path.join(ROOT, script))
+        assert (set(research) <= set(keys)) == has, script
+    cfg = parse(os.path.join(ROOT, "config", "tiny_refine.py"))
+    assert cfg.objective == "refine" and cfg.n_sup_train != configurator.read_defaults(TRAIN)["n_sup_train"][0]
+    configurator.configure(os.path.join(ROOT, "prepare.py"), [os.path.join(ROOT, "config", "tiny_refine.py")])
 
 
 def test_help_lists_every_key_with_default_and_comment(capfd):
