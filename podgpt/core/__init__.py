@@ -1,2 +1,2 @@
-"""What one training step needs: the config mechanism, tokenizers, data, attention, optimizers, the schedule and
-checkpoints. Names no objective and imports nothing above it."""
+"""What one training step needs: the config mechanism, tokenizers, data, attention, optimizers, the
+schedule and checkpoints. Names no objective and imports nothing above it."""

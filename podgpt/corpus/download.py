@@ -1,11 +1,7 @@
-"""
-Downloads for prepare.py's URL sources and eval.py's hub benchmarks: a file on the Hugging Face hub
-(huggingface.co or the HF_ENDPOINT mirror) through huggingface_hub, into its cache (HF_HUB_CACHE, else
-HF_HOME/hub), which also handles HF_TOKEN, HF_HUB_OFFLINE, retries and rate limits; any other URL with
-requests into download_dir, resumable, retried on timeouts, dropped connections and server errors. A file
-already in download_dir (at download_dir/host/path) or, for the hub, in the Hugging Face cache is read where
-it is.
-"""
+"""Downloads for prepare.py's URL sources and eval.py's hub benchmarks. A file on the Hugging Face
+hub (or the HF_ENDPOINT mirror) goes through huggingface_hub into its cache, which handles HF_TOKEN,
+HF_HUB_OFFLINE, retries and rate limits; any other URL through requests into download_dir,
+resumable and retried. A copy already in download_dir/host/path or the hub's cache is read there."""
 
 import errno
 import hashlib
@@ -28,29 +24,32 @@ HF_DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 def cache_path(url, download_dir):
-    """download_dir/host/path of url: distinct URLs never share a file (HF shards share base names)."""
+    """download_dir/host/path of url: distinct URLs never share a file (HF shards share names)."""
     parts = urllib.parse.urlsplit(url)
     names = [parts.netloc] + parts.path.split("/")
-    return os.path.join(download_dir, *(re.sub(r"[^\w.-]", "_", n) for n in names if n not in ("", ".", "..")))
+    names = (re.sub(r"[^\w.-]", "_", n) for n in names if n not in ("", ".", ".."))
+    return os.path.join(download_dir, *names)
 
 
 def hub_file(url):
-    """hf_hub_download's arguments for a file's URL on the Hugging Face hub (huggingface.co or the HF_ENDPOINT
-    mirror), e.g. .../datasets/owner/name/resolve/main/file; None for a URL anywhere else."""
+    """hf_hub_download's arguments for a file's URL on the hub or the HF_ENDPOINT mirror, e.g.
+    .../datasets/owner/name/resolve/main/file; None for a URL anywhere else."""
     from huggingface_hub import constants
 
+    tail = r"/(datasets/|spaces/)?([^/]+/[^/]+)/resolve/([^/]+)/([^?#]+)"
     for endpoint in dict.fromkeys((constants.ENDPOINT, HF_DEFAULT_ENDPOINT)):
-        match = re.match(re.escape(endpoint) + r"/(datasets/|spaces/)?([^/]+/[^/]+)/resolve/([^/]+)/([^?#]+)", url)
-        if match:
+        if match := re.match(re.escape(endpoint) + tail, url):
             kind, repo, revision, file = match.groups()
-            return {"endpoint": endpoint, "repo_type": {"datasets/": "dataset", "spaces/": "space"}.get(kind, "model"),
-                    "repo_id": repo, "revision": urllib.parse.unquote(revision), "filename": urllib.parse.unquote(file)}
+            return {"endpoint": endpoint, "repo_id": repo,
+                    "repo_type": {"datasets/": "dataset", "spaces/": "space"}.get(kind, "model"),
+                    "revision": urllib.parse.unquote(revision),
+                    "filename": urllib.parse.unquote(file)}
     return None
 
 
 def local_copy(url, download_dir):
-    """url's complete copy in download_dir, else (a file on the hub) the Hugging Face cache's, the snapshot its
-    revision names; None when neither holds it. Under HF_HUB_OFFLINE that is an error for a file on the hub."""
+    """url's complete copy in download_dir, else (a file on the hub) the Hugging Face cache's for
+    its revision; None when neither holds it, which under HF_HUB_OFFLINE fails for the hub's."""
     path, hub = cache_path(url, download_dir), hub_file(url)
     if os.path.exists(path):
         return path
@@ -62,33 +61,35 @@ def local_copy(url, download_dir):
                                     repo_type=hub["repo_type"])
     if not isinstance(cached, str) and constants.HF_HUB_OFFLINE:
         fail(f"HF_HUB_OFFLINE is set and {url} is not at {path} nor in the Hugging Face cache "
-             f"({constants.HF_HUB_CACHE}): put the file there, or unset HF_HUB_OFFLINE to download it")
+             f"({constants.HF_HUB_CACHE}): put the file there, or unset HF_HUB_OFFLINE to "
+             "download it")
     return cached if isinstance(cached, str) else None
 
 
 def hub_download(url, hub, path):
-    """The file into the Hugging Face cache through huggingface_hub (HF_TOKEN, HF_ENDPOINT, its retries and
-    rate-limit waits are its own); its path there. A failure is one line saying what to do (path: where
-    download_dir would hold a copy)."""
+    """The file's path in the Hugging Face cache, downloaded there by huggingface_hub if need be; a
+    failure is one line saying what to do (path: where download_dir would hold a copy)."""
     from huggingface_hub import constants, hf_hub_download
 
     try:
         return hf_hub_download(**hub)
     except Exception as e:  # huggingface_hub's errors, httpx's and OSError: many types
         if disk_full(e):
-            fail(f"the disk of the Hugging Face cache ({constants.HF_HUB_CACHE}) is full ({first_line(e)}) downloading "
-                 f"{url}: free space on it (or set HF_HUB_CACHE to a folder with room) and rerun the same command")
+            fail(f"the disk of the Hugging Face cache ({constants.HF_HUB_CACHE}) is full "
+                 f"({first_line(e)}) downloading {url}: free space on it (or set HF_HUB_CACHE to "
+                 "a folder with room) and rerun the same command")
         reason, kind = failure(e)
         if kind == "retry":  # huggingface_hub retried it already
-            rerun = ("rate-limited: rerun later with HF_TOKEN set (the hub's rate limits are per token, and lowest "
-                     "without one)" if reason == "HTTP 429" else "check the network and rerun")
+            rerun = ("rate-limited: rerun later with HF_TOKEN set (the hub's rate limits are per "
+                     "token, and lowest without one)" if reason == "HTTP 429"
+                     else "check the network and rerun")
             fail(f"cannot download {url} after retries ({reason}): {rerun}")
         if kind == "unreachable":
-            advice = (f"offline? set HF_ENDPOINT to a mirror, or put the file at {path} or in the Hugging Face cache "
-                      f"({constants.HF_HUB_CACHE})")
+            advice = (f"offline? set HF_ENDPOINT to a mirror, or put the file at {path} or in the "
+                      f"Hugging Face cache ({constants.HF_HUB_CACHE})")
         elif reason in ("HTTP 401", "HTTP 403"):
-            advice = (f"set HF_TOKEN (a token with access to {hub['repo_id']}; a gated dataset's terms accepted on "
-                      "its page)")
+            advice = (f"set HF_TOKEN (a token with access to {hub['repo_id']}; a gated dataset's "
+                      "terms accepted on its page)")
         else:
             advice = "check the URL; HF_ENDPOINT picks the Hugging Face mirror"
         fail(f"cannot download {url}: {reason}: {advice}")
@@ -108,16 +109,17 @@ def fetch(url, part):
         if r.status_code != 206:  # the server sent the whole file, not the rest
             have = 0
         total = int(r.headers.get("Content-Length", 0)) + have or None
-        with open(part, "ab" if have else "wb") as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                                             desc=os.path.basename(part)[: -len(".part")]) as bar:
+        name = os.path.basename(part)[: -len(".part")]
+        with (open(part, "ab" if have else "wb") as f,
+              tqdm(total=total, initial=have, unit="B", unit_scale=True, desc=name) as bar):
             for chunk in r.iter_content(chunk_size=1 << 20):
                 f.write(chunk)
                 bar.update(len(chunk))
 
 
 def wrapped(e):
-    """e and every exception inside it: requests wraps urllib3's, which wraps the socket's (in args,
-    .reason and __cause__); huggingface_hub wraps httpx's, which wraps the socket's."""
+    """e and every exception inside it (args, .reason, __cause__, __context__): requests wraps
+    urllib3's, huggingface_hub httpx's, and those the socket's."""
     found, todo = [], [e]
     while todo:
         x = todo.pop()
@@ -128,9 +130,8 @@ def wrapped(e):
 
 
 def failure(e):
-    """Why a request failed, in a few words, and what trying again would do: after a timeout, a dropped
-    connection or a server error (5xx) it may pass ("retry"); after a refused connection, an unknown host or no
-    route to it ("unreachable": an offline pod, whose name lookups fail) or a 4xx ("final") it will not."""
+    """(why a request failed, in a few words; what trying again would do): "retry" after a timeout,
+    a dropped connection or a 5xx; "unreachable" (an offline pod) or "final" (a 4xx): no use."""
     import requests
 
     inner = wrapped(e)
@@ -138,8 +139,8 @@ def failure(e):
     status = next((x.response.status_code for x in inner if getattr(x, "response", None) is not None
                    and x.response.status_code >= 400), None)
     if status:
-        # also retried: 408 (the server timed the request out) and 429 (a rate limit: waiting is what it asks for);
-        # and 416, after which fetch dropped a .part that is not a prefix of the file, so the retry starts over
+        # retried too: 408 (timed out), 429 (a rate limit asks for a wait), 416 (fetch dropped a
+        # .part that is not a prefix of the file, so the retry starts over)
         return f"HTTP {status}", "retry" if status >= 500 or status in (408, 416, 429) else "final"
 
     def has(*types):
@@ -149,27 +150,21 @@ def failure(e):
         return "connection refused", "unreachable"
     if has(socket.gaierror):
         return "cannot resolve the host name", "unreachable"
-    if any(isinstance(x, OSError) and x.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
-           for x in inner):
+    no_route = (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN)
+    if any(isinstance(x, OSError) and x.errno in no_route for x in inner):
         return "network unreachable", "unreachable"
     if isinstance(e, requests.Timeout) or has(TimeoutError):
         return "timed out", "retry"
     if isinstance(e, requests.exceptions.ChunkedEncodingError) or has(
-            ConnectionResetError, ConnectionAbortedError, BrokenPipeError, http.client.IncompleteRead):
+            ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
+            http.client.IncompleteRead):
         return "connection dropped", "retry"
     return first_line(e), "final"
 
 
-def asked_wait(response):
-    """The seconds a 429 or 503 answer asks to wait in its Retry-After (the HTTP-date form counts as none), at
-    most MAX_WAIT; 0 without one."""
-    retry_after = response.headers.get("Retry-After", "").strip() if response is not None else ""
-    return min(int(retry_after), MAX_WAIT) if retry_after.isdigit() else 0
-
-
 def fetch_retrying(url, path):
-    """fetch(url, path + ".part"), tried again after a failure that may pass, waiting twice as long each time,
-    or as long as the server asks (up to MAX_WAIT)."""
+    """fetch(url, path + ".part"), retried after a failure that may pass, waiting twice as long each
+    time or as long as the server asks."""
     import requests
 
     part = path + ".part"
@@ -179,17 +174,29 @@ def fetch_retrying(url, path):
         except requests.RequestException as e:
             reason, kind = failure(e)
             if kind == "unreachable":
-                fail(f"cannot download {url}: {reason}: offline? put the file at {path}, or check the URL")
+                fail(f"cannot download {url}: {reason}: offline? put the file at {path}, or check "
+                     "the URL")
             if kind == "final":
                 fail(f"cannot download {url}: {reason}: check the URL")
             if attempt == RETRIES:
-                kept = os.path.getsize(part) if os.path.exists(part) else 0
-                rerun = "rate-limited: rerun later" if reason == "HTTP 429" else "check the network and rerun"
+                rerun = ("rate-limited: rerun later" if reason == "HTTP 429"
+                         else "check the network and rerun")
                 fail(f"cannot download {url} after {RETRIES} attempts ({reason}): {rerun}"
-                     + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
-            wait = max(BACKOFF * 2 ** (attempt - 1), asked_wait(e.response))
-            print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in {wait:g}s", file=sys.stderr)
+                     + kept_note(part))
+            # a 429's or 503's Retry-After, in seconds (an HTTP-date counts as none)
+            asked = e.response.headers.get("Retry-After", "") if e.response is not None else ""
+            wait = max(BACKOFF * 2 ** (attempt - 1),
+                       min(int(asked.strip()), MAX_WAIT) if asked.strip().isdigit() else 0)
+            print(f"download of {url} failed ({reason}); retry {attempt}/{RETRIES - 1} in "
+                  f"{wait:g}s", file=sys.stderr)
             time.sleep(wait)
+
+
+def kept_note(part):
+    """What a failure says of the bytes in part, which the rerun resumes; "" if there are none."""
+    kept = os.path.getsize(part) if os.path.isfile(part) else 0
+    return (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them"
+            if kept else "")
 
 
 def file_sha256(path):
@@ -201,17 +208,16 @@ def file_sha256(path):
 
 
 def download(url, download_dir, sha256=""):
-    """The local copy of url: download_dir's if complete, else for a file on the hub the Hugging Face cache's,
-    where huggingface_hub downloads it if need be (read where it is, never changed or deleted here), else
-    fetched into download_dir with retries. A failed fetch leaves nothing behind (the folders it made, an empty
-    .part) but a .part with bytes in it, which the rerun resumes."""
+    """The local copy of url: download_dir's, else for a file on the hub the Hugging Face cache's
+    (never changed here), else fetched into download_dir. A failed fetch leaves behind only a .part
+    with bytes in it, which the rerun resumes."""
     path, hub = cache_path(url, download_dir), hub_file(url)
     found = local_copy(url, download_dir) or (hub and hub_download(url, hub, path))
     if found and found != path:  # the Hugging Face cache's copy
         actual = file_sha256(found) if sha256 else ""
         if actual != sha256.lower():
-            fail(f"{url}: sha256 of its copy in the Hugging Face cache ({found}) is {actual}, expected {sha256}: "
-                 "check --sha256")
+            fail(f"{url}: sha256 of its copy in the Hugging Face cache ({found}) is {actual}, "
+                 f"expected {sha256}: check --sha256")
         return found
     part = path + ".part"
     made = make_folders(os.path.dirname(path))
@@ -220,19 +226,18 @@ def download(url, download_dir, sha256=""):
             fetch_retrying(url, path)
             if sha256 and (actual := file_sha256(part)) != sha256.lower():
                 os.remove(part)  # this run's download, checked before it takes the copy's name
-                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): check --sha256 or the URL")
+                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): "
+                     "check --sha256 or the URL")
             os.replace(part, path)
-        elif sha256 and (actual := file_sha256(path)) != sha256.lower():  # a copy already there: maybe the user's
-            fail(f"{url}: sha256 of {path} is {actual}, expected {sha256}: check --sha256, or move that file away "
-                 "and rerun to download it again")
+        elif sha256 and (actual := file_sha256(path)) != sha256.lower():  # maybe the user's copy
+            fail(f"{url}: sha256 of {path} is {actual}, expected {sha256}: check --sha256, or move "
+                 "that file away and rerun to download it again")
     except BaseException as e:
         if os.path.isfile(part) and os.path.getsize(part) == 0:
             os.remove(part)
         remove_empty(made)
         if disk_full(e):
-            kept = os.path.getsize(part) if os.path.isfile(part) else 0
-            fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading {url}: free space "
-                 "on it and rerun the same command"
-                 + (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them" if kept else ""))
+            fail(f"the disk of download_dir={download_dir} is full ({first_line(e)}) downloading "
+                 f"{url}: free space on it and rerun the same command" + kept_note(part))
         raise
     return path

@@ -1,11 +1,8 @@
-"""
-The validation hold-out: the documents with the smallest hashes, and, when those a val_fraction gives hold fewer
-than min_val_tokens tokens, the next smallest, found after tokenizing. Holding those out then takes no second
-tokenizing pass: the documents are read back from the shards just written, in corpus order (a Ledger remembers
-where each went), and written again split at the new threshold. A bpe:N tokenizer, trained on training documents
-alone, is trained without any document that may be held out so (bpe_reserve): it is trained once, and the corpus
-tokenized once. prepare.py does the tokenizing and writing.
-"""
+"""The validation hold-out: the documents with the smallest hashes, and where val_fraction's hold
+fewer than min_val_tokens tokens, the next smallest, found after tokenizing. Those are held out with
+no second tokenizing pass: the documents are read back from the shards just written, in order (a
+Ledger remembers where each went), and written again split at the new threshold. bpe:N trains
+without any document that may be held out so (bpe_reserve): trained once, tokenizing once."""
 
 import array
 import hashlib
@@ -15,7 +12,7 @@ from podgpt.core.data import shard_documents, token_hash
 from podgpt.core.tokenizer import BPE_PATTERN, SEGMENT
 from podgpt.core.util import fail
 
-FORCED = (None, "train", "val")  # a document's source split (None: the hash's), as a Ledger stores it
+FORCED = (None, "train", "val")  # a document's source split (None: the hash's), in a Ledger
 
 
 def doc_hash(data):
@@ -25,8 +22,8 @@ def doc_hash(data):
 
 
 def bpe_training_texts(docs, threshold, max_chars):
-    """The texts of the training documents, (text, source split) in docs with a hash at or above
-    threshold (none that may be held out), cut off after max_chars characters; segments apart."""
+    """The texts of the training documents of docs, (text, source split), at or above threshold,
+    up to max_chars characters in all; segments apart."""
     n = 0
     for text, split in docs:
         if n >= max_chars:
@@ -42,10 +39,9 @@ def bpe_training_texts(docs, threshold, max_chars):
 
 
 def least_tokens(lengths):
-    """A document's fewest tokens under bpe:N, before its merges are known (bpe_reserve's bound):
-    the segments' lengths, or BOS and one token for each piece BPE_PATTERN cuts the text into (the
-    encoder merges within a piece, never across; the regex module's pieces are tiktoken's wherever
-    their Unicode tables agree on a letter or a digit)."""
+    """A document's fewest tokens under bpe:N before its merges are known (bpe_reserve's bound): the
+    segments' lengths, or BOS and one per piece BPE_PATTERN cuts the text into (merges never cross
+    pieces; the regex module's are tiktoken's where their Unicode tables agree)."""
     if lengths:
         return lambda text: sum(lengths)
     import regex  # tiktoken's own dependency
@@ -55,15 +51,15 @@ def least_tokens(lengths):
 
 
 class SmallestHashes:
-    """The documents with the smallest hashes that together hold at least min_tokens tokens, kept in a
-    heap as the documents stream past: memory grows with min_tokens, not with the corpus."""
+    """The documents with the smallest hashes that together hold min_tokens tokens, in a heap as
+    they stream past: memory grows with min_tokens, not with the corpus."""
 
     def __init__(self, min_tokens):
         self.min_tokens, self.tokens = min_tokens, 0
         self.heap = []  # (-hash, n_tokens): the largest hash on top
 
     def wants(self, h):
-        """Whether a document of hash h would be kept: not while enough are, with smaller hashes."""
+        """Whether a document of hash h would be kept: not once enough with smaller ones are."""
         return self.tokens < self.min_tokens or bool(self.heap) and h < -self.heap[0][0]
 
     def add(self, h, n_tokens):
@@ -75,17 +71,17 @@ class SmallestHashes:
             self.tokens -= heapq.heappop(self.heap)[1]
 
     def threshold(self):
-        """The smallest threshold whose documents (hash below it) hold min_tokens tokens; None if all hold fewer."""
+        """The least threshold below which the documents hold min_tokens; None if all hold fewer."""
         return -self.heap[0][0] + 1 if self.tokens >= self.min_tokens else None
 
 
 def bpe_reserve(docs, threshold, min_tokens, least_tokens):
-    """The hash below which bpe:N must not train: `threshold` (val_fraction's), or higher where the documents below
-    it may hold fewer than min_tokens tokens, so that those held out after tokenizing were never in its training.
-    docs: (hash, source split, text) of every document but the training split's; least_tokens(text): a bound from
-    below on a document's tokens, known before the tokenizer is (the documents below the result hold at least
-    min_tokens of them, so more than SmallestHashes finds on the tokens themselves). Reads the corpus only until the
-    documents below `threshold` surely hold min_tokens: the first few hundred MB of a big one."""
+    """The hash below which bpe:N must not train: `threshold` (val_fraction's), or higher where the
+    documents below it may hold fewer than min_tokens tokens, so that those held out after
+    tokenizing were never in its training. docs: (hash, source split, text) of all documents but
+    the train split's; least_tokens(text): a lower bound on a document's tokens, so the documents
+    below the result hold at least what SmallestHashes finds on the tokens. Reads only until the
+    documents below `threshold` surely hold min_tokens: the first few hundred MB of a big corpus."""
     smallest, held = SmallestHashes(min_tokens), 0
     for h, split, text in docs:
         below = split == "val" or not split and h < threshold  # validation at `threshold`
@@ -101,9 +97,8 @@ def bpe_reserve(docs, threshold, min_tokens, least_tokens):
 
 
 class Ledger:
-    """What write_shards knew of each document, in corpus order (hash, bytes, split, source split, cut, eval rows
-    found), 17 bytes apiece, kept only while validation holds fewer than min_tokens tokens: a corpus big enough
-    not to need more held out drops it early."""
+    """What write_shards knew of each document in order (hash, bytes, split, source split, cut, eval
+    rows found), 17 bytes apiece, kept only while validation holds fewer than min_tokens tokens."""
 
     def __init__(self, min_tokens):
         self.min_tokens, self.open = min_tokens, True
@@ -123,11 +118,11 @@ class Ledger:
         self.flags.append((name == "val") | cut << 1 | FORCED.index(forced) << 2)
 
     def replay(self, folder, splits):
-        """The tuples encode_all gave for each document, again, in order: the tokens (and loss masks) read back
-        from the shards of `splits` in folder."""
+        """The tuples encode_all gave for each document, again, in order: the tokens (and loss
+        masks) read back from the shards of `splits` in folder."""
         readers = {name: shard_documents(folder, splits[name]["shards"]) for name in splits}
-        for i, (h, n_bytes, flags) in enumerate(zip(self.hashes, self.n_bytes, self.flags, strict=True)):
+        rows = zip(self.hashes, self.n_bytes, self.flags, strict=True)
+        for i, (h, n_bytes, flags) in enumerate(rows):
             tokens, mask = next(readers["val" if flags & 1 else "train"])
-            yield (h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask, self.rows.get(i, ()),
-                   token_hash(tokens))
-
+            yield (h, n_bytes, tokens, FORCED[flags >> 2], bool(flags & 2), mask,
+                   self.rows.get(i, ()), token_hash(tokens))

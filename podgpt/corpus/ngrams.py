@@ -1,16 +1,11 @@
-"""
-A skills pack's eval rows as hashed word n-grams, and the rows a batch of documents contains: how prepare.py
-counts, while it tokenizes, the training documents that hold an eval row (manifest.json's eval_contamination).
+"""A skills pack's eval rows as hashed word n-grams, and the rows a batch of documents holds: the
+one definition of an overlap with an eval row, for the corpus (prepare.py's eval_contamination) and
+for a pack's SFT rows (skills.py). Words are the lowercased text split at ASCII whitespace; an eval
+row's prompt and its reply (tokenizer.reply_text) are each checked by their NGRAM-word windows, or
+whole with fewer words but at least MIN_WORDS (a shorter text, a bare number, may match by chance).
+A word is a polynomial hash of its bytes and a gram one of its words, both mod 2^64, in numpy."""
 
-The one definition of an overlap with an eval row, for the corpus (prepare.py) and for a pack's SFT rows
-(skills.py): words are the lowercased text split at ASCII whitespace. An eval row's prompt and its reply
-(tokenizer.reply_text) are each its NGRAM-word windows, or, with fewer words than that but at least MIN_WORDS,
-the whole text as one gram; a text shorter than that (a bare number) cannot be told from chance and is not
-checked. Each word is a polynomial hash of its
-bytes and each gram one of its words, both mod 2^64 and computed with numpy over a whole batch at once.
-"""
-
-
+import functools
 import os
 
 import numpy as np
@@ -19,10 +14,10 @@ from podgpt.corpus.download import file_sha256
 from podgpt.corpus.tasks import read_rows
 from podgpt.core.tokenizer import reply_text
 
-NGRAM = 13       # words in a row that count as an overlap (skills.py's, and the usual decontamination length)
+NGRAM = 13       # words in a row that count as an overlap (the usual decontamination length)
 MIN_WORDS = 5    # a shorter prompt or reply is not checked: its words alone occur by chance
 WHITESPACE = np.zeros(256, dtype=bool)
-WHITESPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True  # what str.split() splits at among ASCII bytes
+WHITESPACE[[9, 10, 11, 12, 13, 28, 29, 30, 31, 32]] = True  # the ASCII str.split() splits at
 BYTE_BASE, WORD_BASE = 0x100000001B3, 0x9E3779B97F4A7C15  # odd, so invertible mod 2^64
 TABLE = 1 << 22  # slots of the first look-up (a few eval rows' grams fill a tiny share of them)
 POWERS = {}  # base -> base^0, base^1, ... mod 2^64, as long as asked so far
@@ -50,7 +45,7 @@ class Rolling:
 
 
 def word_hashes(data):
-    """(each word's hash, each word's first byte, the byte after its last) of UTF-8 bytes already lowercased."""
+    """(each word's hash, its first byte, the byte after its last) of lowercased UTF-8 bytes."""
     b = np.frombuffer(data, dtype=np.uint8)
     edges = np.diff(np.concatenate(([True], WHITESPACE[b], [True])).astype(np.int8))
     starts, ends = np.flatnonzero(edges == -1), np.flatnonzero(edges == 1)
@@ -58,23 +53,23 @@ def word_hashes(data):
 
 
 def gram_hashes(words, n, rolled=None):
-    """The hash of each n-word window of words (word hashes; rolled: their Rolling, made once for every n), its
-    length mixed in."""
+    """The hash of each n-word window of words (word hashes), n mixed in; rolled: their Rolling,
+    made once for every n."""
     starts = np.arange(max(len(words) - n + 1, 0))
     return (rolled or Rolling(words, WORD_BASE))(starts, starts + n) ^ np.uint64(n)
 
 
 def text_grams(text):
-    """(the grams a prompt or reply is checked by, their length in words): its NGRAM-word windows, itself whole
-    when shorter, none below MIN_WORDS."""
+    """(the grams a prompt or reply is checked by, their length in words): its NGRAM-word windows,
+    itself whole when shorter, none below MIN_WORDS."""
     words = word_hashes(text.lower().encode("utf-8"))[0]
     n = min(NGRAM, len(words))
     return (gram_hashes(words, n) if n >= MIN_WORDS else np.zeros(0, np.uint64)), n
 
 
 def shared_run(text, row):
-    """The first run of words of text that is one of eval row `row`'s grams, as text ("" if none): what a refusal
-    quotes (EvalGrams says which row, not which words)."""
+    """The first run of words of text that is one of eval row `row`'s grams ("" if none): what a
+    refusal quotes (EvalGrams says which row, not which words)."""
     data = text.lower().encode("utf-8")
     words, starts, ends = word_hashes(data)
     for part in (row["prompt"], reply_text(row)):
@@ -84,22 +79,13 @@ def shared_run(text, row):
     return ""
 
 
-def first_look_up(keys):
-    """A look-up by the keys' low bits, before the search of the sorted keys: few windows pass it."""
-    table = np.zeros(TABLE, dtype=bool)
-    table[keys & np.uint64(TABLE - 1)] = True
-    return table
-
-
 def read_eval_grams(path):
-    """The EvalGrams of a pack's eval.jsonl (each row checked as skills.py checks them: one line naming a bad one),
-    with the file's sha256."""
+    """The EvalGrams of a pack's eval.jsonl, with its sha256 (a bad row: one line naming it)."""
     return EvalGrams(read_rows(path)[0], file_sha256(path))
 
 
 def eval_grams(pack_dir):
-    """The EvalGrams of pack_dir's eval rows; None without a pack_dir, or, said, without its
-    eval.jsonl."""
+    """The EvalGrams of pack_dir's eval rows; None without a pack_dir, or, said, its eval.jsonl."""
     if not pack_dir:
         return None
     path = os.path.join(pack_dir, "eval.jsonl")
@@ -112,7 +98,7 @@ def eval_grams(pack_dir):
 
 def eval_record(pack_dir, grams, found):
     """manifest.json's eval_contamination: the training documents holding an eval row's gram
-    (found, a Counter by 0-based row), by row number (1: the first)."""
+    (found, a Counter by 0-based row) by row number (1: the first)."""
     return {"pack_dir": pack_dir, "eval_sha256": grams.sha256, "ngram": NGRAM,
             "min_words": MIN_WORDS, "eval_rows": grams.rows, "rows_checked": grams.rows_checked,
             "rows_found": len(found),
@@ -120,9 +106,9 @@ def eval_record(pack_dir, grams, found):
 
 
 class EvalGrams:
-    """The grams of a pack's eval rows: keys (sorted hashes), the eval row (0-based) of each, the gram lengths to
-    look for, rows_checked (rows with a gram) and the sha256 of the file they came from (None: not from a file).
-    skills.py checks its SFT rows against them as prepare.py checks the corpus's documents."""
+    """The grams of a pack's eval rows: keys (sorted hashes), owners (each one's 0-based row), the
+    gram lengths to look for, rows_checked (rows with a gram) and the sha256 of their file (None:
+    not from a file)."""
 
     def __init__(self, rows, sha256=None):
         found, lengths = {}, set()
@@ -133,22 +119,25 @@ class EvalGrams:
                 lengths |= {n} if len(grams) else set()
                 for h in grams.tolist():
                     found.setdefault(h, k)
-        self.rows, self.rows_checked, self.lengths = len(rows), len(set(found.values())), sorted(lengths)
+        self.rows, self.rows_checked = len(rows), len(set(found.values()))
+        self.lengths = sorted(lengths)
         self.keys = np.array(sorted(found), dtype=np.uint64)
         self.owners = np.array([found[h] for h in self.keys.tolist()], dtype=np.int64)
-        self.table = first_look_up(self.keys)
 
-    def __getstate__(self):  # sent to skills.py's pool workers: without the table, rebuilt from the keys there
+    @functools.cached_property
+    def table(self):
+        """The keys' low bits, looked up before the sorted keys are searched: few windows pass."""
+        table = np.zeros(TABLE, dtype=bool)
+        table[self.keys & np.uint64(TABLE - 1)] = True
+        return table
+
+    def __getstate__(self):  # to skills.py's pool workers without the table, rebuilt from the keys
         return {k: v for k, v in self.__dict__.items() if k != "table"}
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.table = first_look_up(self.keys)
 
     def hits(self, texts):
         """For each text, the sorted eval rows it holds a gram of (a tuple, mostly empty)."""
         parts = [t.lower().encode("utf-8") for t in texts]
-        firsts = np.cumsum([0] + [len(p) + 1 for p in parts[:-1]])  # each text's first byte once joined
+        firsts = np.cumsum([0] + [len(p) + 1 for p in parts[:-1]])  # each text's first, joined
         words, starts, _ = word_hashes(b" ".join(parts))
         doc = np.searchsorted(firsts, starts, side="right") - 1
         found, rolled = [set() for _ in texts], Rolling(words, WORD_BASE)
@@ -156,7 +145,8 @@ class EvalGrams:
             grams = gram_hashes(words, n, rolled)
             maybe = np.flatnonzero(self.table[grams & np.uint64(TABLE - 1)])
             at = np.minimum(np.searchsorted(self.keys, grams[maybe]), len(self.keys) - 1)
-            ok = (self.keys[at] == grams[maybe]) & (doc[maybe] == doc[maybe + n - 1])  # and inside one text
+            # the gram, and inside one text
+            ok = (self.keys[at] == grams[maybe]) & (doc[maybe] == doc[maybe + n - 1])
             for d, row in zip(doc[maybe[ok]].tolist(), self.owners[at[ok]].tolist(), strict=True):
                 found[d].add(row)
         return [tuple(sorted(s)) for s in found]

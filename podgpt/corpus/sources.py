@@ -1,17 +1,11 @@
-"""
-The sources prepare.py reads (resolve_sources) and the documents of each, in order (documents); comma-separated
-sources are concatenated in order:
+"""The sources prepare.py reads (resolve_sources) and their documents, in order (documents); a
+comma-separated spec concatenates them:
 - stdlib: the .py files of this Python's standard library, one document per file;
-- a file or folder (walked recursively, sorted by relative path): .txt/.md/.py one
-  document per file (or per paragraph with split_paragraphs: one big text file), .jsonl
-  one per line (field `text_field`), .parquet one per row (column `text_field`);
+- a file or folder (walked, sorted by relative path): .txt/.md/.py one document per file (or per
+  paragraph with split_paragraphs), .jsonl one per line, .parquet one per row (field text_field);
 - an http(s) URL, downloaded (download.py), then read as a file;
-- a preset: tinyshakespeare, fineweb-edu-10bt, climbmix, gsm8k. The last three are Hugging Face datasets,
-  downloaded through huggingface_hub (HF_ENDPOINT, HF_TOKEN, HF_HUB_OFFLINE and its cache as it reads them).
-  gsm8k keeps the dataset's own split (train, and test as validation); each problem is a document as
-  gsm8k_format says (tasks.gsm8k_document): qa, "Question: ...\nAnswer: ..."; hdp, three segments (question,
-  plan, execution) for plan-then-execute block diffusion.
-"""
+- a preset: tinyshakespeare, or the Hugging Face datasets fineweb-edu-10bt, climbmix and gsm8k,
+  which keeps its own split (test as validation), a problem per document (tasks.gsm8k_document)."""
 
 import collections
 import difflib
@@ -29,19 +23,21 @@ from podgpt.core.util import fail, first_line
 TEXT_EXTS = (".txt", ".md", ".py")  # read whole, one document per file
 SOURCE_EXTS = TEXT_EXTS + (".jsonl", ".parquet")
 
-TINYSHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-# Hugging Face dataset presets: (repo, files). The file lists follow the datasets' layouts:
-# fineweb-edu's sample/10BT is 14 parquet files 000_00000 ... 013_00000 (the repo tree; also
-# pinned in several public download scripts); climbmix-400b-shuffle is shard_00000 ...
-# shard_06542.parquet (MAX_SHARD = 6542 in karpathy/autoresearch's prepare.py).
+TINYSHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                       "tinyshakespeare/input.txt")
+# Hugging Face dataset presets: (repo, files), as the repos lay them out: fineweb-edu's sample/10BT
+# is 14 files; climbmix ends at shard_06542 (MAX_SHARD in karpathy/autoresearch's prepare.py)
 HF_PRESETS = {
-    "fineweb-edu-10bt": ("HuggingFaceFW/fineweb-edu", [f"sample/10BT/{i:03d}_00000.parquet" for i in range(14)]),
-    "climbmix": ("karpathy/climbmix-400b-shuffle", [f"shard_{i:05d}.parquet" for i in range(6543)]),
+    "fineweb-edu-10bt": ("HuggingFaceFW/fineweb-edu",
+                         [f"sample/10BT/{i:03d}_00000.parquet" for i in range(14)]),
+    "climbmix": ("karpathy/climbmix-400b-shuffle",
+                 [f"shard_{i:05d}.parquet" for i in range(6543)]),
     # the dataset's main config: 7,473 training and 1,319 test problems
-    "gsm8k": ("openai/gsm8k", ["main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet"]),
+    "gsm8k": ("openai/gsm8k",
+              ["main/train-00000-of-00001.parquet", "main/test-00000-of-00001.parquet"]),
 }
 PRESETS = ("tinyshakespeare",) + tuple(HF_PRESETS)
-GSM8K_SPLITS = ("train", "val")  # the split each gsm8k file's problems go to: its train and its test file
+GSM8K_SPLITS = ("train", "val")  # the split of each gsm8k file's problems: its train, its test
 GSM8K_FORMATS = ("qa", "hdp")
 
 
@@ -67,44 +63,50 @@ def walk(root, exts, skip_dirs=()):
     return sorted(paths, key=lambda p: os.path.relpath(p, root))
 
 
-class Source(collections.namedtuple("Source", "location paragraphs split form")):
-    """One input: a path or URL; paragraphs: split a text file at blank lines; split: None (by hash) or the split
-    all its documents go to; form: None (documents by file type) or "gsm8k" (question and answer columns)."""
+class Source(collections.namedtuple("Source", "location paragraphs split form",
+                                    defaults=(None, None))):
+    """One input: a path or URL; paragraphs: split a text file at blank lines; split: None (by hash)
+    or the split of all its documents; form: None (by file type) or "gsm8k" (its two columns)."""
 
 
 def resolve_sources(spec, max_shards, sha256, split_paragraphs):
     """[Source] for a source spec, and a description of it."""
     inputs, parts = [], []
     for part in (p.strip() for p in spec.split(",")):
+        paragraphs = split_paragraphs
         if part == "stdlib":
-            files = walk(sysconfig.get_paths()["stdlib"], (".py",), ("site-packages", "dist-packages"))
+            files = walk(sysconfig.get_paths()["stdlib"], (".py",),
+                         ("site-packages", "dist-packages"))
             parts.append(f"stdlib (Python {platform.python_version()}, {len(files)} files)")
-            inputs += [Source(f, split_paragraphs, None, None) for f in files]
         elif part in PRESETS:
             urls = preset_urls(part)
-            chosen = urls[:max_shards] if max_shards > 0 else urls
-            parts.append(f"{part} ({len(chosen)} of {len(urls)} files from {os.path.dirname(urls[0])})")
+            files = urls[:max_shards] if max_shards > 0 else urls
+            parts.append(f"{part} ({len(files)} of {len(urls)} files from "
+                         f"{os.path.dirname(urls[0])})")
             if part == "gsm8k":  # the dataset's own split, not the hash's
-                inputs += [Source(url, False, split, "gsm8k") for url, split in zip(chosen, GSM8K_SPLITS)]
-            else:  # tinyshakespeare is one file: its blank-line separated speeches are the documents
-                inputs += [Source(url, split_paragraphs or part == "tinyshakespeare", None, None) for url in chosen]
+                inputs += [Source(url, False, split, "gsm8k")
+                           for url, split in zip(files, GSM8K_SPLITS)]
+                continue
+            # tinyshakespeare is one file: its blank-line separated speeches are the documents
+            paragraphs = split_paragraphs or part == "tinyshakespeare"
         elif is_url(part):
+            files = [part]
             parts.append(part)
-            inputs.append(Source(part, split_paragraphs, None, None))
         elif os.path.isfile(part) or os.path.isdir(part):
             files = walk(part, SOURCE_EXTS) if os.path.isdir(part) else [part]
             if not files:
                 fail(f"no {'/'.join(SOURCE_EXTS)} files under {part}")
             parts.append(f"{part} ({len(files)} files)")
-            inputs += [Source(f, split_paragraphs, None, None) for f in files]
         else:
             close = difflib.get_close_matches(part, PRESETS, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else f" (presets: {', '.join(PRESETS)})"
-            fail(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder{hint}")
-    for source in inputs:  # know before any download or tokenizing that every input can be read
-        location = source.location
-        if not (urllib.parse.urlsplit(location).path if is_url(location) else location).lower().endswith(SOURCE_EXTS):
-            fail(f"{location}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
+            hint = f"did you mean '{close[0]}'?" if close else f"presets: {', '.join(PRESETS)}"
+            fail(f"source '{part}' is not stdlib, a preset, a URL or an existing file or folder "
+                 f"({hint})")
+        inputs += [Source(f, paragraphs) for f in files]
+    for loc in (s.location for s in inputs):  # every input readable, before any download
+        name = urllib.parse.urlsplit(loc).path if is_url(loc) else loc
+        if not name.lower().endswith(SOURCE_EXTS):
+            fail(f"{loc}: unsupported file type (use {', '.join(SOURCE_EXTS)})")
     if sha256 and not (len(inputs) == 1 and is_url(inputs[0].location)):
         fail(f"--sha256 checks a single-URL source; this source has {len(inputs)} inputs: "
              "drop --sha256 or give one URL")
@@ -116,27 +118,11 @@ def read_documents(path, text_field, split_paragraphs):
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".jsonl":
-            # utf-8-sig: a byte order mark (Windows editors write one) is not part of the first line's JSON
-            with open(path, encoding="utf-8-sig", errors="replace") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        text = json.loads(line)[text_field]
-                    except RecursionError:  # json.loads recurses once per level of nesting
-                        fail(f"{path}:{line_no}: JSON nested too deeply to read (a damaged line?): "
-                             "fix or remove that line")
-                    except (ValueError, KeyError, TypeError):
-                        fail(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
-                             "(set --text_field)")
-                    if not isinstance(text, str):
-                        fail(f"{path}:{line_no}: field '{text_field}' is not a string (set --text_field)")
-                    # \ud800-style escapes can make lone surrogates, which are not valid UTF-8
-                    yield text.encode("utf-8", errors="replace").decode("utf-8")
+            yield from read_jsonl(path, text_field)
         elif ext == ".parquet":
             yield from read_parquet(path, text_field)
-        else:  # TEXT_EXTS, as resolve_sources checked
-            with open(path, encoding="utf-8", errors="replace", newline="") as f:  # newline="": keep \r\n
+        else:  # TEXT_EXTS, as resolve_sources checked; newline="": keep \r\n
+            with open(path, encoding="utf-8", errors="replace", newline="") as f:
                 text = f.read()
             if split_paragraphs:  # at lines holding only whitespace; \r\n line ends too
                 yield from (p for p in re.split(r"\r?\n(?:[ \t]*\r?\n)+", text) if p.strip())
@@ -144,6 +130,27 @@ def read_documents(path, text_field, split_paragraphs):
                 yield text
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror or e}")
+
+
+def read_jsonl(path, text_field):
+    """The field text_field of each line of a JSONL file; one line naming a bad line."""
+    # utf-8-sig: a byte order mark (Windows editors write one) is not part of the first line's JSON
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)[text_field]
+            except RecursionError:  # json.loads recurses once per level of nesting
+                fail(f"{path}:{line_no}: JSON nested too deeply to read (a damaged line?): "
+                     "fix or remove that line")
+            except (ValueError, KeyError, TypeError):
+                fail(f"{path}:{line_no}: not a JSON object with a string field '{text_field}' "
+                     "(set --text_field)")
+            if not isinstance(text, str):
+                fail(f"{path}:{line_no}: field '{text_field}' is not a string (set --text_field)")
+            # \ud800-style escapes can make lone surrogates, which are not valid UTF-8
+            yield text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 def read_parquet(path, text_field):
@@ -164,21 +171,23 @@ def read_parquet(path, text_field):
         try:
             texts = pf.read_row_group(i, columns=[text_field]).column(0).to_pylist()
         except Exception as e:
-            fail(f"cannot read {path} as parquet (row group {i + 1} of {pf.num_row_groups}): {first_line(e)}")
-        for text in texts:
-            if text is None:
-                continue
+            fail(f"cannot read {path} as parquet (row group {i + 1} of {pf.num_row_groups}): "
+                 f"{first_line(e)}")
+        for text in (t for t in texts if t is not None):
             if not isinstance(text, str):
                 fail(f"{path}: column '{text_field}' holds {type(text).__name__}, not text")
             yield text
 
 
-def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa", chat=False):
-    """All documents of the inputs in order, downloading URLs when reached: (text, the split it must go to or
-    None for the hash's)."""
+def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm8k_format="qa",
+              chat=False):
+    """(text, the split it must go to or None for the hash's) of every document of the inputs in
+    order, downloading URLs when reached."""
     n = 0
     for source in inputs:
-        path = download(source.location, download_dir, sha256) if is_url(source.location) else source.location
+        path = source.location
+        if is_url(path):
+            path = download(path, download_dir, sha256)
         if source.form == "gsm8k":
             columns = (list(read_parquet(path, column)) for column in ("question", "answer"))
             texts = gsm8k_documents(path, *columns, gsm8k_format)
@@ -186,9 +195,7 @@ def documents(inputs, text_field, min_chars, max_docs, download_dir, sha256, gsm
             texts = pack_documents(path)
         else:
             texts = read_documents(path, text_field, source.paragraphs)
-        for text in texts:
-            if len(text) < min_chars:
-                continue
+        for text in (t for t in texts if len(t) >= min_chars):
             yield text, source.split
             n += 1
             if n == max_docs:

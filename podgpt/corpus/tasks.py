@@ -1,11 +1,6 @@
-"""
-The tasks a model is scored on: GSM8K, grade-school math word problems (openai/gsm8k, config main), each
-answer ending in "#### <number>". prepare.py makes its problems documents (gsm8k_documents); train.py
-answers the first test problems at each evaluation and logs the share it gets right (eval_gsm8k_samples:
-gsm8k_problems, gsm8k_accuracy). A skills pack's rows (sft.jsonl) become prepare.py's chat documents
-(pack_documents). The hub's multiple-choice benchmarks (ARC, HellaSwag, PIQA) become eval.py's questions
-(hub_questions).
-"""
+"""The tasks a model is scored on, in their formats: GSM8K's problems (each answer ends in
+"#### <number>") as prepare.py's documents and train.py's eval_gsm8k_samples; a skills pack's rows
+as prepare.py's chat documents; the hub's multiple-choice benchmarks as eval.py's questions."""
 
 import json
 import os
@@ -22,54 +17,56 @@ from podgpt.core.util import fail, first_line
 
 
 def gsm8k_document(question, answer, form):
-    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..." (the answer as given); hdp, the question,
-    the plan (the reasoning lines without their <<calculator>> annotations) and the execution (the annotated
-    lines and the final "#### <number>"), joined by SEGMENT."""
+    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..."; hdp, for plan-then-execute
+    block diffusion, the question, the plan (gsm8k_plan) and the execution (the annotated lines and
+    the final "#### <number>"), joined by SEGMENT."""
     if form == "qa":
         return f"Question: {question}\nAnswer: {answer}"
     reasoning, _, final = answer.rpartition("####")
-    return SEGMENT.join([question.strip(), gsm8k_plan(answer), f"{reasoning.strip()}\n#### {final.strip()}"])
+    execution = f"{reasoning.strip()}\n#### {final.strip()}"
+    return SEGMENT.join([question.strip(), gsm8k_plan(answer), execution])
 
 
 def gsm8k_plan(answer):
-    """The reasoning lines of a GSM8K answer (before its "####") without their <<calculator>> annotations."""
+    """The reasoning lines of a GSM8K answer (before "####") without their <<calculator>> notes."""
     return re.sub(r"<<[^<>]*>>", "", answer.rpartition("####")[0]).strip()
 
 
 def gsm8k_documents(path, questions, answers, form):
-    """The problems of a GSM8K file, its question and answer columns, each as gsm8k_document."""
+    """The problems of a GSM8K file's question and answer columns, each as gsm8k_document."""
     if len(questions) != len(answers):
-        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one column?): "
-             "download it again")
+        fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one "
+             "column?): download it again")
     for question, answer in zip(questions, answers, strict=True):
         if "####" not in answer:
-            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all have: not GSM8K's main "
-                 f"config? ({answer[:60]!r})")
+            fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all "
+                 f"have: not GSM8K's main config? ({answer[:60]!r})")
         yield gsm8k_document(question, answer, form)
 
 
 def gsm8k_answer(text):
-    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0" dropped; None
-    without one."""
+    """The number after the last "####" of a GSM8K answer (or a model's), commas and a trailing ".0"
+    dropped; None without one."""
     found = re.findall(r"####\s*(-?[\d,]*\.?\d+)", text)
     return found[-1].replace(",", "").removesuffix(".0") if found else None
 
 
 def gsm8k_problems(data_dir, manifest, n):
-    """The first n problems of a gsm8k data_dir's validation split (GSM8K's test problems) as (prompt token ids,
-    the right answer): qa, BOS and the document up to "Answer:"; hdp, its question segment."""
+    """(prompt token ids, the right answer) of the first n problems of a gsm8k data_dir's validation
+    split (GSM8K's test): qa, BOS and the document up to "Answer:"; hdp, its question segment."""
     tok, args = load_tokenizer(data_dir), manifest["prepare_args"]
-    lengths = [int(length) for length in args.get("segments", "").split(",") if length]  # as prepare.py checked them
+    lengths = [int(x) for x in args.get("segments", "").split(",") if x]  # prepare.py checked them
     if args["source"] != "gsm8k" or not lengths:
-        fail(f"eval_gsm8k_samples={n}: {data_dir} holds no GSM8K problems of a fixed length: prepare it with "
-             f"--source=gsm8k and --segments (config/h200_gsm8k_bd3lm.py)")
+        fail(f"eval_gsm8k_samples={n}: {data_dir} holds no GSM8K problems of a fixed length: "
+             "prepare it with --source=gsm8k and --segments (config/h200_gsm8k_bd3lm.py)")
     problems = []
     for shard in manifest["splits"]["val"]["shards"]:
-        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"]))).reshape(-1, sum(lengths))
-        for row in rows[:n - len(problems)]:
+        rows = np.asarray(open_shard(os.path.join(data_dir, shard["file"])))
+        for row in rows.reshape(-1, sum(lengths))[:n - len(problems)]:
             if args.get("gsm8k_format", "qa") == "hdp":
                 prompt, answer = row[:lengths[0]].tolist(), tok.decode(row[lengths[0]:])
-                while len(prompt) > 1 and prompt[-1] == tok.bos_id:  # the segment's padding: the sampler pads again
+                # the segment's padding off: the sampler pads again
+                while len(prompt) > 1 and prompt[-1] == tok.bos_id:
                     prompt.pop()
             else:
                 head, _, answer = tok.decode(row).partition("\nAnswer:")
@@ -79,40 +76,42 @@ def gsm8k_problems(data_dir, manifest, n):
 
 
 def gsm8k_accuracy(model, problems, tok, block_size, autocast, proc, sharded):
-    """The share of problems whose greedy answer ends in the right "#### <number>". Distributed (proc), each rank
-    answers every world-th problem and one all-reduce sums them; sharded (fsdp), every forward gathers weights
-    with every rank, so each answers them all (greedy: the same tokens everywhere)."""
+    """The share of problems whose greedy answer ends in the right "#### <number>". Distributed,
+    each rank answers every world-th problem and one all-reduce sums them; sharded (fsdp), every
+    forward gathers weights with every rank, so each answers them all (greedy: the same tokens)."""
     split = proc.distributed and not sharded
     right = torch.zeros((), device=proc.dev)
     model.eval()
     with torch.no_grad(), autocast:
         for prompt, answer in problems[proc.rank::proc.world] if split else problems:
             ids = torch.tensor([prompt], device=proc.dev)
-            tokens = [t.item() for t in model.generate(ids, block_size - len(prompt), temperature=0)]
-            right += gsm8k_answer(tok.decode(tokens)) == answer
+            tokens = model.generate(ids, block_size - len(prompt), temperature=0)
+            right += gsm8k_answer(tok.decode([t.item() for t in tokens])) == answer
     model.train()
     if split:
         dist.all_reduce(right)
     return right.item() / len(problems)
 
 
-PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")  # a skills pack's row, all strings
+PACK_FIELDS = ("category", "prompt", "answer", "scratchpad", "answer_style")  # all strings
 ANSWER_STYLES = ("direct", "scratchpad")
+A_ROW = f"(a row is {{{', '.join(PACK_FIELDS)}}})"
 
 
 def check_row(row, where):
-    """Fail, naming where, unless row is an object of exactly the pack's fields, each of its type."""
+    """Fail, naming where, unless row is an object of exactly the pack's fields, each valid."""
     if not isinstance(row, dict):
-        fail(f"{where}: not a JSON object (a row is {{{', '.join(PACK_FIELDS)}}})")
+        fail(f"{where}: not a JSON object {A_ROW}")
     if missing := [f for f in PACK_FIELDS if f not in row]:
-        fail(f"{where}: no field '{missing[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+        fail(f"{where}: no field '{missing[0]}' {A_ROW}")
     if extra := sorted(set(row) - set(PACK_FIELDS)):
-        fail(f"{where}: unknown field '{extra[0]}' (a row is {{{', '.join(PACK_FIELDS)}}})")
+        fail(f"{where}: unknown field '{extra[0]}' {A_ROW}")
     for field in PACK_FIELDS:
         if not isinstance(row[field], str):
             fail(f"{where}: field '{field}' is {type(row[field]).__name__}, not a string")
     if row["answer_style"] not in ANSWER_STYLES:
-        fail(f"{where}: answer_style {row['answer_style']!r} is not one of {', '.join(ANSWER_STYLES)}")
+        fail(f"{where}: answer_style {row['answer_style']!r} is not one of "
+             f"{', '.join(ANSWER_STYLES)}")
     for field in ("category", "prompt", "answer"):
         if not row[field].strip():
             fail(f"{where}: field '{field}' is empty")
@@ -132,7 +131,7 @@ def read_rows(path):
                 try:
                     row = json.loads(line)
                 except (ValueError, RecursionError):
-                    fail(f"{where}: not valid JSON (a row is {{{', '.join(PACK_FIELDS)}}})")
+                    fail(f"{where}: not valid JSON {A_ROW}")
                 check_row(row, where)
                 rows.append(row)
                 origins.append(where)
@@ -144,9 +143,8 @@ def read_rows(path):
 
 
 def pack_documents(path):
-    """The rows of a skills pack's JSONL file (sft.jsonl), each checked as skills.py checks them, as documents:
-    the prompt and the assistant's reply (tokenizer.reply_text), joined by SEGMENT; prepare.py --chat=True makes
-    each a tokenizer.chat_row."""
+    """The rows of a skills pack's sft.jsonl, each checked, as documents: the prompt and the reply
+    (tokenizer.reply_text) joined by SEGMENT, which prepare.py --chat=True makes a chat_row."""
     rows, origins = read_rows(path)
     for row, where in zip(rows, origins, strict=True):
         reply = reply_text(row)
@@ -156,9 +154,9 @@ def pack_documents(path):
 
 
 # -----------------------------------------------------------------------------
-# multiple-choice benchmarks on the Hugging Face hub, as eval.py's questions {question, choices, answer, task}:
-# worded as lm-evaluation-harness words them zero-shot, each file at a pinned revision (every user scores the same
-# questions, and the revision names them in eval.json)
+# the hub's multiple-choice benchmarks as eval.py's {question, choices, answer, task}, worded as
+# lm-evaluation-harness words them zero-shot, each at a pinned revision: every user scores the same
+# questions, and eval.json names them by it
 
 def arc_question(r):
     return dict(question=f"Question: {r['question']}\nAnswer:", choices=list(r["choices"]["text"]),
@@ -166,7 +164,8 @@ def arc_question(r):
 
 
 def piqa_question(r):
-    return dict(question=f"Question: {r['goal']}\nAnswer:", choices=[r["sol1"], r["sol2"]], answer=int(r["label"]))
+    return dict(question=f"Question: {r['goal']}\nAnswer:", choices=[r["sol1"], r["sol2"]],
+                answer=int(r["label"]))
 
 
 def hellaswag_text(text):
@@ -186,14 +185,14 @@ HUB_MC = {  # name: (repo, revision, file, its row -> a question)
     "arc_challenge": (*ARC, "ARC-Challenge/test-00000-of-00001.parquet", arc_question),
     "hellaswag": ("Rowan/hellaswag", "218ec52e09a7e7462a5400043bb9a69a41d06b76",
                   "data/validation-00000-of-00001.parquet", hellaswag_question),
-    "piqa": ("ybisk/piqa", "078a131412f46a38025a762322c174a8bae2610c", "plain_text/piqa-validation.parquet",
-             piqa_question),
+    "piqa": ("ybisk/piqa", "078a131412f46a38025a762322c174a8bae2610c",
+             "plain_text/piqa-validation.parquet", piqa_question),
 }
 
 
 def hub_questions(name, download_dir, limit=0):
-    """(the first `limit` questions of a hub benchmark (0: all), where they came from {url, sha256, questions}): its
-    file through download.py (download_dir's copy if there, else the Hugging Face cache's, else downloaded)."""
+    """(the first `limit` questions of a hub benchmark (0: all), {url, sha256, questions} of where
+    they came from); its file through download.py."""
     from huggingface_hub import hf_hub_url
     try:
         import pyarrow.parquet as pq
@@ -205,13 +204,13 @@ def hub_questions(name, download_dir, limit=0):
     try:
         records = pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow's errors have many types
-        fail(f"{path} ({name}) cannot be read as parquet ({first_line(e)}): delete it and rerun to download it again",
-             code=2)
+        fail(f"{path} ({name}) cannot be read as parquet ({first_line(e)}): delete it and rerun "
+             "to download it again", code=2)
     questions = []
     for i, r in enumerate(records[:limit or None], 1):
         try:
             questions.append(dict(question(r), task=name))
         except (KeyError, TypeError, ValueError) as e:
-            fail(f"{path} row {i}: not {name}'s columns or values ({first_line(e)}): not the file of {repo} at "
-                 f"{revision}?", code=2)
+            fail(f"{path} row {i}: not {name}'s columns or values ({first_line(e)}): not the file "
+                 f"of {repo} at {revision}?", code=2)
     return questions, dict(url=url, sha256=file_sha256(path), questions=len(questions))

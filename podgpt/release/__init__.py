@@ -1,2 +1,2 @@
-"""After pretraining: a trained model loaded for use, the HTTP server, and what a release is judged and handed on
-with. Pretraining never imports it."""
+"""After pretraining: a trained model loaded for use, the HTTP server, and what a release is judged
+and handed on with. Pretraining never imports it."""

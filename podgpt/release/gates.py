@@ -1,73 +1,75 @@
-"""
-The release gates of a skills pack (skills.py) and of an evaluated model: the SFT rows' category balance, the eval
-rows' coverage (the widest 95% interval of a category's accuracy), the eval rows' contamination by the corpus and
-by the SFT rows, and eval.py's floors on the accuracy. Their thresholds are podgpt/pod/gates.py's PROFILES; a
-pretraining run without a pack never imports this module (train.py looks it up only for a pack).
-"""
+"""The release gates of a skills pack and of an evaluated model: the SFT rows' category balance, the
+eval rows' coverage, their contamination by the corpus and by the SFT rows, and eval.py's floors on
+the accuracy; thresholds in podgpt/pod/gates.py's PROFILES. A run without a pack never loads it."""
+
 import os
 
 from podgpt.core.util import fail, first_line, write_json
 from podgpt.corpus.download import file_sha256
-from podgpt.pod.gates import (base_checkpoint, base_exposure, gate, judge, limits, no_pack, read_pack, said,
-                              verdict_of, wilson)
+from podgpt.pod.gates import (base_checkpoint, base_exposure, gate, judge, limits, no_pack,
+                              read_pack, said, verdict_of, wilson)
 from podgpt.pod.report import read_json
 
 
 def sft_category_balance(cfg, pack):
     """sft_category_balance: the SFT rows of the pack's smallest category over its largest's."""
     lim = limits(cfg.gate_profile)
+    warn, block = lim["balance_warn_below"], lim["balance_block_below"]
     counts = {name: c.get("sft", 0) for name, c in pack["categories"].items() if c.get("sft", 0)}
     if not counts:
-        return gate("sft_category_balance", "block", None, lim["balance_block_below"],
+        return gate("sft_category_balance", "block", None, block,
                     f"{cfg.pack_dir} has no SFT rows: make the pack with sft_rows > 0")
     low, high = min(counts, key=counts.get), max(counts, key=counts.get)
     ratio = counts[low] / counts[high]
-    verdict = judge(ratio, lim["balance_warn_below"], lim["balance_block_below"], below=True)
-    return gate("sft_category_balance", verdict, ratio, lim["balance_block_below"],
-                f"{len(counts)} categories: the smallest, {low}, has {counts[low]} SFT rows, the largest, {high}, "
-                f"{counts[high]}: {ratio:.2f} ("
-                + said(cfg.gate_profile, warn_below=lim["balance_warn_below"], block_below=lim["balance_block_below"])
-                + ")" + ("" if verdict != "block" else f": more rows of {low}, or fewer of {high}"))
+    verdict = judge(ratio, warn, block, below=True)
+    return gate("sft_category_balance", verdict, ratio, block,
+                f"{len(counts)} categories: the smallest, {low}, has {counts[low]} SFT rows, the "
+                f"largest, {high}, {counts[high]}: {ratio:.2f} ("
+                + said(cfg.gate_profile, warn_below=warn, block_below=block) + ")"
+                + ("" if verdict != "block" else f": more rows of {low}, or fewer of {high}"))
 
 
 def eval_skill_release_coverage(cfg, pack):
-    """eval_skill_release_coverage: the widest 95% Wilson interval (at 50% correct) of an SFT category's eval
-    rows against the profile's width."""
+    """eval_skill_release_coverage: the widest 95% Wilson interval (at 50% correct) of an SFT
+    category's eval rows against the profile's width."""
     lim = limits(cfg.gate_profile)
+    warn, block = lim["interval_warn_above"], lim["interval_block_above"]
     names = [name for name, c in pack["categories"].items() if c.get("sft", 0)]
     if not names:
-        return gate("eval_skill_release_coverage", "skip", None, lim["interval_block_above"], "no SFT categories")
+        return gate("eval_skill_release_coverage", "skip", None, block, "no SFT categories")
     rows = {name: pack["categories"][name].get("eval", 0) for name in names}
     fewest = min(rows, key=rows.get)
     low, high = wilson(rows[fewest] / 2, rows[fewest])
-    verdict = judge(high - low, lim["interval_warn_above"], lim["interval_block_above"])
-    return gate("eval_skill_release_coverage", verdict, high - low, lim["interval_block_above"],
-                f"the fewest eval rows of the {len(names)} SFT categories: {fewest}'s {rows[fewest]}, whose 95% "
-                f"interval at 50% correct is {high - low:.3f} wide ("
-                + said(cfg.gate_profile, warn_above=lim["interval_warn_above"], block_above=lim["interval_block_above"])
-                + ")" + ("" if verdict != "block" else ": more eval rows per category (skills.py --eval_rows)"))
+    verdict = judge(high - low, warn, block)
+    return gate("eval_skill_release_coverage", verdict, high - low, block,
+                f"the fewest eval rows of the {len(names)} SFT categories: {fewest}'s "
+                f"{rows[fewest]}, whose 95% interval at 50% correct is {high - low:.3f} wide ("
+                + said(cfg.gate_profile, warn_above=warn, block_above=block) + ")"
+                + ("" if verdict != "block" else
+                   ": more eval rows per category (skills.py --eval_rows)"))
 
 
 # -----------------------------------------------------------------------------
-# contamination of the eval rows: by the corpus (prepare.py's count) and by the SFT rows (skills.py's check)
+# contamination of the eval rows: by the corpus (prepare.py's count), by the SFT rows (skills.py's)
 
 def corpus_overlap(manifest, data_dir, eval_sha):
     """(eval rows found in data_dir's training documents, what was counted) from its manifest's
     eval_contamination; (None, why not) when it was not counted for these eval rows."""
     record = manifest.get("eval_contamination")
-    if not isinstance(record, dict) or record.get("eval_sha256") != eval_sha:
-        return None, (f"{data_dir} was not checked against these eval rows" if not isinstance(record, dict) else
-                      f"{data_dir} was checked against other eval rows (eval.jsonl changed since)")
+    if not isinstance(record, dict):
+        return None, f"{data_dir} was not checked against these eval rows"
+    if record.get("eval_sha256") != eval_sha:
+        return None, f"{data_dir} was checked against other eval rows (eval.jsonl changed since)"
     rows = sorted(record["train_docs_by_row"], key=int)
-    return len(rows), (f"{data_dir}: {len(rows)} of {record['eval_rows']} eval rows in training documents"
-                       + (f" (rows {', '.join(rows[:5])}{' ...' if len(rows) > 5 else ''})" if rows else "")
-                       + f", {record['rows_checked']} of them long enough to check")
+    some = f" (rows {', '.join(rows[:5])}{' ...' if len(rows) > 5 else ''})" if rows else ""
+    return len(rows), (f"{data_dir}: {len(rows)} of {record['eval_rows']} eval rows in training "
+                       f"documents{some}, {record['rows_checked']} of them long enough to check")
 
 
 def eval_contamination(cfg, pack, name="eval_contamination"):
-    """eval_contamination: the pack's eval rows that the run's training corpus holds (and for an SFT run, its
-    base's corpus), counted by prepare.py with pack_dir, and the SFT rows that hold a run of an eval row's words
-    (ngrams.py; skills.py refuses to write such a pack, and records the check)."""
+    """eval_contamination: the pack's eval rows that the run's training corpus (and an SFT run's
+    base's) holds, as prepare.py counted them, and the SFT rows holding a run of an eval row's words
+    (skills.py refuses to write such a pack, and records the check)."""
     lim = limits(cfg.gate_profile)
     try:
         eval_sha = file_sha256(os.path.join(cfg.pack_dir, "eval.jsonl"))
@@ -82,8 +84,9 @@ def eval_contamination(cfg, pack, name="eval_contamination"):
             return gate(name, "skip", None, 0, f"no data prepared in {data_dir} yet")
         rows, detail = corpus_overlap(manifest, data_dir, eval_sha)
         if rows is None:
-            return gate(name, lim["overlap"], None, 0, f"{detail}: prepare it with --pack_dir={cfg.pack_dir} "
-                                                       "(--force) to count the eval rows its training documents hold")
+            return gate(name, lim["overlap"], None, 0,
+                        f"{detail}: prepare it with --pack_dir={cfg.pack_dir} (--force) to count "
+                        "the eval rows its training documents hold")
         found += rows
         details.append(detail)
     sft = pack.get("sft_rows_sharing_eval")
@@ -91,31 +94,32 @@ def eval_contamination(cfg, pack, name="eval_contamination"):
         "not recorded (a pack from before skills.py recorded it)" if sft is None else str(sft)))
     found += sft or 0
     return gate(name, lim["overlap"] if found else "pass", found, 0,
-                "; ".join(details) + ("" if not found else ": take those rows out of the eval set, or the documents "
-                                                           "out of the corpus, and prepare again"))
+                "; ".join(details) + ("" if not found else ": take those rows out of the eval "
+                                      "set, or the documents out of the corpus, and prepare again"))
 
 
 def pack_gates(cfg, params, manifest):
-    """base_exposure, sft_category_balance, eval_skill_release_coverage and eval_contamination. Without the pack
-    they block under skill_release, unless the data is not prepared either (planning ahead: they skip, as
-    data_gates do)."""
+    """base_exposure, sft_category_balance, eval_skill_release_coverage and eval_contamination.
+    Without the pack they block under skill_release, unless the data is not prepared either
+    (planning ahead: they skip, as data_gates do)."""
     pack, why = read_pack(cfg.pack_dir)
-    if pack is None:
-        profile = cfg.gate_profile if manifest or not cfg.pack_dir else "research"  # planned before data and pack
-        return [base_exposure(cfg, params, manifest)] + [no_pack(name, profile, cfg.pack_dir, why) for name in (
-            "sft_category_balance", "eval_skill_release_coverage", "eval_contamination")]
-    return [base_exposure(cfg, params, manifest), sft_category_balance(cfg, pack),
-            eval_skill_release_coverage(cfg, pack), eval_contamination(cfg, pack)]
+    gates = (sft_category_balance, eval_skill_release_coverage, eval_contamination)
+    if pack is None:  # planned before the data and the pack: research's
+        profile = cfg.gate_profile if manifest or not cfg.pack_dir else "research"
+        return [base_exposure(cfg, params, manifest)] + [
+            no_pack(g.__name__, profile, cfg.pack_dir, why) for g in gates]
+    return [base_exposure(cfg, params, manifest)] + [g(cfg, pack) for g in gates]
 
 
 # -----------------------------------------------------------------------------
 # eval.py's floors, added to the evaluated run's long_run_gate
 
 def eval_floors(profile, pack_report):
-    """eval_floors: of eval.py's pack report, the overall accuracy's interval against the pooled chance level, and
-    the share of categories at or below their chance level."""
+    """eval_floors: of eval.py's pack report, the overall accuracy's interval against the pooled
+    chance level, and the share of categories at or below their chance level."""
     lim = limits(profile)
-    if not lim["floor_above_chance"] and lim["floor_at_chance_share"] is None:
+    most = lim["floor_at_chance_share"]
+    if not lim["floor_above_chance"] and most is None:
         return gate("eval_floors", "skip", None, None, f"{profile}: no floors")
     overall, cats = pack_report["overall"], pack_report["categories"]
     at_chance = sorted(c for c, s in cats.items() if s["accuracy"] is None or s["chance"] is None
@@ -123,20 +127,22 @@ def eval_floors(profile, pack_report):
     share = len(at_chance) / len(cats) if cats else 1.0
     chance = "unknown" if overall["chance"] is None else f"{overall['chance']:.3f}"
     above = bool(overall["above_chance"])
-    too_many = lim["floor_at_chance_share"] is not None and share > lim["floor_at_chance_share"]
+    too_many = most is not None and share > most
     verdict = "block" if (lim["floor_above_chance"] and not above) or too_many else "pass"
-    return gate("eval_floors", verdict, dict(overall_low=overall["low"], pooled_chance=overall["chance"],
-                                             at_chance_share=share), lim["floor_at_chance_share"],
-                f"overall {overall['correct']} of {overall['n']}, 95% interval from {overall['low']:.3f}: "
-                f"{'above' if above else 'not above'} the pooled chance {chance}; {len(at_chance)} of "
-                f"{len(cats)} categories at or below chance" + (f" ({', '.join(at_chance)})" if at_chance else "")
-                + f" ({profile}: at most {lim['floor_at_chance_share']:.0%})"
-                + ("" if verdict != "block" else ": more base or SFT training on the weak categories"))
+    value = dict(overall_low=overall["low"], pooled_chance=overall["chance"], at_chance_share=share)
+    return gate("eval_floors", verdict, value, most,
+                f"overall {overall['correct']} of {overall['n']}, 95% interval from "
+                f"{overall['low']:.3f}: {'above' if above else 'not above'} the pooled chance "
+                f"{chance}; {len(at_chance)} of {len(cats)} categories at or below chance"
+                + (f" ({', '.join(at_chance)})" if at_chance else "")
+                + f" ({profile}: at most {most:.0%})"
+                + ("" if verdict != "block" else
+                   ": more base or SFT training on the weak categories"))
 
 
 def record_eval_floors(run_dir, pack_report):
-    """Add (or replace) eval_floors in run_dir's summary.json long_run_gate and recompute its verdict; the gate, or
-    None when the run has no long_run_gate."""
+    """Add (or replace) eval_floors in run_dir's summary.json long_run_gate and recompute its
+    verdict; the gate, or None when the run has no long_run_gate."""
     path = os.path.join(run_dir, "summary.json")
     summary = read_json(path)
     record = summary.get("long_run_gate") if isinstance(summary, dict) else None
@@ -148,5 +154,6 @@ def record_eval_floors(run_dir, pack_report):
     try:
         write_json(path, summary)
     except OSError as e:
-        fail(f"cannot rewrite {path} with the eval floors ({first_line(e)}): free space there and run eval.py again")
+        fail(f"cannot rewrite {path} with the eval floors ({first_line(e)}): free space there and "
+             "run eval.py again")
     return floors

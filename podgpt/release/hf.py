@@ -1,8 +1,6 @@
-"""
-A checkpoint as a Hugging Face Llama folder (export.py's docstring lists it): written (export), read
-back into podgpt (load_export), and put in place over an earlier folder that holds nothing but the
-files its record lists (put_in_place, which handoff.py's bundles use too).
-"""
+"""A checkpoint as a Hugging Face Llama folder (export.py's docstring lists it): written (export),
+read back (load_export), and put in place over an earlier one of podgpt's (put_in_place, which
+handoff.py's bundles use too)."""
 
 import contextlib
 import errno
@@ -39,8 +37,9 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}"
                  "{% else %}{{ raise_exception('only user and assistant messages: "
                  "podgpt trained no other role') }}"
                  "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
-MATRICES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LAYER_WEIGHTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                 "post_attention_layernorm")
 
 
 def finite(x):
@@ -60,15 +59,12 @@ def check_llama(model_cfg, state_dict):
     if objective != "ar":
         fail(f"objective={objective}: this model {why[objective]}, which a Llama folder cannot "
              f"express: sample.py runs the checkpoint itself")
-    extra = sorted(set(model_cfg) - LLAMA_FIELDS)
-    if extra:
+    if extra := sorted(set(model_cfg) - LLAMA_FIELDS):
         fail(f"the model config has {', '.join(extra)}, which Llama cannot express: "
              f"this export.py only maps podgpt's Llama architecture")
     cfg = GPTConfig(**model_cfg)
-    want = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
-    for i in range(cfg.n_layer):
-        want |= {f"layers.{i}.{m}.weight" for m in MATRICES}
-        want |= {f"layers.{i}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")}
+    want = {"embed_tokens.weight", "norm.weight", "lm_head.weight"} | {
+        f"layers.{i}.{m}.weight" for i in range(cfg.n_layer) for m in LAYER_WEIGHTS}
     if set(state_dict) != want:
         odd = sorted(set(state_dict) ^ want)[:3]
         fail(f"the weights do not match Llama's layout (e.g. {', '.join(odd)}): cannot export")
@@ -89,9 +85,8 @@ def special_tokens(path, cfg):
 
 
 def hf_config(cfg, torch_dtype, special=None):
-    """config.json, vocab_size the padded vocabulary: the weights stay the checkpoint's bit for bit
-    and the matmuls fast; generation_config.json suppresses the padding ids (vLLM does not: the
-    card says so). special: special_tokens' (BOS, EOS); None: both the last id (a base model's)."""
+    """config.json; vocab_size the padded vocabulary, so the weights stay the checkpoint's bit for
+    bit. special: special_tokens' (BOS, EOS); None: both the last id (a base model's)."""
     bos, eos = special[:2] if special else (cfg.vocab_size - 1,) * 2
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": cfg.padded_vocab, "hidden_size": cfg.n_embd,
@@ -107,16 +102,16 @@ def hf_config(cfg, torch_dtype, special=None):
 
 
 def generation_config(cfg, bos, eos):
-    """generation_config.json: the padding ids suppressed, and no max_length, which
-    generate(max_new_tokens=...) would warn of every time."""
+    """generation_config.json: the padding ids suppressed (vLLM does not: the card says so), and
+    no max_length, which generate(max_new_tokens=...) would warn of every time."""
     gen = {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos],
            "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
     return {k: v for k, v in gen.items() if v is not None}
 
 
 def hf_tensors(cfg, state_dict, dt):
-    """{HF name: tensor}, a tied head once (as the embedding). model.py's RoPE rotates halves as
-    transformers' rotate_half does: q and k map unpermuted (tests/test_export.py checks)."""
+    """{HF name: tensor}, a tied head once (as the embedding); q and k unpermuted, as model.py's
+    RoPE rotates halves as transformers' rotate_half does (tests/test_export.py checks)."""
     # copies: safetensors refuses tensors that share memory; huggingface_hub sizes them by storage
     return {name if name == "lm_head.weight" else "model." + name:
             t.detach().to("cpu", dt, copy=True).contiguous() for name, t in state_dict.items()
@@ -124,8 +119,8 @@ def hf_tensors(cfg, state_dict, dt):
 
 
 def write_weights(folder, tensors, max_shard_bytes):
-    """model.safetensors, or shards of at most max_shard_bytes (a larger tensor alone in one) and
-    their index, as huggingface_hub plans them: the names and the index transformers reads."""
+    """model.safetensors, or shards of at most max_shard_bytes and their index, as huggingface_hub
+    plans them (the names and the index transformers reads)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     plan = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
     # each written here, not by save_torch_state_dict: its errors name no file, its files are 0600
@@ -153,10 +148,9 @@ def save_safetensors(tensors, path):
 
 
 def write_hf_tokenizer(src, folder, block_size, template=False):
-    """tokenizer.json + tokenizer_config.json for transformers, from podgpt's files in `src`; None,
-    or why none was written. transformers' tiktoken converter splits and merges as tiktoken does:
-    the same ids. template: a chat tokenizer gets CHAT_TEMPLATE and reads the chat markers in text
-    as tokens, as apply_chat_template needs; otherwise a marker typed in a text stays text."""
+    """tokenizer.json + tokenizer_config.json for transformers (its tiktoken converter gives the
+    same ids) from podgpt's files in `src`; None, or why none was written. template: a chat
+    tokenizer gets CHAT_TEMPLATE and reads chat markers in text as tokens, as the template needs."""
     meta = read_json(os.path.join(src, "tokenizer.json"))
     if meta is None:
         return f"no readable podgpt tokenizer.json in {src}"
@@ -216,9 +210,8 @@ print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=
 
 
 def card_usage(where, bos, tokenizer, chat):
-    """The code that loads the export in folder `where` and asks it: through its chat template
-    (chat: an SFT model's tokenizer with one), by text through transformers' tokenizer (tokenizer:
-    there is one), else by token ids. The model card's, and the hand-off bundle's README's."""
+    """The code (the model card's, the hand-off README's) that loads the export in `where` and asks
+    it: through its chat template (chat), by text (tokenizer: there is one), else by token ids."""
     if not tokenizer:
         return ["from transformers import AutoModelForCausalLM",
                 f'model = AutoModelForCausalLM.from_pretrained("{where}")',
@@ -230,8 +223,8 @@ def card_usage(where, bos, tokenizer, chat):
 
 
 def card_training(path, run_cfg, trainer, out_dir):
-    """The model card's Training section for checkpoint `path` of the run in out_dir: its data,
-    recipe, losses and preflight verdict, from what the run left there."""
+    """The model card's Training section for checkpoint `path`: its data, recipe, losses and
+    preflight verdict, from what the run left in out_dir."""
     summary = read_json(os.path.join(out_dir, "summary.json")) or {}
     if os.path.basename(str(summary.get("checkpoint") or path)) != os.path.basename(path):
         summary = {}  # the run went on (or ended) at another checkpoint: not this one's numbers
@@ -389,8 +382,8 @@ def scratch_beside(out, suffix):
 
 def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"):
     """The finished folder tmp renamed to out, over an earlier one holding only its own files
-    (checked again: it may be new). Until then tmp keeps its mark, and the earlier one waits in a
-    marked folder beside, put back if the rename fails: one is left whole, the rest marked."""
+    (checked again: it may be new). The earlier one waits in a marked folder beside, put back if
+    the rename fails: one is always left whole, the rest marked."""
     check_replaceable(out, record, script, kind)
     if not os.path.lexists(out):
         os.replace(tmp, out)
@@ -415,8 +408,8 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
     """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record`
-    lists by path (an older record lists top-level entries): `script` replaces nothing it did not
-    write. An earlier one left beside it by a replace cut short stops it too: it would be lost."""
+    lists: `script` replaces nothing it did not write. An earlier one left beside it by a replace
+    cut short stops it too: it would be lost."""
     waiting = os.path.join(beside(out, "podgpt-old"), "old")
     if os.path.lexists(waiting):
         fail(f"out={out}: an earlier {kind} waits in {waiting}, left by a replace cut short: "

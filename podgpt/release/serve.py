@@ -57,7 +57,6 @@ STOP_SECONDS = 3  # at SIGTERM or Ctrl-C, the time the running generation has to
 
 # --- a request: its parameters, its prompt, its stop strings, its completion and log-probabilities
 
-
 class RequestError(Exception):
     """A request refused: one line naming the problem and the fix; the field, status, headers."""
 
@@ -334,7 +333,6 @@ class ModelQueue:
 
 
 # --- the HTTP layer: uvicorn's connection with the bounds it lacks, the FastAPI app, the thread
-
 
 def log(client, message):
     """One write, so that threads' lines do not interleave; client: (host, port), None if gone."""

@@ -1,1 +1,1 @@
-"""The objectives beyond next-token prediction, each in its own file. Pretraining never imports them."""
+"""The objectives beyond next-token prediction, one file each. Pretraining never imports them."""
