@@ -42,11 +42,11 @@ class Schedule:
             if decay_start < 0 or step < decay_start:
                 return self.learning_rate
             start = self.learning_rate if decay_lr is None else decay_lr
-            return start + (self.min_lr - start) * min(
-                1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
+            return start + (self.min_lr - start) * min(1.0, (step - decay_start + 1)
+                                                       / max(1, horizon - decay_start))
         progress = min(1.0, (step - self.warmup_steps) / max(1, horizon - 1 - self.warmup_steps))
-        return self.min_lr + 0.5 * (self.learning_rate -
-                                    self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        return (self.min_lr
+                + 0.5 * (self.learning_rate - self.min_lr) * (1.0 + math.cos(math.pi * progress)))
 
     def check_warmup(self, max_steps):
         """Warn when warmup_steps is more than max_steps: the learning rate never peaks."""
@@ -95,8 +95,8 @@ class Budget:
         try:
             with open(self.budget_file) as f:
                 b = json.load(f)
-            spent, projected = float(b["spent_usd"]), float(
-                b.get("projected_total_usd", b["spent_usd"]))
+            spent = float(b["spent_usd"])
+            projected = float(b.get("projected_total_usd", b["spent_usd"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             warn(f"budget_file {self.budget_file} unreadable ({first_line(e)}); retrying in "
                  f"{self.check_minutes} min")

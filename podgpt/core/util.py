@@ -52,7 +52,7 @@ def run_main(main, argv):
     except Error as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = e.code
-    except KeyboardInterrupt:  # (train.py's second one): the way out's cleanup is done
+    except KeyboardInterrupt:  # Ctrl-C (train.py's second): the cleanup on the way out is done
         print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         code = 130  # the shell's status for a process ended by SIGINT
     exit_worker(code or 0)
@@ -179,7 +179,7 @@ OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),
              (re.compile(r".+\.tmp|\.write-test-\d+|" + re.escape(MARK)), "file"))
 
 
-# not filelock: it cannot lock only a file that exists, and its 3.x truncates the holder's record
+# not filelock: it always creates the file, and its 3.x empties it (the holder's record) each try
 def lock_file(path, create=False):
     """path, opened and flock'ed by this process alone (the OS drops it however the process ends);
     None when another process holds it, or (create=False) when there is no such file."""
@@ -226,8 +226,8 @@ def make_folders(path):
 def remove_empty(made):
     """Remove the folders make_folders made, as far as they are empty again."""
     for folder in made:
-        if not os.path.isdir(folder) or os.listdir(folder):  # gone or used: so are those above
-            return
+        if not os.path.isdir(folder) or os.listdir(folder):  # gone or in use: it and those above
+            return                                           # are not ours to remove
         remove(folder)
 
 
@@ -240,7 +240,7 @@ class Folder:
     def __init__(self, path, setting, legacy=()):
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
-        self.fd, self.made, self.marked = None, [], False  # locked mark, claim()'s folders and mark
+        self.fd, self.made, self.marked = None, [], False  # locked mark; what claim() made
 
     def __enter__(self):
         return self
