@@ -167,11 +167,8 @@ def check_apart(**folders):
 # -----------------------------------------------------------------------------
 # podgpt's own folders: one writer each, and deletes of only what podgpt made
 
-# in every folder a podgpt process writes whole (out_dir, data_dir): podgpt made it, and the OS's
-# lock on it says which process writes it now
-MARK = ".podgpt"
-# in every temporary folder podgpt makes: a folder is removed only when it holds one, so a user's
-# folder where podgpt wants its own is refused, never deleted
+MARK = ".podgpt"  # in each folder podgpt writes whole (out_dir, data_dir), locked by its writer
+# in each temporary folder podgpt makes: a folder without one (a user's) is refused, never deleted
 SCRATCH_MARK = "PODGPT_SCRATCH"
 # entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint
 # folder (or one being written), an atomic write's temporary file, a writability probe, the mark
@@ -232,10 +229,9 @@ def remove_empty(made):
 
 
 class Folder:
-    """A folder one podgpt process writes (an out_dir), held against every other by the OS's lock
-    on its MARK. hold() before reading what an earlier run left (it writes nothing); claim() before
-    the first write; release() at the end, which removes what claim() made if nothing else came.
-    The folder must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
+    """A folder one podgpt process writes, held by the OS's lock on its MARK: hold() before reading
+    what a run left (it writes nothing), claim() before the first write, release() at the end. It
+    must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
 
     def __init__(self, path, setting, legacy=()):
         self.path, self.setting, self.legacy = path, setting, legacy
