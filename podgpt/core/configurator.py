@@ -1,31 +1,15 @@
 """
-The one config mechanism of podgpt's scripts.
+The one config mechanism of podgpt's scripts. Each script declares its defaults as module-level
+assignments between `# --- config` and `# --- end config` (a key's comment on its line is its
+--help), and calls `configure(__file__, sys.argv[1:])`, which applies arguments left to right:
 
-Each script (train.py, prepare.py, sample.py, sanity.py) declares its defaults as
-plain module-level assignments between two marker lines:
+- a config file is Python run against the current values; it may set any podgpt script's keys
+  (one file describes a whole run), another script's are ignored here, an unknown one is an error;
+- `--key=val` must be this script's key; val is read with ast.literal_eval (else the raw string)
+  and checked against the default's type: an int passes for a float (nan and inf do not),
+  true/false for a bool, anything for a None default; `--flag` alone is `--flag=True`.
 
-    # --- config
-    out_dir = "out"        # where everything is written
-    max_steps = 1000       # optimizer steps
-    # --- end config
-
-and calls `config = configurator.configure(__file__, sys.argv[1:])`. Arguments are
-then applied left to right:
-
-    python train.py config/a100_50m.py --max_steps=500 --compile=False
-
-- a config file is Python executed against the current values; it may set keys of
-  any podgpt script (one file describes a whole run: data, model, training), keys
-  that belong to another script are ignored here, a key no script knows is an error;
-- `--key=val` must be a key of this script; val is parsed with ast.literal_eval
-  (falling back to the raw string) and checked against the default's type: an int
-  is accepted for a float (nan and inf are not), true/false for a bool, anything
-  for a None default;
-  `--flag` alone means `--flag=True` for a boolean key;
-- `--help` lists every key with its default and comment.
-
-Any mistake is a ConfigError: one line naming the problem and the fix, and exit status 2 (the
-script's top level prints it, util.run_main).
+Any mistake is a ConfigError: one line naming the problem and the fix, and exit status 2.
 """
 
 import ast
@@ -39,8 +23,9 @@ from podgpt.core.util import Error
 
 BEGIN, END = "# --- config", "# --- end config"
 SCRIPTS = ("train.py", "prepare.py", "sample.py", "sanity.py", "skills.py", "eval.py", "handoff.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # where the scripts are
-RESEARCH = os.path.join(ROOT, "podgpt", "research")  # an objective's keys: read from its file, never imported
+# where the scripts are; the research objectives' keys are read from their files, never imported
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RESEARCH = os.path.join(ROOT, "podgpt", "research")
 
 
 class ConfigError(Error):
@@ -61,8 +46,7 @@ class Config(dict):
 
 
 def block_defaults(path):
-    """{key: (default, comment)} for the assignments inside the config block of `path` (a script, or a research
-    objective's module)."""
+    """{key: (default, comment)} of the config block of `path` (a script or an objective)."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
     lines = source.splitlines()
@@ -83,8 +67,7 @@ def block_defaults(path):
 
 
 def research_modules():
-    """{objective: its module's path}: the objectives beyond next-token prediction, a module of podgpt/research/
-    each."""
+    """{objective: its module's path} of the objectives beyond next-token prediction."""
     return {f[:-3]: os.path.join(RESEARCH, f) for f in sorted(os.listdir(RESEARCH))
             if f.endswith(".py") and not f.startswith("_")}
 
@@ -95,8 +78,8 @@ def research_keys():
 
 
 def read_defaults(path):
-    """{key: (default, comment)} of a script: its config block, and when it chooses an objective (its `objective`
-    key), every research objective's keys after its own."""
+    """{key: (default, comment)} of a script: its config block, then, when it has an `objective`
+    key, every research objective's keys."""
     defaults = block_defaults(path)
     if "objective" in defaults:
         for module in research_modules().values():
@@ -105,9 +88,8 @@ def read_defaults(path):
 
 
 def shown(value):
-    """repr(value) for a message, and an int of more than 128 bits by its size: one of more than 4300 digits (a
-    config file's max_steps = 10**10000) has no repr in Python 3.11+, and asking would turn the message into a
-    traceback."""
+    """repr(value) for a message, a huge int by its size: one of over 4300 digits (max_steps =
+    10**10000) has no repr in Python 3.11+, and asking would turn the message into a traceback."""
     if is_int(value) and value.bit_length() > 128:
         return f"an integer of {value.bit_length():,} bits"
     try:
@@ -121,15 +103,14 @@ def is_int(value):
 
 
 def check_int(key, value):
-    """An int setting fits in 64 bits: torch, numpy and float arithmetic take no larger one and fail deep in a
-    run (max_steps = 10**10000 ended in an OverflowError once the data was open). A seed is one that every
-    seeding takes: np.random.seed, which train.py calls, takes [0, 2**32), torch.manual_seed more."""
+    """An int setting fits in 64 bits, or torch, numpy and floats fail on it deep in a run; a seed
+    fits np.random.seed (train.py's): [0, 2**32)."""
     if key == "seed" and not 0 <= value < 2**32:
-        raise ConfigError(f"seed is {shown(value)}, outside [0, 2**32), the seeds numpy takes: give a seed in that "
-                          "range")
+        raise ConfigError(f"seed is {shown(value)}, outside [0, 2**32), the seeds numpy takes: "
+                          "give a seed in that range")
     if not -2**63 <= value < 2**63:
-        raise ConfigError(f"{key} is {shown(value)}, which does not fit in 64 bits: give an integer in "
-                          "[-2**63, 2**63)")
+        raise ConfigError(f"{key} is {shown(value)}, which does not fit in 64 bits: give an "
+                          "integer in [-2**63, 2**63)")
     return value
 
 
@@ -155,8 +136,9 @@ def coerce(key, value, default):
             except OverflowError:  # an int past the largest float
                 raise ConfigError(f"{key} is {shown(value)}, past the largest float: give a number "
                                   f"(default {default!r})") from None
-            if not math.isfinite(number):  # float("nan") passes every "must be positive" check downstream
-                raise ConfigError(f"{key}={number} is not a finite number: give a number (default {default!r})")
+            if not math.isfinite(number):  # nan passes every "must be positive" check downstream
+                raise ConfigError(f"{key}={number} is not a finite number: give a number "
+                                  f"(default {default!r})")
             return number
     elif isinstance(value, kind):
         return value
@@ -170,12 +152,9 @@ def suggest(key, known):
 
 def foreign_keys(script_path):
     """Keys of the other podgpt scripts beside this one: a config file may set them."""
-    keys = set()
-    for name in SCRIPTS:
-        path = os.path.join(ROOT, name)
-        if os.path.exists(path) and os.path.abspath(path) != os.path.abspath(script_path):
-            keys |= set(read_defaults(path))
-    return keys
+    others = [p for p in (os.path.join(ROOT, name) for name in SCRIPTS)
+              if os.path.exists(p) and os.path.abspath(p) != os.path.abspath(script_path)]
+    return {key for path in others for key in read_defaults(path)}
 
 
 def apply_file(path, config, defaults, foreign):
@@ -193,7 +172,8 @@ def apply_file(path, config, defaults, foreign):
         if key in defaults:
             config[key] = coerce(key, value, defaults[key][0])
         elif key not in foreign:
-            raise ConfigError(f"{path} sets unknown key '{key}'{suggest(key, list(defaults) + sorted(foreign))}")
+            known = list(defaults) + sorted(foreign)
+            raise ConfigError(f"{path} sets unknown key '{key}'{suggest(key, known)}")
 
 
 def apply_arg(arg, config, defaults):
@@ -213,7 +193,8 @@ def apply_arg(arg, config, defaults):
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         if default is not None and not isinstance(default, bool):
-            raise ConfigError(f"malformed value for {key}: {text!r} (expected {type(default).__name__})")
+            raise ConfigError(f"malformed value for {key}: {text!r} "
+                              f"(expected {type(default).__name__})")
         value = text
     config[key] = coerce(key, value, default)
 
@@ -226,15 +207,13 @@ def help_text(prog, defaults):
 
 
 def changed(config, script_path):
-    """`key=value` for each key whose value is not the script's default: what a start prints, where the
-    whole config would be a screenful."""
+    """`key=value` of each key off the script's default: what a start prints (not a screenful)."""
     defaults = read_defaults(script_path)
     return " ".join(f"{k}={v}" for k, v in config.items() if v != defaults[k][0]) or "the defaults"
 
 
 def configure(script_path, argv):
-    """The resolved Config; ConfigError on any mistake (the script's top level prints it: util.run_main),
-    SystemExit(0) after --help."""
+    """The resolved Config; ConfigError on any mistake, SystemExit(0) after --help."""
     defaults = read_defaults(script_path)
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(os.path.basename(script_path), defaults))
@@ -245,7 +224,8 @@ def configure(script_path, argv):
         if arg.startswith("--"):
             apply_arg(arg, config, defaults)
         elif arg.startswith("-"):
-            raise ConfigError(f"cannot read argument {arg!r}: use --key=value or a config file path")
+            raise ConfigError(f"cannot read argument {arg!r}: use --key=value or a config file "
+                              "path")
         else:
             foreign = foreign_keys(script_path) if foreign is None else foreign
             apply_file(arg, config, defaults, foreign)
@@ -255,11 +235,11 @@ def configure(script_path, argv):
 
 
 def check_objective(config, defaults):
-    """The objective is "ar" or a module of podgpt/research/, and no other objective's key is set."""
+    """The objective is "ar" or a module of podgpt/research/; no other objective's key is set."""
     owners, names = research_keys(), ("ar", *research_modules())
     if config["objective"] not in names:
         raise ConfigError(f"objective={config['objective']!r} is not one of {', '.join(names)}")
     for key, owner in owners.items():
         if owner != config["objective"] and config[key] != defaults[key][0]:
-            raise ConfigError(f"{key}={shown(config[key])} is for objective={owner}: set objective={owner}, or "
-                              f"leave {key} out")
+            raise ConfigError(f"{key}={shown(config[key])} is for objective={owner}: "
+                              f"set objective={owner}, or leave {key} out")

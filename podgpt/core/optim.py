@@ -1,6 +1,6 @@
 """
-The optimizers train.py steps: AdamW over parameter groups that decay only the matrices, or (optimizer=muon)
-nanochat's split, Muon for the blocks' matrices and AdamW for the rest, stepped as one (MuonAdamW).
+The optimizers train.py steps: AdamW decaying only the matrices, or (optimizer=muon) nanochat's
+split, Muon for the blocks' matrices and AdamW for the rest, stepped as one (MuonAdamW).
 """
 import torch
 
@@ -8,34 +8,33 @@ from podgpt.core.util import fail
 
 
 def check_optimizer(cfg):
-    """Refuse an optimizer or learning rates that cannot work (train.py's keys), before anything is read or written."""
+    """Refuse an optimizer or learning rates that cannot work, before anything is read or saved."""
     if cfg.optimizer == "muon":
         if not hasattr(torch.optim, "Muon"):
-            fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U torch, or optimizer=adamw")
-        # Newton-Schulz multiplies whole matrices, which FSDP2 splits over the ranks: on its DTensor shards torch's
-        # Muon gets the update right only by all-gathering each matrix many times a step, where FSDP's own forward
-        # and backward gather it twice
+            fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U "
+                 "torch, or optimizer=adamw")
+        # Newton-Schulz multiplies whole matrices: on FSDP2's shards torch's Muon all-gathers each
+        # matrix many times a step, where FSDP's forward and backward gather it twice
         if cfg.dist_mode == "fsdp":
-            fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each whole matrix, which "
-                 "FSDP splits over the GPUs; use dist_mode=ddp, or optimizer=adamw")
+            fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each "
+                 "whole matrix, which FSDP splits over the GPUs; use dist_mode=ddp, or "
+                 "optimizer=adamw")
         for key in ("matrix_lr", "embedding_lr"):
             if cfg[key] <= 0:
                 fail(f"{key}={cfg[key]} must be positive")
         if not 0 <= cfg.muon_momentum < 1:
             fail(f"muon_momentum={cfg.muon_momentum} must be in [0, 1)")
     if cfg.min_lr > cfg.learning_rate:
-        fail(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}: the schedule decays from "
-             f"learning_rate to min_lr")
+        fail(f"min_lr={cfg.min_lr} is above learning_rate={cfg.learning_rate}: the schedule decays "
+             "from learning_rate to min_lr")
     if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1):
         fail(f"beta1={cfg.beta1}, beta2={cfg.beta2}: both must be in [0, 1)")
 
 
 class MuonAdamW:
-    """optimizer=muon's two optimizers stepped as one, as train.py's loop, GradScaler and checkpoint.py use an
-    optimizer: param_groups (Muon's, then AdamW's, each with its peak_lr), step, zero_grad, and a state_dict
-    holding both. A resume keeps this run's peaks, as it keeps learning_rate (train.py sets every lr from the
-    config), and takes the rest from the checkpoint as torch's load_state_dict does: momentum buffers, moments,
-    step counts, betas, momentum."""
+    """optimizer=muon's two optimizers as one: param_groups (Muon's, then AdamW's, each with its
+    peak_lr), step, zero_grad, state_dict. A resume keeps this run's peaks, as it keeps
+    learning_rate, and takes the rest (moments, steps, betas, momentum) from the checkpoint."""
 
     def __init__(self, muon, adamw):
         self.muon, self.adamw = muon, adamw
@@ -63,15 +62,13 @@ class MuonAdamW:
             g["peak_lr"] = peak
 
 
-def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02, embedding_lr=4e-3,
-                   momentum=0.95):
-    """AdamW over the model's parameters, decaying matrices only: norms (1-D) and the embedding table
-    (sparse rows, tied head) are left alone. fused: one kernel per step (CUDA).
-
-    kind="muon", nanochat's split: torch.optim.Muon (Nesterov, `momentum`) for the blocks' matrices at peak
-    matrix_lr, and that AdamW for the rest (embedding, untied head, norms) at peak embedding_lr: a MuonAdamW,
-    whose groups carry their peak_lr for train.py's schedule (the defaults are train.py's). Under ddp every
-    rank orthogonalizes every matrix, the same all-reduced gradients into the same update."""
+def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02,
+                   embedding_lr=4e-3, momentum=0.95):
+    """AdamW decaying matrices only: not norms (1-D) nor the embedding (sparse rows, tied head).
+    fused: one kernel per step (CUDA). kind="muon": torch.optim.Muon (Nesterov) for the blocks'
+    matrices at peak matrix_lr, that AdamW for the rest at peak embedding_lr, as a MuonAdamW whose
+    groups carry their peak_lr for train.py's schedule. Under ddp every rank orthogonalizes every
+    matrix: the same all-reduced gradients give the same update."""
     matrices, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
         if kind == "muon" and name.startswith("layers.") and p.dim() == 2:
@@ -79,12 +76,13 @@ def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw
         else:
             (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
     if kind == "adamw":
-        groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
+        groups = [dict(params=decay, weight_decay=weight_decay),
+                  dict(params=no_decay, weight_decay=0.0)]
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
-    # no weight decay on Muon's matrices, as in nanochat's Muon setup and Keller Jordan's: torch's Muon would decay
-    # by lr x weight_decay per step, at 0.02 some 70x what AdamW's decay does at 3e-4 with the same weight_decay
-    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr, momentum=momentum,
-                            weight_decay=0.0)
+    # no weight decay on Muon's matrices (nanochat's, Keller Jordan's): torch's decays by lr x wd a
+    # step, at 0.02 some 70x what AdamW's does at 3e-4 with the same weight_decay
+    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr,
+                            momentum=momentum, weight_decay=0.0)
     groups = [dict(params=decay, weight_decay=weight_decay, peak_lr=embedding_lr),
               dict(params=no_decay, weight_decay=0.0, peak_lr=embedding_lr)]
     return MuonAdamW(muon, torch.optim.AdamW(groups, lr=embedding_lr, betas=betas, fused=fused))

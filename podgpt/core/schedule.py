@@ -42,15 +42,14 @@ class Schedule:
             if decay_start < 0 or step < decay_start:
                 return self.learning_rate
             start = self.learning_rate if decay_lr is None else decay_lr
-            return start + (self.min_lr - start) * min(
-                1.0, (step - decay_start + 1) / max(1, horizon - decay_start))
+            return start + (self.min_lr - start) * min(1.0, (step - decay_start + 1)
+                                                       / max(1, horizon - decay_start))
         progress = min(1.0, (step - self.warmup_steps) / max(1, horizon - 1 - self.warmup_steps))
-        return self.min_lr + 0.5 * (self.learning_rate -
-                                    self.min_lr) * (1.0 + math.cos(math.pi * progress))
+        return (self.min_lr
+                + 0.5 * (self.learning_rate - self.min_lr) * (1.0 + math.cos(math.pi * progress)))
 
     def check_warmup(self, max_steps):
-        """Warn when warmup_steps is more than max_steps: the learning rate never reaches its
-        peak."""
+        """Warn when warmup_steps is more than max_steps: the learning rate never peaks."""
         if self.warmup_steps > max_steps:
             warn(f"warmup_steps={self.warmup_steps} is more than max_steps={max_steps}: the "
                  f"learning rate stops at {self.lr(max_steps - 1, max_steps):.3g}, short of "
@@ -85,8 +84,7 @@ class Budget:
         return left
 
     def crossed(self, elapsed, cost_usd, reserve, usd_per_s):
-        """The limit, max_hours or budget_usd, the run would cross within `reserve` seconds;
-        None."""
+        """The limit (max_hours, budget_usd) the run would cross within `reserve` s, or None."""
         left = self.seconds_left(elapsed, cost_usd, reserve, usd_per_s)
         return next((limit for limit, s in left.items() if s < 0), None)
 
@@ -97,8 +95,8 @@ class Budget:
         try:
             with open(self.budget_file) as f:
                 b = json.load(f)
-            spent, projected = float(b["spent_usd"]), float(
-                b.get("projected_total_usd", b["spent_usd"]))
+            spent = float(b["spent_usd"])
+            projected = float(b.get("projected_total_usd", b["spent_usd"]))
         except (OSError, ValueError, KeyError, TypeError) as e:
             warn(f"budget_file {self.budget_file} unreadable ({first_line(e)}); retrying in "
                  f"{self.check_minutes} min")
@@ -128,10 +126,10 @@ def fit_horizon(max_steps, budget, step_s, usd_per_s, spent_s=0.0, spent_usd=0.0
 
 def decay_horizon(schedule, budget, st, pace, reserve, usd_per_s):
     """wsd: the horizon to decay to from the next step on, when the decay should start (or, already
-    decaying, end sooner) now; 0 otherwise. st: the loop's state; pace: (steps done, elapsed) at the
-    ends of the recent steps. The decay starts decay_frac of the horizon before its end, or sooner
-    when the time or money left pays for no more than the decay at that pace (saves, evaluations and
-    all); a decay the money can no longer finish ends sooner, from where it has come."""
+    decaying, end sooner) now; else 0. st: the loop's state; pace: (steps done, elapsed) at the ends
+    of recent steps. The decay starts decay_frac of the horizon before its end, or sooner when what
+    is left pays for no more than the decay at that pace (saves, evaluations and all); a decay the
+    money can no longer finish ends sooner, from where it has come."""
     if schedule.kind != "wsd" or st.step + 1 < schedule.warmup_steps or len(pace) < 2:
         return 0
     decay = max(1, round(schedule.decay_frac * st.horizon))

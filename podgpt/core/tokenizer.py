@@ -1,13 +1,9 @@
 """
-The tokenizers every script loads: byte (the 256 UTF-8 bytes), char (the corpus' characters), gpt2
-(tiktoken's GPT-2 BPE) and bpe:N (trained on the training documents with rustbpe, run with tiktoken).
-BOS is the base vocabulary's last id; every document is stored as [BOS] + tokens. A chat tokenizer (SFT)
-appends CHAT_TOKENS after it, so a base checkpoint's ids keep their meaning; chat_row and chat_prompt lay out
-a conversation with them.
-
-prepare.py trains one and saves it into data_dir as tokenizer.json (kind, vocab_size, bos_id, and the
-chars or the BPE pattern and special tokens; chat_tokens when it has them) plus, for gpt2 and bpe:N,
-tokenizer.tiktoken (the ranks, "base64 rank" lines); load_tokenizer reads them back, without the network.
+The tokenizers: byte (the 256 UTF-8 bytes), char (the corpus' characters), gpt2 (tiktoken's GPT-2
+BPE) and bpe:N (trained with rustbpe, run with tiktoken). BOS is the base vocabulary's last id; a
+document is stored as [BOS] + tokens. A chat tokenizer (SFT) appends CHAT_TOKENS after BOS, so a
+base checkpoint's ids keep their meaning. prepare.py saves one into data_dir as tokenizer.json plus,
+for gpt2 and bpe:N, tokenizer.tiktoken ("base64 rank" lines); load_tokenizer needs no network.
 """
 
 import base64
@@ -19,17 +15,16 @@ import numpy as np
 from podgpt.core.util import fail, first_line
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
-SEGMENT = "\x1e"  # between a document's segments, from the reader to the tokenizer (ASCII's record separator)
-CHAT_TOKENS = ("<|user|>", "<|assistant|>", "<|end|>")  # ids V, V+1, V+2 after a base vocabulary of V
-# bpe:N's split of text into pieces, which merges never cross (rustbpe's default, GPT-4's): known before training
-BPE_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
-               r"|\s+(?!\S)|\s+")
+SEGMENT = "\x1e"  # between a document's segments, reader to tokenizer (ASCII's record separator)
+CHAT_TOKENS = ("<|user|>", "<|assistant|>", "<|end|>")  # ids V, V+1, V+2 after a base vocabulary V
+# bpe:N's split of text into pieces, which merges never cross (rustbpe's default, GPT-4's)
+BPE_PATTERN = (r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}"
+               r"| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+")
 
 
 class Tokenizer:
-    """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index
-    `chars`; "tiktoken": a BPE encoding (gpt2, bpe:N). bos_id is the base vocabulary's last id; `chat`
-    ({name: id}, the CHAT_TOKENS after it) is empty for a base tokenizer."""
+    """Text <-> token ids. kind "byte": ids 0-255 are the UTF-8 bytes; "char": ids index `chars`;
+    "tiktoken": gpt2 or bpe:N. `chat` ({name: id} of CHAT_TOKENS) is empty for a base tokenizer."""
 
     def __init__(self, spec, kind, vocab_size, bos_id, chars=None, enc=None, chat=None):
         self.spec, self.kind, self.vocab_size, self.bos_id = spec, kind, vocab_size, bos_id
@@ -37,19 +32,20 @@ class Tokenizer:
         self.char_ids = {c: i for i, c in enumerate(chars or ())}
 
     def encode(self, text):
-        """Token ids of text, without BOS; text like "<|endoftext|>" is plain text, not a special token."""
+        """Token ids of text, without BOS; "<|endoftext|>" and the like are plain text."""
         if self.kind == "byte":
             return list(text.encode("utf-8"))
         if self.kind == "char":
             try:
                 return [self.char_ids[c] for c in text]
             except KeyError as e:
-                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char tokenizer") from None
+                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char "
+                                 "tokenizer") from None
         return self.enc.encode_ordinary(text)
 
     def encode_array(self, text):
-        """encode's ids as a numpy array (uint32, byte's uint8): tiktoken writes them into it straight, with no
-        Python list made and copied (prepare.py's workers)."""
+        """encode's ids as a numpy array (uint32, byte's uint8), which tiktoken fills with no Python
+        list made and copied (prepare.py's workers)."""
         if self.kind == "byte":
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         if self.kind == "char":
@@ -92,8 +88,8 @@ def parse_spec(spec):
 
 
 def read_ranks(path):
-    """{token bytes: rank} from a tiktoken ranks file (lines "base64 rank"). Not tiktoken's
-    load_tiktoken_bpe: it caches files by path, so a rebuilt file at the same path would load stale."""
+    """{token bytes: rank} from a tiktoken ranks file. Not tiktoken's load_tiktoken_bpe: it caches
+    by path, so a rebuilt file at the same path would load stale."""
     ranks = {}
     with open(path, "rb") as f:
         for line in f:
@@ -110,7 +106,7 @@ def write_ranks(path, ranks):
 
 
 def gpt2_ranks():
-    """GPT-2's BPE ranks, from the file $PODGPT_GPT2_TIKTOKEN names (offline) or through tiktoken."""
+    """GPT-2's BPE ranks, from the file $PODGPT_GPT2_TIKTOKEN (offline) or through tiktoken."""
     path = os.environ.get("PODGPT_GPT2_TIKTOKEN")
     if path:
         if not os.path.isfile(path):
@@ -122,7 +118,8 @@ def gpt2_ranks():
             enc = tiktoken.get_encoding("gpt2")  # downloads once, then tiktoken's cache
         except Exception as e:  # network errors come in many types
             fail(f"cannot load the gpt2 tokenizer ({type(e).__name__}): offline? set "
-                 "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) or use bpe:N")
+                 "PODGPT_GPT2_TIKTOKEN to a gpt2.tiktoken file (openai-whisper ships one) "
+                 "or use bpe:N")
         ranks = {enc.decode_single_token_bytes(i): i for i in range(GPT2_RANKS)}
     if sorted(ranks.values()) != list(range(GPT2_RANKS)):
         fail(f"{path or 'tiktoken gpt2'}: expected GPT-2's {GPT2_RANKS} ranks, found {len(ranks)}")
@@ -130,8 +127,8 @@ def gpt2_ranks():
 
 
 def train_tokenizer(spec, texts, bpe_texts):
-    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. texts() streams every document's text (char:
-    validation's too, so that all of them encode); bpe_texts() the texts bpe:N trains on."""
+    """tokenizer.json's fields and, for tiktoken kinds, the BPE ranks. texts() streams every
+    document's text (char: validation's too, so all of it encodes); bpe_texts() bpe:N's."""
     kind, n = parse_spec(spec)
     if kind == "byte":
         return {"kind": "byte", "vocab_size": 257}, None
@@ -141,22 +138,21 @@ def train_tokenizer(spec, texts, bpe_texts):
             chars.update(text.replace(SEGMENT, ""))
         return {"kind": "char", "vocab_size": len(chars) + 1, "chars": sorted(chars)}, None
     if kind == "gpt2":
-        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern, as tiktoken has it
+        from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's split pattern
         ranks, pattern, bos = gpt2_ranks(), r50k_pat_str, "<|endoftext|>"
     else:
         import rustbpe
         bpe = rustbpe.Tokenizer()
-        # deterministic: merges are ranked by count, ties broken by the pair's ids (checked
-        # across runs, thread counts and hash seeds). A small corpus may give fewer merges.
+        # deterministic: merges ranked by count, ties by the pair's ids (a small corpus: fewer)
         bpe.train_from_iterator(bpe_texts(), n - 1, pattern=BPE_PATTERN)
         ranks = {bytes(token): rank for token, rank in bpe.get_mergeable_ranks()}
         pattern, bos = BPE_PATTERN, "<|bos|>"
-    meta = {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern, "special_tokens": {bos: len(ranks)}}
-    return meta, ranks
+    return {"kind": "tiktoken", "vocab_size": len(ranks) + 1, "pattern": pattern,
+            "special_tokens": {bos: len(ranks)}}, ranks
 
 
 def with_chat_tokens(meta):
-    """tokenizer.json's fields with CHAT_TOKENS appended after every id (BOS stays the base's last id)."""
+    """tokenizer.json's fields with CHAT_TOKENS after every id (BOS stays the base's last id)."""
     if "chat_tokens" in meta:
         return meta
     v = meta["vocab_size"]
@@ -165,18 +161,17 @@ def with_chat_tokens(meta):
 
 
 def chat_tokenizer(base):
-    """(tokenizer.json's fields with the chat tokens, the ranks or None) of the tokenizer saved in folder `base`
-    (a data_dir or a checkpoint folder), for SFT data whose ids mean what they meant to the base model."""
-    path = os.path.join(base, "tokenizer.json")
+    """(tokenizer.json's fields with the chat tokens, the ranks or None) of the tokenizer in `base`
+    (a data_dir or checkpoint), for SFT data whose ids mean what they meant to the base model."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(base, "tokenizer.json"), encoding="utf-8") as f:
             meta = json.load(f)
         load_tokenizer(base)  # its files are whole
     except (OSError, ValueError, KeyError) as e:
-        fail(f"chat_base={base}: no tokenizer there that loads ({first_line(e)}): name the base model's data_dir "
-             "or checkpoint folder")
-    ranks = read_ranks(os.path.join(base, "tokenizer.tiktoken")) if meta["kind"] == "tiktoken" else None
-    return with_chat_tokens(meta), ranks
+        fail(f"chat_base={base}: no tokenizer there that loads ({first_line(e)}): name the base "
+             "model's data_dir or checkpoint folder")
+    ranks_file = os.path.join(base, "tokenizer.tiktoken")
+    return with_chat_tokens(meta), read_ranks(ranks_file) if meta["kind"] == "tiktoken" else None
 
 
 def save_tokenizer(out_dir, spec, meta, ranks):
@@ -192,37 +187,40 @@ def save_tokenizer(out_dir, spec, meta, ranks):
 
 
 def load_tokenizer(data_dir):
-    """The Tokenizer saved in data_dir (tokenizer.json + tokenizer.tiktoken); never needs the network."""
+    """The Tokenizer saved in data_dir; never needs the network."""
     path = os.path.join(data_dir, "tokenizer.json")
     if not os.path.isfile(path):
-        raise ValueError(f"no tokenizer.json in {data_dir}: run python prepare.py --data_dir={data_dir}")
+        raise ValueError(f"no tokenizer.json in {data_dir}: run python prepare.py "
+                         f"--data_dir={data_dir}")
     with open(path, encoding="utf-8") as f:
         meta = json.load(f)
     enc = None
     if meta["kind"] == "tiktoken":
         import tiktoken
         ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
-        n_ranks = meta["vocab_size"] - len(meta["special_tokens"]) - len(meta.get("chat_tokens", ()))
+        specials = len(meta["special_tokens"]) + len(meta.get("chat_tokens", ()))
+        n_ranks = meta["vocab_size"] - specials
         ranks = read_ranks(ranks_file)
-        # checked here: tiktoken aborts on ranks that repeat (a file cut mid-line) with an exception that is not an
-        # Exception (pyo3's PanicException), and takes ranks that stop short (a file cut at a line's end)
+        # tiktoken aborts on repeated ranks (a file cut mid-line) with pyo3's PanicException, not an
+        # Exception, and takes ranks that stop short (a file cut at a line's end)
         if sorted(ranks.values()) != list(range(n_ranks)):
             raise ValueError(f"{ranks_file} does not hold the ranks 0..{n_ranks - 1} of vocab_size "
                              f"{meta['vocab_size']} (a damaged or truncated file)")
-        enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"], special_tokens=meta["special_tokens"],
-                                mergeable_ranks=ranks)
-    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"], meta.get("chars"), enc,
-                     meta.get("chat_tokens"))
+        enc = tiktoken.Encoding(name=meta["spec"], pat_str=meta["pattern"],
+                                special_tokens=meta["special_tokens"], mergeable_ranks=ranks)
+    return Tokenizer(meta["spec"], meta["kind"], meta["vocab_size"], meta["bos_id"],
+                     meta.get("chars"), enc, meta.get("chat_tokens"))
 
 
 def check_tokenizer_loads(data_dir, manifest):
-    """Stop with one line unless data_dir's tokenizer files load, as sample.py will load a checkpoint's copy of
-    them, and decode every id of the manifest's vocabulary."""
+    """Stop with one line unless data_dir's tokenizer files load (as sample.py will a checkpoint's
+    copy) and decode every id of the manifest's vocabulary."""
     try:
         load_tokenizer(data_dir).decode_bytes(np.arange(manifest["vocab_size"]))
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not load "
-             f"({first_line(e)}): the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force")
+        fail(f"the tokenizer files of {data_dir} ({', '.join(manifest['tokenizer_files'])}) do not "
+             f"load ({first_line(e)}): the data is damaged; rebuild it with python prepare.py "
+             f"--data_dir={data_dir} --force")
 
 
 def chat_ids(tok):
@@ -236,18 +234,19 @@ def chat_ids(tok):
 def chat_prompt(tok, prompt):
     """A generation prompt: BOS <|user|> prompt <|end|> <|assistant|>."""
     ids = chat_ids(tok)
-    return [tok.bos_id, ids["<|user|>"]] + tok.encode(prompt) + [ids["<|end|>"], ids["<|assistant|>"]]
+    head, tail = [tok.bos_id, ids["<|user|>"]], [ids["<|end|>"], ids["<|assistant|>"]]
+    return head + tok.encode(prompt) + tail
 
 
 def chat_row(tok, prompt, reply):
-    """(ids, loss mask) of a training row: the chat prompt, then reply <|end|>, which alone carry the loss."""
+    """(ids, loss mask) of a training row: the chat prompt, then reply <|end|>, the loss's alone."""
     head = chat_prompt(tok, prompt)
     tail = tok.encode(reply) + [chat_ids(tok)["<|end|>"]]
     return head + tail, [0] * len(head) + [1] * len(tail)
 
 
 def reply_text(row):
-    """The assistant's reply to a skills-pack row: the answer, after the scratchpad's worked steps if it has them."""
+    """The assistant's reply to a skills-pack row: the answer, after its scratchpad if any."""
     if row["answer_style"] == "direct":
         return row["answer"]
     if row["answer_style"] == "scratchpad":

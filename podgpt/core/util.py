@@ -1,11 +1,8 @@
 """
 What every podgpt script shares below the model: the one error type and exit, atomic writes,
-dtype names, peak memory, and the one device and process-group setup (train.py, sanity.py,
-sample.py and its server, export.py, prepare.py, bench/).
-
-The device a process runs on is always an indexed one: cuda:LOCAL_RANK under torchrun, cuda:0
-otherwise, or the CPU. device=cpu means the CPU all the way down, also on a machine with GPUs:
-gloo for the process group, a CPU mesh for FSDP, and no call into CUDA at all.
+podgpt's own folders (one writer each), dtype names, and the one device and process-group setup.
+The device is cuda:LOCAL_RANK under torchrun, cuda:0 otherwise, or the CPU; device=cpu means the
+CPU all the way down, also on a machine with GPUs (gloo, a CPU mesh for FSDP, no call into CUDA).
 """
 
 import errno
@@ -22,25 +19,21 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import timedelta
 from types import SimpleNamespace
 
-
-# torch is imported inside the functions that use it: configurator.py and report.py import util for the
-# error type and atomic writes and stay quick to start without it (run.sh reads out_dir through configurator.py
-# at every start)
+# torch is imported inside the functions that use it: configurator.py and report.py import util and
+# stay quick to start without it (run.sh reads out_dir through configurator.py at every start)
 DEVICES = "auto, cpu, cuda, cuda:N"
-# CUDA's caching allocator grows segments in place instead of leaving a freed block of the wrong size idle; read
-# once, at the first CUDA call
+# CUDA's allocator grows segments in place rather than leave a freed block of the wrong size idle
 ALLOC_CONF = "expandable_segments:True"
-IGNORE = -100  # the target of a token the loss skips (SFT's prompt tokens): F.cross_entropy's default ignore_index
+IGNORE = -100  # a target the loss skips (SFT's prompt tokens): F.cross_entropy's ignore_index
 
 
 class Error(Exception):
-    """podgpt's own error: one line that names the problem and the fix, and the exit status it
-    ends the script with. A script's top level (run_main) prints it; only a script that carries on
-    past one catches it (sanity.py reports a device it cannot have as a failed check)."""
+    """One line naming the problem and the fix, and the script's exit status: run_main prints it;
+    only a script that carries on past one catches it (sanity.py)."""
 
     def __init__(self, message, code=1):
         super().__init__(message)
@@ -48,29 +41,27 @@ class Error(Exception):
 
 
 def fail(message, code=1):
-    """Stop with one line that names the problem and the fix."""
     raise Error(message, code)
 
 
 def run_main(main, argv):
-    """A script's top level: run main(argv), print podgpt's Error (or a Ctrl-C) as one line, exit with
-    main's status (None: 0), the error's, or 130 after Ctrl-C."""
+    """A script's top level: exit with main(argv)'s status (None: 0), an Error's after its one
+    line, or 130 after Ctrl-C."""
     try:
         code = main(argv)
     except Error as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         code = e.code
-    except KeyboardInterrupt:  # Ctrl-C (a second one, for train.py): what was cleaned up on the way out is done
+    except KeyboardInterrupt:  # Ctrl-C (train.py's second): the cleanup on the way out is done
         print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
         code = 130  # the shell's status for a process ended by SIGINT
     exit_worker(code or 0)
 
 
 class CutShortThread(threading.Thread):
-    """A daemon thread running work() that an exit may cut short (checkpoint.py's background save: a save cut
-    short is never taken for a checkpoint). While work() runs, exit_worker skips the interpreter's teardown:
-    a daemon thread still inside torch's C++ code when the interpreter ends aborts the process. `busy` is
-    the thread's own flag because is_alive() turns False when a Ctrl-C interrupts a join() (CPython < 3.13)."""
+    """A daemon thread running work() (checkpoint.py's background save): while it runs, exit_worker
+    skips the teardown that aborts on a daemon thread inside torch's C++ code. `busy`, not
+    is_alive(): that turns False when a Ctrl-C interrupts a join() (CPython < 3.13)."""
 
     def __init__(self, name):
         super().__init__(name=name, daemon=True)
@@ -84,11 +75,9 @@ class CutShortThread(threading.Thread):
 
 
 def exit_worker(code):
-    """Exit with `code`. A torchrun worker, and a process whose background save is still writing (a second
-    Ctrl-C, an error), skip the interpreter's teardown: destroying the process group's leftover C++ threads
-    there, or ending a thread inside torch.save, aborts the process ("terminate called without an active
-    exception"), which torchrun reports as a failed job. Output is flushed first; the files podgpt appends
-    to are flushed line by line."""
+    """Exit with `code`, output flushed. A torchrun worker, or a process still saving, skips the
+    interpreter's teardown: it aborts on torch's C++ threads ("terminate called without an active
+    exception"), which torchrun reports as a failed job."""
     sys.stdout.flush()
     sys.stderr.flush()
     if "RANK" in os.environ or any(getattr(t, "busy", False) for t in threading.enumerate()):
@@ -97,13 +86,13 @@ def exit_worker(code):
 
 
 def first_line(e):
-    """An exception as one line, for messages that must stay one line ."""
+    """An exception as one line, for messages that must stay one line."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def is_master():
-    """Rank 0 of a torchrun job, or a process on its own: the one that prints and writes the run's files."""
+    """Rank 0 of a torchrun job, or a process on its own: the one that prints and writes files."""
     return int(os.environ.get("RANK", 0)) == 0
 
 
@@ -118,8 +107,7 @@ def warn(message):
 
 
 def format_bytes(n):
-    """A size in the unit that shows it: 340.0 kB, 1.6 MB, 12.4 GB (in GB alone, a small run's checkpoints and any
-    free space under 50 MB read 0.0)."""
+    """A size in the unit that shows it: 340.0 kB, 1.6 MB, 12.4 GB."""
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
@@ -127,7 +115,7 @@ def format_bytes(n):
 
 
 def percent(x):
-    """A fraction as a percentage with one decimal; "-" for None (eval.py's and honesty.py's tables)."""
+    """A fraction as a percentage with one decimal; "-" for None."""
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
@@ -137,8 +125,7 @@ def format_seconds(s):
 
 
 def write_atomic(path, text):
-    """Whole file or none: a reader (or a crash) never sees half a report, and a write the disk refuses
-    leaves no temporary file behind."""
+    """Whole file or none (a reader or a crash never sees half); a refused write leaves no .tmp."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8", newline="") as f:
@@ -155,45 +142,44 @@ def write_json(path, obj):
 
 
 def disk_full(e):
-    """Whether an OSError says the disk is full: no space, the user's quota, or the file-size limit (ulimit -f)."""
+    """Whether an OSError says the disk is full: no space, quota, or file-size limit (ulimit -f)."""
     return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-MAKE_ROOM = "free disk space (or raise the quota or file-size limit), then run the same command again"
+MAKE_ROOM = ("free disk space (or raise the quota or file-size limit), then run the same command "
+             "again")
 
 
 def check_apart(**folders):
-    """Stop with one line when two of the named folders (key: the setting's name) are the same folder
-    or one lies inside the other: one script's files would land among, and over, the other's (a run's
-    report over the data's manifest.json, a rebuild of the data over a run). Call it before writing."""
+    """Stop with one line when two of the named folders (key: the setting) are one or nested: one
+    script's files would land among, and over, the other's. Call it before writing."""
     real = {name: os.path.realpath(path) for name, path in folders.items()}
     for (a, pa), (b, pb) in itertools.combinations(real.items(), 2):
         if pa == pb:
-            fail(f"{a}={folders[a]} and {b}={folders[b]} are the same folder: give each its own folder, side by side")
+            fail(f"{a}={folders[a]} and {b}={folders[b]} are the same folder: give each its own "
+                 "folder, side by side")
         if os.path.commonpath([pa, pb]) in (pa, pb):
             (inner, outer) = (a, b) if len(pa) > len(pb) else (b, a)
-            fail(f"{inner}={folders[inner]} lies inside {outer}={folders[outer]}: give each its own folder, "
-                 "side by side")
+            fail(f"{inner}={folders[inner]} lies inside {outer}={folders[outer]}: give each its "
+                 "own folder, side by side")
 
 
 # -----------------------------------------------------------------------------
 # podgpt's own folders: one writer each, and deletes of only what podgpt made
 
-MARK = ".podgpt"  # in every folder a podgpt process writes whole (out_dir, data_dir): podgpt made it, and the OS's
-                  # lock on this file says which process writes it now
-# the file inside every temporary folder podgpt makes: a folder is removed only when it holds one, so a
-# user's folder that happens to sit where podgpt wants its own is refused, never deleted
+MARK = ".podgpt"  # in each folder podgpt writes whole (out_dir, data_dir), locked by its writer
+# in each temporary folder podgpt makes: a folder without one (a user's) is refused, never deleted
 SCRATCH_MARK = "PODGPT_SCRATCH"
-# entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint folder (or one
-# being written), an atomic write's temporary file, a writability probe, the mark
+# entries podgpt names as its own inside its folders, and the kind each must be: a checkpoint
+# folder (or one being written), an atomic write's temporary file, a writability probe, the mark
 OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),
              (re.compile(r".+\.tmp|\.write-test-\d+|" + re.escape(MARK)), "file"))
 
 
+# not filelock: it always creates the file, and its 3.x empties it (the holder's record) each try
 def lock_file(path, create=False):
-    """path, opened and locked by this process alone (flock: the OS drops it when the process ends, however it
-    ends, so a killed process never leaves a stale lock); None when another process holds it, or (create=False)
-    when there is no such file."""
+    """path, opened and flock'ed by this process alone (the OS drops it however the process ends);
+    None when another process holds it, or (create=False) when there is no such file."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
@@ -206,11 +192,9 @@ def lock_file(path, create=False):
         except BlockingIOError:
             os.close(fd)
             return None
-        try:  # the holder before may have removed the file (and another made it anew) between the open and the lock
+        with suppress(FileNotFoundError):  # its last holder may have removed it (another remade it)
             if os.stat(path).st_ino == os.fstat(fd).st_ino:
                 return fd
-        except FileNotFoundError:
-            pass
         os.close(fd)
         if not create:
             return None
@@ -239,22 +223,20 @@ def make_folders(path):
 def remove_empty(made):
     """Remove the folders make_folders made, as far as they are empty again."""
     for folder in made:
-        if not os.path.isdir(folder) or os.listdir(folder):  # gone, or something is in it now: not ours to remove,
-            return                                           # nor are the folders around it
+        if not os.path.isdir(folder) or os.listdir(folder):  # gone or in use: it and those above
+            return                                           # are not ours to remove
         remove(folder)
 
 
 class Folder:
-    """A folder one podgpt process writes (an out_dir), held against every other podgpt process by the OS's
-    lock on its MARK file. hold() before reading what an earlier run left there (it writes nothing, so a run
-    refused after it leaves the folder as it was); claim() before the first write; release() at the end, which
-    also removes what claim() made when nothing else was written there. The folder must be empty or podgpt's:
-    its mark, or `legacy`, entries that show an earlier podgpt made it before there was a mark."""
+    """A folder one podgpt process writes, held by the OS's lock on its MARK: hold() before reading
+    what a run left (it writes nothing), claim() before the first write, release() at the end. It
+    must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
 
     def __init__(self, path, setting, legacy=()):
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
-        self.fd, self.made, self.marked = None, [], False  # the locked mark; the folders claim() created; its mark
+        self.fd, self.made, self.marked = None, [], False  # locked mark; what claim() made
 
     def __enter__(self):
         return self
@@ -263,8 +245,13 @@ class Folder:
         self.release()
 
     def busy(self):
-        fail(f"{self.setting} {self.path} is being written by another podgpt process ({holder(self.mark)}): "
-             f"wait for it to end (or stop it), or choose another {self.setting}")
+        fail(f"{self.setting} {self.path} is being written by another podgpt process "
+             f"({holder(self.mark)}): wait for it to end (or stop it), or choose another "
+             f"{self.setting}")
+
+    def unwritable(self, what, e):
+        fail(f"{what} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
 
     def hold(self):
         if os.path.isfile(self.mark):
@@ -274,8 +261,9 @@ class Folder:
         if self.fd is None and os.path.isdir(self.path):
             theirs = sorted(n for n in os.listdir(self.path) if n != MARK)
             if theirs and not any(os.path.exists(os.path.join(self.path, p)) for p in self.legacy):
-                fail(f"{self.setting} {self.path} holds files podgpt did not write ({', '.join(theirs[:3])}"
-                     f"{', ...' if len(theirs) > 3 else ''}): give a new or empty folder, or a podgpt run's own")
+                fail(f"{self.setting} {self.path} holds files podgpt did not write "
+                     f"({', '.join(theirs[:3])}{', ...' if len(theirs) > 3 else ''}): "
+                     "give a new or empty folder, or a podgpt run's own")
         return self
 
     def claim(self):
@@ -288,20 +276,19 @@ class Folder:
                 self.marked = not os.path.exists(self.mark)
                 self.fd = lock_file(self.mark, create=True)
             except OSError as e:
-                fail(f"{self.setting} {self.path} is not writable ({first_line(e)}): "
-                     + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
+                self.unwritable(f"{self.setting} {self.path} is not writable", e)
             if self.fd is None:
                 self.busy()
         try:
+            record = dict(podgpt=self.setting, writer=writer_record())
             os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, json.dumps(dict(podgpt=self.setting, writer=writer_record())).encode() + b"\n", 0)
+            os.pwrite(self.fd, json.dumps(record).encode() + b"\n", 0)
         except OSError as e:
-            fail(f"cannot write {self.mark} ({first_line(e)}): "
-                 + (MAKE_ROOM if disk_full(e) else f"choose another {self.setting}"))
+            self.unwritable(f"cannot write {self.mark}", e)
         return self
 
     def release(self):
-        """Unlock; what claim() made goes if nothing else was written into it (a run refused before its first step)."""
+        """Unlock; what claim() made goes if nothing else was written there (a run refused)."""
         if self.fd is None:
             return
         if self.marked and os.listdir(self.path) == [MARK]:
@@ -313,7 +300,8 @@ class Folder:
 
 def writer_record():
     """Who this process is, for the mark of a folder it holds."""
-    return dict(pid=os.getpid(), host=socket.gethostname(), command=" ".join([sys.executable, *sys.argv]),
+    return dict(pid=os.getpid(), host=socket.gethostname(),
+                command=" ".join([sys.executable, *sys.argv]),
                 since=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
 
@@ -326,9 +314,8 @@ scratch_locks = {}  # the real path of each scratch folder's mark this process m
 
 
 def files_under(path):
-    """Every file under the folder path (a link as a file, never followed; an empty folder as "name/"), as paths
-    relative to it, '/'-separated, sorted: what an export or a bundle records as its own, and what a later one checks
-    before replacing it. OSError when a folder in it cannot be read."""
+    """Every file under folder path, relative, '/'-separated, sorted (a link as a file, an empty
+    folder as "name/"): what an export or a bundle records as its own. OSError when unreadable."""
     found = []
 
     def unreadable(e):
@@ -344,24 +331,27 @@ def files_under(path):
 
 
 def remove(path):
-    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process holds, or an entry
-    named as podgpt names its own and of the kind that name is (OWN_NAMES; never a link). Every delete podgpt makes
-    goes through here; anything else stays, with one line."""
-    name, is_dir = os.path.basename(path), os.path.isdir(path) and not os.path.islink(path)
+    """Delete `path`, which podgpt made: a folder holding one of its marks that no other process
+    holds, or an entry named as podgpt names its own and of that name's kind (OWN_NAMES; never a
+    link). Every delete podgpt makes goes through here; anything else stays, with one line."""
+    is_dir = os.path.isdir(path) and not os.path.islink(path)
     if is_dir and not os.listdir(path):  # an empty folder: nothing in it to lose
         os.rmdir(path)
         return
-    kind = "folder" if is_dir else "file" if os.path.isfile(path) and not os.path.islink(path) else None
+    is_file = os.path.isfile(path) and not os.path.islink(path)
+    kind = "folder" if is_dir else "file" if is_file else None
     mark = marked(path) if is_dir else None
     fd = None
     if mark:  # held by a live podgpt process: its own to delete, not ours
         mark = os.path.join(path, mark)
         fd = scratch_locks.pop(os.path.realpath(mark), None)
         if fd is None and (fd := lock_file(mark)) is None and os.path.isfile(mark):
-            fail(f"{path} is in use by another podgpt process ({holder(mark)}): wait for it to end, or stop it")
-    elif not any(pattern.fullmatch(name) and kind == want for pattern, want in OWN_NAMES):
+            fail(f"{path} is in use by another podgpt process ({holder(mark)}): wait for it to "
+                 "end, or stop it")
+    elif not any(p.fullmatch(os.path.basename(path)) and kind == want for p, want in OWN_NAMES):
         fail(f"{path} is in podgpt's way and podgpt did not make it"
-             + (f" (it holds no {SCRATCH_MARK} file)" if is_dir else "") + ": move or rename it, then rerun")
+             + (f" (it holds no {SCRATCH_MARK} file)" if is_dir else "")
+             + ": move or rename it, then rerun")
     try:
         if is_dir:
             shutil.rmtree(path)
@@ -377,29 +367,27 @@ def in_use(path):
     mark = os.path.join(path, SCRATCH_MARK)
     if os.path.realpath(mark) in scratch_locks or not os.path.isfile(mark):
         return None
-    fd = lock_file(mark)
-    if fd is not None:
+    if (fd := lock_file(mark)) is not None:
         os.close(fd)
         return None
     return holder(mark) if os.path.isfile(mark) else None
 
 
 def make_scratch(path):
-    """The empty folder `path` for podgpt's temporary files, with the marker file that proves podgpt
-    made it, locked while this process lives or until finish_scratch. What an interrupted run left there
-    (marked, no live holder) is removed first; anything else is refused."""
+    """The empty folder `path` for temporary files, its mark locked until finish_scratch or exit;
+    what an interrupted run left there (marked, no live holder) goes first, anything else stays."""
     remove_scratch(path)
     os.makedirs(path)
     mark = os.path.join(path, SCRATCH_MARK)
+    record = dict(podgpt="scratch: temporary files, safe to delete", writer=writer_record())
     with open(mark, "w") as f:
-        f.write(json.dumps(dict(podgpt="scratch: temporary files, safe to delete", writer=writer_record())) + "\n")
+        f.write(json.dumps(record) + "\n")
     scratch_locks[os.path.realpath(mark)] = lock_file(mark)
     return path
 
 
 def finish_scratch(path, at):
-    """Scratch folder `path`, renamed to `at`, is the result: the mark it kept until it was in place goes there,
-    and its lock."""
+    """Scratch folder `path`, renamed to `at`, is the result: its mark and lock go."""
     fd = scratch_locks.pop(os.path.realpath(os.path.join(path, SCRATCH_MARK)), None)
     os.remove(os.path.join(at, SCRATCH_MARK))
     if fd is not None:
@@ -407,14 +395,13 @@ def finish_scratch(path, at):
 
 
 def remove_scratch(path):
-    """Remove a folder make_scratch made (nothing there: nothing to do); a folder or file there without
-    the marker is not podgpt's: one line, and it stays."""
+    """Remove a folder make_scratch made, if one is there; anything else stays, with one line."""
     if os.path.lexists(path):
         remove(path)
 
 
 def compute_dtype(name, dev):
-    """The torch dtype of `dtype=name` on dev: auto is bfloat16 on a GPU that has it, else float32."""
+    """The torch dtype of `dtype=name`: auto is bfloat16 on a GPU that has it, else float32."""
     import torch
     if name == "auto":
         name = "bfloat16" if dev.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
@@ -440,20 +427,10 @@ def peak_memory_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux reports KiB
 
 
-def torchrun_env():
-    """(rank, local_rank, world_size) as torchrun sets them, or None outside torchrun."""
-    if "RANK" not in os.environ:
-        return None
-    return int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 def resolve_device(name, local_rank=None, cuda_count=None):
-    """The torch.device for `device=name`. local_rank: torchrun's LOCAL_RANK (None outside torchrun);
-    cuda_count: the GPUs CUDA sees (None: ask torch; 0 where CUDA is absent). ValueError names the fix.
-
-    cpu: the CPU, GPUs or not. auto: this process's GPU when there is one, else the CPU. cuda: this
-    process's GPU: cuda:LOCAL_RANK under torchrun, cuda:0 otherwise. cuda:N: that GPU, outside torchrun
-    (under it every rank takes its own)."""
+    """The torch.device for `device=name`; ValueError names the fix. local_rank: torchrun's (None
+    outside it); cuda_count: the GPUs CUDA sees (None: ask torch). auto: the GPU if any, else the
+    CPU; cuda: cuda:LOCAL_RANK under torchrun, else cuda:0; cuda:N only outside torchrun."""
     import torch
     if name == "cpu":
         return torch.device("cpu")
@@ -464,52 +441,55 @@ def resolve_device(name, local_rank=None, cuda_count=None):
     if cuda_count == 0:
         if name == "auto":
             return torch.device("cpu")
-        raise ValueError(f"device={name} but CUDA is not available here (torch {torch.__version__}, "
-                         f"CUDA build {torch.version.cuda}): use --device=cpu")
+        raise ValueError(f"device={name} but CUDA is not available here (torch "
+                         f"{torch.__version__}, CUDA build {torch.version.cuda}): use --device=cpu")
     if name.startswith("cuda:") and local_rank is not None:
-        raise ValueError(f"device={name} under torchrun: every rank takes its own GPU (cuda:LOCAL_RANK), "
-                         f"give --device=cuda")
+        raise ValueError(f"device={name} under torchrun: every rank takes its own GPU "
+                         "(cuda:LOCAL_RANK), give --device=cuda")
     index = int(name[5:]) if name.startswith("cuda:") else (local_rank or 0)
     if index >= cuda_count:
         where = f"LOCAL_RANK {index}" if local_rank is not None else f"device={name}"
-        raise ValueError(f"{where} but this machine has {cuda_count} GPU{'s' * (cuda_count > 1)}: "
-                         + (f"launch at most --nproc_per_node={cuda_count}" if local_rank is not None
-                            else f"give --device=cuda:0 to cuda:{cuda_count - 1}"))
+        fix = (f"launch at most --nproc_per_node={cuda_count}" if local_rank is not None
+               else f"give --device=cuda:0 to cuda:{cuda_count - 1}")
+        raise ValueError(f"{where} but this machine has {cuda_count} "
+                         f"GPU{'s' * (cuda_count > 1)}: {fix}")
     return torch.device("cuda", index)
 
 
 def setup(device, group=False):
-    """This process's device and process group. Under torchrun (or with group=True: a group of one
-    process, as fsdp needs) joins the process group: NCCL on GPUs, gloo on the CPU. Returns
-    dev, rank, world, torchrun and distributed; a bad device stops with one line. Sets PYTORCH_ALLOC_CONF to
-    ALLOC_CONF first, unless the user set it or its older name, PYTORCH_CUDA_ALLOC_CONF (which it would override)."""
+    """This process's dev, rank, world, torchrun and distributed. Under torchrun, or group=True (a
+    group of one, as fsdp needs), joins the process group: NCCL on GPUs, gloo on the CPU. Sets
+    PYTORCH_ALLOC_CONF first, unless it or PYTORCH_CUDA_ALLOC_CONF (it would override) is set."""
     import torch
     import torch.distributed as dist
     if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
         os.environ["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
-    env = torchrun_env()
-    rank, local_rank, world = env or (0, 0, 1)
+    env, torchrun = os.environ, "RANK" in os.environ
+    rank, local_rank, world = (int(env["RANK"]), int(env.get("LOCAL_RANK", 0)),
+                               int(env.get("WORLD_SIZE", 1))) if torchrun else (0, 0, 1)
     try:
-        dev = resolve_device(device, local_rank if env else None)
+        dev = resolve_device(device, local_rank if torchrun else None)
     except ValueError as e:
         fail(str(e))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    distributed = env is not None or group
+    distributed = torchrun or group
     if distributed and not dist.is_initialized():
-        # a rank that dies or hangs makes the others' collectives fail after this long instead of waiting forever
+        # a rank that dies or hangs fails the others' collectives after this, not never
         timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
-        options = {} if env else dict(store=dist.HashStore(), rank=0, world_size=1)  # torchrun's, or a group of one
+        # torchrun's group, or a group of one
+        options = {} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)
         if dev.type == "cuda":  # binds the group to this rank's GPU (barrier() would guess it)
             options["device_id"] = dev
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=timeout, **options)
-    return SimpleNamespace(dev=dev, rank=rank, world=world, torchrun=env is not None, distributed=distributed)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timeout, **options)
+    return SimpleNamespace(dev=dev, rank=rank, world=world, torchrun=torchrun,
+                           distributed=distributed)
 
 
 def device_mesh(dev):
-    """The 1-D mesh FSDP2 shards over: this run's process group, on its device type. (fully_shard's default
-    mesh is CUDA's wherever a GPU exists, so a CPU run on a GPU machine would put rank 1 on a cuda:1 that may
-    not exist; and a new mesh of CPU type there adds an NCCL backend to a gloo run.)"""
+    """The 1-D mesh FSDP2 shards over: this run's group, on its device type. fully_shard's default,
+    CUDA's on a GPU machine, would put a CPU run's rank 1 on a cuda:1 that may not exist."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     return DeviceMesh.from_group(dist.group.WORLD, dev.type)
@@ -526,8 +506,8 @@ def driver_version():
 
 
 def on_rank0(distributed, fn):
-    """fn() on rank 0 alone (the rank that writes a run's files); the Error it raises stops every rank of the
-    job with the same line, where the others would otherwise wait at their next collective until its timeout."""
+    """fn() on rank 0 alone (the rank that writes a run's files); an Error it raises stops every
+    rank with the same line, where the others would wait at their next collective until timeout."""
     error = None
     if is_master():
         try:
@@ -554,7 +534,7 @@ def mean_over_ranks(value, distributed, device):
 
 
 def catch_signals():
-    """Preemption notices: noted in the list returned, acted on at the next step boundary by every rank."""
+    """Preemption notices: noted in the list returned, acted on at the next step by every rank."""
     stop_signal = []
 
     def on_signal(signum, frame):
@@ -570,8 +550,7 @@ def catch_signals():
 @contextmanager
 def signals_held(*signals):
     """Run the block with these signals held back, then act on those that came. Not
-    signal.pthread_sigmask: it blocks the calling thread only, and numpy's BLAS threads would take
-    the signal, which Python then handles in the main thread all the same."""
+    pthread_sigmask: it blocks one thread, and numpy's BLAS threads would take the signal."""
     came = []
     handlers = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in signals}
     try:
