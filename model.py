@@ -9,7 +9,6 @@ chunked loss (loss_chunk) save memory; generate() streams tokens with a KV cache
 and FSDP2 sharding are for train.py. The objectives of podgpt/research/ subclass GPT and GPTConfig.
 """
 
-import importlib
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -211,8 +210,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, mask=None, slot=None, context=None):
-        # Checkpointing inside the block's forward keeps the block's hooks (FSDP2's all-gather and
-        # cast) outside the recomputed region: checkpoint, then shard, as torchtitan wraps.
+        # Checkpointing inside the block's forward runs the block's hooks (FSDP2's all-gather and
+        # cast) once, outside the recomputed region: checkpoint, then shard, as torchtitan wraps.
         # (torch.compile takes context_fn only spelled out like this.)
         if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":
             return checkpoint(self.body, x, None, mask, None, context, use_reentrant=False)
@@ -434,8 +433,9 @@ def fp8_unavailable(device, dtype, compiled):
 def float8_linears(model):
     """fp8=True: the nn.Linear layers become torchao's Float8Linear (tensorwise scales), in place,
     before FSDP and torch.compile; their weights stay the same fp32 parameters, so checkpoints and
-    the optimizer are as without. Kept in bf16: lm_head (the loss reads its logits) and layers with
-    a dimension float8 matmuls cannot take (not a multiple of 16). (converted names, kept names)."""
+    the optimizer are as without. Kept in bf16: lm_head (tied to the embedding, and the loss reads
+    its logits) and layers with a dimension that is not a multiple of 16 (float8 matmuls need it).
+    (converted names, kept names)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     kept = [name for name, m in linears
@@ -451,7 +451,8 @@ def shard_model(model, dev, compute_dtype):
     """FSDP2: each block's parameters gathered for its own compute and backward (grad_ckpt's
     recompute included); compute in compute_dtype, gradients reduced in fp32; the root shards the
     rest (embedding, tied head, final norm)."""
-    # imported here: FSDP2 and its kin are ~1 s of import every run that does not shard would pay
+    # FSDP2, DTensor and torch.distributed.checkpoint are imported only where a run shards: ~1 s
+    # of import every other run would pay
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     mesh = device_mesh(dev)
