@@ -1,23 +1,14 @@
 """
-The GPT of podgpt: a Llama-compatible decoder-only transformer.
-
-- RMSNorm (pre-norm), rotate-half RoPE with a configurable theta, SwiGLU MLP with a
-  configurable hidden size (by default Llama's: 8/3 of the width rounded up to a multiple of
-  256, so its matmuls run on whole tensor-core tiles), grouped-query attention (n_kv_head divides n_head), no
-  biases, tied or untied input/output embeddings. The layout (names, RoPE convention)
-  is Llama's, so the weights map one to one onto transformers' LlamaForCausalLM.
-- The vocabulary is padded to a multiple of `vocab_multiple` (matmuls with a round
-  inner size run faster); padded ids are never targets and never sampled.
-- Attention runs on the kernel `config.attn_backend` names (attention.py). doc_mask: tokens attend only
-  within their document (documents start at bos_id), so packed rows train like separate sequences.
-- Memory: activation checkpointing (grad_ckpt: full or selective) and a chunked loss
-  (loss_chunk) that never holds fp32 logits for the whole batch.
-- `generate()` streams tokens with a KV cache; temperature / top-k / top-p sampling.
-- For train.py: fp8 (torchao's float8 training for the linear layers) and FSDP2 sharding.
-GPT predicts the next token; the objectives of podgpt/research/ subclass GPT and GPTConfig.
+The GPT of podgpt: a decoder-only transformer laid out as Llama's (names, rotate-half RoPE), so its
+weights map one to one onto transformers' LlamaForCausalLM: pre-norm RMSNorm, RoPE, a SwiGLU MLP,
+grouped-query attention, no biases, tied or untied embeddings. The vocabulary is padded to a
+multiple of vocab_multiple (faster matmuls); padded ids are never targets and never sampled.
+Attention runs on the kernel attn_backend names (podgpt/core/attention.py); doc_mask keeps each
+token within its document, so packed rows train apart. Activation checkpointing (grad_ckpt) and a
+chunked loss (loss_chunk) save memory; generate() streams tokens with a KV cache; fp8 linear layers
+and FSDP2 sharding are for train.py. The objectives of podgpt/research/ subclass GPT and GPTConfig.
 """
 
-import importlib
 import importlib.util
 import math
 from dataclasses import dataclass, field
@@ -26,14 +17,16 @@ from functools import partial
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
-from podgpt.core.attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention, resolve_backend
+from podgpt.core.attention import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention,
+                                   resolve_backend)
 from podgpt.core.util import IGNORE, device_mesh, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
-# GPTConfig fields that say how to run the model, not what it is: a checkpoint's weights do not depend
-# on them, export has nothing to map them to, and a resumed run may change them
+# GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
+# them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
 
 
@@ -45,37 +38,33 @@ class GPTConfig:
     n_head: int = 12
     n_kv_head: int = 12           # < n_head: grouped-query attention
     n_embd: int = 768
-    ffn_hidden: int = None        # SwiGLU hidden size; None: floor(8 * n_embd / 3) rounded up to multiple_of
-    # Llama's rounding of the default hidden size. An odd size runs slowly: on an H100 the 1B shape's
-    # SwiGLU matmuls ran at 125-146 TFLOP/s with hidden 5461 against 704 for its LM head, and the whole
-    # step went from 48.3% to 51.5% MFU at 5632 (bench/results/, 2026-11-22). 1: no rounding
-    multiple_of: int = 256
+    ffn_hidden: int = None        # SwiGLU hidden size; None: 8/3 n_embd rounded up to multiple_of
+    multiple_of: int = 256        # Llama's rounding (an odd size is slow: docs/config.md); 1: none
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    # runtime settings (RUNTIME_FIELDS); the defaults are what checkpoints written before them ran with
-    attn_backend: str = "sdpa"    # auto | fa3 | fa2 | cudnn | flash | efficient | flex | math | sdpa (PyTorch picks) | fa4
-    doc_mask: bool = False        # attend only within the document (a document starts at each bos_id)
+    # runtime settings (RUNTIME_FIELDS); the defaults are what older checkpoints ran with
+    attn_backend: str = "sdpa"    # auto | sdpa (PyTorch picks) | one of attention.py's backends
+    doc_mask: bool = False        # attend only within the document (one starts at each bos_id)
     bos_id: int = None            # the BOS token id (prepare.py: vocab_size - 1); doc_mask needs it
     grad_ckpt: str = "none"       # activation checkpointing while training: none | full | selective
-    # tokens per chunk of the LM head + loss (0: all at once, and the logits are returned). 8192 rows of
-    # 50k-vocabulary logits are ~4 GB in bf16 + fp32 (not the 16 GB of a 16 x 2048 micro-batch), and big
-    # enough that the head's matmul stays efficient; the loss is the same mean up to fp32 rounding
+    # tokens per chunk of the LM head + loss (0: all at once, and the logits are returned): 8192
+    # rows of 50k-vocabulary logits are ~4 GB, and the head's matmul stays efficient
     loss_chunk: int = 8192
     padded_vocab: int = field(init=False)
-    objective = "ar"              # not a field: a research objective's config (podgpt/research/) has its own
+    objective = "ar"              # not fields: a research objective's config has its own
     added_tokens = 0              # ids an objective adds past the data's vocabulary
     own_mask = None               # the kind of Mask an objective trains under, if it has its own
-    draws = None                  # an objective that makes its own targets: each sample's draws (data.Loader)
+    draws = None                  # an objective that makes its own targets: each sample's draws
 
     def __post_init__(self):
         if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}) "
                              f"and n_head by n_kv_head ({self.n_kv_head})")
-        if (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"head size n_embd/n_head = {self.n_embd // self.n_head} must be even for RoPE")
+        if self.head_dim % 2:
+            raise ValueError(f"head size n_embd/n_head = {self.head_dim} must be even for RoPE")
         if self.attn_backend not in ("auto", *ATTENTION_BACKENDS, *OPT_IN_BACKENDS, "sdpa"):
             raise ValueError(f"attn_backend={self.attn_backend!r}: choose auto, sdpa or one of "
                              f"{', '.join(ATTENTION_BACKENDS + OPT_IN_BACKENDS)}")
@@ -85,10 +74,11 @@ class GPTConfig:
             raise ValueError("doc_mask=True needs bos_id, the token that starts every document "
                              "(prepare.py's manifest: vocab_size - 1)")
         if self.loss_chunk < 0:
-            raise ValueError(f"loss_chunk={self.loss_chunk}: tokens per loss chunk, or 0 for no chunking")
+            raise ValueError(f"loss_chunk={self.loss_chunk}: "
+                             f"tokens per loss chunk, or 0 for no chunking")
         if self.multiple_of < 1:
-            raise ValueError(f"multiple_of={self.multiple_of}: the SwiGLU hidden size is rounded up to a multiple "
-                             f"of this (1: not rounded)")
+            raise ValueError(f"multiple_of={self.multiple_of}: the SwiGLU hidden size is rounded "
+                             f"up to a multiple of this (1: not rounded)")
         if self.ffn_hidden is None:
             self.ffn_hidden = -(-(8 * self.n_embd // 3) // self.multiple_of) * self.multiple_of
         self.padded_vocab = -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
@@ -99,12 +89,12 @@ class GPTConfig:
 
     @property
     def mask_kind(self):
-        """The kind of Mask training attends under (resolve_backend's `mask`): the objective's own, documents, or
-        None (causal)."""
+        """The kind of Mask training attends under: the objective's, documents, or None (causal)."""
         return self.own_mask or ("documents" if self.doc_mask else None)
 
+    # what a research objective overrides
     def applications(self, training=True):
-        """(supervision steps, block applications per layer and step with gradients, without) of one forward."""
+        """(supervision steps, block applications per layer and step with gradients, without)."""
         return 1, 1, 0
 
     @property
@@ -113,15 +103,14 @@ class GPTConfig:
         return 1
 
     def sums_kept(self, mode):
-        """Bytes per token a layer keeps beyond its activations under activation checkpointing `mode`."""
+        """Bytes per token a layer keeps beyond its activations under grad_ckpt=mode."""
         return 0
 
     def check_data(self, data_dir, manifest):
-        """Stop with one line when the prepared data cannot train this model (an objective's own check)."""
+        """Stop with one line when the prepared data cannot train this model."""
 
     def random_batch(self, rows, device, seq_len=None):
-        """(inputs, targets) of random tokens as a training step takes them, for the probes that time or measure
-        a step (sanity.py's capacity, bench/): the compute does not depend on the tokens."""
+        """(inputs, targets) of random tokens, for the probes that time a step (sanity, bench)."""
         shape = (rows, seq_len or self.block_size)
         return tuple(torch.randint(0, self.vocab_size, shape, device=device) for _ in range(2))
 
@@ -132,13 +121,13 @@ class GPTConfig:
         return n_sup * per_layer * self.n_layer
 
 
-# -----------------------------------------------------------------------------
-# rotary position embedding, Llama's rotate-half convention: the first and second
-# halves of each head are the two coordinates of each rotated pair.
+# -----------------------------------------------------------------------------------------------
+# RoPE, Llama's rotate-half convention: a head's two halves are the coordinates of rotated pairs
 
 def rope_tables(head_dim, length, theta, device=None):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv_freq)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    angles = torch.outer(torch.arange(length, dtype=torch.float32, device=device),
+                         1.0 / (theta ** exponents))
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -150,8 +139,8 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every block application for positions [0, pos), preallocated up to max_len. Each
-    application has its own slot: an objective that applies a block many times keeps each one's keys."""
+    """Keys and values of positions [0, pos), up to max_len, with a slot per block application (an
+    objective that applies a block many times keeps each one's keys)."""
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         shape = (config.cache_slots, batch_size, config.n_kv_head, max_len, config.head_dim)
@@ -175,27 +164,26 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
         self.v_proj = nn.Linear(config.n_embd, config.n_kv_head * hd, bias=False)
         self.o_proj = nn.Linear(config.n_head * hd, config.n_embd, bias=False)
-        # RoPE tables: derived, not learned, so not in checkpoints; float32 whatever the compute dtype. Each
-        # layer holds its own rather than taking them as inputs: FSDP2 casts a block's float inputs to the
-        # compute dtype, and torch 2.11-2.12 skip that cast when activation checkpointing recomputes it.
+        # RoPE tables: not learned, so not in checkpoints, and float32. Each layer holds its own:
+        # FSDP2 casts a block's float inputs to the compute dtype, and torch 2.11-2.12 skip that
+        # cast when activation checkpointing recomputes the block.
         cos, sin = rope_tables(hd, config.block_size, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, x, cache=None, mask=None, slot=None):
-        """mask: None (causal), False (none: the block sees itself and every cached key), or a Mask (Block.forward
-        says more)."""
+        """mask: None (causal), False (none: x sees itself and every cached key), or a Mask."""
         B, T, _ = x.shape
         hd = self.config.head_dim
         start = cache.pos if cache is not None else 0
-        positions = mask.positions if isinstance(mask, Mask) else None  # a mask may place rows elsewhere
+        positions = mask.positions if isinstance(mask, Mask) else None  # a mask may move rows
         at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
         q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # the new queries come after the cached keys: causal=True aligns them bottom-right
+        if cache is not None:  # the queries follow the cached keys: causal aligns them bottom-right
             k, v = cache.update(slot, k, v)
         y = attention(self.config.attn_backend, q, k, v, mask is not False, mask or None)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -222,10 +210,10 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, mask=None, slot=None, context=None):
-        # Activation checkpointing happens inside the block's own forward, so that hooks on the block (FSDP2's
-        # all-gather and input cast) run once, outside the recomputed region: checkpoint, then shard, the
-        # order torchtitan wraps in. (torch.compile takes context_fn only spelled out like this.)
-        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":  # keeps only its inputs
+        # Checkpointing inside the block's forward runs the block's hooks (FSDP2's all-gather and
+        # cast) once, outside the recomputed region: checkpoint, then shard, as torchtitan wraps.
+        # (torch.compile takes context_fn only spelled out like this.)
+        if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "full":
             return checkpoint(self.body, x, None, mask, None, context, use_reentrant=False)
         if torch.is_grad_enabled() and cache is None and self.grad_ckpt == "selective":
             return checkpoint(self.body, x, None, mask, None, context, use_reentrant=False,
@@ -233,46 +221,47 @@ class Block(nn.Module):
         return self.body(x, cache, mask, slot, context)
 
     def body(self, x, cache, mask, slot, context):
-        """x plus the block's two residual branches. mask: who sees whom in attention, None for causal (Attention
-        says more). context: the branches read x + context and add to x alone (a recurrent objective's state).
-        slot: this application's KV-cache entry."""
+        """x plus the block's two residual branches. context: the branches read x + context and add
+        to x alone (a recurrent objective's state). slot: this application's KV-cache entry."""
         h = x if context is None else x + context
         x = x + self.self_attn(self.input_layernorm(h), cache, mask, slot)
         h = x if context is None else x + context
         return x + self.mlp(self.post_attention_layernorm(h))
 
 
-# selective checkpointing keeps what is costly to recompute, the outputs of the matmuls and of the
-# attention kernels (with their log-sum-exp), and recomputes the cheap rest in the backward: norms,
-# RoPE, SiLU, the residual adds and autocast's casts. (Kernels that are no torch op, like FlashAttention
-# releases before its custom ops, are recomputed: right, only slower.) fp8's matmuls are aten::_scaled_mm.
+# selective checkpointing saves what is costly to recompute, the matmuls' and the attention
+# kernels' outputs, and recomputes norms, RoPE, SiLU, residual adds and casts. (Kernels that are
+# no torch op are recomputed: right, only slower.) fp8's matmuls are aten::_scaled_mm.
 SAVED_OPS = {"aten::mm", "aten::_scaled_mm", "aten::_scaled_dot_product_flash_attention",
-             "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_efficient_attention",
-             "aten::_scaled_dot_product_cudnn_attention", "flex_attention", "flash_attn::_flash_attn_forward",
-             "flash_attn::_flash_attn_varlen_forward", "flash_attn_3::_flash_attn_forward"}
+             "aten::_scaled_dot_product_flash_attention_for_cpu",
+             "aten::_scaled_dot_product_efficient_attention",
+             "aten::_scaled_dot_product_cudnn_attention", "flex_attention",
+             "flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward",
+             "flash_attn_3::_flash_attn_forward"}
 
 
 def selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    saved = op.name() in SAVED_OPS
+    return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 selective_checkpointing = partial(create_selective_checkpoint_contexts, selective_policy)
 
 
 def per_target(total, targets, weights):
-    """The loss per target, as F.cross_entropy's mean: over the targets it counts (SFT: the replies'), 0 for a batch
-    with none (a window of prompt tokens alone), not the guards' NaN; with weights, over every target."""
-    return total / (targets.numel() if weights is not None else (targets != IGNORE).sum().clamp(min=1))
+    """The loss per target, as F.cross_entropy's mean over the targets that count (SFT: the
+    replies'), but 0, not NaN, for a batch with none; with weights, over every target."""
+    return total / (targets.numel() if weights is not None
+                    else (targets != IGNORE).sum().clamp(min=1))
 
 
-# head()'s division by a count taken from the targets: outside the compiled graph, where it made the compiled
-# backward hold every loss chunk's logits at once
+# a division by a count from the targets inside the compiled graph made its backward hold every
+# loss chunk's logits at once
 per_target_outside = torch.compiler.disable(per_target)
 
 
 class GPT(nn.Module):
-    """The autoregressive model (objective="ar"): embedding, blocks, head. A research objective's model subclasses
-    it (podgpt/pod/objectives.py builds the one a config asks for)."""
+    """The autoregressive model (objective="ar"): embedding, blocks, head."""
 
     def __init__(self, config):
         super().__init__()
@@ -294,16 +283,14 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
     def forward(self, idx, targets=None, cache=None):
-        """(logits (B, T, padded_vocab), None) without targets; with them (logits, mean cross-entropy),
-        or (None, mean cross-entropy) when loss_chunk > 0: the chunked loss never holds all the logits.
-        With a cache, idx comes after the positions it holds, and idx's keys and values join them.
-        A research objective's model may add a third item, its stats: a 1-D tensor of numbers of the
-        batch, summed over micro-batches and ranks by train.py and named by the model's metrics()."""
+        """(logits (B, T, padded_vocab), loss): loss None without targets, logits None when the loss
+        is chunked. With a cache, idx follows its positions and joins them. A research model may add
+        a third item, its stats: a 1-D tensor train.py sums and the model's metrics() names."""
         T = self.check_length(idx, cache)
         x = self.embed_tokens(idx)
-        doc_mask = self.config.doc_mask and cache is None  # the KV cache (generation) reads one document at a time
-        mask = self.ready(x, Documents(torch.cumsum(idx == self.config.bos_id, dim=1)) if doc_mask else None)
-        out = self.predict(x, targets, cache, mask)
+        doc_mask = self.config.doc_mask and cache is None  # generation reads one document
+        documents = Documents(torch.cumsum(idx == self.config.bos_id, dim=1)) if doc_mask else None
+        out = self.predict(x, targets, cache, self.ready(x, documents))
         if cache is not None:
             cache.pos += T
         return out
@@ -312,97 +299,93 @@ class GPT(nn.Module):
         """idx's length, once it is known to fit after the cache's positions."""
         start, T = cache.pos if cache is not None else 0, idx.size(1)
         if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+            raise ValueError(f"sequence of {start + T} tokens is longer than "
+                             f"block_size={self.config.block_size}")
         return T
 
     def ready(self, x, mask=None):
-        """mask (None: causal), with the attention backend the blocks will run x on resolved as they will ask, in
-        the compute dtype, and the mask's form for it made: here, once for all layers, not in a checkpoint (auto's
-        parity check runs a backward of its own)."""
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        """mask, made in the form the backend the blocks will run x on takes: once for all layers,
+        and not inside a checkpoint (auto's parity check runs a backward of its own)."""
+        c, dev = self.config, x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         kind = None if mask is None else mask.kind
-        backend = resolve_backend(self.config.attn_backend, x.device, dtype, self.config.head_dim, kind)[0]
+        backend = resolve_backend(c.attn_backend, x.device, dtype, c.head_dim, kind)[0]
         if mask is not None:
             mask.get(mask.FORMS[backend])
         return mask
 
     def predict(self, x, targets, cache, mask):
-        """forward()'s result for the embedded tokens x: the blocks, then the head."""
+        """forward()'s result for the embedded tokens x."""
         return self.head(self.blocks(x, cache, mask), targets)
 
     def blocks(self, x, cache=None, mask=None):
-        """x through every layer, each with its own KV-cache slot. mask: as Attention.forward takes it."""
+        """x through every layer, each with its own KV-cache slot."""
         for i, block in enumerate(self.layers):
             x = block(x, cache, mask, i)
         return x
 
     def head(self, x, targets, weights=None, in_graph=False):
-        """The final norm, the LM head and the loss of forward()'s first two items. weights (the shape of targets):
-        each token's cross-entropy is weighed, and the loss is the weighted sum over the number of targets; without,
-        the mean over the targets that are not IGNORE (SFT's prompt tokens), divided outside the compiled graph when
-        the loss is chunked, unless in_graph (a break there would split a caller's loop)."""
-        config = self.config
+        """The final norm, the LM head and the loss: forward()'s first two items. With weights (as
+        targets), the weighted cross-entropy summed over the number of targets; without, the mean
+        over the targets that are not IGNORE, divided outside the compiled graph when the loss is
+        chunked, unless in_graph (a graph break there would split a caller's loop)."""
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
         targets, weights = targets.flatten(), None if weights is None else weights.flatten()
-        if not config.loss_chunk:
+        if not self.config.loss_chunk:
             logits = self.lm_head(x)
             total = self.cross_entropy_sum(logits, targets, weights)
         else:
             logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
-        outside = logits is None and weights is None and not in_graph  # chunks the compiled backward rebuilds
+        outside = logits is None and weights is None and not in_graph
         return logits, (per_target_outside if outside else per_target)(total, targets, weights)
 
     def chunked_loss(self, x, targets, weights=None):
-        """The summed (weighted) cross-entropy, loss_chunk tokens at a time. Each chunk runs under checkpoint, so the
-        forward keeps none of its logits and the backward rebuilds them one chunk at a time."""
+        """The summed cross-entropy, loss_chunk tokens at a time, each chunk under checkpoint: the
+        forward keeps no logits and the backward rebuilds them a chunk at a time."""
         n = self.config.loss_chunk
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
-        # a single chunk would be rebuilt while every layer's activations are still held: no saving, only cost
+        # one chunk would be rebuilt while every layer's activations are still held: only cost
         rebuild = torch.is_grad_enabled() and x.size(0) > n
-        return sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild else self.loss_sum(xc, yc, wc)
-                   for xc, yc, wc in zip(xs, ys, ws, strict=True))
+        return sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild
+                   else self.loss_sum(xc, yc, wc) for xc, yc, wc in zip(xs, ys, ws, strict=True))
 
     def loss_sum(self, x, targets, weights=None):
-        """The summed cross-entropy of the head's logits for x (N, n_embd) against targets (N,)."""
         return self.cross_entropy_sum(self.lm_head(x), targets, weights)
 
     def cross_entropy_sum(self, logits, targets, weights=None):
-        """The summed cross-entropy of logits against targets (N,), each token's weighed by weights (N,) if given."""
+        """The summed cross-entropy of logits against targets (N,), each weighed by weights (N,)."""
         logits = logits.float().view(targets.numel(), -1)
         if weights is None:
             return F.cross_entropy(logits, targets, reduction="sum")
         return (F.cross_entropy(logits, targets, reduction="none") * weights).sum()
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, use_cache=True, generator=None):
-        """Yields the next token of each row, shape (B,), max_new_tokens times.
-
-        With the cache, the prompt runs once and each new token costs one position.
-        When the context would pass block_size the cache restarts from the last
-        block_size // 2 tokens (a sliding window, amortised over the next half block).
-        """
-        block = self.config.block_size
-        param = next(self.parameters())
-        cache, feed = None, idx
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 use_cache=True, generator=None):
+        """Yields the next token of each row, shape (B,), max_new_tokens times. With the cache, each
+        new token costs one position; past block_size the cache restarts from the last
+        block_size // 2 tokens (a sliding window, amortised over the next half block)."""
+        c, cache, feed = self.config, None, idx
+        block, dtype = c.block_size, next(self.parameters()).dtype
         for _ in range(max_new_tokens):
             if not use_cache:
                 logits = self(idx[:, -block:])[0]
             else:
                 if cache is None or cache.pos + feed.size(1) > block:
                     feed = idx[:, -(block if cache is None else block // 2):]
-                    cache = KVCache(self.config, idx.size(0), block, idx.device, param.dtype)
+                    cache = KVCache(c, idx.size(0), block, idx.device, dtype)
                 logits = self(feed, cache=cache)[0]
-            token = sample_next(logits[:, -1, :self.config.vocab_size], temperature, top_k, top_p, generator)
+            token = sample_next(logits[:, -1, :c.vocab_size], temperature, top_k, top_p, generator)
             idx = torch.cat([idx, token[:, None]], dim=1)
             feed = token[:, None]
             yield token
 
 
 def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """One token per row from logits (B, V): greedy at temperature 0, else top-k / top-p sampling."""
+    """One token per row from logits (B, V): greedy at temperature 0, else top-k / top-p."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -412,64 +395,67 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     if top_p is not None and top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > top_p  # mass before this token already covers top_p
+        drop = probs.cumsum(dim=-1) - probs > top_p  # the mass before this token covers top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def fp8_unavailable(device, dtype, compiled):
-    """None when fp8=True (float8_linears) can train here: on `device`, the rest in `dtype`, under torch.compile
-    or not; else one line saying why not and what would make it run."""
+    """None when fp8=True can train on device, the rest in dtype, compiled or not; else one line
+    saying why not and what would make it run."""
     device = torch.device(device)
     if device.type != "cuda":
-        return f"fp8=True trains on a CUDA GPU with float8 tensor cores; this is {device.type}: set fp8=False"
+        return (f"fp8=True trains on a CUDA GPU with float8 tensor cores; this is {device.type}: "
+                f"set fp8=False")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        return (f"fp8=True needs float8 tensor cores, compute capability 8.9 or newer (H100, H200, L40S, RTX 4090); "
-                f"{torch.cuda.get_device_name(device)} is {major}.{minor}: set fp8=False")
+        return (f"fp8=True needs float8 tensor cores, compute capability 8.9 or newer (H100, "
+                f"H200, L40S, RTX 4090); {torch.cuda.get_device_name(device)} is "
+                f"{major}.{minor}: set fp8=False")
     if dtype != torch.bfloat16:
-        return (f"fp8=True computes the rest of the model in bfloat16, not {str(dtype).removeprefix('torch.')}: "
-                f"set dtype=bfloat16")
+        return (f"fp8=True computes the rest of the model in bfloat16, not "
+                f"{str(dtype).removeprefix('torch.')}: set dtype=bfloat16")
     if not compiled:
-        return ("fp8=True needs compile=True: without torch.compile fusing float8's scaling and casts, its matmuls "
-                "are slower than bfloat16's")
+        return ("fp8=True needs compile=True: without torch.compile fusing float8's scaling and "
+                "casts, its matmuls are slower than bfloat16's")
     if importlib.util.find_spec("torchao") is None:
-        return "fp8=True needs torchao (float8 training), which is not installed: pip install torchao"
+        return ("fp8=True needs torchao (float8 training), which is not installed: "
+                "pip install torchao")
     try:
         importlib.import_module("torchao.float8")
     except Exception as e:  # a torchao built for another torch fails in its own ways
-        return f"torchao is installed but torchao.float8 does not import ({first_line(e)}): pip install -U torchao"
+        return (f"torchao is installed but torchao.float8 does not import ({first_line(e)}): "
+                f"pip install -U torchao")
     return None
 
 
 def float8_linears(model):
-    """fp8=True: the model's nn.Linear layers become torchao's Float8Linear (float8 matmuls, dynamic tensorwise
-    scales: torchao's default recipe), in place, before FSDP shards them and torch.compile fuses the scaling.
-    Their weights stay the same fp32 parameters, so checkpoints, the optimizer and the tied embedding are as
-    without fp8. Kept in bf16: lm_head (the embedding's tied twin, and the loss reads its logits) and any layer
-    with a dimension that is not a multiple of 16 (float8 matmuls need that). (converted names, kept names)."""
+    """fp8=True: the nn.Linear layers become torchao's Float8Linear (tensorwise scales), in place,
+    before FSDP and torch.compile; their weights stay the same fp32 parameters, so checkpoints and
+    the optimizer are as without. Kept in bf16: lm_head (tied to the embedding, and the loss reads
+    its logits) and layers with a dimension that is not a multiple of 16 (float8 matmuls need it).
+    (converted names, kept names)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept = [name for name, m in linears if name == "lm_head" or m.in_features % 16 or m.out_features % 16]
-    # enable_fsdp_float8_all_gather stays off: it makes each weight a float8-aware tensor subclass, which
-    # checkpoints, export and sample.py would all have to know (and it wants precompute_float8_dynamic_scale_for_fsdp
-    # after every step); FSDP gathers bf16 weights, and the matmuls still run in float8
+    kept = [name for name, m in linears
+            if name == "lm_head" or m.in_features % 16 or m.out_features % 16]
+    # no enable_fsdp_float8_all_gather: its float8 weight subclass would reach checkpoints, export
+    # and sample.py; FSDP gathers bf16 weights, and the matmuls still run in float8
     convert_to_float8_training(model, module_filter_fn=lambda module, name: name not in kept,
                                config=Float8LinearConfig.from_recipe_name("tensorwise"))
     return [name for name, _ in linears if name not in kept], kept
 
 
 def shard_model(model, dev, compute_dtype):
-    """FSDP2 over the process group: each block's parameters gathered just for its own compute, and again
-    for its backward (its recompute under grad_ckpt happens inside the block: checkpoint, then shard);
-    compute in compute_dtype, gradients reduced in fp32; the root shards the rest (embedding, tied head,
-    final norm)."""
-    # FSDP2, DTensor and torch.distributed.checkpoint are imported by the runs that shard, not at the top:
-    # together they are 0.8-1.0 s of train.py's 2.5-3.3 s import (measured on a 2-core CPU, torch 2.13),
-    # which every other run and every script that imports model.py would pay at each start
+    """FSDP2: each block's parameters gathered for its own compute and backward (grad_ckpt's
+    recompute included); compute in compute_dtype, gradients reduced in fp32; the root shards the
+    rest (embedding, tied head, final norm)."""
+    # FSDP2, DTensor and torch.distributed.checkpoint are imported only where a run shards: ~1 s
+    # of import every other run would pay
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mp, mesh = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32), device_mesh(dev)
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    mesh = device_mesh(dev)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

@@ -1,9 +1,10 @@
 """
-Block diffusion (objective=bd3lm; BD3-LM, Arriola et al. 2025), for GSM8K among others: the sequence is cut into
-blocks of diffusion_block tokens, each noised to [MASK] (the vocabulary's last id: one id past the data's) at a
-rate t drawn per block, and denoised from the clean blocks before it. The NELBO is taken over a noisy and a clean
-copy of each row in one pass (BlockDiffusion's mask; HDP's question / plan / execution segments), and the model
-samples a block at a time with the earlier blocks in the KV cache.
+Block diffusion (objective=bd3lm; BD3-LM, Arriola et al. 2025), for GSM8K among others: the sequence
+is cut into blocks of diffusion_block tokens, each noised to [MASK] (one id past the data's) at a
+rate t drawn per block, and denoised from the clean blocks before it. The loss, the NELBO (each
+masked token's cross-entropy x 1/t, averaged over the tokens), is taken over a noisy and a clean
+copy of each row in one pass (BlockDiffusion's mask; HDP's question / plan / execution segments),
+and the model samples a block at a time with the earlier blocks in the KV cache.
 """
 from dataclasses import dataclass
 
@@ -16,35 +17,36 @@ from podgpt.core.attention import Mask
 from podgpt.core.util import fail
 
 # --- config
-diffusion_block = 16            # bd3lm: tokens per diffusion block (a block is denoised at once, the blocks in order)
-noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]: the NELBO) | clipped (t ~ U[clip_low, clip_high] in training)
+diffusion_block = 16            # bd3lm: tokens per diffusion block (denoised at once, in order)
+noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]) | clipped (training: U[clip_*])
 clip_low = 0.3                  # bd3lm, clipped: lowest mask rate drawn in training (BD3-LM's beta)
-clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation always draws from loglinear
-hdp_segments = ""               # bd3lm: "128,128,256" is HDP (question, plan, execution: prepare.py's hdp format); "": plain
+clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation: loglinear
+hdp_segments = ""               # bd3lm: "128,128,256": HDP (question, plan, execution); "": plain
 # --- end config
 
 NOISE_SCHEDULES = ("loglinear", "clipped")
-UNMASKING = ("schedule", "confidence")  # how the sampler picks the tokens each denoising pass fills (generate)
+UNMASKING = ("schedule", "confidence")  # how generate picks the tokens a denoising pass fills
 LOGLINEAR_EPS = 1e-3  # loglinear's t ~ U[eps, 1] (BD3-LM's sampling_eps_min): 1/t stays finite
 
 
 def diffusion_draws(seed, keys, block_size):
-    """The noise, (len(keys), 2, block_size) float32 uniform in [0, 1): row j from a generator of (seed, keys[j])
-    alone, so a sample's noise is the same whatever the world size, the micro-batch or a resume
-    (BlockDiffusionLM.diffuse reads it: [:, 0] masks tokens, [:, 1] draws each block's t)."""
-    return np.stack([np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32) for k in keys])
+    """The noise, (len(keys), 2, block_size) float32 in [0, 1): row j from a generator of (seed,
+    keys[j]) alone, so a sample's noise is the same whatever the world size, micro-batch or resume
+    (diffuse: [:, 0] masks tokens, [:, 1] draws each block's t)."""
+    rows = [np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32)
+            for k in keys]
+    return np.stack(rows)
 
 
 @dataclass
 class Config(GPTConfig):
-    """GPTConfig and block diffusion's fields (the keys above). HDP (hdp_segments): the question is never noised
-    and sees only itself; plan and execution are diffused in blocks, the plan seeing the question, the execution
-    both."""
+    """GPTConfig and the keys above. HDP: the question is never noised and sees only itself; plan
+    and execution are diffused in blocks, the plan seeing the question, the execution both."""
     objective: str = "bd3lm"
     diffusion_block: int = diffusion_block
     noise_schedule: str = noise_schedule
-    clip_low: float = clip_low      # a lower-variance, biased training loss; validation draws t from loglinear's
-    clip_high: float = clip_high    # range, so val_loss is the NELBO
+    clip_low: float = clip_low      # a lower-variance, biased training loss; validation
+    clip_high: float = clip_high    # draws t from loglinear's range, so val_loss is the NELBO
     hdp_segments: str = hdp_segments
     added_tokens = 1                # [MASK]
     own_mask = "diffusion"          # BlockDiffusion
@@ -53,12 +55,14 @@ class Config(GPTConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.noise_schedule not in NOISE_SCHEDULES:
-            raise ValueError(f"noise_schedule={self.noise_schedule!r}: choose one of {', '.join(NOISE_SCHEDULES)}")
+            raise ValueError(f"noise_schedule={self.noise_schedule!r}: choose one of "
+                             f"{', '.join(NOISE_SCHEDULES)}")
         if self.noise_schedule == "clipped" and not 0 < self.clip_low < self.clip_high <= 1:
-            raise ValueError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need 0 < clip_low < clip_high <= 1")
+            raise ValueError(f"clip_low={self.clip_low}, clip_high={self.clip_high}: need "
+                             f"0 < clip_low < clip_high <= 1")
         if self.doc_mask:
-            raise ValueError("doc_mask=True is for objective=ar or refine: bd3lm's attention goes block by block "
-                             "(hdp_segments keeps a question to itself)")
+            raise ValueError("doc_mask=True is for objective=ar or refine: bd3lm's attention goes "
+                             "block by block (hdp_segments keeps a question to itself)")
         if self.diffusion_block < 1:
             raise ValueError(f"diffusion_block={self.diffusion_block} must be at least 1")
         diffused = self.segments[1:] if self.hdp_segments else [self.block_size]
@@ -77,8 +81,9 @@ class Config(GPTConfig):
         except ValueError:
             segments = []
         if len(segments) != 3 or min(segments) < 1 or sum(segments) != self.block_size:
-            raise ValueError(f"hdp_segments={self.hdp_segments!r}: three positive lengths (question, plan, execution) "
-                             f"that sum to block_size={self.block_size}, e.g. \"128,128,256\" for 512")
+            raise ValueError(f"hdp_segments={self.hdp_segments!r}: three positive lengths "
+                             f"(question, plan, execution) that sum to "
+                             f"block_size={self.block_size}, e.g. \"128,128,256\" for 512")
         return segments
 
     @property
@@ -88,12 +93,12 @@ class Config(GPTConfig):
 
     @property
     def mask_id(self):
-        """The [MASK] token: the last id of the vocabulary (the data's vocabulary has one id less)."""
+        """The [MASK] token: the vocabulary's last id."""
         return self.vocab_size - 1
 
     @property
     def noised_from(self):
-        """The first position that is ever noised (after HDP's question), 0 without one."""
+        """The first position that is ever noised (after HDP's question)."""
         return self.segments[0] if self.hdp_segments else 0
 
     def diffusion_blocks(self, device=None):
@@ -103,33 +108,37 @@ class Config(GPTConfig):
         return torch.where(positions < q, 0, (positions - q) // self.diffusion_block + (q > 0))
 
     def random_batch(self, rows, device, seq_len=None):
-        """(tokens, noise draws) of random tokens, as a training step takes them (GPTConfig.random_batch)."""
+        """(tokens, noise draws) of random tokens (GPTConfig.random_batch)."""
         shape = (rows, seq_len or self.block_size)
-        return torch.randint(0, self.mask_id, shape, device=device), torch.rand(rows, 2, shape[1], device=device)
+        return (torch.randint(0, self.mask_id, shape, device=device),
+                torch.rand(rows, 2, shape[1], device=device))
 
     def check_data(self, data_dir, manifest):
-        """Block diffusion on data of fixed-length documents (prepare.py's segments, GSM8K's hdp form): a row must
-        be one document from its first token, and HDP's segments must be the data's."""
+        """Data of fixed-length documents (prepare.py's segments) must have a row be one document,
+        and HDP's segments be the data's."""
         segments = manifest.get("prepare_args", {}).get("segments", "")
         if not (segments or self.hdp_segments):
             return
         if self.hdp_segments and self.hdp_segments != segments:
-            fail(f"hdp_segments={self.hdp_segments} but {data_dir} was prepared with segments={segments or 'none'}: "
-                 f"prepare it with --gsm8k_format=hdp --segments={self.hdp_segments}, or set hdp_segments to match")
+            fail(f"hdp_segments={self.hdp_segments} but {data_dir} was prepared with "
+                 f"segments={segments or 'none'}: prepare it with --gsm8k_format=hdp "
+                 f"--segments={self.hdp_segments}, or set hdp_segments to match")
         if sum(int(n) for n in segments.split(",")) != self.block_size:
-            fail(f"block_size={self.block_size} but every document of {data_dir} is {segments.replace(',', '+')} "
-                 f"tokens: set block_size to their sum, so that each row is one document")
+            fail(f"block_size={self.block_size} but every document of {data_dir} is "
+                 f"{segments.replace(',', '+')} tokens: set block_size to their sum, so that "
+                 f"each row is one document")
 
 
 class BlockDiffusion(Mask):
-    """objective="bd3lm"'s attention over a 2T row, the noisy copy of a sequence (positions [0, T)) then its clean
-    copy ([T, 2T)), both at RoPE positions 0..T-1; blocks (T,) numbers the diffusion block of each position,
-    in order. A noisy token sees its own noisy block (both ways) and the clean blocks before it; a clean token
-    sees the clean blocks up to its own (both ways within it); nothing sees a noisy token from elsewhere.
-    BD3-LM's mask (Arriola et al. 2025: block diagonal, offset block causal, block causal); HDP's question is
-    one block that no other block precedes, so it sees only itself."""
-    kind, refusal, label, flex_first = "diffusion", "take bd3lm's block-diffusion mask", ", bd3lm mask", True
-    FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}  # no varlen: blocks see blocks
+    """bd3lm's attention over a 2T row, a sequence's noisy copy ([0, T)) then its clean copy ([T,
+    2T)), both at RoPE positions 0..T-1; blocks (T,) numbers each position's diffusion block, in
+    order. A noisy token sees its own noisy block and the clean blocks before it; a clean token the
+    clean blocks up to its own; no token sees another block's noisy tokens (BD3-LM's block
+    diagonal, offset block causal and block causal). HDP's question is one block that no block
+    precedes, so it sees only itself."""
+    kind, label, flex_first = "diffusion", ", bd3lm mask", True
+    refusal = "take bd3lm's block-diffusion mask"
+    FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}  # no varlen
 
     def __init__(self, blocks):
         super().__init__(None, 2 * blocks.numel(), blocks.device)
@@ -151,68 +160,55 @@ class BlockDiffusion(Mask):
 
 
 class BlockDiffusionLM(GPT):
-    """objective="bd3lm", block diffusion (BD3-LM, Arriola et al. 2025): the sequence is cut into blocks of
-    diffusion_block tokens; in each, every token is replaced by [MASK] (config.mask_id) with probability t, drawn
-    per block, and the model predicts the clean tokens from the noisy block and the clean blocks before it (one
-    pass over both copies, BlockDiffusion's mask). The loss is the NELBO: each masked token's cross-entropy x 1/t,
-    averaged over the tokens. Sampled a block at a time (generate)."""
+    """The model (the module's docstring)."""
 
     def forward(self, idx, targets=None, cache=None):
-        """With targets, the noise draws (diffuse): (None, the NELBO per token); without, idx is the next block
-        after the cache's, whole (denoise): (its logits, None), and the cache keeps it."""
+        """With targets, the noise draws: (None, the NELBO per token); without, idx is the next
+        block after the cache's, whole: (its logits, None), and the cache keeps it."""
         T = self.check_length(idx, cache)
-        out = self.diffuse(idx, targets) if targets is not None else (self.denoise(idx, cache), None)
+        out = (self.denoise(idx, cache), None) if targets is None else self.diffuse(idx, targets)
         if cache is not None:
             cache.pos += T
         return out
 
     def diffuse(self, x0, draws):
-        """The loss: (None, the NELBO per token) of the clean tokens x0 (B, T). draws (B, 2, T), uniform in [0, 1)
-        and made by the loader from each sample's index (diffusion_draws: the same whatever the world size or a
-        resume): block b's t is drawn from draws[:, 1, b] and token i is masked when draws[:, 0, i] < its block's t.
-        One pass over the noisy copy and the clean copy (2T positions) under BlockDiffusion's mask; the loss is the
-        cross-entropy of the masked tokens, each x 1/t, over the tokens that can be noised."""
+        """(None, the NELBO per token) of the clean tokens x0 (B, T). Block b's t is drawn from
+        draws[:, 1, b] and token i is masked when draws[:, 0, i] < its block's t (draws (B, 2, T):
+        diffusion_draws). One pass over both copies (2T positions) under BlockDiffusion."""
         c = self.config
         B, T = x0.shape
         blocks = c.diffusion_blocks(x0.device)[:T]
-        low, high = (c.clip_low, c.clip_high) if self.training and c.noise_schedule == "clipped" else (LOGLINEAR_EPS, 1.0)
-        t = low + (high - low) * draws[:, 1].float().gather(1, blocks.expand(B, T))  # each token's block's t
+        clipped = self.training and c.noise_schedule == "clipped"
+        low, high = (c.clip_low, c.clip_high) if clipped else (LOGLINEAR_EPS, 1.0)
+        t = low + (high - low) * draws[:, 1].float().gather(1, blocks.expand(B, T))  # by token
         masked = (draws[:, 0] < t) & (torch.arange(T, device=x0.device) >= c.noised_from)
         x = self.embed_tokens(torch.cat([torch.where(masked, c.mask_id, x0), x0], dim=1))
         x = self.blocks(x, None, self.ready(x, BlockDiffusion(blocks)))
         _, loss = self.head(x[:, :T], x0, masked / t)
-        return None, loss * T / (T - c.noised_from)
+        return None, loss * T / (T - c.noised_from)  # over the tokens that can be noised
 
     def denoise(self, block, cache=None):
-        """Logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) after the clean blocks in the cache,
-        which it sees whole, as it sees itself: what training's noisy copy sees. Its keys and values go into the
-        cache past cache.pos, kept only when forward() runs the finished block again."""
+        """Logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) that sees the cache's
+        clean blocks and itself whole, as training's noisy copy does. Its keys and values pass
+        cache.pos, kept only when forward() runs the finished block again."""
         return self.head(self.blocks(self.embed_tokens(block), cache, False), None)[0]
 
     def cross_entropy_sum(self, logits, targets, weights=None):
-        """GPT's, with the [MASK] id never predicted (BD3-LM's SUBS parameterization: its logit is minus infinity)."""
+        """GPT's, with [MASK] never predicted (BD3-LM's SUBS parameterization: logit -inf)."""
         logits = logits.float().view(targets.numel(), -1)
-        logits = logits.index_fill(-1, torch.tensor([self.config.mask_id], device=logits.device), float("-inf"))
+        mask_id = torch.tensor([self.config.mask_id], device=logits.device)
+        logits = logits.index_fill(-1, mask_id, float("-inf"))
         return super().cross_entropy_sum(logits, targets, weights)
 
     @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, generator=None, steps=None,
-                 unmask="schedule"):
-        """Yields the next token of each row, shape (B,), a block at a time.
-
-        The prompt's whole blocks go into the KV cache a block at a time (a clean block sees itself whole and the
-        blocks before it, as in training); the block it ends in is finished around its tokens, which stay. Each
-        block starts all-[MASK] and is unmasked in `steps` denoising passes (None: one token per pass, the block's
-        length), then goes into the cache whole and its tokens are yielded. Which masked tokens a pass fills (each
-        with a token drawn at temperature / top_k / top_p): unmask="schedule", BD3-LM's own, t falls from 1 to 0
-        in `steps` even steps and each masked token is filled with probability (t - s) / t at the step from t to s,
-        in random order as training masks; "confidence", those whose drawn token is most probable, as many as an
-        even share of the passes left asks (a small model's most probable token is often a space:
-        config/tiny_bd3lm.py's samples were all whitespace this way).
-        HDP: the prompt is the question, padded with BOS to its segment as prepare.py pads it; then come the plan
-        and the execution. Ends after max_new_tokens, at block_size (no sliding window: a block's tokens are drawn
-        for their positions), or once every row has made BOS, the end of a document (HDP: in the execution, as the
-        plan's padding is BOS too)."""
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                 generator=None, steps=None, unmask="schedule"):
+        """Yields the next token of each row, shape (B,), a block at a time. The prompt's whole
+        blocks go into the KV cache; each later block starts all-[MASK] (the prompt's last around
+        its tokens) and is unmasked in `steps` passes (None: one token per pass; unmask()). HDP:
+        the prompt is the question, padded with BOS as prepare.py pads it. Ends after
+        max_new_tokens, at block_size (a block's tokens are drawn for their positions: no sliding
+        window), or once every row has made BOS (HDP: in the execution; the plan pads with BOS)."""
         c = self.config
         if unmask not in UNMASKING:
             raise ValueError(f"unmask={unmask!r}: choose one of {', '.join(UNMASKING)}")
@@ -225,7 +221,7 @@ class BlockDiffusionLM(GPT):
         blocks = c.diffusion_blocks(device)
         bounds = [0, *((blocks[1:] != blocks[:-1]).nonzero().flatten() + 1).tolist(), c.block_size]
         P = idx.size(1)
-        end, end_from = min(c.block_size, P + max_new_tokens), sum(c.segments[:2]) if c.hdp_segments else P
+        end, end_from = min(c.block_size, P + max_new_tokens), sum(c.segments[:2]) or P
         cache = KVCache(c, B, c.block_size, device, next(self.parameters()).dtype)
         ended = torch.zeros(B, dtype=torch.bool, device=device)
         for a, b in zip(bounds, bounds[1:]):
@@ -245,21 +241,30 @@ class BlockDiffusionLM(GPT):
                     return
 
     def unmask(self, x, cache, steps, how, temperature, top_k, top_p, generator):
-        """generate's denoising of one block x (B, L), [MASK] where still open, after the cache's blocks."""
+        """generate's denoising of one block x (B, L), [MASK] where still open: each pass draws
+        tokens at temperature / top_k / top_p and fills some. how="schedule", BD3-LM's: t falls
+        from 1 to 0 in even steps, and from t to s each masked token is filled with probability
+        (t - s) / t, in random order as training masks; "confidence": the most probable, an even
+        share of the passes left (a small model's most probable token is often a space:
+        config/tiny_bd3lm.py's samples were all whitespace this way)."""
         c = self.config
         for step in range(steps):
             masked = x == c.mask_id
             if not masked.any():
                 break
             logits = self.denoise(x, cache)[..., :c.mask_id]  # never [MASK], never a padded id
-            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p, generator).view_as(x)
+            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p, generator)
+            drawn = drawn.view_as(x)
             if how == "confidence":
-                confidence = logits.float().softmax(-1).gather(-1, drawn[..., None])[..., 0].masked_fill(~masked, -1.0)
-                share = (masked.sum(1, keepdim=True) + steps - step - 1) // (steps - step)  # ceil: none left at the end
+                p = logits.float().softmax(-1).gather(-1, drawn[..., None])[..., 0]
+                confidence = p.masked_fill(~masked, -1.0)
+                left = steps - step
+                share = (masked.sum(1, keepdim=True) + left - 1) // left  # ceil: none left over
                 fill = masked & (confidence.argsort(1, descending=True).argsort(1) < share)
             else:
                 t, s = 1 - step / steps, 1 - (step + 1) / steps
-                fill = masked & (torch.rand(x.shape, generator=generator, device=x.device) < (t - s) / t)
+                draw = torch.rand(x.shape, generator=generator, device=x.device)
+                fill = masked & (draw < (t - s) / t)
             x = torch.where(fill, drawn, x)
         return x
 

@@ -1,9 +1,9 @@
 """
-Deep-supervision refinement (objective=refine): the same weights, each block applied many times. The embedding x
-stays; an answer y (from x) and a latent z (from zeros) pass through every layer: the layer's block updates z
-n_loops times reading x + y + z, then y once reading y + z (its pre-norms read the sum, its residual adds to the
-state it updates), all of it T_recursion times. One pass through every layer is a supervision step; the head then
-reads y and the step's cross-entropy is taken. Its KV cache has an entry per block application.
+Deep-supervision refinement (objective=refine): the same weights, each block applied many times. The
+embedding x stays; an answer y (from x) and a latent z (from zeros) pass through every layer: the
+block updates z n_loops times reading x + y + z, then y once reading y + z, all T_recursion times.
+One pass through every layer is a supervision step, after which the head reads y and the step's
+cross-entropy is taken. The KV cache has an entry per block application.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -14,14 +14,14 @@ from model import GPT, GPTConfig
 
 # --- config
 n_loops = 2                     # refine: latent (z) updates per layer and repetition
-T_recursion = 1                 # refine: repetitions per layer; in training all but the last run without gradients
-n_sup_train = 4                 # refine: supervision steps (a pass through every layer, then a loss) per training forward
+T_recursion = 1                 # refine: repetitions per layer; training: the earlier without grad
+n_sup_train = 4                 # refine: supervision steps (all layers, then a loss) in training
 n_sup_inference = 4             # refine: supervision steps in evaluation and generation
-refine_preset = "aggressive"    # refine: moderate (3, 0.5) | aggressive (5, 1.0) | extreme (10, 2.0): the next two
-supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j base^j; None: refine_preset's
-improvement_reward_scale = None  # refine: minus this x (prev - cur) / prev from the second step on; None: the preset's
-detach_threshold = 2            # refine: y and z are detached after each supervision step >= this, but the last
-refine_order_patience = 3       # refine: warn when the validation losses per step are out of order this many evaluations in a row
+refine_preset = "aggressive"    # refine: moderate (3, .5) | aggressive (5, 1) | extreme (10, 2)
+supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j base^j; None: preset
+improvement_reward_scale = None  # refine: minus this x (prev-cur)/prev from step 2 on; None: preset
+detach_threshold = 2            # refine: y, z detached after each step >= this, but the last
+refine_order_patience = 3       # refine: warn at this many evals in a row of val steps out of order
 # --- end config
 
 # (supervision_weight_base, improvement_reward_scale) of each preset
@@ -30,7 +30,7 @@ PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
 
 @dataclass
 class Config(GPTConfig):
-    """GPTConfig and refinement's fields: the keys above, but refine_order_patience (the loop's, not the model's)."""
+    """GPTConfig and the keys above, but refine_order_patience (the loop's, not the model's)."""
     objective: str = "refine"
     n_loops: int = n_loops
     T_recursion: int = T_recursion
@@ -43,22 +43,24 @@ class Config(GPTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.refine_preset not in PRESETS:
-            raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of {', '.join(PRESETS)}")
-        for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1), ("n_sup_inference", 1),
-                           ("detach_threshold", 0)):
+        preset = self.refine_preset
+        if preset not in PRESETS:
+            raise ValueError(f"refine_preset={preset!r}: choose one of {', '.join(PRESETS)}")
+        for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1),
+                           ("n_sup_inference", 1), ("detach_threshold", 0)):
             if getattr(self, key) < least:
                 raise ValueError(f"{key}={getattr(self, key)} must be at least {least}")
-        base, reward = PRESETS[self.refine_preset]
-        self.supervision_weight_base = base if self.supervision_weight_base is None else self.supervision_weight_base
+        base, reward = PRESETS[preset]
+        if self.supervision_weight_base is None:
+            self.supervision_weight_base = base
         if self.improvement_reward_scale is None:
             self.improvement_reward_scale = reward
         if self.supervision_weight_base <= 0:
-            raise ValueError(f"supervision_weight_base={self.supervision_weight_base} must be positive")
+            raise ValueError(f"supervision_weight_base={self.supervision_weight_base} "
+                             f"must be positive")
 
     def applications(self, training=True):
-        """(supervision steps, block applications per layer and step with gradients, without) of one forward: the
-        earlier repetitions run without gradients in training only."""
+        """GPTConfig's: in training, the earlier repetitions run without gradients."""
         per_repetition = self.n_loops + 1
         if not training:
             return self.n_sup_inference, per_repetition * self.T_recursion, 0
@@ -76,10 +78,9 @@ def check_config(cfg):
 
 
 def refine_objective(losses, base, reward):
-    """Refinement's training objective from the supervision steps' cross-entropies (0-d tensors, first to
-    last): step i weighs base^i / sum_j base^j, so the last steps count most; from the second step on,
-    reward * (prev - cur) / prev is subtracted, prev detached, so a step gains from improving on the one
-    before it, and the one before is not pushed to be worse. One step: its loss, unchanged."""
+    """The training loss of the steps' cross-entropies (0-d, first to last): step i weighs base^i /
+    sum_j base^j; from step 2 on, reward * (prev - cur) / prev is subtracted, prev detached, so a
+    step gains by improving on the one before and that one is not pushed to be worse."""
     weights = [base ** i for i in range(len(losses))]
     objective = sum(w / sum(weights) * loss for w, loss in zip(weights, losses, strict=True))
     for prev, cur in zip(losses, losses[1:]):
@@ -88,23 +89,21 @@ def refine_objective(losses, base, reward):
 
 
 class Refine(GPT):
-    """The model (see the module's docstring). Its stats: each supervision step's cross-entropy."""
+    """The model (the module's docstring). Its stats: each supervision step's cross-entropy."""
 
     def predict(self, x, targets, cache, mask):
-        """(the last step's logits, as head() returns them, the loss, the steps' cross-entropies (detached, shape
-        (steps,))); the last two None without targets. The loss: in training the objective refine_objective()
-        makes of the steps' losses, in eval mode the last step's cross-entropy (validation's loss). n_sup_train
-        steps in training, n_sup_inference in eval mode. Reduces to the plain GPT with one step, n_loops=0 and
-        T_recursion=1."""
+        """(the last step's logits, the loss, the steps' cross-entropies (detached, (steps,))); the
+        last two None without targets. The loss: refine_objective() in training, the last step's
+        cross-entropy in eval mode. With one step, n_loops=0 and T_recursion=1 it is GPT's."""
         c = self.config
         n_sup = c.n_sup_train if self.training else c.n_sup_inference
         y, z, slot, losses, logits = x, None if c.n_loops == 0 else torch.zeros_like(x), 0, [], None
         for step in range(n_sup):
             for block in self.layers:
                 for r in range(c.T_recursion):
-                    # TRM's deep recursion: the repetitions before the last move the states without gradients
+                    # TRM's deep recursion: the repetitions before the last have no gradients
                     with torch.no_grad() if r < c.T_recursion - 1 else nullcontext():
-                        if z is not None:  # n_loops > 0
+                        if z is not None:
                             xy = x + y  # what every latent update reads besides z
                             for _ in range(c.n_loops):
                                 z = block(z, cache, mask, slot, context=xy)
@@ -112,22 +111,22 @@ class Refine(GPT):
                         y = block(y, cache, mask, slot, context=z)
                         slot += 1
             if targets is not None or step == n_sup - 1:
-                logits, loss = self.head(y, targets, in_graph=True)  # a graph break would leave the loop eager
+                logits, loss = self.head(y, targets, in_graph=True)  # a break leaves the loop eager
                 losses.append(loss)
-            if c.detach_threshold <= step < n_sup - 1:  # later steps' losses stop reaching back through this one
+            if c.detach_threshold <= step < n_sup - 1:  # later losses stop reaching back past here
                 y, z = y.detach(), None if z is None else z.detach()
         if targets is None:
             return logits, None, None
         steps = torch.stack(losses).detach()
         if not self.training:
             return logits, losses[-1], steps
-        return logits, refine_objective(losses, c.supervision_weight_base, c.improvement_reward_scale), steps
+        return logits, refine_objective(losses, c.supervision_weight_base,
+                                        c.improvement_reward_scale), steps
 
     @staticmethod
     def metrics(losses, prefix=""):
-        """The losses per supervision step (first to last) as sup_loss_0, sup_loss_1, ... (numbers of their own,
-        so metrics.csv, the trackers and the plots take them as they take the rest), and the refinement, the share
-        of the first step's loss the last one removes, in percent."""
+        """The losses per step as sup_loss_0, sup_loss_1, ... (numbers of their own, as metrics.csv
+        and the plots take them), and the refinement: the % of step 0's loss the last removes."""
         return {**{f"{prefix}sup_loss_{i}": v for i, v in enumerate(losses)},
                 f"{prefix}refinement": 100 * (losses[0] - losses[-1]) / losses[0]}
 
@@ -139,17 +138,17 @@ class Refine(GPT):
 
     @staticmethod
     def check_validation(losses, state, cfg):
-        """A later supervision step should never do worse than the one before it on validation: a warning, (event
-        name, message, fields), when the order has been broken cfg.refine_order_patience evaluations in a row
-        (state.order_broken counts them), and again at each such run of evaluations; else None."""
+        """(event name, message, fields) of a warning when a validation step did no better than the
+        one before for refine_order_patience evaluations in a row (and each such run after)."""
         inverted = [i for i in range(1, len(losses)) if losses[i] >= losses[i - 1]]
         state.order_broken = state.order_broken + 1 if inverted else 0
         if not inverted or state.order_broken % cfg.refine_order_patience:
             return None
-        return ("refinement_order", f"validation loss per supervision step out of order for {state.order_broken} "
+        return ("refinement_order",
+                f"validation loss per supervision step out of order for {state.order_broken} "
                 f"evaluations in a row (now {' -> '.join(f'{v:.4f}' for v in losses)}; step "
-                f"{', '.join(map(str, inverted))} no better than the one before): lower learning_rate, or "
-                f"check supervision_weight_base and grad_clip",
+                f"{', '.join(map(str, inverted))} no better than the one before): lower "
+                f"learning_rate, or check supervision_weight_base and grad_clip",
                 dict(val_sup_losses=losses, evaluations=state.order_broken))
 
 
