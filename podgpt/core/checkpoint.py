@@ -97,10 +97,6 @@ def leaves(obj):
         yield obj
 
 
-def tensors_in(obj):
-    return [t for t in leaves(obj) if torch.is_tensor(t)]
-
-
 def tensor_bytes(obj):
     """The bytes of the tensors and bytes objects in obj (nested dicts, lists and tuples)."""
     return sum(x.numel() * x.element_size() if torch.is_tensor(x) else
@@ -135,7 +131,7 @@ def write_shards(state_dir, sharded, group=None):
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP stages tensors through a CUDA stream wherever CUDA exists: a CPU run's are written as they
     # are, so that a CPU run on a GPU machine never reaches into a GPU
-    on_cpu = all(t.device.type == "cpu" for t in tensors_in(sharded))
+    on_cpu = all(t.device.type == "cpu" for t in leaves(sharded) if torch.is_tensor(t))
     writer = dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu else {}))
     dcp.save(sharded, storage_writer=writer, process_group=group)
     # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
@@ -242,7 +238,8 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
                 remove(os.path.join(ckpt_root, leftover))
         # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp
         # share ~1/world of it
-        ddp = sharded is not None and all(type(t) is torch.Tensor for t in tensors_in(sharded))
+        ddp = sharded is not None and all(type(t) is torch.Tensor for t in leaves(sharded)
+                                          if torch.is_tensor(t))
         world = dist.get_world_size(group) if ddp else 1
         go = [room_for(ckpt_root, step, tensor_bytes(files) + tensor_bytes(sharded) * world,
                        min_free_gb)]
