@@ -50,8 +50,7 @@ class Mask:
     positions = None  # the rows' RoPE positions, when they are not 0..T-1
 
     def __init__(self, rows, length, device):
-        # rows: None when every row is masked alike
-        self.rows, self.length, self.device = rows, length, device
+        self.rows, self.length, self.device = rows, length, device  # rows None: all rows alike
         self.made = {}
 
     def get(self, form):
@@ -187,11 +186,8 @@ def flash_attention(name, q, k, v, causal, mask=None):
 def causal_block_mask(q_len, kv_len, device):
     from torch.nn.attention.flex_attention import create_block_mask
     offset = kv_len - q_len
-
-    def causal(b, h, q, kv):
-        return q + offset >= kv
-
-    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+    return create_block_mask(lambda b, h, q, kv: q + offset >= kv, None, None, q_len, kv_len,
+                             device=device)
 
 
 @lru_cache(maxsize=1)

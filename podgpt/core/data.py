@@ -250,11 +250,9 @@ def bpb_scale(split):
 class Loader:
     """Windows of block_size+1 tokens (input and shifted target) over a split's shards; with draws
     (an objective that makes its own targets), block_size tokens and draws(seed, keys, block_size).
-
-    Window i of a shard starts at token i*block_size. Training visits the windows in a seeded
-    random order per epoch, a pure function of (seed, epoch): sample k of the run is window
-    order(k // n)[k % n], so the loader's whole state is k. Validation reads windows 0, 1, 2, ...
-    """
+    Window i of a shard starts at token i*block_size. Training's sample k is window
+    order(k // n)[k % n], a seeded permutation per epoch, so the loader's whole state is k;
+    validation reads windows 0, 1, 2, ..."""
 
     def __init__(self, data_dir, split, manifest, block_size, seed, draws=None):
         self.block_size, self.seed, self.draws = block_size, seed, draws
