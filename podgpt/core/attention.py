@@ -1,14 +1,14 @@
 """
 Attention for podgpt's GPT: the masks, the kernels that run them, and which kernel runs here.
 
-- A Mask says once who sees whom (allowed), and every kernel's form of it (SDPA's dense tensor,
-  FlexAttention's BlockMask) and the float64 reference are derived from that; FlashAttention's varlen
-  sequences from the documents themselves.
-- The kernels: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one kernel (cudnn, flash,
-  efficient, math) or left to choose ("sdpa"), FlexAttention, and FlashAttention 4 through SDPA ("fa4",
-  only when named).
-- attention() dispatches on an attn_backend name; "auto" resolves to the fastest kernel that runs here and
-  agrees with a float64 reference (resolve_backend).
+- A Mask says once who sees whom (allowed); each kernel's form of it (SDPA's dense tensor,
+  FlexAttention's BlockMask, FlashAttention's varlen sequences) and the float64 reference derive
+  from it.
+- The kernels: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one kernel (cudnn,
+  flash, efficient, math) or left to choose ("sdpa"), FlexAttention, and FlashAttention 4 through
+  SDPA ("fa4", only when named).
+- attention() dispatches on an attn_backend name; "auto" resolves to the fastest kernel that runs
+  here and agrees with a float64 reference (resolve_backend).
 """
 
 import importlib
@@ -25,32 +25,32 @@ from podgpt.core.util import first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
-# backends that run only when attn_backend names them, never auto's pick: fa4 is a beta package, and turning it
+# run only when attn_backend names them, never auto's pick: fa4 is a beta package, and turning it
 # on swaps SDPA's flash kernel for the whole process
 OPT_IN_BACKENDS = ("fa4",)
 
 # -----------------------------------------------------------------------------
 # attention kernels: (q, k, v) are (B, heads, T, head_dim); k and v may have fewer heads (GQA:
 # query head h reads key/value head h // (n_head / n_kv_head), every kernel's convention).
-# `causal`: True for causal, aligned bottom-right when there are more keys than queries (the new
-# queries of the KV cache come after the cached keys); False for no mask; or a boolean tensor
+# `causal`: True for causal, aligned bottom-right when there are more keys than queries (the KV
+# cache's new queries come after the cached keys); False for no mask; or a boolean tensor
 # (T_q, T_k), True where a query may attend (SDPA kernels only).
-# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each document), or a
-# research objective's own.
+# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each
+# document), or a research objective's own.
 
 class Mask:
-    """Who sees whom in attention, said once by allowed(); each form a kind of kernel takes (FORMS: backend -> form)
-    is derived from it, made on first use and kept: GPT.forward makes one per batch before the blocks run, so every
-    layer and every recomputation under activation checkpointing reuses it. A new kind of mask is one subclass."""
-    kind = None          # its name where resolve_backend takes a kind of mask (masks())
-    FORMS = {}           # the backends that can take it, and the form each takes
-    refusal = ""         # a backend outside FORMS "cannot {refusal}"
-    label = ""           # what a refusal adds to "Available here (device, dtype, head_dim...)"
-    flex_first = False   # auto tries flex first: the mask leaves most tiles empty, and only FlexAttention skips them
-    positions = None     # the rows' RoPE positions, when they are not 0..T-1
+    """Who sees whom in attention, said once by allowed(); each form a kind of kernel takes (FORMS:
+    backend -> form) derives from it, made on first use and kept: GPT.forward makes one per batch,
+    so every layer and every recomputation reuses it. A new kind of mask is one subclass."""
+    kind = None  # its name where resolve_backend takes a kind of mask (masks())
+    FORMS = {}  # the backends that can take it, and the form each takes
+    refusal = ""  # a backend outside FORMS "cannot {refusal}"
+    label = ""  # what a refusal adds to "Available here (device, dtype, head_dim...)"
+    flex_first = False  # auto tries flex first: only FlexAttention skips the mask's empty tiles
+    positions = None  # the rows' RoPE positions, when they are not 0..T-1
 
     def __init__(self, rows, length, device):
-        self.rows, self.length, self.device = rows, length, device  # rows: None when every row is masked alike
+        self.rows, self.length, self.device = rows, length, device  # rows None: all rows alike
         self.made = {}
 
     def get(self, form):
@@ -59,11 +59,11 @@ class Mask:
         return self.made[form]
 
     def allowed(self, q, kv, b=None):
-        """True where query position q of row b may attend key position kv (index tensors that broadcast)."""
+        """True where query position q of row b may attend key position kv (broadcast indices)."""
         raise NotImplementedError
 
     def matrix(self):
-        """(rows, T, T) bool, allowed() at every pair (one row when all are alike): what the float64 reference reads."""
+        """(rows, T, T) bool, allowed() at every pair (one row when all are alike)."""
         i = torch.arange(self.length, device=self.device)
         b = torch.arange(self.rows or 1, device=self.device)[:, None, None]
         return self.allowed(i[:, None], i, b).expand(self.rows or 1, self.length, self.length)
@@ -73,17 +73,18 @@ class Mask:
         return self.matrix()[:, None]
 
     def block(self):
-        """FlexAttention's BlockMask: the tiles where nothing is allowed are skipped, not computed."""
+        """FlexAttention's BlockMask: tiles where nothing is allowed are skipped."""
         from torch.nn.attention.flex_attention import create_block_mask
-        return create_block_mask(lambda b, h, q, kv: self.allowed(q, kv, b), self.rows, None, self.length, self.length,
-                                 device=self.device)
+        return create_block_mask(lambda b, h, q, kv: self.allowed(q, kv, b), self.rows, None,
+                                 self.length, self.length, device=self.device)
 
 
 class Documents(Mask):
-    """Causal attention within documents: doc_ids (B, T) is the document of every token (doc_mask)."""
+    """Causal attention within documents: doc_ids (B, T) is the document of every token."""
     kind, refusal, label = "documents", "mask documents (doc_mask=True)", ", doc_mask"
-    # SDPA's flash kernel takes no mask on CUDA, and cudnn's support of one varies with the torch release
-    FORMS = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}
+    # SDPA's flash kernel takes no mask on CUDA, and cudnn's support of one varies by release
+    FORMS = {"fa3": "varlen", "fa2": "varlen", "flex": "block", "efficient": "dense",
+             "math": "dense", "sdpa": "dense"}
 
     def __init__(self, doc_ids):
         super().__init__(doc_ids.size(0), doc_ids.size(1), doc_ids.device)
@@ -93,8 +94,8 @@ class Documents(Mask):
         return (q >= kv) & (self.ids[b, q] == self.ids[b, kv])
 
     def varlen(self):
-        """(cu_seqlens, longest) for FlashAttention's varlen kernels: each document of each row is one
-        sequence of the flattened batch. The longest needs one host sync per batch."""
+        """(cu_seqlens, longest) for FlashAttention's varlen kernels, each document of each row one
+        sequence of the flattened batch; the longest costs a host sync per batch."""
         B, T = self.ids.shape
         starts = torch.ones_like(self.ids, dtype=torch.bool)
         starts[:, 1:] = self.ids[:, 1:] != self.ids[:, :-1]
@@ -112,13 +113,12 @@ class Documents(Mask):
 
 
 def masks():
-    """{kind: Mask subclass}: the kinds resolve_backend's `mask` names, a research objective's among them once
-    its module is imported."""
+    """{kind: Mask subclass}, a research objective's among them once its module is imported."""
     return {cls.kind: cls for cls in Mask.__subclasses__()}
 
 
 def sdpa_attention(q, k, v, causal, mask=None):
-    """PyTorch's scaled_dot_product_attention, on the kernel it picks (or the one sdpa_kernel pins)."""
+    """PyTorch's scaled_dot_product_attention, on the kernel it picks (or sdpa_kernel pins)."""
     dense, is_causal = None, False
     if mask is not None:
         dense = mask.get("dense")
@@ -126,8 +126,9 @@ def sdpa_attention(q, k, v, causal, mask=None):
         dense = causal
     elif causal and q.size(2) == k.size(2):
         is_causal = True
-    elif causal and q.size(2) > 1:  # SDPA's is_causal aligns top-left: spell bottom-right out (one query needs none)
-        dense = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(k.size(2) - q.size(2))
+    elif causal and q.size(2) > 1:  # is_causal aligns top-left: bottom-right spelled out
+        dense = torch.ones(q.size(2), k.size(2), dtype=torch.bool, device=q.device).tril(
+            k.size(2) - q.size(2))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, is_causal=is_causal,
                                           enable_gqa=k.size(1) != q.size(1))
 
@@ -138,13 +139,12 @@ def pinned_sdpa(kernel, q, k, v, causal, mask=None):
 
 
 def flash_sdpa(impl, q, k, v, causal, mask=None):
-    """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4", FlashAttention 4
-    (fa4). torch.nn.attention.activate_flash_attention_impl swaps the CUDA implementation for the whole
-    process, so each call puts back the one its backend names: flash and fa4 can both run in one process
-    (bench/attention.py, tests/test_gpu.py). A compiled graph calls whichever is active when it runs: the
-    eager trial call that resolved the backend set it before anything was traced."""
+    """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4" (fa4).
+    activate_flash_attention_impl swaps it for the whole process, so each call puts back its own:
+    flash and fa4 can both run in one process. A compiled graph calls whichever is active when it
+    runs: the eager trial call that resolved the backend set it before anything was traced."""
     if q.is_cuda and not torch.compiler.is_compiling():
-        registry = torch.nn.attention  # before torch 2.10 there is none: PyTorch's own is the only one
+        registry = torch.nn.attention  # before torch 2.10 there is none: PyTorch's is the only one
         if getattr(registry, "current_flash_attention_impl", lambda: None)() != impl:
             if impl is None:
                 registry.restore_flash_attention_impl()
@@ -162,10 +162,11 @@ FLASH_PACKAGES = {
 
 
 def flash_attention(name, q, k, v, causal, mask=None):
-    """FlashAttention 2 or 3: (B, T, heads, head_dim) layout, GQA native, causal aligned bottom-right;
-    documents through the varlen kernel, each document its own sequence."""
+    """FlashAttention 2 or 3: (B, T, heads, head_dim) layout, GQA native, causal aligned
+    bottom-right; documents through the varlen kernel, each document its own sequence."""
     if isinstance(causal, torch.Tensor):
-        raise ValueError(f"attn_backend={name} takes causal=True or False, not a mask tensor: use an SDPA backend")
+        raise ValueError(f"attn_backend={name} takes causal=True or False, not a mask tensor: use "
+                         f"an SDPA backend")
     module = importlib.import_module(FLASH_PACKAGES[name][0])
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if mask is None:
@@ -173,10 +174,10 @@ def flash_attention(name, q, k, v, causal, mask=None):
     else:
         B, T = q.shape[:2]
         cu_seqlens, longest = mask.get("varlen")
-        out = module.flash_attn_varlen_func(q.reshape(B * T, *q.shape[2:]), k.reshape(B * T, *k.shape[2:]),
-                                            v.reshape(B * T, *v.shape[2:]), cu_seqlens_q=cu_seqlens,
-                                            cu_seqlens_k=cu_seqlens, max_seqlen_q=longest, max_seqlen_k=longest,
-                                            causal=True)
+        q2, k2, v2 = (t.reshape(B * T, *t.shape[2:]) for t in (q, k, v))
+        out = module.flash_attn_varlen_func(q2, k2, v2, cu_seqlens_q=cu_seqlens,
+                                            cu_seqlens_k=cu_seqlens, max_seqlen_q=longest,
+                                            max_seqlen_k=longest, causal=True)
     out = out[0] if isinstance(out, tuple) else out  # some releases also return the log-sum-exp
     return out.view(q.shape[:2] + out.shape[-2:]).transpose(1, 2)
 
@@ -185,11 +186,8 @@ def flash_attention(name, q, k, v, causal, mask=None):
 def causal_block_mask(q_len, kv_len, device):
     from torch.nn.attention.flex_attention import create_block_mask
     offset = kv_len - q_len
-
-    def causal(b, h, q, kv):
-        return q + offset >= kv
-
-    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+    return create_block_mask(lambda b, h, q, kv: q + offset >= kv, None, None, q_len, kv_len,
+                             device=device)
 
 
 @lru_cache(maxsize=1)
@@ -204,19 +202,21 @@ def flex_attention(q, k, v, causal, mask=None):
     would each compile anew, so they run eagerly (one query row at a time is cheap)."""
     from torch.nn.attention.flex_attention import flex_attention as eager
     if isinstance(causal, torch.Tensor):
-        raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an SDPA backend")
+        raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an "
+                         "SDPA backend")
     block_mask = None
     if mask is not None:
         block_mask = mask.get("block")
     elif causal and q.size(2) > 1:  # one query (the KV cache's next token) sees every key
         block_mask = causal_block_mask(q.size(2), k.size(2), q.device)
+    gqa = k.size(1) != q.size(1)
     if q.is_cuda and q.size(2) == k.size(2):
-        return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
-    # eager on purpose: torch's warning about it (slow, and "may produce incorrect results", which concerns only its
-    # debug mode) would alarm every sampler run; the sampler's logits equal the math kernel's (tested)
+        return compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    # eager on purpose: torch's warning (slow, and "may produce incorrect results", which concerns
+    # only its debug mode) would alarm every sampler run; the logits equal math's (tested)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-        return eager(q, k, v, block_mask=block_mask, enable_gqa=k.size(1) != q.size(1))
+        return eager(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
 ATTENTION_KERNELS = {
@@ -230,43 +230,43 @@ ATTENTION_KERNELS = {
     "math": partial(pinned_sdpa, SDPBackend.MATH),
     "sdpa": sdpa_attention,
 }
-# largest error over largest value against float64, per compute dtype: a right kernel is well inside
-# (measured on CPU: 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32), a wrong one (scale, mask, GQA) is off by ~1
+# largest error over largest value against float64, per compute dtype: a right kernel is well
+# inside (CPU: 1.2e-2 in bf16, 1.4e-3 in fp16, 1e-6 in fp32), a wrong one (scale, mask, GQA) ~1 off
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def parity_tolerance(dtype, device):
-    """PARITY_TOLERANCE of dtype; float32 on a GPU whose fp32 matmuls run in TF32 (matmul_precision high or
-    medium) gets float16's: TF32 keeps float16's 10-bit mantissa (an H200 measured math at 8.0e-4 and flex at
-    2.3e-3 there, over float32's 1e-4, so that auto found no kernel at all)."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+    """PARITY_TOLERANCE of dtype, float16's for float32 on a GPU whose fp32 matmuls run in TF32
+    (10-bit mantissa: an H200 measured math at 8.0e-4 and flex at 2.3e-3 there)."""
+    tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
+    if dtype == torch.float32 and tf32:
         return PARITY_TOLERANCE[torch.float16]
     return PARITY_TOLERANCE.get(dtype, 1e-4)
 
 
 def reference_attention(q, k, v, mask=None):
-    """Causal attention (or as a Mask's allowed() says) in float64, written out: the yardstick that the forms the
-    kernels get are held to."""
+    """Causal attention (or as a Mask allows) in float64, written out: the kernels' yardstick."""
     rep = q.size(1) // k.size(1)
     q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     T = q.size(2)
-    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if mask is None else mask.matrix()[:, None]
+    allowed = (torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if mask is None else
+               mask.matrix()[:, None])
     scores = q @ k.transpose(-1, -2) / q.size(-1) ** 0.5
     return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
 def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=2, T=None):
-    """Largest error of a kernel's output and of its q/k/v gradients ({output, dq, dk, dv}) against
-    reference_attention, relative to the largest value, on random inputs of n_head query and n_kv_head
-    key/value heads (rounded to dtype first, so only the kernel's error counts), causal or under an
-    example of kind `mask` (Mask.example). T None: 256 on a GPU (past FlexAttention's and FlashAttention's 128-row
-    tiles), 64 on a CPU. sanity.py checks every backend with these at the run's head layout."""
+    """Largest error of a kernel's output and q/k/v gradients ({output, dq, dk, dv}) against
+    reference_attention, relative to the largest value, on random inputs rounded to dtype first
+    (only the kernel's error counts), causal or under Mask.example of kind `mask`. T None: 256 on a
+    GPU (past FlexAttention's and FlashAttention's 128-row tiles), 64 on a CPU."""
     device = torch.device(device)
     T = T or (256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(0)
     shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
               (2, n_head, T, head_dim)]
-    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype) for s in shapes)
+    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype)
+                     for s in shapes)
     example = None if mask is None else masks()[mask].example(T, device)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
     reference_attention(*ref_in, example).backward(grad.double())
@@ -281,17 +281,18 @@ def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=
 
 
 def parity_error(name, device, dtype, head_dim, mask=None):
-    """The largest of parity_errors at the default shapes: what auto holds against PARITY_TOLERANCE."""
+    """The largest of parity_errors at the default shapes: what auto holds to PARITY_TOLERANCE."""
     return max(parity_errors(name, device, dtype, head_dim, mask).values())
 
 
 def fa4_unavailable(device, dtype, head_dim):
-    """Why fa4 cannot run here, or None: PyTorch 2.10+ routes SDPA's flash kernel to flash_attn.cute (the
-    flash-attn-4 package: CuTe DSL kernels, compiled at first use) on Hopper and Blackwell GPUs."""
+    """Why fa4 cannot run here, or None: torch 2.10+ routes SDPA's flash kernel to flash_attn.cute
+    (flash-attn-4: CuTe DSL kernels compiled at first use) on Hopper and Blackwell GPUs."""
     label, install = "FlashAttention 4", "pip install --pre flash-attn-4"
     if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
-        return (f"{label} runs through SDPA from torch 2.10 on (torch.nn.attention.activate_flash_attention_impl); "
-                f"this is torch {torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
+        return (f"{label} runs through SDPA from torch 2.10 on "
+                f"(torch.nn.attention.activate_flash_attention_impl); this is torch "
+                f"{torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
     if importlib.util.find_spec("flash_attn") is None:
         return f"flash_attn.cute is not installed ({label}): {install}"
     if device.type != "cuda":
@@ -300,11 +301,11 @@ def fa4_unavailable(device, dtype, head_dim):
         return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):  # the GPUs PyTorch's FA4 route accepts
-        return (f"{label} runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU is {major}.{minor}: "
-                f"use fa2 or flash")
+        return (f"{label} runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU "
+                f"is {major}.{minor}: use fa2 or flash")
     if head_dim % 8 or head_dim > 256 or (major == 10 and 128 < head_dim < 256):
-        return (f"{label} takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to 128, or 256), "
-                f"not {head_dim}")
+        return (f"{label} takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to "
+                f"128, or 256), not {head_dim}")
     try:  # flash_attn may be FlashAttention 2 alone, without the cute kernels
         importlib.import_module("flash_attn.cute.interface")
     except ImportError as e:
@@ -312,45 +313,56 @@ def fa4_unavailable(device, dtype, head_dim):
     return None
 
 
+def flash_unavailable(name, device, dtype, head_dim):
+    """Why FlashAttention 3 or 2 (FLASH_PACKAGES) cannot run here, or None."""
+    module, label, install = FLASH_PACKAGES[name]
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed ({label}): {install}"
+    if device.type != "cuda":
+        return f"{label} is CUDA only; this is {device.type}"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+    if head_dim % 8 or head_dim > 256:
+        return f"{label} takes a head_dim that is a multiple of 8 up to 256, not {head_dim}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if name == "fa3" and major != 9:
+        return (f"{label} is built for Hopper, compute capability 9.0; this GPU is "
+                f"{major}.{minor}: use fa2")
+    if name == "fa2" and major < 8:
+        return (f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is "
+                f"{major}.{minor}")
+    try:
+        imported = importlib.import_module(module)
+    except ImportError as e:
+        return (f"{module} is installed but does not import ({first_line(e)}): reinstall it for "
+                f"this torch")
+    if not hasattr(imported, "flash_attn_func"):
+        return (f"{module} has no flash_attn_func (flash-attn-4 alone installs only "
+                f"flash_attn.cute): {install}")
+    return None
+
+
 def backend_unavailable(name, device, dtype, head_dim, mask=None):
-    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of kind `mask`:
-    None, or one of masks()), else one line saying why not and what would make it run."""
+    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of
+    kind `mask`: None, or one of masks()), else one line saying why not and what would fix it."""
     device = torch.device(device)
     if name not in ATTENTION_KERNELS:
-        return f"unknown attention backend {name!r}: choose auto or one of {', '.join(ATTENTION_KERNELS)}"
+        return (f"unknown attention backend {name!r}: choose auto or one of "
+                f"{', '.join(ATTENTION_KERNELS)}")
     if mask is not None and name not in masks()[mask].FORMS:
         return f"{name} cannot {masks()[mask].refusal}; {', '.join(masks()[mask].FORMS)} can"
-    if name in FLASH_PACKAGES:
-        module, label, install = FLASH_PACKAGES[name]
-        if importlib.util.find_spec(module) is None:
-            return f"{module} is not installed ({label}): {install}"
-        if device.type != "cuda":
-            return f"{label} is CUDA only; this is {device.type}"
-        if dtype not in (torch.bfloat16, torch.float16):
-            return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-        if head_dim % 8 or head_dim > 256:
-            return f"{label} takes a head_dim that is a multiple of 8 up to 256, not {head_dim}"
-        major, minor = torch.cuda.get_device_capability(device)
-        if name == "fa3" and major != 9:
-            return f"{label} is built for Hopper, compute capability 9.0; this GPU is {major}.{minor}: use fa2"
-        if name == "fa2" and major < 8:
-            return f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is {major}.{minor}"
-        try:
-            imported = importlib.import_module(module)
-        except ImportError as e:
-            return f"{module} is installed but does not import ({first_line(e)}): reinstall it for this torch"
-        if not hasattr(imported, "flash_attn_func"):  # flash-attn-4 alone installs flash_attn/cute/, nothing above
-            return f"{module} has no flash_attn_func (flash-attn-4 alone installs only flash_attn.cute): {install}"
-    elif name == "fa4":
-        why = fa4_unavailable(device, dtype, head_dim)
+    if name in FLASH_PACKAGES or name == "fa4":
+        why = (flash_unavailable(name, device, dtype, head_dim) if name in FLASH_PACKAGES else
+               fa4_unavailable(device, dtype, head_dim))
         if why:
             return why
     elif name == "flex":
         if device.type != "cuda":
             return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
         if importlib.util.find_spec("triton") is None:
-            return "FlexAttention compiles Triton kernels and triton is not installed: pip install triton"
-        return None  # a trial call would compile kernels for its shapes: the parity check (auto) or sanity.py runs it
+            return ("FlexAttention compiles Triton kernels and triton is not installed: pip "
+                    "install triton")
+        return None  # a trial would compile kernels: auto's parity check or sanity.py runs one
     elif name in ("cudnn", "efficient") and device.type != "cuda":
         return f"the {name} kernel is CUDA only; this is {device.type}"
     elif name in ("math", "sdpa"):
@@ -360,19 +372,21 @@ def backend_unavailable(name, device, dtype, head_dim, mask=None):
 
 def trial_call(name, device, dtype, head_dim, mask):
     """A tiny causal GQA forward and backward (under an example of kind `mask`): None when it runs,
-    else why not. SDPA gives its reasons for refusing a kernel in warnings."""
-    g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the model's init
-    q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (2, 1))
+    else why not (SDPA says why it refuses a kernel in warnings)."""
+    g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the init
+    q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_()
+             for h in (2, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            ATTENTION_KERNELS[name](q, kv, kv, True, mask and masks()[mask].example(16, device)).sum().backward()
+            example = mask and masks()[mask].example(16, device)
+            ATTENTION_KERNELS[name](q, kv, kv, True, example).sum().backward()
             return None
         except Exception as e:  # whatever a kernel raises, it cannot train here
-            reasons = dict.fromkeys(" ".join(str(w.message).split(" (Triggered internally")[0].split())
-                                    for w in caught)
-            why = "; ".join(reasons) or first_line(e)
-    return f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: {why[:400]}"
+            texts = (str(w.message).split(" (Triggered internally")[0] for w in caught)
+            why = "; ".join(dict.fromkeys(" ".join(t.split()) for t in texts)) or first_line(e)
+    return (f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: "
+            f"{why[:400]}")
 
 
 resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
@@ -381,25 +395,26 @@ resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
 def resolve_backend(name, device, dtype, head_dim, mask=None):
     """(backend, note): the kernel attn_backend=name runs here, and one line saying why.
 
-    "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error within
-    PARITY_TOLERANCE); the note says which faster ones were skipped and why. A named backend that
-    cannot run here is a ValueError that lists the ones that can: never a silent substitute.
-    mask: None (causal), or the kind of Mask it will get (masks()). Cached per (name, device type, dtype,
-    head_dim, mask)."""
+    "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error
+    within PARITY_TOLERANCE), the note naming the faster ones skipped and why. A named backend that
+    cannot run here is a ValueError listing those that can: never a silent substitute. mask: None
+    (causal), or the kind of Mask it will get (masks()). Cached per argument."""
     if mask not in (None, *masks()):
         raise ValueError(f"mask={mask!r}: None or one of {', '.join(masks())}")
     key = (name, torch.device(device).type, dtype, head_dim, mask)
     if key not in resolved:
-        # trial and parity runs are eager work, never part of a compiled graph (disabling compilation at
-        # import would import torch._dynamo, a second, into every process)
-        resolve = torch.compiler.disable(resolve_uncached) if torch.compiler.is_compiling() else resolve_uncached
+        # trial and parity runs are eager work, never part of a compiled graph (disabling
+        # compilation at import would import torch._dynamo, a second, into every process)
+        resolve = (torch.compiler.disable(resolve_uncached) if torch.compiler.is_compiling() else
+                   resolve_uncached)
         resolved[key] = resolve(*key)
     return resolved[key]
 
 
 def resolve_uncached(name, device_type, dtype, head_dim, mask):
-    # they run forward and backward in their own dtypes, whatever the caller's grad and autocast modes
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
+    # they run forward and backward in their own dtypes, whatever the caller's grad and autocast
+    no_autocast = torch.autocast(device_type, enabled=False)
+    with torch.inference_mode(False), torch.enable_grad(), no_autocast:
         return resolve_in_eager(name, torch.device(device_type), dtype, head_dim, mask)
 
 
@@ -408,12 +423,11 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
         why = backend_unavailable(name, device, dtype, head_dim, mask)
         if why is None:
             return name, f"{name}: as configured"
-        here = [b for b in ATTENTION_KERNELS if b != name and not backend_unavailable(b, device, dtype, head_dim,
-                                                                                       mask)]
+        here = [b for b in ATTENTION_KERNELS
+                if b != name and not backend_unavailable(b, device, dtype, head_dim, mask)]
         raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
                          f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
-                         f"{masks()[mask].label if mask else ''}): "
-                         f"{', '.join(here) or 'none'}")
+                         f"{masks()[mask].label if mask else ''}): {', '.join(here) or 'none'}")
     skipped = []
     tol = parity_tolerance(dtype, device)
     flex_first = mask is not None and masks()[mask].flex_first
@@ -422,7 +436,8 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
         if why is None:
             try:
                 err = parity_error(candidate, device, dtype, head_dim, mask)
-                why = None if err <= tol else f"largest error {err:.1e} against float64, over {tol:g}"
+                why = (None if err <= tol else
+                       f"largest error {err:.1e} against float64, over {tol:g}")
             except Exception as e:  # a kernel that fails its first real call is skipped, saying how
                 why = f"failed its parity check: {first_line(e)}"
         if why is None:
@@ -434,14 +449,14 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
 
 def attention(backend, q, k, v, causal, mask=None):
     """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T', D) on `backend` (an attn_backend value).
-    causal: True, False, or a bool mask tensor (see above). mask: None, a Mask, or a (B, T) tensor of each
-    token's document (made into Documents: attention is then causal and within documents).
-    The first call for a (backend, device, dtype, head_dim, kind of mask) resolves it, which runs a backward
-    of its own: call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
+    causal: True, False, or a bool mask tensor (see above). mask: None, a Mask, or a (B, T) tensor
+    of each token's document (made into Documents: causal within documents). The first call for a
+    (backend, device, dtype, head_dim, kind of mask) resolves it, which runs a backward of its own:
+    call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
     if isinstance(mask, torch.Tensor):
         mask = Documents(mask)
     if isinstance(mask, Documents) and causal is not True:
         raise ValueError("doc_ids makes attention causal within each document: pass causal=True")
-    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), None if mask is None else mask.kind)[0]
+    kind = None if mask is None else mask.kind
+    name = resolve_backend(backend, q.device, q.dtype, q.size(-1), kind)[0]
     return ATTENTION_KERNELS[name](q, k, v, causal, mask)
-

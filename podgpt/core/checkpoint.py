@@ -1,19 +1,13 @@
 """
-Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them, resume and init_from:
-podgpt/pod/checkpoints.py).
+Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them, resume and
+init_from: podgpt/pod/checkpoints.py).
 
-ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, every file fsync'd, complete.json (sizes and CRC32s)
-last, then renamed into place; only then do ckpt/latest (and ckpt/best) point at it. A kill at any moment leaves
-the previous checkpoint intact, and a damaged one is recognized when read back. A periodic save holds the loop
-only while the state is copied into CPU memory (Staging); a background thread (Writer) does the rest, one save
-at a time: the next save, a rollback and the exit wait for it, and what its write raised reaches the loop.
-
-A single-process checkpoint holds model.pt and optimizer.pt (plain state dicts that torch.load opens anywhere);
-a run on several ranks writes state/ with torch.distributed.checkpoint, every rank its part at once: fsdp's ranks
-their shards (a sharded run cannot gather its AdamW state on one rank), the ddp ranks on rank 0's node an equal
-share of the replicated state (share_of). Muon's ddp runs (DCP does not take its optimizer) and ddp with one
-process per node keep model.pt and optimizer.pt, written by rank 0. Either format resumes under any mode and at
-any world size.
+ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, each file fsync'd, complete.json (sizes,
+CRC32s) last, then renamed into place and named by latest (and best): a kill at any moment leaves
+the previous checkpoint intact, and a damaged one is caught when read back. One process writes
+model.pt and optimizer.pt; several ranks write state/ with torch.distributed.checkpoint, each its
+part (fsdp's shards, ddp's share_of); muon's ddp runs (DCP does not take its optimizer) and ddp
+with one process per node write model.pt and optimizer.pt on rank 0. Either resumes anywhere.
 """
 
 import fcntl
@@ -31,19 +25,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from podgpt.core.util import CutShortThread, fail, first_line, format_bytes, lock_file, remove, warn
+from podgpt.core.util import (CutShortThread, fail, first_line, format_bytes, lock_file, remove,
+                              warn)
 
 CKPT_FORMAT = 2
-MARKER = "complete.json"        # written last into a checkpoint folder: file sizes and CRC32s
-STATE_DIR = "state"             # a sharded (fsdp) checkpoint's model and optimizer, torch.distributed.checkpoint files
-PREEMPT_SAVE_SECONDS = 25       # a save slower than this would not fit between SIGTERM and SIGKILL
+MARKER = "complete.json"  # written last into a checkpoint folder: file sizes and CRC32s
+STATE_DIR = "state"  # a sharded checkpoint's model and optimizer, as DCP writes them
+PREEMPT_SAVE_SECONDS = 25  # a save slower than this would not fit between SIGTERM and SIGKILL
 
 
 # -----------------------------------------------------------------------------
 # files
 
 class _CRC32Writer:
-    """A file wrapper that checksums what is written through it, so saving reads nothing back."""
+    """Checksums what is written through it, so that saving reads nothing back."""
 
     def __init__(self, f):
         self.f, self.crc = f, 0
@@ -57,7 +52,7 @@ class _CRC32Writer:
 
 
 def save_file(obj, path):
-    """Write bytes or a torch object to path, fsync'd; its CRC32. OSError when the disk refuses it."""
+    """Write bytes or a torch object to path, fsync'd; its CRC32. OSError when the disk refuses."""
     with open(path, "wb") as f:
         w = _CRC32Writer(f)
         if isinstance(obj, bytes):
@@ -65,7 +60,7 @@ def save_file(obj, path):
         else:
             try:
                 torch.save(obj, w)
-            except RuntimeError as e:  # torch's zip writer reports a write the disk refused as its own error
+            except RuntimeError as e:  # torch's zip writer reports a refused write as its own error
                 raise OSError(f"torch.save could not write {path}: {first_line(e)}") from e
         f.flush()
         os.fsync(f.fileno())
@@ -93,19 +88,19 @@ def read_pointer(ckpt_root, which):
         return None
 
 
-def tensors_in(obj):
-    """The tensors in nested dicts, lists and tuples."""
-    if torch.is_tensor(obj):
-        return [obj]
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else []
-    return [t for v in items for t in tensors_in(v)]
+def leaves(obj):
+    """What nested dicts, lists and tuples hold."""
+    if isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from leaves(v)
+    else:
+        yield obj
 
 
 def tensor_bytes(obj):
-    """The bytes of the tensors and bytes objects in obj, nested dicts, lists and tuples included."""
-    if isinstance(obj, (dict, list, tuple)):
-        return sum(map(tensor_bytes, obj.values() if isinstance(obj, dict) else obj))
-    return obj.numel() * obj.element_size() if torch.is_tensor(obj) else len(obj) if isinstance(obj, bytes) else 0
+    """The bytes of the tensors and bytes objects in obj (nested dicts, lists and tuples)."""
+    return sum(x.numel() * x.element_size() if torch.is_tensor(x) else
+               len(x) if isinstance(x, bytes) else 0 for x in leaves(obj))
 
 
 def file_crc32(path):
@@ -120,26 +115,27 @@ def file_crc32(path):
 # writing
 
 def room_for(ckpt_root, step, need, min_free_gb):
-    """Whether the disk holds `need` more bytes and keeps min_free_gb free; a warning when it does not."""
+    """Whether the disk holds `need` more bytes and keeps min_free_gb free; else a warning."""
     free = shutil.disk_usage(ckpt_root).free
     if free - need >= min_free_gb * 1e9:
         return True
-    print(f"warning: skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} has "
-          f"{format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: free disk space",
-          file=sys.stderr, flush=True)
+    print(f"warning: skipping the step {step} checkpoint: it needs {format_bytes(need)} and "
+          f"{ckpt_root} has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training "
+          f"goes on: free disk space", file=sys.stderr, flush=True)
     return False
 
 
 def write_shards(state_dir, sharded, group=None):
-    """This rank's part of the sharded state, written by DCP into state_dir: {file: size and CRC32}.
-    group: the process group of DCP's collectives (None: the default one)."""
+    """This rank's part of the sharded state, written by DCP into state_dir on `group` (None: the
+    default one): {file: size and CRC32}."""
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
-    # DCP's writer stages tensors through a CUDA stream wherever CUDA exists; a CPU run's tensors are
-    # written as they are, so that a CPU run on a GPU machine never reaches into a GPU
-    on_cpu = all(t.device.type == "cpu" for t in tensors_in(sharded))
-    dcp.save(sharded, storage_writer=dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu
-                                                                         else {})), process_group=group)
-    rank, marker = dist.get_rank(), {}  # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
+    # DCP stages tensors through a CUDA stream wherever CUDA exists: a CPU run's are written as they
+    # are, so that a CPU run on a GPU machine never reaches into a GPU
+    on_cpu = all(t.device.type == "cpu" for t in leaves(sharded) if torch.is_tensor(t))
+    writer = dcp.FileSystemWriter(state_dir, **({"per_thread_copy_ahead": 0} if on_cpu else {}))
+    dcp.save(sharded, storage_writer=writer, process_group=group)
+    # DCP names each rank's data __<rank>_<n>.distcp; rank 0 also writes .metadata
+    rank, marker = dist.get_rank(), {}
     for f in os.listdir(state_dir):
         if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")):
             path = os.path.join(state_dir, f)
@@ -148,7 +144,7 @@ def write_shards(state_dir, sharded, group=None):
 
 
 def save_errors(sharded):
-    """What a failing disk raises in a save: OSError, and under DCP its CheckpointException (a BaseException)."""
+    """What a failing disk raises in a save: OSError, and under DCP its CheckpointException."""
     if sharded is None:
         return (OSError,)
     import torch.distributed.checkpoint as dcp
@@ -156,28 +152,30 @@ def save_errors(sharded):
 
 
 def write_files(folder, files):
-    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a Writer of its own (torch.save's copies
-    and the CRC32 leave the GIL): {file: size and CRC32}. Each whole file's CRC32 is ours (complete.json holds it,
-    loading checks it), so torch's own, of each record, a second pass over the same bytes, is off meanwhile (a
-    process-wide setting: one save runs at a time, and podgpt writes no other torch file while it does)."""
+    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a Writer (torch.save's
+    copies and the CRC32 leave the GIL): {file: size and CRC32}. Torch's per-record CRC32, a second
+    pass, is off meanwhile: process-wide, but one save runs at a time, and no other torch.save."""
     crc_options = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name))) for name, obj in files.items()}
-        for writer in writers.values():  # all done before one's error is raised: the caller then removes the folder
+        writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name)))
+                   for name, obj in files.items()}
+        for writer in writers.values():  # all done before an error is raised: the caller cleans up
             writer.join()
         crcs = {name: writer.result() for name, writer in writers.items()}
     finally:
         torch.serialization.set_crc32_options(crc_options)
-    return {name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=crc) for name, crc in crcs.items()}
+    return {name: dict(bytes=os.path.getsize(os.path.join(folder, name)), crc32=crc)
+            for name, crc in crcs.items()}
 
 
 def commit(ckpt_root, tmp, step, marker, best, keep_last):
-    """Rank 0's last part of a save: the marker, the rename into place, the pointers, the rotation.
-    The folder, or None (with a warning, the partial folder removed) when the disk refused."""
+    """Rank 0's end of a save: the marker, the rename, the pointers, the rotation. The folder, or
+    None (with a warning, the partial folder removed) when the disk refused."""
     name = f"step_{step:07d}"
     try:
-        save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(), os.path.join(tmp, MARKER))
+        save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(),
+                  os.path.join(tmp, MARKER))
         if os.path.isdir(os.path.join(tmp, STATE_DIR)):
             fsync_dir(os.path.join(tmp, STATE_DIR))
         fsync_dir(tmp)
@@ -199,7 +197,7 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
 
 
 def remove_unread(path):
-    """Remove a checkpoint folder unless a reader holds it (see reading): that one goes at a later rotation."""
+    """Remove a checkpoint folder unless a reader holds it (see reading): a later rotation will."""
     try:
         fd = lock_file(os.path.join(path, MARKER))
     except OSError:  # no marker, or unreadable: an incomplete folder, which nobody reads
@@ -220,19 +218,17 @@ def abandon(ckpt_root, tmp, step, error):
             remove(tmp)
     except OSError:  # the disk that failed the save may fail this too: a later save removes it
         pass
-    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: free disk space or check "
-          f"{ckpt_root}", file=sys.stderr, flush=True)
+    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: free disk "
+          f"space or check {ckpt_root}", file=sys.stderr, flush=True)
     return None
 
 
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
-    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN; the folder, or None when the disk
-    could not hold it and keep min_free_gb free (nothing is written then).
-
-    sharded (several ranks): {"model": .., "optimizer": ..} state dicts of DTensors (fsdp), or this rank's
-    share of them (ddp: share_of). Then every rank calls this: each writes its part into state/ with
-    torch.distributed.checkpoint and checksums it; rank 0 alone writes `files`, the marker (once every
-    rank's part is on disk), and the pointers. group: the process group of those collectives (None: the default one)."""
+    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN: the folder, or None
+    when the disk could not hold it and keep min_free_gb free. sharded: {"model", "optimizer"} of
+    DTensors (fsdp) or this rank's share (ddp: share_of); then every rank calls this and writes its
+    part into state/ with DCP on `group`, and rank 0 alone writes `files`, the marker (once every
+    part is on disk) and the pointers."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -240,12 +236,15 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
             if leftover.startswith(".tmp-step_"):
                 remove(os.path.join(ckpt_root, leftover))
-        # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp share ~1/world of it
-        ddp_share = sharded is not None and all(type(t) is torch.Tensor for t in tensors_in(sharded))
-        need = tensor_bytes(files) + tensor_bytes(sharded) * (dist.get_world_size(group) if ddp_share else 1)
-        go = [room_for(ckpt_root, step, need, min_free_gb)]
-    if sharded is not None:
-        dist.broadcast_object_list(go, group=group)  # also keeps the other ranks out until the leftovers are gone
+        # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp
+        # share ~1/world of it
+        ddp = sharded is not None and all(type(t) is torch.Tensor for t in leaves(sharded)
+                                          if torch.is_tensor(t))
+        world = dist.get_world_size(group) if ddp else 1
+        go = [room_for(ckpt_root, step, tensor_bytes(files) + tensor_bytes(sharded) * world,
+                       min_free_gb)]
+    if sharded is not None:  # also keeps the other ranks out until the leftovers are gone
+        dist.broadcast_object_list(go, group=group)
     if not go[0]:
         return None
     marker, error = {}, None
@@ -271,12 +270,12 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
 
 
 def share_of(state, rank, world):
-    """Rank `rank`'s part of a ddp run's replicated state ({"model": .., "optimizer": ..} by parameter name, as
-    DCP saves it), so that the ranks write a checkpoint together: the parameters, each with its optimizer
-    state, dealt out largest first to the rank with the fewest bytes so far; param_groups to every rank (DCP
-    writes a key that several ranks hold once)."""
+    """Rank `rank`'s part of a ddp run's state ({"model", "optimizer"} by parameter name): each
+    parameter with its optimizer state, largest first, to the rank with the fewest bytes so far;
+    param_groups to every rank (DCP writes a key that several ranks hold once)."""
     model, optim = state["model"], state["optimizer"]
-    size = {n: tensor_bytes([model.get(n), optim["state"].get(n)]) for n in set(model) | set(optim["state"])}
+    size = {n: tensor_bytes([model.get(n), optim["state"].get(n)])
+            for n in set(model) | set(optim["state"])}
     loads, mine = [0] * world, set()
     for name in sorted(size, key=lambda n: (-size[n], n)):
         least = loads.index(min(loads))
@@ -288,55 +287,57 @@ def share_of(state, rank, world):
 
 
 def checkpoint_bytes(path):
-    """The bytes of a checkpoint folder's files, every rank's shards included, as its marker lists them."""
+    """The bytes of a checkpoint's files, every rank's shards included, as its marker lists them."""
     with open(os.path.join(path, MARKER)) as f:
         return sum(m["bytes"] for m in json.load(f)["files"].values())
 
 
 def too_slow_for_preemption(gb, seconds, shared, world):
-    """What is wrong with a checkpoint of `gb` written in `seconds` (above PREEMPT_SAVE_SECONDS), and what to change.
+    """What is wrong with `gb` written in `seconds` (over PREEMPT_SAVE_SECONDS), and the fix.
     shared: the ranks share the write where they can (not with muon's optimizer under ddp)."""
-    fix = f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more (local NVMe, not a " \
-          f"network volume)"
+    fix = (f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more "
+           f"(local NVMe, not a network volume)")
     if not shared and world > 1:  # muon's ddp runs
-        fix += f", or train with optimizer=adamw: each of the {world} ranks then writes 1/{world} of it at once"
-    return (f"{gb:.1f} GB written in {seconds:.0f}s ({gb / seconds:.2f} GB/s): more than the ~30 s torchrun and most "
-            f"clouds leave between SIGTERM and SIGKILL, and a stop also waits for a save in flight, so a preemption "
-            f"would lose the steps since the last checkpoint; {fix}")
+        fix += (f", or train with optimizer=adamw: each of the {world} ranks then writes 1/{world} "
+                f"of it at once")
+    return (f"{gb:.1f} GB written in {seconds:.0f}s ({gb / seconds:.2f} GB/s): more than the ~30 "
+            f"s torchrun and most clouds leave between SIGTERM and SIGKILL, and a stop also waits "
+            f"for a save in flight, so a preemption would lose the steps since the last "
+            f"checkpoint; {fix}")
 
 
 # -----------------------------------------------------------------------------
 # saving in the background
 
+# Ours, not DCP's stagers: theirs allocate at the first stage(), which would block the first save
 class Staging:
-    """CPU copies of state dicts: what a background write reads while training changes the originals. The buffers
-    are kept from one save to the next, by their place in the dict: on a GPU they are pinned (page-locked) memory,
-    which the copy from the GPU needs for full speed and which takes seconds to allocate for a 1B model's state.
-    reserve() allocates them in a background thread while the first steps run, so that no save waits for them."""
+    """CPU copies of state dicts, which a Writer writes while training goes on. Buffers are kept by
+    their place in the dict; on a GPU they are pinned (full-speed copies), seconds to allocate for
+    a 1B model: reserve() allocates them in a thread while the first steps run."""
 
     def __init__(self, dev):
         self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
 
     def reserve(self, obj):
-        """Allocate, in a background thread, the buffers that copy(obj) will fill, each touched once so that
-        the memory is mapped too; copy() waits for it."""
+        """Allocate the buffers copy(obj) will fill, each touched so its pages are mapped too."""
         wanted = {}
-        self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(p, (t.shape, t.dtype)))
+        self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(
+            p, (t.shape, t.dtype)))
         self.reserving = Reserving(self.buffers, wanted, self.pin)
 
     def copy(self, obj):
-        """obj with every tensor in it replaced by a CPU copy. Tensors that share memory (tied embeddings)
-        share their copy, which torch.save then writes once, as it would have written the originals."""
+        """obj with every tensor replaced by a CPU copy; tensors that share memory (tied
+        embeddings) share it, so torch.save writes it once, as it would the originals."""
         if self.reserving is not None:
             self.reserving.join()
             self.reserving = None
         copied = self._walk(obj, "", {}, self._buffer)
-        if self.pin:
-            torch.cuda.synchronize(self.dev)  # the copies from the GPU run asynchronously: the writer needs them whole
+        if self.pin:  # the copies from the GPU run asynchronously: the writer needs them whole
+            torch.cuda.synchronize(self.dev)
         return copied
 
     def _walk(self, obj, place, seen, to):
-        """obj with each plain tensor t replaced by to(its place, t), once for tensors that share memory."""
+        """obj with each plain tensor t replaced by to(its place, t), once for shared memory."""
         if isinstance(obj, dict):
             return {k: self._walk(v, f"{place}/{k}", seen, to) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
@@ -345,13 +346,14 @@ class Staging:
             return obj  # numbers, strings, bytes, None: never changed in place
         if type(obj) is not torch.Tensor:  # fsdp's DTensor
             return to(place, obj)
-        alias = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
+        alias = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(),
+                 obj.dtype)
         if alias not in seen:
             seen[alias] = to(place, obj)
         return seen[alias]
 
     def _buffer(self, place, obj):
-        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's 1/N shard, copied with its place in the whole
+        if type(obj) is not torch.Tensor:  # fsdp's DTensor: this rank's shard, with its place
             return obj.to("cpu", copy=True)
         buf = self.buffers.get(place)
         if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
@@ -360,7 +362,7 @@ class Staging:
 
 
 class Reserving(CutShortThread):
-    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)}) into `buffers`."""
+    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)})."""
 
     def __init__(self, buffers, wanted, pin):
         super().__init__("checkpoint-staging")
@@ -373,9 +375,8 @@ class Reserving(CutShortThread):
 
 
 class Writer(CutShortThread):
-    """One save written in the background: write() runs in a daemon thread, so a run that stops on an error
-    exits without finishing it (a save cut short is never taken for a checkpoint); result() waits for it and
-    returns what write() returned, or raises what it raised, on the caller's thread."""
+    """write() in a daemon thread: a run stopping on an error exits without finishing it (a save
+    cut short is never taken for a checkpoint). result() returns or raises what write() did."""
 
     def __init__(self, write):
         super().__init__("checkpoint-writer")
@@ -402,46 +403,53 @@ def verify_checkpoint(path):
     """Raise ValueError saying what is wrong if the folder is not a complete, intact checkpoint."""
     try:
         with open(os.path.join(path, MARKER)) as f:
-            files = {n: dict(bytes=int(m["bytes"]), crc32=int(m["crc32"])) for n, m in json.load(f)["files"].items()}
+            files = {n: dict(bytes=int(m["bytes"]), crc32=int(m["crc32"]))
+                     for n, m in json.load(f)["files"].items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"incomplete, no readable {MARKER} ({first_line(e)})") from None
     for fname, want in files.items():
         file = os.path.join(path, fname)
-        if not os.path.exists(file) or os.path.getsize(file) != want["bytes"]:
-            size = os.path.getsize(file) if os.path.exists(file) else "no"
+        size = os.path.getsize(file) if os.path.exists(file) else "no"
+        if size != want["bytes"]:
             raise ValueError(f"{fname} has {size} bytes, {want['bytes']} were written")
         crc = file_crc32(file)
         if crc != want["crc32"]:
-            raise ValueError(f"{fname} is corrupt (CRC32 {crc:08x}, {want['crc32']:08x} was written)")
+            raise ValueError(f"{fname} is corrupt (CRC32 {crc:08x}, {want['crc32']:08x} was "
+                             f"written)")
 
 
 def load_checkpoint(path, device, verify=True):
-    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is wrong.
-    A sharded checkpoint's model and optimizer stay on disk: "state" names their folder (see restore)."""
+    """Everything a resume needs from a checkpoint folder, verified; ValueError saying what is
+    wrong. A sharded checkpoint's model and optimizer stay on disk: "state" names their folder."""
     if verify:
         verify_checkpoint(path)
     sharded = os.path.isdir(os.path.join(path, STATE_DIR))
     try:
-        names = ("trainer",) if sharded else ("model", "optimizer", "trainer")
-        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), map_location=device if name != "trainer" else "cpu",
-                                 weights_only=True) for name in names}
+        ckpt = {name: torch.load(os.path.join(path, f"{name}.pt"), weights_only=True,
+                                 map_location=device if name != "trainer" else "cpu")
+                for name in (("trainer",) if sharded else ("model", "optimizer", "trainer"))}
         if sharded:
             ckpt["state"] = os.path.join(path, STATE_DIR)
         with open(os.path.join(path, "config.json")) as f:
             ckpt["config"] = json.load(f)
-    except Exception as e:  # a damaged pickle can raise many kinds of error; all mean "unreadable"
+    except Exception as e:  # a damaged pickle can raise many kinds of error: all mean "unreadable"
         raise ValueError(f"unreadable ({first_line(e)})") from None
     if ckpt["trainer"].get("format") != CKPT_FORMAT:
-        raise ValueError(f"checkpoint format {ckpt['trainer'].get('format')}, this train.py reads {CKPT_FORMAT}")
+        raise ValueError(f"checkpoint format {ckpt['trainer'].get('format')}, this train.py reads "
+                         f"{CKPT_FORMAT}")
     return ckpt
 
 
+def step_folders(ckpt_root):
+    """The checkpoint folders' names, newest first."""
+    return sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True)
+
+
 def newest_good_checkpoint(ckpt_root, device):
-    """(path, loaded checkpoint) of the newest checkpoint that reads back intact, or (None, None);
-    damaged or incomplete ones are skipped with a warning. Under torchrun rank 0 checks the files
-    (each rank reading a sharded checkpoint whole would multiply the reads) and names the one to load."""
-    names = sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True) \
-        if os.path.isdir(ckpt_root) else []
+    """(path, loaded checkpoint) of the newest intact checkpoint, or (None, None), damaged ones
+    skipped with a warning. Rank 0 alone checks the files (every rank reading them whole would
+    multiply the reads) and names the one to load."""
+    names = step_folders(ckpt_root) if os.path.isdir(ckpt_root) else []
     chosen = [None]
     if not dist.is_initialized() or dist.get_rank() == 0:
         for name in names:
@@ -454,8 +462,8 @@ def newest_good_checkpoint(ckpt_root, device):
     if dist.is_initialized():
         dist.broadcast_object_list(chosen)
     if chosen[0] and chosen[0] not in names:
-        fail(f"rank 0 resumes from {chosen[0]}, which this rank's {ckpt_root} does not hold: on several nodes, "
-             f"out_dir must be a folder every node sees (a shared filesystem)")
+        fail(f"rank 0 resumes from {chosen[0]}, which this rank's {ckpt_root} does not hold: on "
+             f"several nodes, out_dir must be a folder every node sees (a shared filesystem)")
     for name in names[names.index(chosen[0]):] if chosen[0] else []:
         path = os.path.join(ckpt_root, name)
         try:  # files that check out can still fail to unpickle
@@ -467,19 +475,15 @@ def newest_good_checkpoint(ckpt_root, device):
 
 @contextmanager
 def reading(src, which="latest"):
-    """The checkpoint folder `src` names (itself, or an out_dir's `which` one: latest, or best falling back to
-    latest), verified intact and held while the caller reads it: a shared lock on its marker, which a training
-    run's rotation honours (remove_unread), so that sample.py and export.py never lose the files they read. From an
-    out_dir, a damaged one (or one rotated away before the lock) gives way to the newest intact one, with a warning.
-    ValueError saying what is wrong when there is none."""
+    """The checkpoint folder `src` names (see find_checkpoint), verified and locked shared while
+    the caller reads it (a run's rotation waits: remove_unread). From an out_dir, a damaged one
+    gives way to the newest intact one, with a warning; ValueError saying why when none is."""
     if os.path.exists(os.path.join(src, MARKER)) or not os.path.isdir(os.path.join(src, "ckpt")):
         candidates, named = [src], src
     else:
-        root = os.path.join(src, "ckpt")
-        name = read_pointer(root, which) or read_pointer(root, "latest")
-        named = os.path.join(root, name) if name else None
-        candidates = ([named] if named else []) + [os.path.join(root, d) for d in sorted(
-            (d for d in os.listdir(root) if d.startswith("step_")), reverse=True) if d != name]
+        root, named = os.path.join(src, "ckpt"), find_checkpoint(src, which)
+        candidates = [named] * bool(named) + [os.path.join(root, d) for d in step_folders(root)
+                                              if os.path.join(root, d) != named]
     problem = None
     for path in candidates:
         try:
@@ -490,7 +494,7 @@ def reading(src, which="latest"):
             continue
         with f:
             fcntl.flock(f, fcntl.LOCK_SH)
-            if not os.path.exists(os.path.join(path, MARKER)):  # rotated away between the open and the lock
+            if not os.path.exists(os.path.join(path, MARKER)):  # rotated away before the lock
                 continue
             try:
                 verify_checkpoint(path)
@@ -503,15 +507,16 @@ def reading(src, which="latest"):
                     warn(f"skipping checkpoint {path}: {e}")
                 continue
             if path != named and named:
-                warn(f"{named} cannot be used ({problem}): using {path}, the newest intact checkpoint")
+                warn(f"{named} cannot be used ({problem}): using {path}, the newest intact "
+                     f"checkpoint")
             yield path
             return
     raise ValueError(problem or "no checkpoint there")
 
 
 def find_checkpoint(path, which="latest"):
-    """The checkpoint folder that `path` names: itself, or the latest (or best) one of an out_dir; None if none.
-    An out_dir without a best checkpoint (no evaluation yet) gives its latest."""
+    """The checkpoint folder `path` names: itself, or an out_dir's latest or best (its latest while
+    it has no best); None if none."""
     if os.path.exists(os.path.join(path, MARKER)):
         return path
     ckpt_root = os.path.join(path, "ckpt")
@@ -520,8 +525,8 @@ def find_checkpoint(path, which="latest"):
 
 
 def load_sharded(state, path):
-    """Fill `state` from a sharded checkpoint's files, resharded to it: every rank its part under
-    torchrun, everything in a process without a process group."""
+    """Fill `state` from a sharded checkpoint, resharded to it: every rank its part under torchrun,
+    everything in a process without a process group."""
     import torch.distributed.checkpoint as dcp  # see model.shard_model
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
@@ -529,9 +534,9 @@ def load_sharded(state, path):
 
 
 def rng_state():
-    return dict(python=random.getstate(), numpy=[x.tolist() if isinstance(x, np.ndarray) else x
-                                                   for x in np.random.get_state()], torch=torch.get_rng_state(),
-                cuda=torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)  # this rank's GPU
+    numpy = [x.tolist() if isinstance(x, np.ndarray) else x for x in np.random.get_state()]
+    return dict(python=random.getstate(), numpy=numpy, torch=torch.get_rng_state(),
+                cuda=torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None)
 
 
 def set_rng_state(state):
@@ -545,9 +550,11 @@ def set_rng_state(state):
 
 def optimizer_by_name(model, optimizer, saved):
     """A plain optimizer.state_dict() (parameters numbered in param_groups order) keyed by parameter
-    name instead, the form FSDP's loader takes; both runs build their groups with optim.make_optimizer."""
+    name, the form FSDP's loader takes; both runs build their groups with optim.make_optimizer."""
     names = {id(p): n for n, p in model.named_parameters()}
     number_to_name = dict(zip((i for g in saved["param_groups"] for i in g["params"]),
-                              (names[id(p)] for g in optimizer.param_groups for p in g["params"]), strict=True))
+                              (names[id(p)] for g in optimizer.param_groups for p in g["params"]),
+                              strict=True))
     return dict(state={number_to_name[i]: s for i, s in saved["state"].items()},
-                param_groups=[dict(g, params=[number_to_name[i] for i in g["params"]]) for g in saved["param_groups"]])
+                param_groups=[dict(g, params=[number_to_name[i] for i in g["params"]])
+                              for g in saved["param_groups"]])
