@@ -1,9 +1,7 @@
 """
-Preflight: the gates a run passes before any GPU-hour is paid for, and the plan behind them
-(parameters, memory per GPU, hours and dollars). train.py checks them at every start and writes
-out_dir/preflight.json and .md (--preflight_only: nothing else); sanity.py --capacity and bench/
-plan memory and build models from a config the same way. Every number comes from the model's
-config alone, the prepared data's manifest, or a measurement here. cfg: configurator.Config.
+Preflight: the gates a run passes before any GPU-hour is paid for (train.py, at every start: into
+out_dir/preflight.json and .md), and the plan behind them (parameters, memory per GPU, hours and
+dollars) from the model's config alone, the prepared data's manifest or a measurement here.
 """
 
 import math
@@ -56,9 +54,8 @@ def plan_vocab(cfg, manifest=None):
 
 
 def model_config(cfg, manifest=None, **overrides):
-    """The objective's model config (objectives.make_config): the config keys that are model
-    fields, plan_vocab plus the objective's added ids, BOS as prepare.py numbers it (the last id;
-    doc_mask needs it), `overrides` on top."""
+    """The objective's model config from cfg's model keys, plan_vocab plus the objective's added
+    ids, BOS as prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top."""
     name = overrides.get("objective", cfg.get("objective", "ar"))
     kwargs = {k: cfg[k] for k in config_fields(name) if k in cfg}
     vocab = plan_vocab(cfg, manifest)[0]
@@ -71,8 +68,7 @@ def model_config(cfg, manifest=None, **overrides):
 
 
 def param_counts(config):
-    """Parameter counts: total (unique), embedding (input table), head (untied output matrix, 0
-    when tied), non_embedding (the rest: blocks and final norm)."""
+    """total (unique), embedding, head (0 when tied), non_embedding (blocks and final norm)."""
     d, hd = config.n_embd, config.head_dim
     attn = d * config.n_head * hd * 2 + d * config.n_kv_head * hd * 2
     mlp = 3 * d * config.ffn_hidden
@@ -84,9 +80,8 @@ def param_counts(config):
 
 
 def flops_per_token(config, seq_len=None):
-    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N the matmul parameters with
-    the LM head. Every block application counts (config.applications(); the head once per
-    supervision step), one without gradients at a third; blocks see config.stream copies a row."""
+    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's), per block application (one without
+    gradients at a third), the head once per supervision step; config.stream copies of a row."""
     L, d, stream = config.n_layer, config.n_embd, config.stream
     T = (seq_len or config.block_size) * stream
     n_sup, with_grad, without = config.applications()
@@ -99,14 +94,11 @@ def flops_per_token(config, seq_len=None):
 
 def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
                     activation_checkpointing=None, compute_bytes=2):
-    """Bytes per GPU at a training step's peak, by part (summing to total), and params.
+    """Bytes per GPU at a training step's peak (memory_phases' largest), by part, and params.
     compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32; activation_checkpointing: "none", "full"
-    or "selective" (True: full, False: none, None: config.grad_ckpt). Always held: fp32 weights,
-    AdamW's two fp32 moments, DDP's fp32 gradient buckets (world_size > 1); FSDP (sharded) divides
-    them over world_size and gathers two layers at a time. The rest: memory_phases' largest moment.
-    Activations count as model.py saves them on CPU (tests/test_model.py measures each case);
-    within -1%..+5% of peaks measured on an H100 (bench/results/memory.jsonl): fused kernels keep
-    a little less, and cuBLAS workspaces, allocator rounding and temporaries are not counted."""
+    or "selective" (True: full, False: none, None: config.grad_ckpt). Activations count as model.py
+    saves them on CPU (tests/test_model.py); within -1%..+5% of the H100 peaks measured in
+    bench/results/memory.jsonl (cuBLAS workspaces, allocator rounding are not counted)."""
     phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing,
                            compute_bytes)
     peak = max(phases.values(), key=lambda parts: parts["total"])
@@ -115,10 +107,11 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
 
 def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
                   activation_checkpointing=None, compute_bytes=2):
-    """{moment: {part: bytes, "total": their sum}} where a step can peak: forward_end (autocast's
-    cached weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax),
-    loss_backward (less the casts checkpointed layers drop, plus the logits' and head's gradients)
-    and backward_end (every gradient, the first layer's activations and casts)."""
+    """{moment: {part: bytes, "total": sum}} where a step can peak: forward_end (autocast's cached
+    weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax), loss_backward
+    (less the casts checkpointed layers drop, plus the logits' and head's gradients), backward_end
+    (every gradient, the first layer's activations and casts). Held throughout: fp32 weights,
+    AdamW's two fp32 moments, DDP's fp32 gradient buckets; FSDP divides them, gathers two layers."""
     ckpt = activation_checkpointing
     mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(ckpt, ckpt)
     if mode not in GRAD_CKPT:
@@ -135,18 +128,17 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     # norm outputs, q k v, attention output, SwiGLU's four; attention's log-sum-exp; norm scales
     layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
 
-    # what a layer keeps for the backward, and what the backward rebuilds of it (a layer at a time)
+    # what a layer keeps for the backward, and what the backward rebuilds of it, a layer at a time
     kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
                            "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
                                          12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
     outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
     rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
-    # each block application with gradients keeps a layer's share, each supervision step its final
-    # norm's and the objective's sums; the blocks and embedding see config.stream copies of a row
+    # per block application with gradients, and per supervision step its final norm and sums
     n_sup, per_layer, _ = config.applications()
     sums = config.sums_kept(mode)
     kept = S * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (S - 1) * 4 * d
-    # an unchunked loss keeps each earlier supervision step's log-softmax (4 bytes a logit)
+    # an unchunked loss keeps each earlier supervision step's fp32 log-softmax
     earlier = (n_sup - 1) * rows * V * 4 if rows == tokens else 0
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
@@ -176,8 +168,7 @@ def peak_flops(device_name):
 
 
 def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
-    """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
-    known): double until it does not, then bisect (memory grows with the micro-batch)."""
+    """The largest micro-batch <= limit that fits(), given that `known` fits (0: none known)."""
     lo, hi, limit = known, max(2 * known, 1), max(limit, known)
     while hi <= limit and fits(hi):
         lo, hi = hi, 2 * hi
@@ -189,8 +180,7 @@ def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
 
 
 def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
-    """memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
-    largest micro-batch that would."""
+    """One layout's bytes per GPU, and with a budget: whether it fits, the largest that would."""
     estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded,
                        activation_checkpointing=ckpt, compute_bytes=cbytes)
     parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # a count, not bytes
@@ -213,12 +203,11 @@ def horizon_gate(cfg, counts):
     tokens = cfg.max_steps * cfg.total_batch_tokens
     per_param = tokens / counts["non_embedding"]
     lim = limits(cfg.gate_profile)
-    low, band, high = (lim[k] for k in ("horizon_block_below", "horizon_warn_outside",
-                                        "horizon_block_above"))
+    low, band = lim["horizon_block_below"], lim["horizon_warn_outside"]
+    high = lim["horizon_block_above"]
     ratio = per_param / 20
     blocked = (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS)
-    verdict = ("block" if blocked else
-               "warn" if band and not band[0] <= ratio <= band[1] else "pass")
+    verdict = "block" if blocked else "warn" if band and not band[0] <= ratio <= band[1] else "pass"
     return gate("compute_optimal_horizon", verdict, ratio, band or "-",
                 f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
                 f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
@@ -230,9 +219,8 @@ def horizon_gate(cfg, counts):
 
 
 def lr_scaling_gate(cfg):
-    """lr_scaling: learning_rate against block diffusion's rule of thumb, lr_base scaled by the
-    square root of the batch (sequences per step); a warning outside LR_SLACK either way (the
-    recipe's own 5e-4 at 512 and 7e-4 at 1024 are within 18% of it)."""
+    """lr_scaling: learning_rate against block diffusion's rule, lr_base x sqrt(batch in sequences);
+    a warning outside LR_SLACK (its recipe's 5e-4 at 512, 7e-4 at 1024 are within 18% of it)."""
     if not cfg.lr_base:
         return gate("lr_scaling", "skip", cfg.learning_rate, None,
                     "lr_base=0: no rule to hold learning_rate to")
@@ -248,8 +236,7 @@ def lr_scaling_gate(cfg):
 
 
 def data_gates(cfg, manifest):
-    """corpus_model_fit (epochs over the unique training tokens), contamination (training documents
-    that are also validation documents, as prepare.py counted them) and tokenizer_vocab."""
+    """corpus_model_fit (epochs of the unique training tokens), contamination, tokenizer_vocab."""
     if manifest is None:
         return [gate(name, "skip", None, None, f"no data prepared in {cfg.data_dir} yet")
                 for name in ("corpus_model_fit", "contamination", "tokenizer_vocab")]
@@ -333,8 +320,8 @@ def attention_gate(cfg, mconfig, runtime):
     """attention_backend_runtime: attn_backend runs on runtime, (device, dtype); None: elsewhere."""
     name = "attention_backend_runtime"
     if runtime is None:
-        return gate(name, "skip", cfg.attn_backend, None,
-                    "planned from another machine: sanity.py on the pod checks the kernels")
+        return gate(name, "skip", cfg.attn_backend, None, "planned from another machine: "
+                    "sanity.py on the pod checks the kernels")
     try:
         chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim,
                                        mconfig.mask_kind)
@@ -368,30 +355,9 @@ def start_horizon(cfg, proc, tokens_per_sec, spent_s, reserve_s):
     return horizon, by
 
 
-def time_gate(cfg, tokens_per_sec, source, world):
-    """time_and_cost: hours and dollars of the planned tokens, and the horizon: where max_hours or
-    budget_usd end the schedule (fit_budget), or would stop the run before it ends (a block)."""
-    hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
-    usd = hours * world * cfg.usd_per_gpu_hour
-    detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
-              + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
-    steps, by = planned_horizon(cfg, tokens_per_sec, world)
-    if by == "max_steps":
-        return gate("time_and_cost", "pass", hours, cfg.max_hours or None, detail)
-    if cfg.fit_budget:
-        return gate("time_and_cost", "pass", hours, cfg.max_hours or cfg.budget_usd,
-                    f"{detail}: {by} pays for {steps:,} of max_steps={cfg.max_steps:,}: the "
-                    f"horizon, where the schedule ends ({cfg.lr_schedule} to min_lr)")
-    return gate("time_and_cost", "block", hours, cfg.max_hours or cfg.budget_usd,
-                f"{detail}: {by} stops it near step {steps:,} of {cfg.max_steps:,}, before the "
-                f"schedule ends: lower max_steps to ~{steps}, or fit_budget=True to end the "
-                f"schedule there")
-
-
 def target_band(value):
-    """target_val_loss as (low, high): a number is (None, it), met at or below it; "lo,hi" (or a
-    pair, as --target_val_loss=3.2,3.5 parses) is met within it, ends included; None for None or
-    "". ValueError names the fix."""
+    """target_val_loss as (low, high): a number x is (None, x), met at or below x; "lo,hi" (or the
+    pair --target_val_loss=3.2,3.5 parses to) met within, ends included; None for None or ""."""
     if value is None or value == "":
         return None
     parts = (value.split(",") if isinstance(value, str) else
@@ -409,8 +375,7 @@ def target_band(value):
 
 
 def check_gate_settings(cfg):
-    """Refuse (exit 2) a gate_profile not in gates.PROFILE_NAMES and a target_val_loss that is
-    neither a loss nor a band."""
+    """Refuse (exit 2) an unknown gate_profile, and a target_val_loss neither a loss nor a band."""
     check_profile(cfg.gate_profile)
     try:
         target_band(cfg.target_val_loss)
@@ -419,8 +384,7 @@ def check_gate_settings(cfg):
 
 
 def loss_gate(cfg, plan, manifest):
-    """predicted_loss: CHINCHILLA's fit at the plan's parameters and tokens, against
-    target_val_loss; a warning at most, as the fit was made on other data and tokens."""
+    """predicted_loss: CHINCHILLA's fit against target_val_loss; a warning at most (other data)."""
     band = target_band(cfg.target_val_loss)
     target = target_text(band) if band else None
     tokenizer = manifest["tokenizer"] if manifest else None
@@ -430,9 +394,9 @@ def loss_gate(cfg, plan, manifest):
                f"subword tokens'")
         return gate("predicted_loss", "skip", None, target,
                     f"Chinchilla's fit does not apply: {why}")
-    # the tokens of the horizon: what max_steps plans, or what the budget pays for
-    d = (plan["horizon"]["steps"] * cfg.total_batch_tokens if "horizon" in plan
-         else plan["planned_tokens"])
+    # the horizon's tokens: what max_steps plans, or what the budget pays for
+    horizon = plan.get("horizon")
+    d = horizon["steps"] * cfg.total_batch_tokens if horizon else plan["planned_tokens"]
     n, c = plan["params"]["total"], CHINCHILLA
     loss = c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
     detail = (f"Chinchilla's fit (Hoffmann et al. 2022, approach 3) E + A/N^alpha + B/D^beta = "
@@ -462,9 +426,8 @@ def refuse(cfg, blocks):
 
 
 def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
-    """The report {profile, gates, plan} of every gate that needs no model on the device, checked
-    on rank 0 before anything is allocated and sent to every rank; a block stops the run here.
-    release: podgpt/release/gates.py for a run judged with a skills pack, else None."""
+    """{profile, gates, plan} of the gates needing no model on the device, from rank 0 to every
+    rank; a block stops the run. release: podgpt/release/gates.py (a skills pack) or None."""
     report = [None]
     if proc.rank == 0:
         world, here = plan_world(cfg, proc), not planning(cfg, proc)
@@ -502,17 +465,34 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
 
 
 def plan_time(cfg, proc, report, tokens_per_sec, source):
-    """The time_and_cost gate and the plan's horizon at a known throughput; else a skip."""
-    if tokens_per_sec:
-        world = plan_world(cfg, proc)
-        report["gates"].append(time_gate(cfg, tokens_per_sec, source, world))
-        steps, by = planned_horizon(cfg, tokens_per_sec, world)
-        report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec,
-                                         source=source)
-    elif cfg.preflight_only:
-        report["gates"].append(gate("time_and_cost", "skip", None, None,
-                                    "give planned_mfu (and plan_gpu) or planned_tokens_per_sec to "
-                                    "plan another machine's time"))
+    """time_and_cost at a known throughput (else a skip): hours, dollars, and where max_hours or
+    budget_usd end the schedule (fit_budget: the horizon) or would stop the run early (a block)."""
+    if not tokens_per_sec:
+        if cfg.preflight_only:
+            report["gates"].append(gate("time_and_cost", "skip", None, None,
+                                        "give planned_mfu (and plan_gpu) or planned_tokens_per_sec "
+                                        "to plan another machine's time"))
+        return
+    world = plan_world(cfg, proc)
+    hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
+    usd = hours * world * cfg.usd_per_gpu_hour
+    detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
+              + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
+    steps, by = planned_horizon(cfg, tokens_per_sec, world)
+    report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec,
+                                     source=source)
+    limit = cfg.max_hours or cfg.budget_usd
+    if by == "max_steps":
+        verdict, limit = "pass", cfg.max_hours or None
+    elif cfg.fit_budget:
+        verdict, detail = "pass", (f"{detail}: {by} pays for {steps:,} of max_steps="
+                                   f"{cfg.max_steps:,}: the horizon, where the schedule ends "
+                                   f"({cfg.lr_schedule} to min_lr)")
+    else:
+        verdict, detail = "block", (f"{detail}: {by} stops it near step {steps:,} of "
+                                    f"{cfg.max_steps:,}, before the schedule ends: lower max_steps "
+                                    f"to ~{steps}, or fit_budget=True to end the schedule there")
+    report["gates"].append(gate("time_and_cost", verdict, hours, limit, detail))
 
 
 def planning(cfg, proc):
@@ -536,14 +516,12 @@ def free_disk(path):
 
 
 def planned_speed(cfg, proc, mconfig):
-    """(tokens/s, where it comes from) at planned_tokens_per_sec or planned_mfu of a GPU's peak;
-    (0, None) when neither is set (train.py then measures it)."""
+    """(tokens/s, its source) from planned_tokens_per_sec or planned_mfu; (0, None): measure it."""
     if cfg.planned_tokens_per_sec:
         return cfg.planned_tokens_per_sec, "planned_tokens_per_sec"
     if not cfg.planned_mfu:
         return 0, None
-    here = torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else None
-    gpu = cfg.plan_gpu or here
+    gpu = cfg.plan_gpu or (torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else "")
     peak = peak_flops(gpu) if gpu else None
     if peak is None:
         fail("planned_mfu needs a known GPU's peak: set plan_gpu to one of H200, H100 SXM, H100 "
@@ -569,10 +547,8 @@ def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block
 
 
 def plan_run(cfg, proc, dt, mconfig, data, build_model, release=None):
-    """(the run's preflight report, its model or None until needed). data: (manifest, train and
-    validation Loaders), all None before the data exists. Time and cost are planned at a planned
-    throughput, else measured here (not planning elsewhere, nor for a model that cannot fit)."""
-
+    """(preflight report, the model or None until needed). data: (manifest, train and validation
+    Loaders), all None before the data exists. Unplanned throughput is measured on the model."""
     manifest, train_data, _ = data
     report = gates_report(cfg, proc, mconfig, manifest, dt, release)
     tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
