@@ -29,7 +29,8 @@ def load_model(ckpt, device="cpu", verify=True):
             config = json.load(f)
         # trained elsewhere: this machine's kernel
         model = make_model(make_config(**dict(config["model"], attn_backend="auto")))
-    except (OSError, ValueError, KeyError, TypeError) as e:  # a field this model.py lacks or adds
+    # a field this model.py does not know, or a missing one
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"config.json does not describe a model this model.py builds "
                          f"({first_line(e)})") from None
     if os.path.isdir(os.path.join(ckpt, checkpoint.STATE_DIR)):  # fsdp's: DCP gathers it whole

@@ -2,7 +2,8 @@
 The gate profiles (PROFILES: every threshold of every gate), the gates on the base model's tokens,
 and summary.json's long_run_gate: the preflight gates, then the checks only the finished run can
 answer. A gate is {name, verdict, value, threshold, detail}: pass, warn, block (the run does not
-start, unless allow_unsafe; it says the fix) or skip (said why).
+start, unless allow_unsafe; it says the fix) or skip (said why). preflight.py checks the other
+gates; the skills pack's gates and eval.py's floors are podgpt/release/gates.py's.
 """
 
 import math
@@ -30,7 +31,8 @@ PROFILES = {
     "sft_share_block_above": (None, 0.2, 0.1),
     "balance_warn_below": (0.5, 0.5, 0.5),  # sft_category_balance
     "balance_block_below": (None, 0.2, 0.25),
-    # eval_skill_release_coverage: a 95% interval 0.4 wide needs 22 rows, 0.35 needs 28
+    # eval_skill_release_coverage: a 95% interval 0.4 wide needs 22 rows a category, 0.35 needs 28
+    # (the 1B pack has 29)
     "interval_warn_above": (0.5, 0.4, 0.35),
     "interval_block_above": (None, 0.5, 0.4),
     "overlap": ("warn", "block", "block"),  # eval_contamination before the run, contamination after

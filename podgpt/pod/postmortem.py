@@ -130,9 +130,8 @@ class PostMortem:
         action = ("skipped on every rank: no weight or optimizer state changed"
                   if kind == "nonfinite" else "counted, not skipped: its update was applied")
         args, note = self.replay_args(st, on_disk)
-        launch = [sys.executable] if self.world == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={self.world}"]
+        launch = [sys.executable] + ([] if self.world == 1 else [
+            "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={self.world}"])
         command = args and (f"cd {shlex.quote(os.getcwd())} && "
                             f"{shlex.join([*launch, os.path.relpath(self.script), *args])}")
         self.bad_steps.append(dict(

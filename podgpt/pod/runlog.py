@@ -40,10 +40,10 @@ class RunLog:
         mfu = self.flops_tok * tok_s / self.peak if self.peak else None
         eta = (st.horizon - st.step) * (now - self.t_log) / steps
         self.restart(st.step)
-        self.write(
-            dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                 tokens=st.step * self.batch_tokens, tokens_per_sec=tok_s, mfu=mfu, mem_gb=mem_gb,
-                 elapsed=st.elapsed, cost_usd=st.cost_usd, **self.objective(stats)))
+        self.write(dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                        tokens=st.step * self.batch_tokens, tokens_per_sec=tok_s, mfu=mfu,
+                        mem_gb=mem_gb, elapsed=st.elapsed, cost_usd=st.cost_usd,
+                        **self.objective(stats)))
         self.clock(st)
         log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} "
             f"| {tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
@@ -51,10 +51,9 @@ class RunLog:
 
     def validation(self, step, val_loss, val_bpb, best, stats, accuracy=None, problems=0):
         """An evaluation's metrics and console lines; accuracy: of `problems` GSM8K answers."""
-        self.write(
-            dict(step=step, val_loss=val_loss, val_bpb=val_bpb, tokens=step * self.batch_tokens,
-                 **self.objective(stats, "val_"),
-                 **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
+        self.write(dict(step=step, val_loss=val_loss, val_bpb=val_bpb,
+                        tokens=step * self.batch_tokens, **self.objective(stats, "val_"),
+                        **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
         gsm8k = "" if accuracy is None else f" | gsm8k {100 * accuracy:.1f}% of {problems}"
         log(f"step {step} | val loss {val_loss:.4f} | val bpb "
             f"{val_bpb:.4f}{' (best)' if best else ''}{self.console(stats)}{gsm8k}", flush=True)
