@@ -98,7 +98,7 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
     compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32; activation_checkpointing: "none", "full"
     or "selective" (True: full, False: none, None: config.grad_ckpt). Activations count as model.py
     saves them on CPU (tests/test_model.py); within -1%..+5% of the H100 peaks measured in
-    bench/results/memory.jsonl (cuBLAS workspaces, allocator rounding are not counted)."""
+    bench/results/memory.jsonl (cuBLAS workspaces and allocator rounding are not counted)."""
     phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing,
                            compute_bytes)
     peak = max(phases.values(), key=lambda parts: parts["total"])
@@ -121,13 +121,11 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     tokens = micro_batch_size * config.block_size
     L, d, f, c = config.n_layer, config.n_embd, config.ffn_hidden, compute_bytes
     dkv, head = config.n_kv_head * config.head_dim, V * d
-    layer_params = counts["non_embedding"] // L
-    shard = world_size if sharded else 1
+    layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
     gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
     # per token, all a layer keeps: fp32 output, mid residual and RMSNorm x*rsqrt; in c bytes the
     # norm outputs, q k v, attention output, SwiGLU's four; attention's log-sum-exp; norm scales
     layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
-
     # what a layer keeps for the backward, and what the backward rebuilds of it, a layer at a time
     kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
                            "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
@@ -433,8 +431,7 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
         world, here = plan_world(cfg, proc), not planning(cfg, proc)
         mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
                                     if proc.dev.type == "cuda" else 0)
-        dtype_bytes = 4 if dt == torch.float32 else 2
-        counts = param_counts(mconfig)
+        counts, dtype_bytes = param_counts(mconfig), 4 if dt == torch.float32 else 2
         pack_gates = release.pack_gates if release else no_pack_gates
         gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts),
                  *data_gates(cfg, manifest), *pack_gates(cfg, counts["total"], manifest),
