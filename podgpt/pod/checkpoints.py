@@ -1,10 +1,7 @@
 """
-The run's checkpoints, as train.py's loop sees them (Checkpoints: due(), save(), poll(), wait(),
-resume() at the start, newest() + restore() for a rollback), the record every checkpoint carries
-(run_record), the checks a resume makes, a fresh run's start from a base checkpoint's weights
-(init_from, SFT: start_from, its vocabulary grown by the chat tokens), and a model loaded from a
-checkpoint folder (load_model, for sample.py and export.py). The folders themselves are
-podgpt/core/checkpoint.py's.
+The run's checkpoints as train.py's loop sees them (Checkpoints), the record each carries, the
+checks a resume makes, an SFT run's start from a base checkpoint's weights (start_from), and
+load_model for sample.py and export.py. The folders themselves are podgpt/core/checkpoint.py's.
 """
 import json
 import os
@@ -23,8 +20,8 @@ from podgpt.pod.objectives import make_config, make_model
 
 
 def load_model(ckpt, device="cpu", verify=True):
-    """(model, config dict) from a checkpoint folder, verified (verify=False: checkpoint.reading()
-    did), weights loaded, in eval mode; ValueError saying what is wrong."""
+    """(model in eval mode, config dict) from a checkpoint folder, verified unless
+    checkpoint.reading() did (verify=False); ValueError saying what is wrong."""
     if verify:
         checkpoint.verify_checkpoint(ckpt)
     try:
@@ -32,28 +29,25 @@ def load_model(ckpt, device="cpu", verify=True):
             config = json.load(f)
         # trained elsewhere: this machine's kernel
         model = make_model(make_config(**dict(config["model"], attn_backend="auto")))
-    # a field this model.py does not know, a missing one
+    # a field this model.py does not know, or a missing one
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"config.json does not describe a model this model.py builds "
                          f"({first_line(e)})") from None
-    # sharded (fsdp): DCP gathers the model's shards whole
-    if os.path.isdir(os.path.join(ckpt, checkpoint.STATE_DIR)):
+    if os.path.isdir(os.path.join(ckpt, checkpoint.STATE_DIR)):  # fsdp's: DCP gathers it whole
         state = {"model": model.state_dict()}
         checkpoint.load_sharded(state, os.path.join(ckpt, checkpoint.STATE_DIR))
         model.load_state_dict(state["model"])
     else:
-        model.load_state_dict(
-            torch.load(os.path.join(ckpt, "model.pt"), map_location=device, weights_only=True))
+        model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device,
+                                         weights_only=True))
     return model.to(device).eval(), config
 
 
 def run_record(cfg, mconfig, world, grad_accum, manifest):
-    """The files every checkpoint carries besides the weights: config.json (this run's config and
-    model, the data and tokenizer it trains on) and the tokenizer, so that the folder is enough to
-    sample from."""
-    # padded_vocab follows from vocab_size, and multiple_of only rounded ffn_hidden, which is
-    # recorded: so a checkpoint from before multiple_of existed has the same record, and export
-    # meets no unknown field
+    """(config.json's dict, {file: bytes}): what every checkpoint carries besides the weights, so
+    that the folder is enough to sample from: the config, model, data and tokenizer."""
+    # padded_vocab follows from vocab_size and multiple_of only rounded ffn_hidden: a checkpoint
+    # from before multiple_of has the same record, and export meets no unknown field
     model = {k: v for k, v in asdict(mconfig).items() if k not in ("padded_vocab", "multiple_of")}
     saved = dict(cfg, model=model, world_size=world, grad_accum=grad_accum,
                  data_fingerprint=manifest["fingerprint"],
@@ -66,17 +60,15 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
 
 
 def check_compatible(path, old, new, allow_mismatch, data_dir):
-    """Stop with one line when checkpoint `path` (its config.json: old) cannot continue this run
-    (new): another model shape always; another tokenizer or other data unless allow_mismatch."""
-    # the rest may change
-    shape = {k: v for k, v in new["model"].items() if k not in RUNTIME_FIELDS}
-    if any(old["model"].get(k) != v for k, v in shape.items()):
-        diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items()
-                         if old["model"].get(k) != v)
+    """Stop with one line when checkpoint `path` (config.json: old) cannot continue this run (new):
+    another model shape always; another tokenizer or other data unless allow_mismatch."""
+    shape = {k: v for k, v in new["model"].items() if k not in RUNTIME_FIELDS}  # the rest may vary
+    diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items()
+                     if old["model"].get(k) != v)
+    if diff:
         fail(f"checkpoint {path} has another model shape ({diff}): use a new out_dir, or the "
              f"checkpoint's shape")
-    # checkpoints from before optimizer=muon are AdamW's
-    trained_with = old.get("optimizer", "adamw")
+    trained_with = old.get("optimizer", "adamw")  # checkpoints from before optimizer=muon
     if trained_with != new["optimizer"]:
         fail(f"checkpoint {path} holds optimizer={trained_with}'s state, which "
              f"optimizer={new['optimizer']} cannot continue: resume with "
@@ -92,8 +84,7 @@ def check_compatible(path, old, new, allow_mismatch, data_dir):
 
 
 def same_base_vocabulary(base, data_dir):
-    """Whether data_dir's tokenizer is the one of checkpoint folder `base`, chat tokens aside: the
-    ids the base model learned mean the same in the data."""
+    """Whether data_dir's tokenizer is checkpoint folder `base`'s, chat tokens aside."""
     def tokenizer_files(folder):
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
             meta = with_chat_tokens(json.load(f))
@@ -106,24 +97,21 @@ def same_base_vocabulary(base, data_dir):
 
 
 def grown_state(base, model, base_vocab):
-    """The base model's state dict for `model`, whose vocabulary may be larger: the rows of the base
-    ids copied exactly; where the padded vocabulary grew, the rows after them keep `model`'s init
-    (normal, init_std)."""
+    """The base's state dict for `model`, where the rows past base_vocab keep `model`'s init."""
     state = {}
     for name, new in model.state_dict().items():
         old = base[name]
         if old.shape != new.shape:
-            # fsdp: a DTensor, gathered whole
-            new = new.full_tensor() if hasattr(new, "full_tensor") else new
+            new = new.full_tensor() if hasattr(new, "full_tensor") else new  # fsdp's DTensor
             old = torch.cat([old[:base_vocab], new[base_vocab:].to(old.device, old.dtype)])
         state[name] = old
     return state
 
 
 def start_from(model, sharded, src, config, data_dir):
-    """Load the weights of the base checkpoint `src` (a checkpoint folder or an out_dir) into a
-    fresh run's model (config: its config.json): the same shape but a vocabulary that may have grown
-    by the chat tokens. The optimizer, the schedule and the step start anew."""
+    """Load the weights of base checkpoint `src` (a checkpoint folder or an out_dir) into a fresh
+    run's model (config: its config.json) of the same shape, its vocabulary maybe grown by the chat
+    tokens; the optimizer, the schedule and the step start anew."""
     try:
         with checkpoint.reading(src) as path:
             base, base_config = load_model(path, verify=False)
@@ -131,14 +119,11 @@ def start_from(model, sharded, src, config, data_dir):
     except ValueError as e:
         fail(f"init_from={src}: {e}: give the base model's checkpoint folder or out_dir")
     old, new = base_config["model"], config["model"]
-    diff = [f"{k} "
-            f"{old.get(k)} -> "
-            f"{v}" for k, v in new.items() if k not in RUNTIME_FIELDS + ("vocab_size",)
-            and old.get(k) != v]
+    diff = [f"{k} {old.get(k)} -> {v}" for k, v in new.items()
+            if k not in RUNTIME_FIELDS + ("vocab_size",) and old.get(k) != v]
     if diff or old["vocab_size"] > new["vocab_size"]:
-        fail(f"init_from={src} has another model shape "
-             f"({', '.join(diff) or 'a larger vocabulary'}): give this run "
-             "the base model's shape")
+        fail(f"init_from={src} has another model shape ({', '.join(diff) or 'a larger vocabulary'})"
+             f": give this run the base model's shape")
     if not same_vocabulary:
         fail(f"init_from={src} was trained with another tokenizer than {data_dir}'s: prepare the "
              f"SFT data with python prepare.py --chat=True --chat_base={path}")
@@ -149,54 +134,42 @@ def start_from(model, sharded, src, config, data_dir):
     else:
         model.load_state_dict(state)
     log(f"init_from: the weights of {path} (vocabulary {old['vocab_size']} -> "
-        f"{new['vocab_size']}); a new optimizer "
-        "state and schedule, from step 0")
+        f"{new['vocab_size']}); a new optimizer state and schedule, from step 0")
 
 
 # -----------------------------------------------------------------------------
 # the run's checkpoints, as train.py's loop sees them
 
 class Checkpoints:
-    """out_dir/ckpt of one run: the model and optimizer it saves and restores, when a save is due,
-    and the files every checkpoint carries besides them (`files`: config.json, the tokenizer).
-
-    proc: util.setup's process (dev, rank, world, distributed); sharded: the model is FSDP2's;
-    shared: every rank writes its part of each save (fsdp, and ddp with a torch optimizer), else
-    rank 0 writes it whole; background: write each save in a background thread (the loop waits only
-    for the copy into CPU memory), else before save() returns. finished() hands the loop the timing
-    of each save that reached the disk: {step, path, gb, blocked_s, waited_s, written_s}."""
+    """out_dir/ckpt of one run: when a save is due, the model and optimizer it saves (with `files`:
+    config.json, the tokenizer) and restores. sharded: the model is FSDP2's; background: each save
+    written in a thread (the loop waits only for the copy into CPU memory)."""
 
     def __init__(self, out_dir, model, optimizer, proc, sharded, files, every, keep_last, save_best,
                  min_free_gb, background=True, every_minutes=0.0):
         self.root = os.path.join(out_dir, "ckpt")
-        self.model, self.optimizer, self.proc, self.sharded, self.files = model, optimizer, proc, sharded, files
-        self.every, self.keep_last, self.save_best, self.min_free_gb = every, keep_last, save_best, min_free_gb
-        # 0: no save by the clock; the last save's start
-        self.every_s, self.t_saved = every_minutes * 60, time.time()
-        self.pending = False        # a periodic save owed, held back while bad steps run in a row
-        self.saved_step = -1        # the step the newest save holds
-        # the step of the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
-        self.on_disk = -1
+        self.model, self.optimizer, self.proc, self.sharded = model, optimizer, proc, sharded
+        self.files, self.every, self.keep_last = files, every, keep_last
+        self.save_best, self.min_free_gb = save_best, min_free_gb
+        self.every_s, self.t_saved = every_minutes * 60, time.time()  # 0: no save by the clock
+        self.pending = False  # a periodic save owed, held back while bad steps run in a row
+        self.saved_step = -1  # the step the newest save holds
+        self.on_disk = -1  # the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
         # the ranks that write each save: fsdp's all; ddp's those of rank 0's node, which see the
-        # out_dir it writes (torchrun numbers a node's ranks in a row, node 0's first; other nodes
-        # may have a filesystem of their own)
+        # out_dir it writes (torchrun numbers node 0's ranks first); muon's MuonAdamW: rank 0 alone
         self.writers = proc.world if sharded else 1
-        # muon's MuonAdamW: rank 0 alone
         if not sharded and isinstance(optimizer, torch.optim.Optimizer):
             self.writers = min(proc.world, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        self.shared = self.writers > 1
+        self.shared = self.writers > 1  # every writer writes its part of each save
         self.staging = checkpoint.Staging(proc.dev) if background else None
-        # the staging buffers allocated (checkpoint.Staging.reserve), once the optimizer has state
-        self.reserved = False
-        # the ranks' background writes agree with each other (DCP's plan, the shards' checksums)
-        # while the loop's collectives run: on a process group of their own, gloo, which works on
-        # CPU tensors
+        self.reserved = False  # the staging buffers allocated, once the optimizer has state
+        # the writers' background writes agree (DCP's plan, the shards' checksums) while the loop's
+        # collectives run: on a gloo group of their own, which works on CPU tensors
         self.group = dist.new_group(range(self.writers), backend="gloo") if (
             sharded or self.shared) and (background or self.writers < proc.world) else None
-        # this rank's save being written in the background (a checkpoint.Writer)
-        self.writer = None
-        self.in_flight = False      # a save started that the ranks have not all waited for yet
-        self.records = []           # saves on disk that finished() has not handed out yet
+        self.writer = None  # this rank's save being written in the background
+        self.in_flight = False  # a save started that the ranks have not all waited for yet
+        self.records = []  # saves on disk that finished() has not handed out yet
 
     def has_earlier(self):
         return os.path.isdir(self.root) and any(
@@ -208,10 +181,9 @@ class Checkpoints:
         return checkpoint.newest_good_checkpoint(self.root, self.proc.dev)
 
     def resume(self, resume, config, allow_mismatch, data_dir, state, init_from=""):
-        """Continue from the checkpoint resume= names (auto: the newest good one, if any; never:
-        none; or a folder) when it fits `config` (config.json of this run): the model, the optimizer
-        and the loop's `state` restored. The folder resumed from, or None: then the model starts
-        from init_from's weights if given (start_from)."""
+        """Restore the model, optimizer and the loop's `state` from the checkpoint resume= names
+        (auto: the newest good one, if any; never: none; or a folder) when it fits `config`; the
+        folder resumed from, or None (then init_from's weights, if given: start_from)."""
         earlier = self.has_earlier()
         if resume == "never" and earlier:  # its checkpoints and ckpt/best would mix with this run's
             fail(f"resume=never but {self.root} holds checkpoints of an earlier run: use a new "
@@ -242,39 +214,33 @@ class Checkpoints:
         return path
 
     def state_dicts(self):
-        """Model and optimizer as DCP saves and loads them: by parameter name, sharded under
-        fsdp."""
+        """Model and optimizer as DCP saves and loads them: by name, sharded under fsdp."""
         from torch.distributed.checkpoint.state_dict import get_state_dict  # see model.shard_model
-        return dict(
-            zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer), strict=True))
+        return dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer),
+                        strict=True))
 
     def restore(self, ckpt, state):
         """Model, optimizer, the loop's state and this rank's RNGs from a loaded checkpoint,
-        whichever mode and world size wrote it. The run now stands at a step that is on disk: no
-        save is owed."""
+        whichever mode and world size wrote it; the step restored is on disk: no save is owed."""
         model, optimizer, proc = self.model, self.optimizer, self.proc
-        # sharded: DCP reads each rank's part, resharded to this world size and dist_mode
-        if "state" in ckpt:
+        if "state" in ckpt:  # sharded: DCP reads each rank's part, resharded to this world
             from torch.distributed.checkpoint.state_dict import set_state_dict
             sd = self.state_dicts()
             checkpoint.load_sharded(sd, ckpt["state"])
             set_state_dict(model, optimizer, model_state_dict=sd["model"],
                            optim_state_dict=sd["optimizer"])
         elif self.sharded:  # a ddp checkpoint: every rank holds it whole and keeps its shard
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                                 set_model_state_dict,
-                                                                 set_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
             full = StateDictOptions(full_state_dict=True)
             set_model_state_dict(model, ckpt["model"], options=full)
-            set_optimizer_state_dict(
-                model, optimizer, checkpoint.optimizer_by_name(model, optimizer, ckpt["optimizer"]),
-                options=full)
+            by_name = checkpoint.optimizer_by_name(model, optimizer, ckpt["optimizer"])
+            set_optimizer_state_dict(model, optimizer, by_name, options=full)
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
         trainer = ckpt["trainer"]
-        # a field the loop gained after this checkpoint was written keeps its start value
-        for key in vars(state):
+        for key in vars(state):  # a field the loop gained since keeps its start value
             setattr(state, key, trainer.get(key, getattr(state, key)))
         if len(trainer["rng"]) == proc.world:
             checkpoint.set_rng_state(trainer["rng"][proc.rank])
@@ -284,23 +250,19 @@ class Checkpoints:
         self.pending, self.saved_step, self.on_disk = False, state.step, state.step
 
     def time_due(self):
-        """Whether every_minutes have passed since the last save (or the start): one rank's clock
-        decides, and the loop hands its answer to every rank (train.py: Trainer.agree) as
-        `timed`."""
+        """Whether every_minutes have passed since the last save; one rank's answer is `timed`."""
         return bool(self.every_s) and time.time() - self.t_saved >= self.every_s
 
     def due(self, step, last_step, new_best, stopping, bad_in_a_row, timed=False):
-        """Whether to save now: every `every` steps, when `timed`, and at the last one, but held
-        back while bad steps run in a row (so a rollback never lands inside them); at a new best
-        validation loss; on a stop."""
+        """Whether to save now: every `every` steps, when `timed` and at the last step, but not
+        while bad steps run in a row (a rollback never lands in them); at a new best; on a stop."""
         self.pending |= step % self.every == 0 or step == last_step or timed
         return (self.pending and bad_in_a_row == 0) or (new_best and self.save_best) or stopping
 
     def save(self, trainer, best):
-        """Save the current step, with every rank's RNG state and `trainer` (the loop's state), on
-        rank 0 (sharded: every rank writes its shards). The loop waits for the save in flight, if
-        any (never two at once), and for the copy of the state into CPU memory; the files are then
-        written in the background (background=False: before this returns)."""
+        """Save the current step with every rank's RNG state and `trainer` (the loop's state). The
+        loop waits for the save in flight (never two at once) and the copy into CPU memory; the
+        files are then written in the background (background=False: before this returns)."""
         t0, proc = time.time(), self.proc
         self.t_saved = t0
         self.wait()
@@ -311,11 +273,8 @@ class Checkpoints:
             dist.all_gather_object(states, checkpoint.rng_state())
         files, sharded = self.tensors()
         if proc.rank == 0:
-            files = dict(
-                self.files, **files, **{
-                    "trainer.pt": dict(trainer, format=checkpoint.CKPT_FORMAT, rng=states,
-                                       world_size=proc.world)
-                })
+            files = dict(self.files, **files, **{"trainer.pt": dict(
+                trainer, format=checkpoint.CKPT_FORMAT, rng=states, world_size=proc.world)})
         step = trainer["step"]
         if proc.rank < self.writers:
             if self.staging:
@@ -331,22 +290,19 @@ class Checkpoints:
             self.wait()
 
     def tensors(self):
-        """What this rank saves of the model and optimizer: (rank 0's model.pt and optimizer.pt, or
-        {}; the state dicts DCP writes: fsdp's shards, ddp's share; or None)."""
+        """(rank 0's model.pt and optimizer.pt or {}, the state dicts this rank's DCP writes)."""
         if self.sharded:
             return {}, self.state_dicts()
         if self.shared and self.proc.rank < self.writers:
             return {}, checkpoint.share_of(self.state_dicts(), self.proc.rank, self.writers)
         if self.proc.rank == 0:
-            return {
-                "model.pt": self.model.state_dict(), "optimizer.pt": self.optimizer.state_dict()
-            }, None
+            return {"model.pt": self.model.state_dict(),
+                    "optimizer.pt": self.optimizer.state_dict()}, None
         return {}, None
 
     def write(self, step, best, files, sharded, t1, waited, blocked):
-        """Write a save that save() prepared (in the background, or at once): its record for
-        report(), or None when the disk did not take it. blocked: the seconds the loop waited for it
-        (None: all of it)."""
+        """Write what save() prepared: its record, None when the disk did not take it. blocked: the
+        seconds the loop waited for it (None: all of it)."""
         path = checkpoint.save_checkpoint(self.root, step, files, self.keep_last, best,
                                           self.min_free_gb, sharded, self.group)
         written = time.time() - t1
@@ -357,14 +313,12 @@ class Checkpoints:
                     blocked_s=blocked, waited_s=waited, written_s=written)
 
     @property
-    def writing(self):
-        """Whether this rank has a save being written in the background."""
+    def writing(self):  # this rank has a save being written in the background
         return self.writer is not None
 
     def poll(self):
-        """Report the background save if its write has ended (what it raised is raised here); never
-        waits. After the first step (the optimizer's state exists) the staging buffers start to be
-        allocated."""
+        """Report the background save if its write has ended (raising what it raised); never
+        waits. Once the optimizer has state, the staging buffers are allocated."""
         if self.staging is not None and not self.reserved and checkpoint.tensor_bytes(
                 self.optimizer.state_dict()):
             self.reserved = True
@@ -373,8 +327,8 @@ class Checkpoints:
             self.collect()
 
     def wait(self):
-        """Wait for the save in flight on every rank: then it is on disk (or was given up, with a
-        warning) and reported. The next save, a rollback and the end of the run call this first."""
+        """Wait for the save in flight on every rank: then it is on disk (or given up, with a
+        warning) and reported. The next save, a rollback and the run's end call this first."""
         if self.writer is not None:
             self.collect()
         if self.in_flight and self.proc.distributed:
@@ -382,39 +336,36 @@ class Checkpoints:
         self.in_flight = False
 
     def collect(self):
-        """The background save's result, once its write has ended, reported; or what the write
-        raised."""
+        """Report the ended background save, or raise what its write raised."""
         writer, self.writer = self.writer, None
         self.report(writer.result())
 
-    def report(self, record):
-        """Say on the loop's thread how long a save took, with a warning when it would not fit a
-        preemption's window (printed from the writer's thread, the line could land inside a step's
-        line)."""
-        if record:  # None: the disk did not take it (a warning said so)
-            r = record
-            log(f"checkpoint {r['path']} (blocked {r['blocked_s']:.2f}s"
-                + (f", {r['waited_s']:.2f}s of it waiting for "
-                   f"the save before" if r["waited_s"] >= 0.01 else "")
-                + f", written in {r['written_s']:.2f}s)", flush=True)
-            if r["written_s"] > checkpoint.PREEMPT_SAVE_SECONDS:
-                warn(f"the step {r['step']} checkpoint: " + checkpoint.too_slow_for_preemption(
-                    r["gb"], r["written_s"], self.shared or
-                    isinstance(self.optimizer, torch.optim.Optimizer), self.proc.world))
-            self.records.append(record)
-            self.on_disk = r["step"]
+    def report(self, r):
+        """Say on the loop's thread (a line from the writer's could land inside a step's) how long
+        save record r took, and warn when it would not fit a preemption's window."""
+        if not r:  # the disk did not take it: a warning said so
+            return
+        waited = (f", {r['waited_s']:.2f}s of it waiting for the save before"
+                  if r["waited_s"] >= 0.01 else "")
+        log(f"checkpoint {r['path']} (blocked {r['blocked_s']:.2f}s{waited}, written in "
+            f"{r['written_s']:.2f}s)", flush=True)
+        if r["written_s"] > checkpoint.PREEMPT_SAVE_SECONDS:
+            shared = self.shared or isinstance(self.optimizer, torch.optim.Optimizer)
+            warn(f"the step {r['step']} checkpoint: " + checkpoint.too_slow_for_preemption(
+                r["gb"], r["written_s"], shared, self.proc.world))
+        self.records.append(r)
+        self.on_disk = r["step"]
 
     def finished(self):
-        """The records of the saves that reached the disk since the last call (the background one
-        too, if its write has ended: what it raised is raised here); never waits."""
+        """The records {step, path, gb, blocked_s, waited_s, written_s} of the saves that reached
+        the disk since the last call; never waits."""
         self.poll()
         records, self.records = self.records, []
         return records
 
     def unsaved(self, step, reason):
-        """Why a run that stops at `step` ends without its model on disk (every stop saves the step
-        it stopped at, but a stop over budget_file, which saves nothing and needs an earlier
-        checkpoint), or None."""
+        """Why a run that stops at `step` ends without its model on disk, or None (every stop saves
+        its step, but one over budget_file, which saves nothing and needs an earlier checkpoint)."""
         if self.on_disk == step or (reason == "budget_file_spent" and self.on_disk >= 0):
             return None
         if self.on_disk < 0:

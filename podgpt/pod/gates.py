@@ -1,12 +1,9 @@
 """
-The gate profiles: what each demands (PROFILES: every threshold of every gate, one table), the gates on the base
-model's tokens (release_token_budget, base_exposure), and the long-run gate that summary.json carries after the
-run: the run's preflight gates, then the checks only the finished run can answer (final_loss, spikes_rollbacks,
-contamination). The skills pack's gates and eval.py's floors are podgpt/release/gates.py's.
-
-A gate is {name, verdict, value, threshold, detail}: pass, warn, block (the run does not start, unless
-allow_unsafe) or skip (nothing to check it against, said why); a block says the fix. preflight.py plans the run
-and checks the rest of the gates; the honesty report and the hand-off bundle read summary.json's long_run_gate.
+The gate profiles (PROFILES: every threshold of every gate), the gates on the base model's tokens,
+and summary.json's long_run_gate: the preflight gates, then the checks only the finished run can
+answer. A gate is {name, verdict, value, threshold, detail}: pass, warn, block (the run does not
+start, unless allow_unsafe; it says the fix) or skip (said why). preflight.py checks the other
+gates; the skills pack's gates and eval.py's floors are podgpt/release/gates.py's.
 """
 
 import math
@@ -16,42 +13,33 @@ from podgpt.core.util import fail
 from podgpt.pod.report import read_json
 
 PROFILE_NAMES = ("research", "release", "skill_release")
-# every threshold per profile: (research, release, skill_release); None: not checked under that profile
+# every threshold per profile: (research, release, skill_release), None: not checked under it;
+# docs/preflight.md's table says what each means (tests/test_gates.py holds the two equal)
 PROFILES = {
-    # compute_optimal_horizon: planned tokens per non-embedding parameter, as a multiple of Chinchilla's 20
+    # compute_optimal_horizon, in Chinchilla's 20 tokens per non-embedding parameter
     "horizon_block_below": (None, 0.1, 0.1),
     "horizon_warn_outside": (None, (0.5, 1.5), (0.5, 1.5)),
     "horizon_block_above": (None, 3.0, 3.0),  # only for runs of preflight.LONG_RUN_TOKENS or more
-    # corpus_model_fit: epochs over the unique training tokens, a warning above 1 in every profile; a block above
-    # this (max_epochs overrides it): repetition starts to cost at 4 (Muennighoff et al. 2023), and past ~16 it adds
-    # next to nothing, so research's 100 is surely a mistake
+    # corpus_model_fit, in epochs: repetition costs from 4 (Muennighoff et al. 2023) and past ~16
+    # adds next to nothing, so research's 100 is surely a mistake
     "epochs_block_above": (100, 4, 4),
-    # release_token_budget: base-training tokens per parameter, all of them counted (as the 1B recipe counts its
-    # 22.4B tokens for 1.12B parameters); a warning more than 10% short of Chinchilla's 20
+    # release_token_budget, in base tokens per parameter, all counted (as the 1B recipe counts)
     "budget_block_below": (None, 10, 15),
     "budget_warn_below": (None, 18, 18),
-    # base_exposure: the base model's tokens per parameter before SFT, and SFT's share of all the tokens
-    "exposure_block_below": (None, 10, 15),
+    "exposure_block_below": (None, 10, 15),  # base_exposure
     "sft_share_warn_above": (0.1, 0.05, 0.05),
     "sft_share_block_above": (None, 0.2, 0.1),
-    # sft_category_balance: the smallest category's SFT rows over the largest category's
-    "balance_warn_below": (0.5, 0.5, 0.5),
+    "balance_warn_below": (0.5, 0.5, 0.5),  # sft_category_balance
     "balance_block_below": (None, 0.2, 0.25),
-    # eval_skill_release_coverage: the widest 95% Wilson interval of a category's accuracy (at 50%, where it is
-    # widest) over its eval rows: 0.4 wide needs 22 rows, 0.35 needs 28 (the 1B pack's 320 rows in 11 categories: 29)
+    # eval_skill_release_coverage: a 95% interval 0.4 wide needs 22 rows a category, 0.35 needs 28
+    # (the 1B pack has 29)
     "interval_warn_above": (0.5, 0.4, 0.35),
     "interval_block_above": (None, 0.5, 0.4),
-    # eval_contamination before the run, contamination after it: an eval row that the corpus or the SFT rows hold
-    "overlap": ("warn", "block", "block"),
-    # without a pack (pack_dir) to judge, the pack's gates skip, or block
-    "pack_missing": ("skip", "skip", "block"),
-    # final_loss: the final validation loss missed target_val_loss (or the run stopped before it was measured)
-    "target_missed": ("warn", "warn", "block"),
-    # spikes_rollbacks: a warning at any rollback or non-finite step; a block above this many rollbacks
-    "rollbacks_block_above": (None, 1, 0),
-    # eval_floors (eval.py): the overall accuracy's 95% interval above the pooled chance level, and at most this
-    # share of the categories at or below their chance level
-    "floor_above_chance": (False, True, True),
+    "overlap": ("warn", "block", "block"),  # eval_contamination before the run, contamination after
+    "pack_missing": ("skip", "skip", "block"),  # the pack's gates without a pack_dir
+    "target_missed": ("warn", "warn", "block"),  # final_loss
+    "rollbacks_block_above": (None, 1, 0),  # spikes_rollbacks
+    "floor_above_chance": (False, True, True),  # eval_floors (eval.py)
     "floor_at_chance_share": (None, 0.5, 0.25),
 }
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: a two-sided 95% interval
@@ -79,7 +67,7 @@ def verdict_of(gates):
 
 
 def wilson(correct, n, z=Z95):
-    """The Wilson score interval (low, high) of a proportion correct/n; (0, 1) when n is 0 (nothing is known)."""
+    """The Wilson score interval (low, high) of correct/n; (0, 1) when n is 0 (nothing known)."""
     if n == 0:
         return 0.0, 1.0
     p = correct / n
@@ -89,16 +77,16 @@ def wilson(correct, n, z=Z95):
 
 
 def judge(value, warn=None, block=None, below=False):
-    """pass, warn or block for a value against its thresholds (None: not checked), above them or (below) under."""
+    """pass, warn or block of a value against its thresholds (None: unchecked), above or below."""
     def past(limit):
         return limit is not None and (value < limit if below else value > limit)
     return "block" if past(block) else "warn" if past(warn) else "pass"
 
 
 def said(profile, **rules):
-    """A profile's thresholds as the details say them: "release: warn below 18, block below 10" (rule names with
-    their underscores as spaces; None: not checked)."""
-    checked = [f"{rule.replace('_', ' ')} {value:g}" for rule, value in rules.items() if value is not None]
+    """A profile's thresholds as details say them: "release: warn below 18, block below 10"."""
+    checked = [f"{rule.replace('_', ' ')} {value:g}" for rule, value in rules.items()
+               if value is not None]
     return f"{profile}: {', '.join(checked) or 'not checked'}"
 
 
@@ -106,32 +94,36 @@ def said(profile, **rules):
 # the base model's tokens
 
 def base_checkpoint(init_from):
-    """(tokens the base checkpoint of init_from trained on, its folder, its data_dir); None without one."""
-    from podgpt.core.checkpoint import MARKER, find_checkpoint  # here: only an SFT run asks, and it has torch loaded anyway
+    """(tokens the base checkpoint of init_from trained on, its folder, its data_dir) or None."""
+    from podgpt.core.checkpoint import MARKER, find_checkpoint  # only an SFT run asks
     path = find_checkpoint(init_from)
-    marker, config = (read_json(os.path.join(path, name)) if path else None for name in (MARKER, "config.json"))
+    marker, config = (read_json(os.path.join(path, name)) if path else None
+                      for name in (MARKER, "config.json"))
     if not marker or not config:
         return None
     return marker["step"] * config["total_batch_tokens"], path, config.get("data_dir")
 
 
 def release_token_budget(cfg, params):
-    """release_token_budget: the base model's tokens per parameter: planned (max_steps), or for an SFT run
+    """release_token_budget: the base model's tokens per parameter: planned, or for an SFT run
     (init_from) those its base checkpoint trained on."""
     lim = limits(cfg.gate_profile)
+    warn_below, block_below = lim["budget_warn_below"], lim["budget_block_below"]
     base = base_checkpoint(cfg.init_from) if cfg.init_from else None
     if cfg.init_from and base is None:
-        return gate("release_token_budget", "block", None, lim["budget_block_below"],
-                    f"init_from={cfg.init_from} holds no checkpoint to count the base tokens of: train the base first")
+        return gate("release_token_budget", "block", None, block_below,
+                    f"init_from={cfg.init_from} holds no checkpoint to count the base tokens of: "
+                    f"train the base first")
     tokens, what = (base[0], f"the base checkpoint {base[1]} trained on") if base else (
         cfg.max_steps * cfg.total_batch_tokens, f"max_steps={cfg.max_steps:,} plans")
     per_param = tokens / params
-    verdict = judge(per_param, lim["budget_warn_below"], lim["budget_block_below"], below=True)
-    return gate("release_token_budget", verdict, per_param, lim["budget_block_below"],
-                f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per parameter ({params / 1e9:.3g}B) ("
-                + said(cfg.gate_profile, warn_below=lim["budget_warn_below"], block_below=lim["budget_block_below"])
-                + ")" + ("" if verdict != "block" else ": a longer base run (more max_steps), or gate_profile=research "
-                   "for a run not meant for release"))
+    verdict = judge(per_param, warn_below, block_below, below=True)
+    return gate("release_token_budget", verdict, per_param, block_below,
+                f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per parameter "
+                f"({params / 1e9:.3g}B) ("
+                + said(cfg.gate_profile, warn_below=warn_below, block_below=block_below) + ")"
+                + ("" if verdict != "block" else ": a longer base run (more max_steps), or "
+                   "gate_profile=research for a run not meant for release"))
 
 
 # -----------------------------------------------------------------------------
@@ -143,18 +135,20 @@ def read_pack(pack_dir):
         return None, "no pack_dir: no skills pack to judge"
     manifest = read_json(os.path.join(pack_dir, "manifest.json"))
     if not isinstance(manifest, dict) or not isinstance(manifest.get("categories"), dict):
-        return None, f"pack_dir={pack_dir} holds no skills pack (manifest.json): make it with skills.py"
+        return None, (f"pack_dir={pack_dir} holds no skills pack (manifest.json): make it with "
+                      f"skills.py")
     return manifest, None
 
 
 def no_pack(name, profile, pack_dir, why):
     verdict = limits(profile)["pack_missing"]
-    return gate(name, verdict, None, None, why + (": set pack_dir to the skills pack the run is released with"
-                                                  if verdict == "block" and not pack_dir else ""))
+    fix = verdict == "block" and not pack_dir
+    return gate(name, verdict, None, None,
+                why + (": set pack_dir to the skills pack the run is released with" if fix else ""))
 
 
 def pack_sft_tokens(pack_dir, manifest):
-    """Tokens of one pass over the pack's SFT rows, at the prepared data's tokens per byte; None without either."""
+    """Tokens of one pass over the pack's SFT rows at the data's tokens per byte; None without."""
     from podgpt.corpus.tasks import read_rows
     from podgpt.core.tokenizer import reply_text
     split = (manifest or {}).get("splits", {}).get("train", {})
@@ -167,58 +161,64 @@ def pack_sft_tokens(pack_dir, manifest):
 
 
 def base_exposure(cfg, params, manifest):
-    """base_exposure: the base model's tokens per parameter, and SFT's share of base + SFT tokens. An SFT run
-    (init_from): its base checkpoint's tokens and its own planned ones; a base run with a pack: its planned tokens,
-    and one pass over the pack's SFT rows."""
+    """base_exposure: the base model's tokens per parameter, and SFT's share of base + SFT tokens:
+    an SFT run's base checkpoint and own tokens, or a base run's and a pass over its pack's SFT."""
     lim = limits(cfg.gate_profile)
-    threshold = dict(base_tokens_per_param=lim["exposure_block_below"], sft_share=lim["sft_share_block_above"])
+    threshold = dict(base_tokens_per_param=lim["exposure_block_below"],
+                     sft_share=lim["sft_share_block_above"])
+    planned = cfg.max_steps * cfg.total_batch_tokens
     if cfg.init_from:
         base = base_checkpoint(cfg.init_from)
         if base is None:
-            return gate("base_exposure", "block", None, threshold,
-                        f"init_from={cfg.init_from} holds no checkpoint: train the base model first")
-        base_tokens, sft_tokens = base[0], cfg.max_steps * cfg.total_batch_tokens
-        how = f"the base checkpoint {base[1]}'s tokens, and this run's max_steps={cfg.max_steps:,} of SFT"
+            return gate("base_exposure", "block", None, threshold, f"init_from={cfg.init_from} "
+                        f"holds no checkpoint: train the base model first")
+        base_tokens, sft_tokens = base[0], planned
+        how = (f"the base checkpoint {base[1]}'s tokens, and this run's "
+               f"max_steps={cfg.max_steps:,} of SFT")
     else:
         sft_tokens = pack_sft_tokens(cfg.pack_dir, manifest) if cfg.pack_dir else None
         if sft_tokens is None:
+            why = (f"no SFT rows in {cfg.pack_dir} or no prepared data to count their tokens in"
+                   if cfg.pack_dir else "no pack_dir to plan its SFT from")
             return gate("base_exposure", "skip", None, threshold,
-                        "a base run without init_from: " + ("no pack_dir to plan its SFT from" if not cfg.pack_dir
-                                                            else f"no SFT rows in {cfg.pack_dir} or no prepared data "
-                                                                 f"to count their tokens in"))
-        base_tokens = cfg.max_steps * cfg.total_batch_tokens
+                        f"a base run without init_from: {why}")
+        base_tokens = planned
         how = f"max_steps={cfg.max_steps:,} planned, then one pass over {cfg.pack_dir}'s SFT rows"
     per_param, share = base_tokens / params, sft_tokens / (base_tokens + sft_tokens)
-    verdict = verdict_of([{"verdict": judge(per_param, None, lim["exposure_block_below"], below=True)},
-                          {"verdict": judge(share, lim["sft_share_warn_above"], lim["sft_share_block_above"])}])
-    return gate("base_exposure", verdict, dict(base_tokens_per_param=per_param, sft_share=share), threshold,
-                f"{how}: the base saw {base_tokens / 1e9:.3g}B tokens = {per_param:.3g} per parameter, SFT "
-                f"{sft_tokens / 1e6:.3g}M = {share:.2%} of all ("
+    verdict = verdict_of([
+        {"verdict": judge(per_param, None, lim["exposure_block_below"], below=True)},
+        {"verdict": judge(share, lim["sft_share_warn_above"], lim["sft_share_block_above"])}])
+    value = dict(base_tokens_per_param=per_param, sft_share=share)
+    return gate("base_exposure", verdict, value, threshold,
+                f"{how}: the base saw {base_tokens / 1e9:.3g}B tokens = {per_param:.3g} per "
+                f"parameter, SFT {sft_tokens / 1e6:.3g}M = {share:.2%} of all ("
                 + said(cfg.gate_profile, base_block_below=lim["exposure_block_below"],
-                       SFT_share_warn_above=lim["sft_share_warn_above"], block_above=lim["sft_share_block_above"])
+                       SFT_share_warn_above=lim["sft_share_warn_above"],
+                       block_above=lim["sft_share_block_above"])
                 + ")" + ("" if verdict != "block" else ": a longer base run, or fewer SFT steps"))
 
 
 def no_pack_gates(cfg, params, manifest):
-    """The pack's gates of a run without a skills pack (no pack_dir): base_exposure, the rest skipped."""
+    """The pack's gates of a run without a skills pack: base_exposure, the rest no_pack's."""
     why = read_pack(cfg.pack_dir)[1]
-    return [base_exposure(cfg, params, manifest)] + [no_pack(name, cfg.gate_profile, cfg.pack_dir, why) for name in (
-        "sft_category_balance", "eval_skill_release_coverage", "eval_contamination")]
+    return [base_exposure(cfg, params, manifest)] + [
+        no_pack(name, cfg.gate_profile, cfg.pack_dir, why)
+        for name in ("sft_category_balance", "eval_skill_release_coverage", "eval_contamination")]
 
 
 # -----------------------------------------------------------------------------
 # after the run: summary.json's long_run_gate
 
 def final_loss(profile, summary):
-    """final_loss: the final validation loss against target_val_loss (report.target_verdict's met, missed, not
-    reached)."""
-    target, band = summary.get("target"), summary.get("target_val_loss")
+    """final_loss: report.target_verdict's met, missed or not reached, against the profile."""
+    target, loss = summary.get("target"), summary.get("final_val_loss")
     if target is None:
-        return gate("final_loss", "skip", summary.get("final_val_loss"), None, "no target_val_loss to judge it by")
+        return gate("final_loss", "skip", loss, None, "no target_val_loss to judge it by")
     verdict = "pass" if target == "met" else limits(profile)["target_missed"]
-    return gate("final_loss", verdict, summary.get("final_val_loss"), band,
-                f"final validation loss {summary.get('final_val_loss')}: target {target}" + (
-                    "" if verdict != "block" else ": resume it to its horizon, or train longer or on more data"))
+    return gate("final_loss", verdict, loss, summary.get("target_val_loss"),
+                f"final validation loss {loss}: target {target}" + (
+                    "" if verdict != "block" else
+                    ": resume it to its horizon, or train longer or on more data"))
 
 
 def spikes_rollbacks(profile, summary):
@@ -228,22 +228,22 @@ def spikes_rollbacks(profile, summary):
     verdict = ("block" if block is not None and counts["rollbacks"] > block else
                "warn" if counts["rollbacks"] or counts["nonfinite_steps"] else "pass")
     return gate("spikes_rollbacks", verdict, counts, block,
-                f"{counts['spikes']} spikes, {counts['nonfinite_steps']} non-finite steps, {counts['rollbacks']} "
-                f"rollbacks ({profile}: warn at a rollback or a non-finite step"
-                + ("" if block is None else f", block above {block} rollbacks") + ")"
-                + ("" if verdict != "block" else ": find the cause (metrics.jsonl's events, postmortem/) and train "
-                   "again, lower learning_rate"))
+                f"{counts['spikes']} spikes, {counts['nonfinite_steps']} non-finite steps, "
+                f"{counts['rollbacks']} rollbacks ({profile}: warn at a rollback or a non-finite "
+                f"step" + ("" if block is None else f", block above {block} rollbacks") + ")"
+                + ("" if verdict != "block" else ": find the cause (metrics.jsonl's events, "
+                   "postmortem/) and train again, lower learning_rate"))
 
 
 def long_run_gate(cfg, summary, release=None):
-    """summary.json's long_run_gate: the run's preflight gates (out_dir/preflight.json) and the checks after it.
-    release: podgpt/release/gates.py, for a run with a skills pack (its contamination), else None."""
+    """summary.json's long_run_gate: the run's preflight gates (out_dir/preflight.json) and the
+    checks after it. release: podgpt/release/gates.py for a run with a skills pack, else None."""
     preflight = read_json(os.path.join(cfg.out_dir, "preflight.json")) or {}
     pack, why = read_pack(cfg.pack_dir)
-    contamination = (release.eval_contamination(cfg, pack, "contamination") if pack and release else
-                     no_pack("contamination", cfg.gate_profile, cfg.pack_dir, why))
-    post = [final_loss(cfg.gate_profile, summary), spikes_rollbacks(cfg.gate_profile, summary), contamination]
+    contamination = (release.eval_contamination(cfg, pack, "contamination") if pack and release
+                     else no_pack("contamination", cfg.gate_profile, cfg.pack_dir, why))
+    post = [final_loss(cfg.gate_profile, summary), spikes_rollbacks(cfg.gate_profile, summary),
+            contamination]
     gates = preflight.get("gates", [])
-    return dict(profile=cfg.gate_profile, verdict=verdict_of(gates + post), gates=gates, post_run=post)
-
-
+    return dict(profile=cfg.gate_profile, verdict=verdict_of(gates + post), gates=gates,
+                post_run=post)

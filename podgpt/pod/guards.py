@@ -1,9 +1,8 @@
 """
-The guards around a paid run's steps: its clock and spend (Clock: the stop before max_hours or
-budget_usd is crossed, budget_file's verdict, wsd's decay when what is left pays for no more), the
-fire drills that rehearse a bad batch, a NaN or a slower pod (Drills), and the bad steps: spikes and
-non-finite steps counted, each an event and an entry of the post-mortem (BadSteps). train.py's loop
-calls them before and after each step.
+The guards train.py's loop calls around a paid run's steps: its clock and spend (Clock: the stop
+before max_hours or budget_usd is crossed, budget_file's verdict, wsd's decay when what is left pays
+for no more), the fire drills that rehearse a bad batch, a NaN or a slower pod (Drills), and the
+bad steps: spikes and non-finite steps, each an event and a post-mortem entry (BadSteps).
 """
 import json
 import os
@@ -27,27 +26,24 @@ STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "b
 
 def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,
           accum=1):
-    """One all-reduce per step, so that every rank takes the same decisions: the summed loss (and
-    the objective's summed stats), whether any rank saw a non-finite step or a signal, rank 0's
-    guard, its decay_to (wsd: the horizon to decay to from the next step; 0: none) and save_due (by
-    its clock). (mean loss over the accum micro-steps of every rank, finite, stop reason or None,
-    decay_to, save due, mean stats or None)."""
+    """One all-reduce per step, so that every rank takes the same decisions: the summed loss and
+    stats, whether any rank saw a non-finite step or a signal, rank 0's guard, decay_to (wsd: the
+    horizon to decay to from the next step; 0: none) and save_due (by its clock). (mean loss over
+    every micro-step, finite, stop reason or None, decay_to, save due, mean stats or None)."""
     flags = [0.0 if finite else 1.0, 1.0 if signal else 0.0,
              float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
              1.0 if save_due else 0.0]
     # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
-    v = torch.cat([
-        loss_sum.double().reshape(1),
-        torch.tensor(flags, device=proc.dev, dtype=torch.float64),
-        *([] if stats is None else [stats.double()])
-    ])
+    v = torch.cat([loss_sum.double().reshape(1),
+                   torch.tensor(flags, device=proc.dev, dtype=torch.float64),
+                   *([] if stats is None else [stats.double()])])
     if proc.distributed:
         dist.all_reduce(v)
     v = v.tolist()
     reason = STOP_REASONS[int(v[3]) - 1] if v[3] else ("signal" if v[2] else None)
     n = accum * proc.world
-    return v[0] / n, v[1] == 0, reason, int(
-        v[4]), v[5] > 0, None if stats is None else [s / n for s in v[6:]]
+    return (v[0] / n, v[1] == 0, reason, int(v[4]), v[5] > 0,
+            None if stats is None else [s / n for s in v[6:]])
 
 
 class Clock:
@@ -71,10 +67,9 @@ class Clock:
         self.t_last = now
 
     def reserve(self, writing):
-        """Seconds a stop keeps back; writing: a save is in the background, which a stop waits for
-        first."""
-        return max(self.step_times,
-                   default=0.0) + self.eval_seconds + self.save_seconds * (2 if writing else 1)
+        """Seconds a stop keeps back; writing: a save in the background, which a stop waits for."""
+        slowest = max(self.step_times, default=0.0)
+        return slowest + self.eval_seconds + self.save_seconds * (2 if writing else 1)
 
     def stop_reason(self, writing, event):
         """Rank 0's verdict: the guard that must stop the run now, or None. event(name, message,
@@ -93,17 +88,14 @@ class Clock:
         return limit
 
     def decay_to(self, writing):
-        """wsd, rank 0: the horizon to decay to from the next step on, or 0
-        (schedule.decay_horizon)."""
-        # this step's end, as the next tick counts it
-        self.pace.append((self.state.step + 1, self.state.elapsed))
+        """wsd, rank 0: the horizon to decay to from the next step on, or 0 (decay_horizon)."""
+        self.pace.append((self.state.step + 1, self.state.elapsed))  # as the next tick counts it
         return decay_horizon(self.schedule, self.budget, self.state, self.pace,
                              self.reserve(writing), self.usd_per_s)
 
 
 def restore_clock(path, state):
-    """What a killed run spent after its last checkpoint, into state: path is its clock.json, which
-    the loop writes with every metrics line."""
+    """What a killed run spent after its last checkpoint, into state, from its clock.json."""
     if not os.path.exists(path):
         return
     try:
@@ -125,8 +117,8 @@ class Drills:
         self.slow_at, self.slow_seconds = slow_at, slow_seconds
 
     def pick(self, state):
-        """(spike, nan): the drills the next step runs; each drill step fires once, even if a
-        rollback replays it."""
+        """(spike, nan): the drills the next step runs; each fires once, even if a rollback replays
+        its step."""
         return self.firing(state, "spike", self.spike_at), self.firing(state, "nan", self.nan_at)
 
     @staticmethod
@@ -144,8 +136,7 @@ class Drills:
 
 class BadSteps:
     """Spikes (a loss above spike_factor x the EMA of recent losses) and non-finite steps: each an
-    event (the loop's event()) and, on rank 0, an entry of the post-mortem; they count in a row
-    toward a rollback."""
+    event and, on rank 0, a post-mortem entry; they count in a row toward a rollback."""
 
     def __init__(self, spike_factor, max_bad_steps, max_rollbacks, event, postmortem,
                  write_postmortem):
@@ -156,9 +147,8 @@ class BadSteps:
         self.recent = deque(maxlen=POSTMORTEM_STEPS)
 
     def account(self, st, loss, finite, grad_norm, lr, batch, on_disk):
-        """Count the step just taken (st.step) as non-finite or a spike, else fold its loss into
-        the EMA. batch(): the step's batch as the post-mortem shows it; on_disk: the newest
-        checkpoint."""
+        """Count the step just taken as non-finite or a spike, else fold its loss into the EMA.
+        batch(): the step's batch for the post-mortem; on_disk: the newest checkpoint."""
         self.recent.append((st.step, loss, grad_norm, lr))
         spike = finite and st.loss_ema is not None and loss > self.spike_factor * st.loss_ema
         if not finite:
@@ -171,9 +161,8 @@ class BadSteps:
             self.event("spike", f"loss {loss:.4f} is {loss / st.loss_ema:.1f}x its recent average "
                        f"{st.loss_ema:.4f}", loss=loss, loss_ema=st.loss_ema)
         else:
-            ema = st.loss_ema
-            st.loss_ema = loss if ema is None else LOSS_EMA_DECAY * ema + (1 -
-                                                                           LOSS_EMA_DECAY) * loss
+            ema, d = st.loss_ema, LOSS_EMA_DECAY
+            st.loss_ema = loss if ema is None else d * ema + (1 - d) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
         if (spike or not finite) and self.postmortem:
             kind = "spike" if finite else "nonfinite"

@@ -1,8 +1,7 @@
 """
 A run's start on this rank: its settings checked, the process and device set up, its data read and
-checked, the model built on its device (the seeds, its attention kernel, fp8, FSDP2), the model as
-the loop calls it (compiled, in DDP), and out_dir claimed and proved writable before a step is paid
-for.
+checked, the model built on its device (seeds, attention kernel, fp8, FSDP2) and wrapped as the loop
+calls it (compiled, DDP), and out_dir claimed and proved writable before a step is paid for.
 """
 import os
 import random
@@ -30,8 +29,7 @@ LIVE_MODELS = []
 
 
 def check_config(cfg):
-    """Refuse a run's settings that cannot work (train.py's cfg), before anything is read or
-    written."""
+    """Refuse train.py settings that cannot work, before anything is read or written."""
     for key, example in (("out_dir", "out"), ("data_dir", "data/default")):
         if not cfg[key]:
             fail(f"{key} is empty: name a folder (e.g. --{key}={example})")
@@ -50,17 +48,16 @@ def check_config(cfg):
             fail(f"{key}={cfg[key]} must be >= 0")
     for key, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune",
                                            "max-autotune-no-cudagraphs")),
-                         ("matmul_precision", ("highest", "high", "medium")), ("dist_mode",
-                                                                               ("ddp", "fsdp")),
-                         ("optimizer", ("adamw", "muon")), ("lr_schedule", ("cosine", "wsd"))):
+                         ("matmul_precision", ("highest", "high", "medium")),
+                         ("dist_mode", ("ddp", "fsdp")), ("optimizer", ("adamw", "muon")),
+                         ("lr_schedule", ("cosine", "wsd"))):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
     check_gate_settings(cfg)
     check_optimizer(cfg)
     if cfg.spike_factor <= 1:
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times "
-             f"the recent "
-             "average)")
+             f"the recent average)")
     if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
         fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or "
              f"budget_file")
@@ -68,11 +65,10 @@ def check_config(cfg):
         fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
     if cfg.budget_file and not cfg.budget_usd:
         fail(f"budget_file={cfg.budget_file} needs budget_usd, the cap its spend is checked "
-             "against")
+             f"against")
     if cfg.budget_file and not os.path.isfile(cfg.budget_file):
         fail(f"budget_file {cfg.budget_file} does not exist: start what writes it first, or leave "
-             f"budget_file "
-             "empty")
+             f"budget_file empty")
     try:  # a research objective's own keys (the configurator already refused another objective's)
         getattr(research_objective(cfg.objective), "check_config", lambda cfg: None)(cfg)
     except ValueError as e:
@@ -84,8 +80,7 @@ def set_up(device, sharded, matmul_precision, dtype, micro_batch_size, block_siz
     """(process, compute dtype, gradient accumulation): torchrun's ranks each on its own GPU; a
     sharded run without torchrun is a group of one."""
     proc = setup(device, group=sharded)
-    if proc.dev.type == "cuda":
-        # not on CPU: it changes fp32 results there
+    if proc.dev.type == "cuda":  # not on CPU: it changes fp32 results there
         torch.set_float32_matmul_precision(matmul_precision)
     per_micro = micro_batch_size * block_size * proc.world
     if total_batch_tokens % per_micro:
@@ -97,8 +92,7 @@ def set_up(device, sharded, matmul_precision, dtype, micro_batch_size, block_siz
 
 
 def read_manifest(data_dir, vocab_size, planning=False):
-    """The prepared data's manifest, checked; None when planning (preflight_only) before the data
-    exists."""
+    """The prepared data's manifest, checked; None when planning before the data exists."""
     try:
         manifest = load_manifest(data_dir)
     except ValueError as e:
@@ -106,8 +100,7 @@ def read_manifest(data_dir, vocab_size, planning=False):
             return None
         fail(str(e))
     check_prepared(data_dir, manifest, vocab_size)
-    # every checkpoint carries a copy, which sample.py loads
-    check_tokenizer_loads(data_dir, manifest)
+    check_tokenizer_loads(data_dir, manifest)  # every checkpoint carries it for sample.py
     return manifest
 
 
@@ -123,11 +116,10 @@ def open_data(data_dir, manifest, mconfig, seed):
 
 def build_model(mconfig, proc, dt, seed, fp8=False, compiled=False, sharded=False, verbose=False,
                 out_dir=""):
-    """The model on this rank's device (its share of it when sharded), its attention kernel resolved
-    first (before torch.compile traces it) and logged in one line (verbose: with the kernels auto
-    skipped and why, which preflight.md always has). fp8: its linear layers in float8, or one line
-    why that cannot run here. The seeds are set first: its init, and every RNG the run uses, start
-    from seed."""
+    """The model on this rank's device (its share when sharded), from seed as every RNG the run
+    uses; its attention kernel resolved before torch.compile traces it, logged in one line (verbose:
+    why auto skipped the others, which preflight.md always says); fp8: float8 linear layers, or one
+    line why that cannot run here."""
     torch.manual_seed(seed)
     random.seed(seed + proc.rank)
     np.random.seed((seed + proc.rank) % 2**32)  # numpy's range; the configurator keeps seed in it
@@ -144,9 +136,9 @@ def build_model(mconfig, proc, dt, seed, fp8=False, compiled=False, sharded=Fals
     model = make_model(mconfig).to(proc.dev)
     if fp8:  # before FSDP wraps the layers, and before torch.compile traces them
         converted, kept = float8_linears(model)
+        more = f" and {len(kept) - 4} more" if len(kept) > 4 else ""
         log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); "
-            f"kept in bfloat16: "
-            f"{', '.join(kept[:4])}{f' and {len(kept) - 4} more' if len(kept) > 4 else ''}")
+            f"kept in bfloat16: {', '.join(kept[:4])}{more}")
     if sharded:
         shard_model(model, proc.dev, dt)
     return model
@@ -164,9 +156,8 @@ def wrap_model(raw_model, proc, compile_mode=None, ddp=True):
 
 
 def check_writable(out_dir, proc, folder, config, report):
-    """out_dir becomes this run's (rank 0 claims it) and takes writes before any step is spent (each
-    rank its own probe: they run at once); then rank 0 writes the resolved config and the preflight
-    report into it."""
+    """out_dir becomes this run's (rank 0 claims it) and proves it takes writes (each rank its own
+    probe) before any step is spent; then rank 0 writes the config and preflight report into it."""
     on_rank0(proc.distributed, folder.claim)
     probe = os.path.join(out_dir, f".write-test-{proc.rank}")
     try:

@@ -1,9 +1,8 @@
 """
 The model a run trains: next-token prediction ("ar": model.py's GPT), or an objective of
-podgpt/research/, one module each, found by its file name and imported only when a config or a
-checkpoint names it. A research module gives Config (a GPTConfig with its fields; its config block's
-keys join train.py's and sanity.py's) and Model (a GPT), and may give check_config(cfg) for its
-training keys.
+podgpt/research/, a module each, imported only when a config or checkpoint names it. A research
+module gives Config (a GPTConfig with its fields; its config block's keys join train.py's and
+sanity.py's), Model (a GPT) and maybe check_config(cfg) for its training keys.
 """
 import importlib
 from dataclasses import fields
@@ -34,9 +33,8 @@ def config_fields(name):
 
 
 def make_config(**values):
-    """The model config of values["objective"] (default "ar"): a run's model fields, or a
-    checkpoint's record. ValueError for a field of another objective; the dataclass's TypeError for
-    one no model has."""
+    """The model config of values["objective"] (default "ar"), a run's or a checkpoint's: ValueError
+    for a field of another objective, the dataclass's TypeError for one no model has."""
     name = values.pop("objective", "ar")
     known, owners = config_fields(name), research_keys()
     for key, value in values.items():

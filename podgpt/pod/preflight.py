@@ -1,13 +1,7 @@
 """
-Preflight: the gates a run passes before any GPU-hour is paid for, and the plan behind them
-(parameters, memory per GPU, hours and dollars). train.py checks them at every start and writes
-out_dir/preflight.json and .md (--preflight_only: nothing else); sanity.py --capacity plans the
-same memory; bench/ builds its models from a config the same way.
-
-Every number comes from the arithmetic here (parameters, FLOPs and bytes per GPU, from the model's
-config alone), the prepared data's manifest, or a measurement here. A gate's verdict: pass, warn,
-block (the run does not start, unless allow_unsafe), or skip (nothing to check it against, said
-why). Functions take the run's config (configurator.Config).
+Preflight: the gates a run passes before any GPU-hour is paid for (train.py, at every start: into
+out_dir/preflight.json and .md), and the plan behind them (parameters, memory per GPU, hours and
+dollars) from the model's config alone, the prepared data's manifest or a measurement here.
 """
 
 import math
@@ -19,30 +13,34 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from podgpt.core.attention import resolve_backend
-from podgpt.pod.gates import check_profile, gate, limits, no_pack_gates, release_token_budget, verdict_of
-from podgpt.core.data import contamination, load_manifest
 from model import GRAD_CKPT
-from podgpt.pod.objectives import config_class, config_fields, make_config
+from podgpt.core.attention import resolve_backend
+from podgpt.core.data import contamination, load_manifest
 from podgpt.core.schedule import Budget, fit_horizon, step_seconds
-from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mean_over_ranks, warn, write_atomic,
-                              write_json)
+from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mean_over_ranks, warn,
+                              write_atomic, write_json)
+from podgpt.pod.gates import (check_profile, gate, limits, no_pack_gates, release_token_budget,
+                              verdict_of)
+from podgpt.pod.objectives import config_class, config_fields, make_config
+from podgpt.pod.report import target_text
 
-LR_SLACK = 1.5                  # lr_scaling warns when learning_rate is more than this factor off its rule, either way
-LONG_RUN_TOKENS = 1e9           # the horizon's upper block applies to runs at least this long
-MEMORY_USABLE = 0.92            # of a GPU's memory: the rest goes to the CUDA context, NCCL and fragmentation
-MAX_MICRO_BATCH = 1024          # the micro-batch searches stop here
-# Chinchilla's fit of the final loss (Hoffmann et al. 2022, approach 3): L(N, D) = E + A / N^alpha + B / D^beta nats per
-# token of their tokenizer on MassiveText, N all the parameters, embeddings included (as they counted them: Pearce &
-# Song 2024), D the training tokens
+LR_SLACK = 1.5  # lr_scaling warns when learning_rate is off its rule by more than this, either way
+LONG_RUN_TOKENS = 1e9  # the horizon's upper block applies to runs at least this long
+MEMORY_USABLE = 0.92  # of a GPU's memory: the rest goes to the CUDA context, NCCL, fragmentation
+MAX_MICRO_BATCH = 1024  # the micro-batch searches stop here
+# Chinchilla's fit (Hoffmann et al. 2022, approach 3): L = E + A/N^alpha + B/D^beta nats/token on
+# MassiveText, N all parameters, embeddings included (Pearce & Song 2024), D the training tokens
 CHINCHILLA = dict(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
+# dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+                   ("H100", 989e12), ("A100", 312e12))
 
 
 # -----------------------------------------------------------------------------
-# the model a config describes
+# the model a config describes, by arithmetic: planning never allocates it
 
 def plan_vocab(cfg, manifest=None):
-    """(vocabulary, where it came from): vocab_size, else the prepared data's, else plan_vocab_size."""
+    """(vocabulary, its source): vocab_size, else the prepared data's, else plan_vocab_size."""
     if cfg.vocab_size:
         return cfg.vocab_size, "vocab_size"
     if manifest is None and os.path.isfile(os.path.join(cfg.data_dir, "manifest.json")):
@@ -51,15 +49,13 @@ def plan_vocab(cfg, manifest=None):
         return manifest["vocab_size"], f"{cfg.data_dir}/manifest.json"
     if cfg.plan_vocab_size:
         return cfg.plan_vocab_size, "plan_vocab_size"
-    fail(f"no data in {cfg.data_dir} to take the vocabulary from: prepare it, or set plan_vocab_size (or vocab_size) "
-         f"to plan without it")
+    fail(f"no data in {cfg.data_dir} to take the vocabulary from: prepare it, or set "
+         f"plan_vocab_size (or vocab_size) to plan without it")
 
 
 def model_config(cfg, manifest=None, **overrides):
-    """The model config of a run's config (its objective's: objectives.make_config): every field that is also a
-    config key (so a field the model gains, with its train.py key, passes through), the vocabulary from
-    plan_vocab and the ids the objective adds, BOS as prepare.py numbers it (the last id; doc_mask needs it);
-    `overrides` on top."""
+    """The objective's model config from cfg's model keys, plan_vocab plus the objective's added
+    ids, BOS as prepare.py numbers it (the last id; doc_mask needs it); `overrides` on top."""
     name = overrides.get("objective", cfg.get("objective", "ar"))
     kwargs = {k: cfg[k] for k in config_fields(name) if k in cfg}
     vocab = plan_vocab(cfg, manifest)[0]
@@ -71,12 +67,8 @@ def model_config(cfg, manifest=None, **overrides):
         fail(f"{e}: change the model shape")
 
 
-# -----------------------------------------------------------------------------
-# arithmetic: from the config alone, so planning never has to allocate the model
-
 def param_counts(config):
-    """Parameter counts: total (unique), embedding (input table), head (untied output
-    matrix, 0 when tied), non_embedding (the rest: blocks and final norm)."""
+    """total (unique), embedding, head (0 when tied), non_embedding (blocks and final norm)."""
     d, hd = config.n_embd, config.head_dim
     attn = d * config.n_head * hd * 2 + d * config.n_kv_head * hd * 2
     mlp = 3 * d * config.ffn_hidden
@@ -88,120 +80,93 @@ def param_counts(config):
 
 
 def flops_per_token(config, seq_len=None):
-    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's accounting), N = matmul
-    parameters including the LM head but not the input embedding lookup. Every block application counts
-    (config.applications(): and the final norm and head once per supervision step), the ones without gradients at
-    a forward's third: 2*N + 4*H*Q*T; the blocks run over config.stream copies of each row, each attending over
-    all of them, and the head over one."""
+    """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's), per block application (one without
+    gradients at a third), the head once per supervision step; config.stream copies of a row."""
     L, d, stream = config.n_layer, config.n_embd, config.stream
     T = (seq_len or config.block_size) * stream
     n_sup, with_grad, without = config.applications()
     layer = (param_counts(config)["non_embedding"] - d) // L  # a block's parameters
     attention = config.n_head * config.head_dim * T
     return (6 * (L * with_grad * n_sup * stream * layer + n_sup * (d + config.padded_vocab * d))
-            + 12 * L * with_grad * n_sup * stream * attention + L * without * n_sup * (2 * layer + 4 * attention))
+            + 12 * L * with_grad * n_sup * stream * attention
+            + L * without * n_sup * (2 * layer + 4 * attention))
 
 
-def memory_estimate(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
-                    compute_bytes=2):
-    """Bytes per GPU at the peak of one training step, by part. compute_bytes: 2 under bf16/fp16 autocast, 4
-    in fp32. activation_checkpointing: "none" | "full" | "selective" (True is "full", False "none"; None:
-    config.grad_ckpt). The parts are what is held at that moment, so they add up to the total.
-
-    Always held: weights (fp32, 4 bytes/param), AdamW's two fp32 moments (8), DDP's fp32 gradient buckets (4,
-    world_size > 1). sharded (FSDP): weights, gradients and moments divided over world_size, plus two layers
-    gathered at a time. The rest peaks at one of three moments of the step (memory_phases), whichever is
-    largest: the end of the forward (every weight's compute-dtype cast, which autocast caches until the
-    forward ends; what the forward keeps for the backward; one loss chunk's fp32 logits and log-softmax);
-    the loss's backward (the same, minus the casts checkpointed layers do not keep, plus the fp32 logit
-    gradients and the head's weight gradient); or the end of the backward (every gradient, and the first
-    layer's activations and weight casts).
-
-    Activations kept per token, as model.py saves them on CPU (tests/test_model.py measures each case).
-    With c = compute_bytes, d = n_embd, dkv = n_kv_head * head_dim, f = ffn_hidden: a layer keeps 16*d of
-    fp32 (its output, the residual between attention and MLP, each RMSNorm's x * rsqrt), c*(4*d + 2*dkv +
-    4*f) (the two norm outputs; q, k, v; the attention output; SwiGLU's four hidden-wide tensors),
-    4*n_head of attention log-sum-exp and 8 of norm scales; outside the layers 8*d + c*d + 4 (the
-    embedding, the final norm). full checkpointing: a layer keeps only its 4*d output, and the backward
-    rebuilds one layer at a time; selective: a layer keeps its output and what its matmuls and attention
-    return, 4*d + c*(4*d + 2*dkv + 2*f) + 4*n_head, and one layer at a time rebuilds the rest.
-
-    Calibrated against peaks measured on an H100 (bench/results/memory.jsonl; tests/test_model.py holds
-    every row): 1B, 50M and d64-width shapes, each layout, within -1%..+5%. What remains: the kept
-    activations are counted as model.py saves them on a CPU, and CUDA's fused kernels keep a little less
-    (the 1B's measured activations grow 3.5% slower per sequence than counted); cuBLAS workspaces, the
-    allocator's rounding and short-lived temporaries (gradient clipping's norms) are not counted.
-    """
-    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing, compute_bytes)
+def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
+                    activation_checkpointing=None, compute_bytes=2):
+    """Bytes per GPU at a training step's peak (memory_phases' largest), by part, and params.
+    compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32; activation_checkpointing: "none", "full"
+    or "selective" (True: full, False: none, None: config.grad_ckpt). Activations count as model.py
+    saves them on CPU (tests/test_model.py); within -1%..+5% of the H100 peaks measured in
+    bench/results/memory.jsonl (cuBLAS workspaces and allocator rounding are not counted)."""
+    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing,
+                           compute_bytes)
     peak = max(phases.values(), key=lambda parts: parts["total"])
     return dict(params=param_counts(config)["total"], **peak)
 
 
-def memory_phases(config, micro_batch_size, world_size=1, sharded=False, activation_checkpointing=None,
-                  compute_bytes=2):
-    """{moment: {part: bytes, "total": their sum}} for the three moments where a training step can peak:
-    forward_end, loss_backward and backward_end (memory_estimate's docstring says what each holds)."""
-    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(activation_checkpointing, activation_checkpointing)
+def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
+                  activation_checkpointing=None, compute_bytes=2):
+    """{moment: {part: bytes, "total": sum}} where a step can peak: forward_end (autocast's cached
+    weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax), loss_backward
+    (less the casts checkpointed layers drop, plus the logits' and head's gradients), backward_end
+    (every gradient, the first layer's activations and casts). Held throughout: fp32 weights,
+    AdamW's two fp32 moments, DDP's fp32 gradient buckets; FSDP divides them, gathers two layers."""
+    ckpt = activation_checkpointing
+    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(ckpt, ckpt)
     if mode not in GRAD_CKPT:
-        raise ValueError(f"activation_checkpointing={activation_checkpointing!r}: one of {', '.join(GRAD_CKPT)}")
+        raise ValueError(f"activation_checkpointing={ckpt!r}: one of {', '.join(GRAD_CKPT)}")
     counts = param_counts(config)
-    n, head = counts["total"], config.padded_vocab * config.n_embd
+    n, V, S = counts["total"], config.padded_vocab, config.stream
     tokens = micro_batch_size * config.block_size
-    L, d, dkv, f, c = config.n_layer, config.n_embd, config.n_kv_head * config.head_dim, config.ffn_hidden, compute_bytes
-    layer_params = counts["non_embedding"] // L
-    shard = world_size if sharded else 1
-    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer while prefetching the next
-    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8  # all a layer keeps without checkpointing
-    # per token: what a layer keeps for the backward, and what the backward rebuilds of it
+    L, d, f, c = config.n_layer, config.n_embd, config.ffn_hidden, compute_bytes
+    dkv, head = config.n_kv_head * config.head_dim, V * d
+    layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
+    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
+    # per token, all a layer keeps: fp32 output, mid residual and RMSNorm x*rsqrt; in c bytes the
+    # norm outputs, q k v, attention output, SwiGLU's four; attention's log-sum-exp; norm scales
+    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
+    # what a layer keeps for the backward, and what the backward rebuilds of it, a layer at a time
     kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
                            "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
                                          12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
     outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
-    logit_rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
-    # each block application with gradients keeps what a layer keeps, and each supervision step its final norm's
-    # share, and an objective's own sums; an unchunked loss keeps each earlier step's log-softmax (4 bytes per
-    # logit). The blocks and the embedding run on config.stream copies of each row, the final norm on one
+    rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
+    # per block application with gradients, and per supervision step its final norm and sums
     n_sup, per_layer, _ = config.applications()
     sums = config.sums_kept(mode)
-    kept = config.stream * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (config.stream - 1) * 4 * d
-    earlier_logits = (n_sup - 1) * logit_rows * config.padded_vocab * 4 if logit_rows == tokens else 0
-    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's compute-dtype copy of every matrix
+    kept = S * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (S - 1) * 4 * d
+    # an unchunked loss keeps each earlier supervision step's fp32 log-softmax
+    earlier = (n_sup - 1) * rows * V * 4 if rows == tokens else 0
+    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
-                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy of the gradients
+                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy
+    # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
+    loss_casts = casts if mode == "none" or c == 4 else c * head // shard
     phases = dict(
         forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * kept,
-                         logits=logit_rows * config.padded_vocab * 8 + earlier_logits),
-        # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
-        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=casts if mode == "none" or c == 4 else
-                           c * head // shard, activations=tokens * kept,
-                           logits=logit_rows * config.padded_vocab * 12 + earlier_logits),
-        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered, weight_casts=0 if c == 4 else c * layer_params,
-                          activations=tokens * (config.stream * (kept_layer + rebuilt + 2 * sums + 4 * d) + outside
-                                                - 4 * d), logits=0))
+                         logits=rows * V * 8 + earlier),
+        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=loss_casts,
+                           activations=tokens * kept, logits=rows * V * 12 + earlier),
+        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered,
+                          weight_casts=0 if c == 4 else c * layer_params,
+                          activations=tokens * (S * (kept_layer + rebuilt + 2 * sums + 4 * d)
+                                                + outside - 4 * d), logits=0))
     for parts in phases.values():
         parts["total"] = sum(parts.values())
     return phases
 
 
-# dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparse figures are 2x these)
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
-                   ("A100", 312e12))
-
-
 def peak_flops(device_name):
-    """Datasheet dense bf16 FLOP/s for a GPU name, or None if unknown (then no MFU rather than a wrong one)."""
+    """Datasheet dense bf16 FLOP/s of a GPU name; None if unknown (no MFU, not a wrong one)."""
     for key, flops in PEAK_BF16_FLOPS:
         if key.lower() in device_name.lower():
             return flops
     return None
 
 
-# -----------------------------------------------------------------------------
-# memory: memory_estimate's bytes per GPU, for this run's layout and the others
-
 def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
-    """The largest micro-batch <= limit for which fits() holds, given that `known` fits (0: none
-    known): double until it does not, then bisect. Memory grows with the micro-batch, so one boundary."""
+    """The largest micro-batch <= limit that fits(), given that `known` fits (0: none known)."""
     lo, hi, limit = known, max(2 * known, 1), max(limit, known)
     while hi <= limit and fits(hi):
         lo, hi = hi, 2 * hi
@@ -213,108 +178,103 @@ def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
 
 
 def plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget):
-    """memory_estimate's bytes per GPU for one layout, and with a budget: whether it fits, and the
-    largest micro-batch that would."""
-    estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded, activation_checkpointing=ckpt,
-                       compute_bytes=cbytes)
-    parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # params is a count, not bytes
+    """One layout's bytes per GPU, and with a budget: whether it fits, the largest that would."""
+    estimate = partial(memory_estimate, mconfig, world_size=world, sharded=sharded,
+                       activation_checkpointing=ckpt, compute_bytes=cbytes)
+    parts = {k: v for k, v in estimate(mb).items() if k != "params"}  # a count, not bytes
+    largest = largest_fitting(lambda m: estimate(m)["total"] <= budget, 0) if budget else None
     return dict(sharded=sharded, activation_checkpointing=ckpt, bytes=parts,
                 gb={k: round(v / 1e9, 3) for k, v in parts.items()},
-                fits=parts["total"] <= budget if budget else None,
-                largest_micro_batch=largest_fitting(lambda m: estimate(m)["total"] <= budget, 0) if budget else None)
+                fits=parts["total"] <= budget if budget else None, largest_micro_batch=largest)
 
 
 def layout_label(cfg):
-    return ("FSDP" if cfg.dist_mode == "fsdp" else "DDP") + ("" if cfg.grad_ckpt == "none" else
-                                                              f" + grad_ckpt={cfg.grad_ckpt}")
+    return ("FSDP" if cfg.dist_mode == "fsdp" else "DDP") + (
+        "" if cfg.grad_ckpt == "none" else f" + grad_ckpt={cfg.grad_ckpt}")
 
 
 # -----------------------------------------------------------------------------
 # the gates
 
 def horizon_gate(cfg, counts):
-    """compute_optimal_horizon: planned tokens per non-embedding parameter against Chinchilla's 20."""
+    """compute_optimal_horizon: planned tokens per non-embedding parameter vs Chinchilla's 20."""
     tokens = cfg.max_steps * cfg.total_batch_tokens
     per_param = tokens / counts["non_embedding"]
     lim = limits(cfg.gate_profile)
-    low, band, high = lim["horizon_block_below"], lim["horizon_warn_outside"], lim["horizon_block_above"]
+    low, band = lim["horizon_block_below"], lim["horizon_warn_outside"]
+    high = lim["horizon_block_above"]
     ratio = per_param / 20
-    verdict = "pass"
-    if band and not band[0] <= ratio <= band[1]:
-        verdict = "warn"
-    if (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS):
-        verdict = "block"
+    blocked = (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS)
+    verdict = "block" if blocked else "warn" if band and not band[0] <= ratio <= band[1] else "pass"
     return gate("compute_optimal_horizon", verdict, ratio, band or "-",
                 f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
                 f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
                 f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20" + (
-                    "" if verdict != "block" else f": max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per "
-                    "non-embedding parameter, or gate_profile=research for a run not meant for release"))
-
-
-def sqrt_scaled_lr(base_lr, base_batch, batch):
-    """Block diffusion's rule of thumb: the learning rate grows with the square root of the batch (sequences per step)."""
-    return base_lr * math.sqrt(batch / base_batch)
+                    "" if verdict != "block" else
+                    f": max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per "
+                    "non-embedding parameter, or gate_profile=research for a run not meant for "
+                    "release"))
 
 
 def lr_scaling_gate(cfg):
-    """lr_scaling: learning_rate against sqrt_scaled_lr of lr_base at this run's batch; a warning outside
-    LR_SLACK either way (the recipe's own table, 5e-4 at 512 and 7e-4 at 1024, is within 18% of its rule)."""
+    """lr_scaling: learning_rate against block diffusion's rule, lr_base x sqrt(batch in sequences);
+    a warning outside LR_SLACK (its recipe's 5e-4 at 512, 7e-4 at 1024 are within 18% of it)."""
     if not cfg.lr_base:
-        return gate("lr_scaling", "skip", cfg.learning_rate, None, "lr_base=0: no rule to hold learning_rate to")
+        return gate("lr_scaling", "skip", cfg.learning_rate, None,
+                    "lr_base=0: no rule to hold learning_rate to")
     batch = cfg.total_batch_tokens // cfg.block_size
-    rule = sqrt_scaled_lr(cfg.lr_base, cfg.lr_base_batch, batch)
+    rule = cfg.lr_base * math.sqrt(batch / cfg.lr_base_batch)
     ratio = cfg.learning_rate / rule
     far = not 1 / LR_SLACK <= ratio <= LR_SLACK
     return gate("lr_scaling", "warn" if far else "pass", cfg.learning_rate, rule,
-                f"learning_rate={cfg.learning_rate:g} is {ratio:.2f}x lr_base x sqrt(batch / lr_base_batch) = "
-                f"{cfg.lr_base:g} x sqrt({batch} / {cfg.lr_base_batch}) = {rule:.3g}"
-                + (f": outside 1/{LR_SLACK:g}..{LR_SLACK:g}x, set learning_rate={rule:.3g} (or lr_base=0 to check "
-                   f"nothing)" if far else ""))
+                f"learning_rate={cfg.learning_rate:g} is {ratio:.2f}x lr_base x sqrt(batch / "
+                f"lr_base_batch) = {cfg.lr_base:g} x sqrt({batch} / {cfg.lr_base_batch}) = "
+                f"{rule:.3g}" + (f": outside 1/{LR_SLACK:g}..{LR_SLACK:g}x, set learning_rate="
+                                 f"{rule:.3g} (or lr_base=0 to check nothing)" if far else ""))
 
 
 def data_gates(cfg, manifest):
-    """corpus_model_fit (epochs over the unique training tokens), contamination (training documents that
-    are also validation documents, as prepare.py counted them) and tokenizer_vocab."""
+    """corpus_model_fit (epochs of the unique training tokens), contamination, tokenizer_vocab."""
     if manifest is None:
         return [gate(name, "skip", None, None, f"no data prepared in {cfg.data_dir} yet")
                 for name in ("corpus_model_fit", "contamination", "tokenizer_vocab")]
     tokens = cfg.max_steps * cfg.total_batch_tokens
-    unique = manifest["splits"]["train"]["tokens"]
-    epochs, limit = tokens / unique, cfg.max_epochs or limits(cfg.gate_profile)["epochs_block_above"]
+    unique, vocab = manifest["splits"]["train"]["tokens"], manifest["vocab_size"]
+    limit = cfg.max_epochs or limits(cfg.gate_profile)["epochs_block_above"]
+    epochs = tokens / unique
     shared, val_docs = contamination(cfg.data_dir, manifest)
-    ok = cfg.vocab_size is None or cfg.vocab_size == manifest["vocab_size"]
-    return [gate("corpus_model_fit", "block" if epochs > limit else "warn" if epochs > 1 else "pass", epochs, limit,
-                 f"{tokens / 1e9:.3g}B planned tokens over {unique / 1e9:.3g}B unique training tokens = {epochs:.2f} "
-                 f"epochs (warn above 1, block above {limit}" + ("" if epochs <= limit else ": fewer max_steps, more "
-                 f"data, or max_epochs={math.ceil(epochs)} where that many passes are the plan") + ")"),
+    ok = cfg.vocab_size is None or cfg.vocab_size == vocab
+    fit = "block" if epochs > limit else "warn" if epochs > 1 else "pass"
+    return [gate("corpus_model_fit", fit, epochs, limit,
+                 f"{tokens / 1e9:.3g}B planned tokens over {unique / 1e9:.3g}B unique training "
+                 f"tokens = {epochs:.2f} epochs (warn above 1, block above {limit}" + (
+                     "" if epochs <= limit else f": fewer max_steps, more data, or max_epochs="
+                     f"{math.ceil(epochs)} where that many passes are the plan") + ")"),
             gate("contamination", "block" if shared else "pass", shared, 0,
                  f"{shared} training documents are also validation documents" if shared else
                  f"no training document among the {val_docs} validation documents"),
-            gate("tokenizer_vocab", "pass" if ok else "block", cfg.vocab_size or manifest["vocab_size"],
-                 manifest["vocab_size"], f"{cfg.data_dir}: {manifest['tokenizer']}, {manifest['vocab_size']} tokens"
-                 + ("" if ok else f"; the model is set to vocab_size={cfg.vocab_size}: set vocab_size=None or "
-                                  f"prepare matching data"))]
+            gate("tokenizer_vocab", "pass" if ok else "block", cfg.vocab_size or vocab, vocab,
+                 f"{cfg.data_dir}: {manifest['tokenizer']}, {vocab} tokens" + (
+                     "" if ok else f"; the model is set to vocab_size={cfg.vocab_size}: set "
+                     f"vocab_size=None or prepare matching data"))]
 
 
 def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
-    """memory_fit: this run's estimate per GPU (dist_mode, grad_ckpt) against the usable memory, and
-    when it does not fit, the remedies that would."""
+    """memory_fit: this run's bytes per GPU against the usable memory; remedies when it is over."""
     sharded = cfg.dist_mode == "fsdp"
-
     def total(mb=cfg.micro_batch_size, shard=sharded, ckpt=cfg.grad_ckpt):
         return memory_estimate(mconfig, mb, world, sharded=shard, activation_checkpointing=ckpt,
                                compute_bytes=dtype_bytes)["total"]
-
     need, usable = total(), mem_gb * 1e9 * MEMORY_USABLE
-    detail = (f"{layout_label(cfg)}: {need / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable ({mem_gb:g} GB x "
-              f"{MEMORY_USABLE})")
+    detail = (f"{layout_label(cfg)}: {need / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable "
+              f"({mem_gb:g} GB x {MEMORY_USABLE})")
     if need <= usable:
         return gate("memory_fit", "warn" if need > 0.85 * usable else "pass", need, usable, detail)
     remedies = []
     for mb in (cfg.micro_batch_size // 2 ** k for k in range(1, 12)):
         if mb >= 1 and total(mb) <= usable:
-            remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps total_batch_tokens)")
+            remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps "
+                            f"total_batch_tokens)")
             break
     for ckpt in ("selective", "full"):
         if cfg.grad_ckpt != ckpt and cfg.grad_ckpt != "full" and total(ckpt=ckpt) <= usable:
@@ -322,58 +282,65 @@ def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
             break
     best = total(shard=True, ckpt="full")
     if not sharded and best <= usable:
-        remedies.append(f"dist_mode=fsdp + grad_ckpt=full across {world} GPUs: {best / 1e9:.1f} GB per GPU")
-    fix = "; or ".join(remedies) or (f"more GPUs or a smaller model (FSDP + grad_ckpt=full across {world} GPUs still "
-                                      f"needs {best / 1e9:.1f} GB per GPU)")
+        remedies.append(f"dist_mode=fsdp + grad_ckpt=full across {world} GPUs: "
+                        f"{best / 1e9:.1f} GB per GPU")
+    fix = "; or ".join(remedies) or (f"more GPUs or a smaller model (FSDP + grad_ckpt=full across "
+                                     f"{world} GPUs still needs {best / 1e9:.1f} GB per GPU)")
     return gate("memory_fit", "block", need, usable, f"{detail}: does not fit; use {fix}")
 
 
 def disk_gate(cfg, counts, free_disk):
-    """checkpoint_disk: the checkpoints kept (fp32 weights and AdamW's two moments) against the free disk."""
+    """checkpoint_disk: the checkpoints kept (fp32 weights, AdamW's moments) against free disk."""
     ckpt_bytes = 12 * counts["total"]
     need = ckpt_bytes * (cfg.keep_last + (1 if cfg.save_best else 0))
-    detail = (f"{cfg.keep_last}{' + best' if cfg.save_best else ''} checkpoints of {format_bytes(ckpt_bytes)} = "
-              f"{format_bytes(need)}")
+    detail = (f"{cfg.keep_last}{' + best' if cfg.save_best else ''} checkpoints of "
+              f"{format_bytes(ckpt_bytes)} = {format_bytes(need)}")
     if free_disk is None:
-        return gate("checkpoint_disk", "skip", need, None, f"{detail}: planning for another machine")
-    return gate("checkpoint_disk", "block" if need > free_disk else "warn" if need > 0.8 * free_disk else "pass",
-                need, free_disk, f"{detail} against {format_bytes(free_disk)} free")
+        return gate("checkpoint_disk", "skip", need, None,
+                    f"{detail}: planning for another machine")
+    verdict = "block" if need > free_disk else "warn" if need > 0.8 * free_disk else "pass"
+    return gate("checkpoint_disk", verdict, need, free_disk,
+                f"{detail} against {format_bytes(free_disk)} free")
 
 
 def world_gate(cfg, world, launched):
     if launched != world:
-        return gate("world_size", "skip", launched, world, f"planning for {world} ranks from {launched}")
+        return gate("world_size", "skip", launched, world,
+                    f"planning for {world} ranks from {launched}")
     expect = cfg.expect_world_size
     wrong = expect and expect != world
     return gate("world_size", "block" if wrong else "pass", world, expect or "any",
-                f"launched {world} ranks" + (f", the config expects {expect}: launch --nproc_per_node={expect}"
-                                             if wrong else ""))
+                f"launched {world} ranks" + (f", the config expects {expect}: launch "
+                                             f"--nproc_per_node={expect}" if wrong else ""))
 
 
 def attention_gate(cfg, mconfig, runtime):
-    """attention_backend_runtime: attn_backend runs here (runtime: (device, dtype); None: planning elsewhere)."""
+    """attention_backend_runtime: attn_backend runs on runtime, (device, dtype); None: elsewhere."""
+    name = "attention_backend_runtime"
     if runtime is None:
-        return gate("attention_backend_runtime", "skip", cfg.attn_backend, None,
-                    "planned from another machine: sanity.py on the pod checks the kernels")
+        return gate(name, "skip", cfg.attn_backend, None, "planned from another machine: "
+                    "sanity.py on the pod checks the kernels")
     try:
-        chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim, mconfig.mask_kind)
-        return gate("attention_backend_runtime", "pass", chosen, None, note)
+        chosen, note = resolve_backend(cfg.attn_backend, *runtime, mconfig.head_dim,
+                                       mconfig.mask_kind)
+        return gate(name, "pass", chosen, None, note)
     except ValueError as e:
-        return gate("attention_backend_runtime", "block", cfg.attn_backend, None, first_line(e))
+        return gate(name, "block", cfg.attn_backend, None, first_line(e))
 
 
 def planned_horizon(cfg, tokens_per_sec, world, spent_s=0.0, reserve_s=0.0):
-    """schedule.fit_horizon of this run at tokens_per_sec on `world` ranks, after spent_s of its time."""
-    accum = cfg.total_batch_tokens / (cfg.micro_batch_size * cfg.block_size * world)
-    step_s = step_seconds(tokens_per_sec, cfg.total_batch_tokens, accum, cfg.eval_steps, cfg.eval_every)
+    """schedule.fit_horizon of this run at tokens_per_sec on `world` ranks, after spent_s."""
+    batch = cfg.total_batch_tokens
+    accum = batch / (cfg.micro_batch_size * cfg.block_size * world)
+    step_s = step_seconds(tokens_per_sec, batch, accum, cfg.eval_steps, cfg.eval_every)
     usd_per_s = world * cfg.usd_per_gpu_hour / 3600
-    return fit_horizon(cfg.max_steps, Budget.of(cfg), step_s, usd_per_s, spent_s, spent_s * usd_per_s, reserve_s)
+    return fit_horizon(cfg.max_steps, Budget.of(cfg), step_s, usd_per_s, spent_s,
+                       spent_s * usd_per_s, reserve_s)
 
 
 def start_horizon(cfg, proc, tokens_per_sec, spent_s, reserve_s):
-    """A new run's horizon, (steps, what sets them), rank 0's for every rank: with fit_budget, what max_hours and
-    budget_usd pay for at preflight's tokens_per_sec after the startup's spent_s, keeping back reserve_s for a last
-    evaluation and save; else max_steps."""
+    """A new run's (horizon, what sets it), rank 0's for every rank: with fit_budget, what max_hours
+    and budget_usd pay for after the startup's spent_s, less reserve_s for a last eval and save."""
     fitted = [(cfg.max_steps, "max_steps")]
     if cfg.fit_budget and tokens_per_sec and proc.rank == 0:
         fitted = [planned_horizon(cfg, tokens_per_sec, proc.world, spent_s, reserve_s)]
@@ -381,51 +348,32 @@ def start_horizon(cfg, proc, tokens_per_sec, spent_s, reserve_s):
         dist.broadcast_object_list(fitted)
     horizon, by = fitted[0]
     if horizon < cfg.max_steps:
-        log(f"horizon: {by} pays for {horizon:,} of max_steps={cfg.max_steps:,} steps at {tokens_per_sec:,.0f} "
-            f"tokens/s: the {cfg.lr_schedule} schedule ends there")
+        log(f"horizon: {by} pays for {horizon:,} of max_steps={cfg.max_steps:,} steps at "
+            f"{tokens_per_sec:,.0f} tokens/s: the {cfg.lr_schedule} schedule ends there")
     return horizon, by
 
 
-def time_gate(cfg, tokens_per_sec, source, world):
-    """time_and_cost: hours and dollars of the planned tokens, and the horizon: where max_hours or budget_usd end
-    the schedule (fit_budget), or would stop the run before it ends (a block without fit_budget)."""
-    hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
-    usd = hours * world * cfg.usd_per_gpu_hour
-    detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
-              + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
-    steps, by = planned_horizon(cfg, tokens_per_sec, world)
-    if by == "max_steps":
-        return gate("time_and_cost", "pass", hours, cfg.max_hours or None, detail)
-    if cfg.fit_budget:
-        return gate("time_and_cost", "pass", hours, cfg.max_hours or cfg.budget_usd,
-                    f"{detail}: {by} pays for {steps:,} of max_steps={cfg.max_steps:,}: the horizon, where the "
-                    f"schedule ends ({cfg.lr_schedule} to min_lr)")
-    return gate("time_and_cost", "block", hours, cfg.max_hours or cfg.budget_usd,
-                f"{detail}: {by} stops it near step {steps:,} of {cfg.max_steps:,}, before the schedule ends: lower "
-                f"max_steps to ~{steps}, or fit_budget=True to end the schedule there")
-
-
 def target_band(value):
-    """target_val_loss as (low, high): a number is (None, it), met at or below it; "lo,hi" (or a pair of numbers,
-    as --target_val_loss=3.2,3.5 parses) is met within it, ends included; None for None or "". ValueError names
-    the fix."""
+    """target_val_loss as (low, high): a number x is (None, x), met at or below x; "lo,hi" (or the
+    pair --target_val_loss=3.2,3.5 parses to) met within, ends included; None for None or ""."""
     if value is None or value == "":
         return None
-    parts = value.split(",") if isinstance(value, str) else value if isinstance(value, (tuple, list)) else [value]
+    parts = (value.split(",") if isinstance(value, str) else
+             value if isinstance(value, (tuple, list)) else [value])
     try:
         nums = [float(p) for p in parts if not isinstance(p, bool)]
     except (TypeError, ValueError):
         nums = []
-    if not (len(nums) == len(parts) and len(nums) in (1, 2) and all(math.isfinite(x) and x > 0 for x in nums)
-            and nums == sorted(set(nums))):
-        raise ValueError(f"target_val_loss={value!r} is neither a loss nor a band: give a number (the final validation "
-                         f"loss at most that) or \"lo,hi\" with 0 < lo < hi (within it, e.g. \"3.20,3.50\")")
+    if not (len(nums) == len(parts) and len(nums) in (1, 2)
+            and all(math.isfinite(x) and x > 0 for x in nums) and nums == sorted(set(nums))):
+        raise ValueError(f"target_val_loss={value!r} is neither a loss nor a band: give a number "
+                         f"(the final validation loss at most that) or \"lo,hi\" with 0 < lo < hi "
+                         f"(within it, e.g. \"3.20,3.50\")")
     return (None, nums[0]) if len(nums) == 1 else tuple(nums)
 
 
 def check_gate_settings(cfg):
-    """Refuse (exit 2) a gate_profile that is none of gates.PROFILE_NAMES, and a target_val_loss that is neither a
-    loss nor a band."""
+    """Refuse (exit 2) an unknown gate_profile, and a target_val_loss neither a loss nor a band."""
     check_profile(cfg.gate_profile)
     try:
         target_band(cfg.target_val_loss)
@@ -433,33 +381,31 @@ def check_gate_settings(cfg):
         fail(str(e), 2)
 
 
-def band_text(band):
-    """A target_band as preflight.md and the console say it."""
-    low, high = band
-    return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
-
-
 def loss_gate(cfg, plan, manifest):
-    """predicted_loss: CHINCHILLA's fit at the plan's parameters and planned tokens, against target_val_loss; a
-    prediction outside the target is a warning, never a block, since the fit was made on other data and tokens."""
+    """predicted_loss: CHINCHILLA's fit against target_val_loss; a warning at most (other data)."""
     band = target_band(cfg.target_val_loss)
-    target = band_text(band) if band else None
+    target = target_text(band) if band else None
     tokenizer = manifest["tokenizer"] if manifest else None
     if cfg.objective != "ar" or tokenizer in ("byte", "char"):
-        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy" if cfg.objective != "ar" else
-               f"nats per {tokenizer} token are not comparable to its subword tokens'")
-        return gate("predicted_loss", "skip", None, target, f"Chinchilla's fit does not apply: {why}")
-    # the tokens of the horizon: what max_steps plans, or what the budget pays for
-    d = plan["horizon"]["steps"] * cfg.total_batch_tokens if "horizon" in plan else plan["planned_tokens"]
+        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy" if
+               cfg.objective != "ar" else f"nats per {tokenizer} token are not comparable to its "
+               f"subword tokens'")
+        return gate("predicted_loss", "skip", None, target,
+                    f"Chinchilla's fit does not apply: {why}")
+    # the horizon's tokens: what max_steps plans, or what the budget pays for
+    horizon = plan.get("horizon")
+    d = horizon["steps"] * cfg.total_batch_tokens if horizon else plan["planned_tokens"]
     n, c = plan["params"]["total"], CHINCHILLA
     loss = c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
-    detail = (f"Chinchilla's fit (Hoffmann et al. 2022, approach 3) E + A/N^alpha + B/D^beta = {c['E']} + "
-              f"{c['A']}/N^{c['alpha']} + {c['B']}/D^{c['beta']} at N = {n / 1e9:.3g}B parameters (embeddings "
-              f"included, as the fit counts them) and D = {d / 1e9:.3g}B planned tokens: {loss:.2f} nats/token, "
-              f"indicative only (fitted in the tokens of Chinchilla's tokenizer on MassiveText; this data: "
+    detail = (f"Chinchilla's fit (Hoffmann et al. 2022, approach 3) E + A/N^alpha + B/D^beta = "
+              f"{c['E']} + {c['A']}/N^{c['alpha']} + {c['B']}/D^{c['beta']} at N = {n / 1e9:.3g}B "
+              f"parameters (embeddings included, as the fit counts them) and D = {d / 1e9:.3g}B "
+              f"planned tokens: {loss:.2f} nats/token, indicative only (fitted in the tokens of "
+              f"Chinchilla's tokenizer on MassiveText; this data: "
               f"{tokenizer or 'not prepared yet'})")
     if band is None:
-        return gate("predicted_loss", "skip", loss, None, f"{detail}; no target_val_loss to compare it with")
+        return gate("predicted_loss", "skip", loss, None,
+                    f"{detail}; no target_val_loss to compare it with")
     within = (band[0] is None or band[0] <= loss) and loss <= band[1]
     return gate("predicted_loss", "pass" if within else "warn", loss, target,
                 f"{detail}: {'within' if within else 'outside'} target_val_loss ({target})")
@@ -468,61 +414,82 @@ def loss_gate(cfg, plan, manifest):
 # -----------------------------------------------------------------------------
 # the report
 
+def refuse(cfg, blocks):
+    """Stop on blocking gates, unless allow_unsafe (a warning each) or preflight_only (reported)."""
+    if blocks and not cfg.allow_unsafe and not cfg.preflight_only:
+        fail("preflight blocks: " + "; ".join(f"{g['name']}: {g['detail']}" for g in blocks)
+             + " (or allow_unsafe=True to train anyway)")
+    for g in blocks if cfg.allow_unsafe else []:
+        warn(f"preflight gate {g['name']} blocks, allow_unsafe=True goes on: {g['detail']}")
+
+
 def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
-    """Every gate that needs no model on the device, checked on rank 0 before anything is allocated and
-    sent to every rank: the report {profile, gates, plan}. release: podgpt/release/gates.py for a run judged with a
-    skills pack (its gates), else None. A block stops the run here (allow_unsafe: a
-    warning; preflight_only: reported at the end). Planning from a CPU for a GPU pod (preflight_only with
-    gpu_mem_gb): the config's world size, and no local disk or kernels."""
+    """{profile, gates, plan} of the gates needing no model on the device, from rank 0 to every
+    rank; a block stops the run. release: podgpt/release/gates.py (a skills pack) or None."""
     report = [None]
     if proc.rank == 0:
-        world, launched = plan_world(cfg, proc), proc.world
+        world, here = plan_world(cfg, proc), not planning(cfg, proc)
         mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
                                     if proc.dev.type == "cuda" else 0)
-        dtype_bytes = 4 if dt == torch.float32 else 2
-        counts = param_counts(mconfig)
-        gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts), *data_gates(cfg, manifest),
-                 *(release.pack_gates if release else no_pack_gates)(cfg, counts["total"], manifest),
-                 lr_scaling_gate(cfg)]
-        gates.append(memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
-                     gate("memory_fit", "skip", None, None, "not on a GPU: give gpu_mem_gb to plan for one"))
-        gates += [disk_gate(cfg, counts, None if planning(cfg, proc) else free_disk(cfg.out_dir)),
-                  world_gate(cfg, world, launched),
-                  attention_gate(cfg, mconfig, None if planning(cfg, proc) else (proc.dev, dt))]
-        plan = dict(params=counts, flops_per_token=flops_per_token(mconfig),
-                    planned_tokens=cfg.max_steps * cfg.total_batch_tokens,
-                    tokens_per_param=cfg.max_steps * cfg.total_batch_tokens / counts["non_embedding"],
-                    dist_mode=cfg.dist_mode, grad_ckpt=cfg.grad_ckpt)
-        for key, sharded, ckpt in (("memory", cfg.dist_mode == "fsdp", cfg.grad_ckpt), ("memory_ddp", False, "none"),
-                                   ("memory_sharded", True, "full")):
+        counts, dtype_bytes = param_counts(mconfig), 4 if dt == torch.float32 else 2
+        pack_gates = release.pack_gates if release else no_pack_gates
+        gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts),
+                 *data_gates(cfg, manifest), *pack_gates(cfg, counts["total"], manifest),
+                 lr_scaling_gate(cfg),
+                 memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
+                 gate("memory_fit", "skip", None, None,
+                      "not on a GPU: give gpu_mem_gb to plan for one"),
+                 disk_gate(cfg, counts, free_disk(cfg.out_dir) if here else None),
+                 world_gate(cfg, world, proc.world),
+                 attention_gate(cfg, mconfig, (proc.dev, dt) if here else None)]
+        tokens = cfg.max_steps * cfg.total_batch_tokens
+        plan = dict(params=counts, flops_per_token=flops_per_token(mconfig), planned_tokens=tokens,
+                    tokens_per_param=tokens / counts["non_embedding"], dist_mode=cfg.dist_mode,
+                    grad_ckpt=cfg.grad_ckpt)
+        for key, sharded, ckpt in (("memory", cfg.dist_mode == "fsdp", cfg.grad_ckpt),
+                                   ("memory_ddp", False, "none"), ("memory_sharded", True, "full")):
             plan[key] = memory_estimate(mconfig, cfg.micro_batch_size, world, sharded=sharded,
                                         activation_checkpointing=ckpt, compute_bytes=dtype_bytes)
         report = [dict(profile=cfg.gate_profile, gates=gates, plan=plan)]
     if proc.distributed:
         dist.broadcast_object_list(report)
     report = report[0]
-    blocks = [g for g in report["gates"] if g["verdict"] == "block"]
-    if blocks and not cfg.allow_unsafe and not cfg.preflight_only:
-        fail("preflight blocks: " + "; ".join(f"{g['name']}: {g['detail']}" for g in blocks)
-             + " (or allow_unsafe=True to train anyway)")
-    for g in blocks if cfg.allow_unsafe else []:
-        warn(f"preflight gate {g['name']} blocks, allow_unsafe=True goes on: {g['detail']}")
-    for g in report["gates"] if proc.rank == 0 else []:  # a learning rate off its rule is said before any step
+    refuse(cfg, [g for g in report["gates"] if g["verdict"] == "block"])
+    for g in report["gates"] if proc.rank == 0 else []:  # a learning rate off its rule, said first
         if g["name"] == "lr_scaling" and g["verdict"] == "warn":
             warn(f"preflight: {g['detail']}")
     return report
 
 
 def plan_time(cfg, proc, report, tokens_per_sec, source):
-    """The time_and_cost gate at a known throughput, and the planned horizon in the report's plan; without a
-    throughput, skipped and said why."""
-    if tokens_per_sec:
-        report["gates"].append(time_gate(cfg, tokens_per_sec, source, plan_world(cfg, proc)))
-        steps, by = planned_horizon(cfg, tokens_per_sec, plan_world(cfg, proc))
-        report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec, source=source)
-    elif cfg.preflight_only:
-        report["gates"].append(gate("time_and_cost", "skip", None, None, "give planned_mfu (and plan_gpu) or "
-                                    "planned_tokens_per_sec to plan another machine's time"))
+    """time_and_cost at a known throughput (else a skip): hours, dollars, and where max_hours or
+    budget_usd end the schedule (fit_budget: the horizon) or would stop the run early (a block)."""
+    if not tokens_per_sec:
+        if cfg.preflight_only:
+            report["gates"].append(gate("time_and_cost", "skip", None, None,
+                                        "give planned_mfu (and plan_gpu) or planned_tokens_per_sec "
+                                        "to plan another machine's time"))
+        return
+    world = plan_world(cfg, proc)
+    hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
+    usd = hours * world * cfg.usd_per_gpu_hour
+    detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
+              + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
+    steps, by = planned_horizon(cfg, tokens_per_sec, world)
+    report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec,
+                                     source=source)
+    limit = cfg.max_hours or cfg.budget_usd
+    if by == "max_steps":
+        verdict, limit = "pass", cfg.max_hours or None
+    elif cfg.fit_budget:
+        verdict, detail = "pass", (f"{detail}: {by} pays for {steps:,} of max_steps="
+                                   f"{cfg.max_steps:,}: the horizon, where the schedule ends "
+                                   f"({cfg.lr_schedule} to min_lr)")
+    else:
+        verdict, detail = "block", (f"{detail}: {by} stops it near step {steps:,} of "
+                                    f"{cfg.max_steps:,}, before the schedule ends: lower max_steps "
+                                    f"to ~{steps}, or fit_budget=True to end the schedule there")
+    report["gates"].append(gate("time_and_cost", verdict, hours, limit, detail))
 
 
 def planning(cfg, proc):
@@ -531,8 +498,10 @@ def planning(cfg, proc):
 
 
 def plan_world(cfg, proc):
-    """The world size the plan is for: the config's when planning a pod from one process, else this one."""
-    return cfg.expect_world_size if planning(cfg, proc) and not proc.torchrun and cfg.expect_world_size else proc.world
+    """The world size planned for: the config's when planning a pod from one process, else this."""
+    if planning(cfg, proc) and not proc.torchrun and cfg.expect_world_size:
+        return cfg.expect_world_size
+    return proc.world
 
 
 def free_disk(path):
@@ -544,62 +513,55 @@ def free_disk(path):
 
 
 def planned_speed(cfg, proc, mconfig):
-    """(tokens/s, where it comes from) at planned_tokens_per_sec or planned_mfu of a GPU's peak; (0, None)
-    when neither is set (train.py then measures it)."""
+    """(tokens/s, its source) from planned_tokens_per_sec or planned_mfu; (0, None): measure it."""
     if cfg.planned_tokens_per_sec:
         return cfg.planned_tokens_per_sec, "planned_tokens_per_sec"
     if not cfg.planned_mfu:
         return 0, None
-    here = torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else None
-    peak = peak_flops(cfg.plan_gpu or here) if (cfg.plan_gpu or here) else None
+    gpu = cfg.plan_gpu or (torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else "")
+    peak = peak_flops(gpu) if gpu else None
     if peak is None:
-        fail("planned_mfu needs a known GPU's peak: set plan_gpu to one of H200, H100 SXM, H100 PCIe, A100")
+        fail("planned_mfu needs a known GPU's peak: set plan_gpu to one of H200, H100 SXM, H100 "
+             "PCIe, A100")
     return (cfg.planned_mfu * peak * plan_world(cfg, proc) / flops_per_token(mconfig),
-            f"planned_mfu={cfg.planned_mfu:g} of {cfg.plan_gpu or here}")
+            f"planned_mfu={cfg.planned_mfu:g} of {gpu}")
 
 
 def measure_tokens_per_sec(model, loader, dev, autocast, micro_batch_size, block_size):
-    """This rank's forward+backward tokens/s: 2 warm-up and 3 timed micro-steps; the gradients are dropped."""
+    """This rank's forward+backward tokens/s over 3 micro-steps after 2 warm-up ones, no update."""
     x, y = loader.batch(range(micro_batch_size), dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
     for i in range(5):
         if i == 2:
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             t0 = time.time()
         with autocast:
             loss = model(x, y)[1]
         loss.backward()
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
+    sync()
     model.zero_grad(set_to_none=True)
     return 3 * micro_batch_size * block_size / (time.time() - t0)
 
 
 def plan_run(cfg, proc, dt, mconfig, data, build_model, release=None):
-    """The preflight report of the run about to train, and its model once one is needed: (report, model or None).
-    data: (manifest, train Loader, validation Loader), all None before the data exists; build_model(): the model on
-    this rank's device. Time and cost are planned at a planned throughput, or measured here on the real model (not
-    when planning another machine, and not for a model that cannot fit)."""
+    """(preflight report, the model or None until needed). data: (manifest, train and validation
+    Loaders), all None before the data exists. Unplanned throughput is measured on the model."""
     manifest, train_data, _ = data
     report = gates_report(cfg, proc, mconfig, manifest, dt, release)
     tokens_per_sec, source = planned_speed(cfg, proc, mconfig)
     measure = not tokens_per_sec and manifest is not None and not planning(cfg, proc) \
         and not any(g["name"] == "memory_fit" and g["verdict"] == "block" for g in report["gates"])
-    model = None
-    if measure or not cfg.preflight_only:
-        model = build_model()
+    model = build_model() if measure or not cfg.preflight_only else None
     if measure:
         tokens_per_sec = proc.world * mean_over_ranks(measure_tokens_per_sec(
-            model, train_data, proc.dev, autocast(proc.dev, dt), cfg.micro_batch_size, cfg.block_size),
-            proc.distributed, proc.dev)
+            model, train_data, proc.dev, autocast(proc.dev, dt), cfg.micro_batch_size,
+            cfg.block_size), proc.distributed, proc.dev)
         source = f"measured here, {proc.world} x {proc.dev.type}"
     plan_time(cfg, proc, report, tokens_per_sec, source)
-    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the tokens the plan settled on
-    time_gate = next((g for g in report["gates"] if g["name"] == "time_and_cost"), None)
-    if time_gate and time_gate["verdict"] == "block" and not cfg.preflight_only:  # fit_budget=False: the plan overruns
-        if not cfg.allow_unsafe:
-            fail(f"preflight blocks: time_and_cost: {time_gate['detail']} (or allow_unsafe=True to train anyway)")
-        warn(f"preflight gate time_and_cost blocks, allow_unsafe=True goes on: {time_gate['detail']}")
+    report["gates"].append(loss_gate(cfg, report["plan"], manifest))  # at the plan's tokens
+    if not cfg.preflight_only:  # fit_budget=False: the plan overruns max_hours or budget_usd
+        refuse(cfg, [g for g in report["gates"]
+                     if g["name"] == "time_and_cost" and g["verdict"] == "block"][:1])
     return report, model
 
 
@@ -611,7 +573,8 @@ def write_preflight(path, report):
              "| gate | verdict | value | threshold | detail |", "|---|---|---|---|---|"]
     for g in report["gates"]:
         value = f"{g['value']:.4g}" if isinstance(g["value"], float) else g["value"]
-        lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | {g['detail']} |")
+        lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | "
+                     f"{g['detail']} |")
     write_atomic(os.path.join(path, "preflight.md"), "\n".join(lines) + "\n")
 
 
@@ -622,7 +585,8 @@ def finish_preflight(cfg, report, master):
         write_preflight(cfg.out_dir, report)
         for g in report["gates"]:
             print(f"{g['verdict']:>5}  {g['name']}: {g['detail']}")
-        print(f"preflight: {report['verdict']} ({cfg.gate_profile} profile), report in {cfg.out_dir}/preflight.md")
+        print(f"preflight: {report['verdict']} ({cfg.gate_profile} profile), report in "
+              f"{cfg.out_dir}/preflight.md")
     else:
         report["verdict"] = verdict_of(report["gates"])
     if dist.is_initialized():

@@ -1,20 +1,10 @@
 """
-The run report: a page to read and portable files, written from what a run left in its out_dir.
-
-    python -m podgpt.pod.report --out_dir=out
-
-writes into out_dir:
-- summary.md    the outcome, stop reason, final/best losses, the target met or not, tokens, hours,
-                dollars, MFU, the preflight verdict, and the plots (or a line saying why none)
-- metrics.csv   metrics.jsonl in long format (step, name, value): event rows and nulls left out
-- manifest.json seed, library versions, podgpt commit, config hash, hardware, world size, dollars
-- plots/*.png   train/val loss against steps and tokens, grad norm, tokens/s, learning rate, memory
-                (refine: the loss of each supervision step)
-
-train.py writes metrics.jsonl through MetricsFile and calls write_report after every evaluation
-(live=True) and at the end; trackers.py mirrors the same lines live. The report reads only the small
-files of out_dir, and a missing or damaged one leaves its part empty rather than raising: a report
-must never turn a finished run into a failed one.
+The run report (python -m podgpt.pod.report --out_dir=out), from what a run left in its out_dir:
+summary.md (outcome, losses, target, tokens, hours, dollars, MFU, preflight verdict, plots),
+metrics.csv (metrics.jsonl as step, name, value; events and nulls left out), manifest.json (seed,
+versions, commit, config hash, hardware, dollars) and plots/*.png. train.py writes metrics.jsonl
+through MetricsFile, and the report after every evaluation (live=True) and at the end. A missing or
+damaged file leaves its part empty: a report must never turn a finished run into a failed one.
 """
 
 import csv
@@ -51,9 +41,8 @@ def read_json(path):
 
 def metrics_lines(path):
     """(line number, the line's bytes, its row) for each line of metrics.jsonl; the row is None for
-    half a line (a run killed mid-write), damage, or someone else's line. Read as bytes: a byte that
-    is not UTF-8 (a damaged block of the disk) then spoils one line, where decoding the file would
-    end the read."""
+    half a line (a run killed mid-write), damage, or someone else's line. Read as bytes, so that a
+    damaged block spoils its line rather than the read."""
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             try:
@@ -81,9 +70,8 @@ def not_rows(path, line_nos, fate):
 
 
 def rewrite_metrics(path, last_step):
-    """On resume: drop the lines of steps past last_step, which the resumed run writes again, and a
-    torn last line. A line that is not one of podgpt's rows is kept byte for byte, with a warning:
-    podgpt removes only what it wrote."""
+    """On resume: drop the lines of steps past last_step (trained again) and a torn last line; a
+    line that is not one of podgpt's rows is kept byte for byte, with a warning."""
     if not os.path.exists(path):
         return
     kept, foreign = [], []
@@ -104,17 +92,15 @@ def rewrite_metrics(path, last_step):
 
 
 class MetricsFile:
-    """metrics.jsonl as a run writes it (rank 0), a JSON object a line, appended with os.write, so
-    no buffer holds half a line that a later flush could add."""
+    """metrics.jsonl as rank 0 writes it, appended with os.write: no buffer holds half a line."""
 
     def __init__(self, path, step):
         rewrite_metrics(path, step)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, row):
-        """The row in strict JSON (a non-finite value as null: its event line says what), as
-        written. A write the disk refuses is taken back whole (truncating needs no space), the file
-        closed, and the OSError raised."""
+        """The row as written, in strict JSON (a non-finite value as null). A write the disk
+        refuses is taken back whole (truncating needs no space), the file closed, OSError raised."""
         row = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                for k, v in row.items()}
         line, end = memoryview(json.dumps(row).encode() + b"\n"), os.lseek(self.fd, 0, os.SEEK_END)
@@ -151,16 +137,9 @@ def run_config(out_dir):
 
 def long_rows(rows):
     """(step, name, value) of every numeric field, once: an eval row repeats its step's tokens."""
-    seen, out = set(), []
-    for row in rows:
-        for name, value in row.items():
-            if name == "step" or not is_number(value):
-                continue
-            key = (row["step"], name, value)
-            if key not in seen:
-                seen.add(key)
-                out.append(key)
-    return out
+    return list(dict.fromkeys((row["step"], name, value) for row in rows
+                              for name, value in row.items()
+                              if name != "step" and is_number(value)))
 
 
 def write_csv(path, rows):
@@ -260,8 +239,8 @@ FIGURES = [
 
 
 def figures(rows):
-    """FIGURES, and those of the fields only some runs write: a refine run's loss of each
-    supervision step (sup_loss_<i>), and eval_gsm8k_samples' accuracy."""
+    """FIGURES, and those of fields some runs write: a refine run's loss of each supervision step
+    (sup_loss_<i>), eval_gsm8k_samples' accuracy."""
     steps = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("sup_loss_")})
     ys = [(f"{p}sup_loss_{i}", f"{label} step {i}")
           for p, label in (("", "train"), ("val_", "validation")) for i in steps]
@@ -323,10 +302,9 @@ def last(rows, name):
 
 
 def target_verdict(band, status, val_loss):
-    """Whether the run got where target_val_loss (as preflight.target_band) says, judged on its
-    final validation loss, not the best: met or missed; not reached when a guard or a signal stopped
-    the run before its last step, or it failed; None without a target. An early stop completes a
-    run."""
+    """met or missed: the final validation loss (not the best) against target_val_loss's band
+    (preflight.target_band); not reached when the run did not complete (an early stop does); None
+    without a target."""
     if band is None:
         return None
     if status != "completed" or val_loss is None:
@@ -447,10 +425,9 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
 # ----------------------------------------------------------------------------
 
 def write_report(out_dir, plots=True, live=False):
-    """Write summary.md, metrics.csv, manifest.json and (plots=True) plots/ into out_dir. Never
-    raises: a part that fails is reported in summary.md (or on stderr) and the rest is still
-    written. Returns {file: problem}. live: the run is still going, so a summary.json is a stopped
-    run's, which the resumed run replaces at its end: it is left out."""
+    """Write summary.md, metrics.csv, manifest.json and plots/ (plots=True) into out_dir; {file:
+    problem}. Never raises: a part that fails is said in summary.md (or on stderr). live: the run
+    goes on, so a summary.json is a stopped run's, which the resume replaces: it is left out."""
     problems = {}
 
     def attempt(name, fn):

@@ -1,8 +1,7 @@
 """
 What a run says as it trains: the console's lines, and rank 0's files: metrics.jsonl, each line
-mirrored to the trackers; clock.json, the guards' time and spend, which a resume reads back; and the
-spike post-mortem. A write the disk refuses stops the run in one line that says where it resumes
-from.
+mirrored to the trackers; clock.json, the guards' time and spend, which a resume reads back; the
+spike post-mortem. A write the disk refuses stops the run in one line saying where it resumes.
 """
 import os
 import time
@@ -13,14 +12,14 @@ from podgpt.pod.report import MetricsFile
 
 class RunLog:
     """out_dir's running files, written on rank 0 alone (master). on_disk(): the newest checkpoint's
-    step (-1: none), which a stop on a full disk resumes from. model: the one trained, which names
-    its objective's numbers (stats: its forward's third item); the rest measures the speed: tokens a
-    step, FLOPs a token, and the GPUs' bf16 peak in all (None: no MFU)."""
+    step (-1: none), where a stop on a full disk resumes; model: the one trained, which names its
+    objective's stats; batch_tokens, flops_tok and peak (the GPUs' bf16 peak; None: no MFU) measure
+    the speed."""
 
     def __init__(self, out_dir, step, master, trackers, on_disk, model, batch_tokens, flops_tok,
                  peak):
-        self.metrics_path, self.clock_path = (os.path.join(out_dir, f)
-                                              for f in ("metrics.jsonl", "clock.json"))
+        self.metrics_path = os.path.join(out_dir, "metrics.jsonl")
+        self.clock_path = os.path.join(out_dir, "clock.json")
         self.metrics = MetricsFile(self.metrics_path, step) if master else None
         self.trackers, self.on_disk, self.model = trackers, on_disk, model
         self.batch_tokens, self.flops_tok, self.peak = batch_tokens, flops_tok, peak
@@ -35,29 +34,26 @@ class RunLog:
         return {} if stats is None else self.model.metrics(stats, prefix)
 
     def step(self, st, loss, lr, grad_norm, stats, mem_gb):
-        """A training step's metrics line, clock.json and console line, with the speed since the
-        last."""
+        """A step's metrics line, clock.json and console line, with the speed since the last."""
         now, steps = time.time(), st.step - self.step_at_log
         tok_s = steps * self.batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / self.peak if self.peak else None
         eta = (st.horizon - st.step) * (now - self.t_log) / steps
         self.restart(st.step)
-        self.write(
-            dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                 tokens=st.step * self.batch_tokens, tokens_per_sec=tok_s, mfu=mfu, mem_gb=mem_gb,
-                 elapsed=st.elapsed, cost_usd=st.cost_usd, **self.objective(stats)))
+        self.write(dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                        tokens=st.step * self.batch_tokens, tokens_per_sec=tok_s, mfu=mfu,
+                        mem_gb=mem_gb, elapsed=st.elapsed, cost_usd=st.cost_usd,
+                        **self.objective(stats)))
         self.clock(st)
         log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} "
             f"| {tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
             f"{mem_gb:.2f} GB | eta {format_seconds(eta)}{self.console(stats)}", flush=True)
 
     def validation(self, step, val_loss, val_bpb, best, stats, accuracy=None, problems=0):
-        """An evaluation's metrics line and console line; accuracy: of `problems` GSM8K answers, if
-        asked."""
-        self.write(
-            dict(step=step, val_loss=val_loss, val_bpb=val_bpb, tokens=step * self.batch_tokens,
-                 **self.objective(stats, "val_"),
-                 **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
+        """An evaluation's metrics and console lines; accuracy: of `problems` GSM8K answers."""
+        self.write(dict(step=step, val_loss=val_loss, val_bpb=val_bpb,
+                        tokens=step * self.batch_tokens, **self.objective(stats, "val_"),
+                        **({} if accuracy is None else {"gsm8k_accuracy": accuracy})))
         gsm8k = "" if accuracy is None else f" | gsm8k {100 * accuracy:.1f}% of {problems}"
         log(f"step {step} | val loss {val_loss:.4f} | val bpb "
             f"{val_bpb:.4f}{' (best)' if best else ''}{self.console(stats)}{gsm8k}", flush=True)
@@ -99,7 +95,7 @@ class RunLog:
 
     def out_of_space(self, path, e):
         on_disk = self.on_disk()
-        where = f"it resumes from step {on_disk}" if on_disk >= 0 else "it starts over (no checkpoint yet)"
-        fail(f"cannot write {path} "
-             f"({first_line(e)}): " + (f"{MAKE_ROOM}: {where}" if disk_full(e) else
-                                                             "check out_dir's disk"))
+        where = (f"it resumes from step {on_disk}" if on_disk >= 0
+                 else "it starts over (no checkpoint yet)")
+        fail(f"cannot write {path} ({first_line(e)}): "
+             + (f"{MAKE_ROOM}: {where}" if disk_full(e) else "check out_dir's disk"))

@@ -1,10 +1,7 @@
 """
 Watching a run: with log_to, rank 0 mirrors every metrics.jsonl line, as it writes it, to
-TensorBoard, Weights & Biases or MLflow.
-
-train.py checks log_to with tracker_names before the run starts, and logs each row through
-Trackers. A tracker that fails never stops training: metrics.jsonl has every line, and the report
-reads that.
+TensorBoard, Weights & Biases or MLflow (train.py checks log_to with tracker_names before the run
+starts). A tracker that fails never stops training: metrics.jsonl has every line.
 """
 
 import importlib.util
@@ -124,17 +121,15 @@ class MLflow:
 
 
 class Trackers:
-    """Rank 0's mirror of metrics.jsonl to the trackers log_to names. Lines go through a queue to a
-    thread of their own, so a slow or unreachable tracker never holds a step up; a tracker that
-    fails to start or raises gets one warning and training goes on (one that raises is still tried
-    with the next lines: an outage can end). The trackers' run ids go to out_dir/trackers.json, so a
-    resumed run continues them."""
+    """Rank 0's mirror of metrics.jsonl to the trackers log_to names, through a queue to a thread
+    of their own: a slow or unreachable tracker never holds a step up. A tracker that fails to start
+    or raises gets one warning (one that raises is tried again with the next lines: an outage can
+    end). Their run ids go to out_dir/trackers.json, which a resumed run continues."""
 
     CLASSES = dict(tensorboard=TensorBoard, wandb=WandB, mlflow=MLflow)
 
     def __init__(self, cfg, step):
-        """cfg: train.py's config (log_to, run_name, run_tags, out_dir, and each tracker's
-        settings): each tracker records it whole as the run's config."""
+        """cfg: train.py's config, which each tracker records whole as the run's config."""
         path = os.path.join(cfg.out_dir, "trackers.json")
         ids = read_json(path) if step else None  # a run from step 0 is new to the trackers too
         ids = ids if isinstance(ids, dict) else {}
