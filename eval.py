@@ -2,7 +2,7 @@
 Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export
 in; eval.json and eval.md out, and a table on the console (docs/evaluation.md).
 
-    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default \
+    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default \\
         --mc=arc_easy,piqa --attach=lm_eval.json
     torchrun --standalone --nproc_per_node=8 eval.py ...   # ranks split the rows; one all-reduce
 

@@ -157,9 +157,9 @@ def unmeasured(run):
 
 def hardware_gaps(run):
     """No GPU run, from manifest.json's hardware: of this run and of its base run."""
-    cpu = [(who, hw.get("cpu") or "unknown")
-           for who, r in (("this run", run), ("its base run", run["base"])) if r is not None
-           if not (hw := r["manifest"].get("hardware") or {}).get("gpus")]
+    hardware = [(who, r["manifest"].get("hardware") or {})
+                for who, r in (("this run", run), ("its base run", run["base"])) if r is not None]
+    cpu = [(who, hw.get("cpu") or "unknown") for who, hw in hardware if not hw.get("gpus")]
     if not cpu:
         return []
     return [f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU ({cpu[0][1]}); "
@@ -223,8 +223,7 @@ def contamination(run):
         out.append(f"contamination: {found['train_docs_in_val']} of {found.get('val_documents')} "
                    "validation documents are also training documents (the data's manifest.json): "
                    "its validation loss is optimistic")
-        # the count above, from the manifest
-        preflight = [g for g in preflight if g.get("name") != "contamination"]
+        preflight = [g for g in preflight if g.get("name") != "contamination"]  # counted above
     findings = {}  # detail -> the gates that report it
     for g in preflight + after:
         findings.setdefault(g.get("detail"), []).append(g)

@@ -69,7 +69,6 @@ ANCHOR = datetime.date(2000, 1, 1)  # a Saturday: weekdays are counted from it
 # -----------------------------------------------------------------------------
 # The task families: each makes (prompt, answer, scratchpad lines) from a random.Random
 
-
 def place_parts(n):
     """n by place value, largest first, zeros left out: 3407 -> [3000, 400, 7]."""
     digits = str(n)
@@ -279,7 +278,6 @@ CHANCE = {"gsm8k": 0.0} | {name: chance for name, (_, chance) in CATEGORIES.item
 # -----------------------------------------------------------------------------
 # Rows, their normal form and their overlap
 
-
 def normal(text):
     return " ".join(text.lower().split())
 
@@ -342,7 +340,6 @@ def check_pack(splits, origins):
 
 # -----------------------------------------------------------------------------
 # The templates: rows per category, made in any number of processes
-
 
 def row_rng(seed, category, split, i, draw):
     key = f"{seed}/{category}/{split}/{i}/{draw}".encode()
@@ -429,7 +426,6 @@ def chosen_categories(spec):
 # -----------------------------------------------------------------------------
 # Other sources: local JSONL rows, GSM8K
 
-
 def prompt_hash(row):
     return hashlib.sha256(normal(row["prompt"]).encode()).hexdigest()
 
@@ -504,7 +500,6 @@ def gsm8k_pack(cfg):
 
 # -----------------------------------------------------------------------------
 # The pack's folder
-
 
 def jsonl(rows):
     return "".join(json.dumps({field: row[field] for field in PACK_FIELDS}, ensure_ascii=False)
