@@ -1,17 +1,14 @@
 """
 Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export
-in; eval.json and eval.md out, and a table on the console (docs/evaluation.md).
+in; eval.json and eval.md out, and a table on the console. Each part runs when its setting is
+given: pack_dir (a skills pack's rows, greedy replies), data_dir (validation bits per byte), mc
+(multiple choice) and attach (an lm-evaluation-harness results JSON); docs/evaluation.md says how.
 
     python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default \\
         --mc=arc_easy,piqa --attach=lm_eval.json
     torchrun --standalone --nproc_per_node=8 eval.py ...   # ranks split the rows; one all-reduce
 
-Each part runs when its setting is given. pack_dir: a skills pack's eval rows, greedy replies whose
-last non-empty line is compared with the answer; accuracy per category with its 95% Wilson interval
-against the manifest's chance level. data_dir: validation bits per byte, as train.py's val_bpb. mc:
-multiple choice (hub benchmarks of tasks.HUB_MC or JSONL files), each choice scored by its summed
-log-likelihood as lm-evaluation-harness does. attach: an lm-evaluation-harness results JSON, copied
-in. A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews)
+A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews)
 eval_floors, the gate profile's floors on those results (gates.py).
 """
 
@@ -236,9 +233,8 @@ def score_pack(model, tok, rows, categories, cfg, proc):
 
 
 def choice_logprobs(model, context, continuations, dev):
-    """The summed log-probability of each continuation's ids after the context's, in one batch
-    (right-padded: a causal model's earlier positions do not see the padding). The window keeps
-    the last block_size + 1 ids."""
+    """Each continuation's summed log-probability after the context, in one right-padded batch (a
+    causal model's earlier positions do not see the padding), of the last block_size + 1 ids."""
     span = model.config.block_size + 1
     seqs = [(context + c)[-span:] for c in continuations]
     width = max(len(s) for s in seqs)

@@ -41,9 +41,8 @@ UNEVALUATED = (  # eval.json's parts, and what their absence leaves unmeasured
 
 
 def read_run(folder):
-    """What the run folder (and a fine-tuned run's base run) recorded; util.Error without a
-    summary.json. base: the base run's read_run, if it ended; base_data: its config and data, if
-    its folder is there."""
+    """What the run (and a fine-tuned run's base run) recorded; util.Error without a summary.json.
+    base: the base run's read_run, if it ended; base_data: its config and data, if it is there."""
     summary = read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
         fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has "
@@ -209,9 +208,8 @@ def limitations(run, cats):
 
 
 def contamination(run):
-    """One line per contamination finding: validation documents that are training documents (the
-    data's manifest.json; preflight's gate states it again), and each gate's other finding, said
-    once where the preflight gate and the check after the run report the same."""
+    """A line per contamination finding: val documents in training (the data's manifest.json), and
+    each gate's other finding, once where the preflight gate and the post-run check share it."""
     out = []
     found = (run["data"] or {}).get("contamination") or {}
     gate = run["summary"].get("long_run_gate") or {}

@@ -7,11 +7,8 @@ detail line, into out_dir/sanity.json and .md; exit status 1 when any check fail
     python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141   # plan a pod from here
     torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
 
-The checks (run_checks): environment, disk, each attention backend against the float64 reference
-at the configured head layout and dtype, a 2-layer model's train step, KV cache and checkpoint,
-the dataset, compile, allreduce (under torchrun: every rank checks its own GPU, rank 0 reports)
-and capacity (each layout's planned memory per GPU; on a GPU one real step's peak and the largest
-micro-batch that fits).
+The checks are run_checks' list, each a check_* function; under torchrun every rank runs them on
+its own GPU and rank 0 writes the report.
 """
 
 import gc
@@ -169,10 +166,8 @@ def check_disk(path, min_gb):
 
 
 def check_attention(name, cfg, dev, dt, mask=None):
-    """A backend of attention.py, or auto's pick here (saying why), against its float64 reference
-    at the configured head layout: the output and q, k, v's gradients (attention.parity_errors;
-    mask: None for causal, or a kind of attention.masks()). Skipped, saying why, where it cannot
-    run."""
+    """A backend (or auto's pick, saying why) against attention.parity_errors' float64 reference at
+    the configured head layout; mask: None (causal) or a kind of attention.masks()."""
     # a GPU's kernels work in 128-row tiles: T=256 crosses them; T=64 (attention.py's own parity
     # check there) keeps it quick on a CPU, whose kernels have none to cross
     T = min(cfg["block_size"], 256 if dev.type == "cuda" else 64)
@@ -205,9 +200,8 @@ def check_train_step(cfg, dev, dt):
 
 
 def check_kv_cache(cfg, dev):
-    """Logits through the KV cache equal one full forward pass over n tokens (32 at most), in
-    float32: a prompt of n/4, a chunk of n/4 (the bottom-right mask path), then single tokens (the
-    unmasked path)."""
+    """KV-cache logits equal a full forward pass's, in float32: n/4 tokens, a chunk of n/4 (the
+    bottom-right mask path), then single tokens (the unmasked path); n is 32 at most."""
     model = probe_model(cfg, dev, full_width=dev.type == "cuda").eval()
     n = min(32, model.config.block_size)
     x = torch.randint(0, 256, (2, n), device=dev)
