@@ -1,33 +1,15 @@
 """
-Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export in; eval.json and
-eval.md out, and a table on the console.
+Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export
+in; eval.json and eval.md out, and a table on the console. Each part runs when its setting is
+given: pack_dir (a skills pack's rows, greedy replies), data_dir (validation bits per byte), mc
+(multiple choice) and attach (an lm-evaluation-harness results JSON); docs/evaluation.md says how.
 
-    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default --mc=arc_easy,piqa --attach=lm_eval.json
-    torchrun --standalone --nproc_per_node=8 eval.py ...   # the ranks split the rows; one all-reduce of the counts
+    python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default \\
+        --mc=arc_easy,piqa --attach=lm_eval.json
+    torchrun --standalone --nproc_per_node=8 eval.py ...   # ranks split the rows; one all-reduce
 
-Each part runs when its setting is given:
-- pack: a skills pack's eval rows (eval.jsonl; its manifest.json gives each category's chance level), each answered
-  by greedy generation of up to max_new_tokens. A tokenizer with the chat tokens gets the chat prompt and stops at
-  <|end|> or BOS; a base model gets BOS + prompt + "\\n" and stops at BOS. The reply's last non-empty line is its
-  answer, compared exactly with the row's (runs of whitespace collapsed). Per category and overall: accuracy, its
-  95% Wilson score interval, the chance level, and whether the interval's low end is above chance.
-- data_dir: validation bits per byte, as train.py's val_bpb: the mean loss over eval_batches micro-batches of the
-  val split, times its tokens per byte, over ln 2 (comparable across tokenizers).
-- mc: multiple-choice questions, comma-separated sources: a hub benchmark's name (arc_easy, arc_challenge,
-  hellaswag, piqa: tasks.HUB_MC, each at a pinned revision, downloaded as prepare.py's presets are, worded as
-  lm-evaluation-harness words them zero-shot) or a local JSONL file, one object a line:
-      {"question": str, "choices": [str, ...], "answer": int (the right choice's index), "task": str (optional)}
-  Each choice is scored by the summed log-likelihood of its tokens after the question (the text question + " " +
-  choice, as lm-evaluation-harness does): acc picks the highest, acc_norm the highest per byte of the choice. Per
-  task: both accuracies, acc's interval, and chance, the mean of 1/len(choices). mc_limit: a hub benchmark's
-  first N questions alone (a quick look; 0: all).
-- attach: an lm-evaluation-harness results JSON ({"results": {task: {metric: value}}}), copied into the report
-  with the file it came from.
-
-out: where eval.json and eval.md go; "": the run's folder for a checkpoint of OUT_DIR/ckpt/, else a folder
-eval-NAME beside the checkpoint or export (an export holds only what export.py wrote, so that it can replace it).
-A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews) eval_floors, the gate
-profile's floors on those results (gates.py).
+A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or renews)
+eval_floors, the gate profile's floors on those results (gates.py).
 """
 
 import json
@@ -47,39 +29,40 @@ from podgpt.release.gates import record_eval_floors
 from podgpt.release.loading import load_trained, locate
 from podgpt.corpus.tasks import HUB_MC, hub_questions, read_rows
 from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
-from podgpt.core.util import (Error, autocast, compute_dtype, dtype_name, fail, first_line, is_master, log, percent, run_main,
-                  setup, write_atomic, write_json)
+from podgpt.core.util import (Error, autocast, compute_dtype, dtype_name, fail, first_line,
+                              is_master, log, percent, run_main, setup, write_atomic, write_json)
 
 # --- config
-ckpt = ""                       # a checkpoint folder, an out_dir (see which) or an export folder; "": out_dir
-which = "best"                  # for an out_dir: best (lowest validation loss; latest if none evaluated) | latest
-out_dir = "out"                 # used when ckpt is empty (so a run's config file finds its checkpoint)
-out = ""                        # folder for eval.json and eval.md; "": the run's folder (see above)
+ckpt = ""                       # a checkpoint or export folder, or an out_dir (see which)
+which = "best"                  # for an out_dir: best (lowest val loss, else latest) | latest
+out_dir = "out"                 # used when ckpt is empty (a run's config file finds its checkpoint)
+out = ""                        # eval.json and eval.md go here; "": the run's folder, or eval-NAME
 pack_dir = ""                   # a skills pack folder (eval.jsonl, manifest.json); "": no pack rows
 data_dir = ""                   # prepared data whose val split gives bits per byte; "": none
-mc = ""                         # multiple choice: hub benchmarks and/or JSONL files, comma-separated (above); "": none
+mc = ""                         # multiple choice: hub benchmarks or JSONL files, comma-separated
 mc_limit = 0                    # a hub benchmark's first N questions (0: all of them)
-download_dir = "downloads"      # where a hub benchmark's file may already be (download.py); the hub's cache else
+download_dir = "downloads"      # where a hub benchmark's file may already be; else the hub's cache
 attach = ""                     # an lm-evaluation-harness results JSON to include; "": none
 max_new_tokens = 256            # the longest reply generated for a pack row
 eval_batches = 20               # validation micro-batches per rank for bits per byte
 micro_batch_size = 8            # sequences per micro-batch for bits per byte
-device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
-dtype = "auto"                  # auto (bfloat16 where the GPU has it, else float32) | float32 | bfloat16 | float16
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N
+dtype = "auto"                  # auto (bfloat16 if the GPU has it) | float32 | bfloat16 | float16
 # --- end config
 
-EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores as it does
+EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores so
 
 
 # -----------------------------------------------------------------------------
 # the arithmetic: pure functions of counts and text
 
 def summary(n, correct, chance):
-    """n, correct, accuracy (None when n is 0), its 95% interval, the chance level and whether the interval's low
-    end is above it."""
+    """n, correct, accuracy (None when n is 0), its 95% interval, the chance level and whether the
+    interval's low end is above it."""
     low, high = wilson(correct, n)
-    return {"n": int(n), "correct": int(correct), "accuracy": correct / n if n else None, "low": low, "high": high,
-            "chance": chance, "above_chance": bool(n) and chance is not None and low > chance}
+    return {"n": int(n), "correct": int(correct), "accuracy": correct / n if n else None,
+            "low": low, "high": high, "chance": chance,
+            "above_chance": bool(n) and chance is not None and low > chance}
 
 
 def normalise(text):
@@ -88,13 +71,13 @@ def normalise(text):
 
 
 def final_answer(reply):
-    """A reply's final answer: its last non-empty line, normalised; "" when it has none."""
+    """A reply's last non-empty line, normalised; "" when it has none."""
     lines = [line for line in reply.splitlines() if line.strip()]
     return normalise(lines[-1]) if lines else ""
 
 
 def pooled_chance(stats):
-    """The chance level of categories pooled: their chances weighed by their rows (None where one has none)."""
+    """Categories' chance levels weighed by their rows (None where one has none)."""
     n = sum(s["n"] for s in stats)
     if not n or any(s["chance"] is None for s in stats if s["n"]):
         return None
@@ -105,7 +88,7 @@ def pooled_chance(stats):
 # reading the inputs: one line naming the fix for anything unusable
 
 def read_jsonl(path, fields, what):
-    """The objects of a JSONL file, each with `fields` (name -> type); one line naming the first that is not."""
+    """The objects of a JSONL file, each with `fields` (name -> type); stops at the first not."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
@@ -116,10 +99,13 @@ def read_jsonl(path, fields, what):
         try:
             row = json.loads(line)
         except ValueError as e:
-            fail(f"{path} line {i} is not JSON ({first_line(e)}): {what} holds one JSON object a line", code=2)
-        wrong = [k for k, kind in fields.items() if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
+            fail(f"{path} line {i} is not JSON ({first_line(e)}): {what} holds one JSON object a "
+                 "line", code=2)
+        wrong = [k for k, kind in fields.items()
+                 if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
         if wrong:
-            fail(f"{path} line {i}: {', '.join(wrong)} missing or not of the {what} schema's type", code=2)
+            fail(f"{path} line {i}: {', '.join(wrong)} missing or not of the {what} schema's type",
+                 code=2)
         rows.append(row)
     if not rows:
         fail(f"{path} holds no rows: {what} needs at least one", code=2)
@@ -127,8 +113,8 @@ def read_jsonl(path, fields, what):
 
 
 def read_pack(folder):
-    """(eval rows, {category: chance level}) of a skills pack, each row checked as skills.py and prepare.py check
-    them (tasks.read_rows); a category manifest.json gives no chance has None."""
+    """(eval rows, {category: chance level or None}) of a skills pack, each row checked as skills.py
+    and prepare.py check them (tasks.read_rows)."""
     path = os.path.join(folder, "eval.jsonl")
     try:
         rows = read_rows(path)[0]
@@ -140,12 +126,13 @@ def read_pack(folder):
         with open(os.path.join(folder, "manifest.json"), encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        fail(f"pack_dir={folder}: its manifest.json cannot be read ({first_line(e)}): build the pack again", code=2)
+        fail(f"pack_dir={folder}: its manifest.json cannot be read ({first_line(e)}): build the "
+             "pack again", code=2)
     return rows, chance_levels(manifest)
 
 
 def chance_levels(manifest):
-    """{category: chance level} from a pack's manifest.json: categories -> {name: {"chance": p, ...}}."""
+    """{category: chance level} from a pack's manifest.json: categories -> {name: {"chance": p}}."""
     categories = manifest.get("categories") if isinstance(manifest, dict) else None
     if not isinstance(categories, dict):
         return {}
@@ -154,8 +141,7 @@ def chance_levels(manifest):
 
 
 def read_questions(spec, download_dir, limit):
-    """(the questions of mc's sources, {source: where its questions came from}): a hub benchmark by name, else a
-    JSONL file."""
+    """(mc's questions, {source: where its questions came from}): a hub benchmark, else a file."""
     questions, sources = [], {}
     for source in filter(None, (part.strip() for part in spec.split(","))):
         if source in HUB_MC:
@@ -169,27 +155,32 @@ def read_questions(spec, download_dir, limit):
 
 def read_mc(path):
     """The questions of a multiple-choice JSONL file, checked against the schema."""
-    rows = read_jsonl(path, {"question": str, "choices": list, "answer": int}, "the multiple-choice file")
+    rows = read_jsonl(path, {"question": str, "choices": list, "answer": int},
+                      "the multiple-choice file")
     for i, row in enumerate(rows, 1):
         choices = row["choices"]
-        if len(choices) < 2 or not all(isinstance(c, str) for c in choices) or not 0 <= row["answer"] < len(choices):
-            fail(f"{path} row {i}: choices must be 2 or more strings and answer the index of one of them", code=2)
+        if (len(choices) < 2 or not all(isinstance(c, str) for c in choices)
+                or not 0 <= row["answer"] < len(choices)):
+            fail(f"{path} row {i}: choices must be 2 or more strings and answer the index of one "
+                 "of them", code=2)
         if not isinstance(row.get("task", ""), str):
             fail(f"{path} row {i}: task must be a string", code=2)
     return rows
 
 
 def read_attach(path):
-    """{"file": path, "results": {task: {metric: value}}} of an lm-evaluation-harness results JSON."""
+    """{"file": path, "results": {task: {metric: value}}} of lm-evaluation-harness's results."""
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
-        fail(f"attach={path} cannot be read ({first_line(e)}): give the results JSON lm_eval wrote", code=2)
+        fail(f"attach={path} cannot be read ({first_line(e)}): give the results JSON lm_eval wrote",
+             code=2)
     results = saved.get("results") if isinstance(saved, dict) else None
     if not isinstance(results, dict) or not all(isinstance(m, dict) for m in results.values()):
-        fail(f"attach={path} is not an lm-evaluation-harness results JSON (no \"results\" object of task -> "
-             f"metrics): give the results_*.json that lm_eval --output_path wrote", code=2)
+        fail(f"attach={path} is not an lm-evaluation-harness results JSON (no \"results\" object "
+             "of task -> metrics): give the results_*.json that lm_eval --output_path wrote",
+             code=2)
     return {"file": os.path.abspath(path), "results": results}
 
 
@@ -204,11 +195,11 @@ def encode(tok, text, where):
 
 
 def prompt_layout(tok, prompt, where):
-    """(the prompt's ids, the ids that end a reply): with the chat tokens, the chat prompt, ended by <|end|> or BOS;
-    without (a base model), BOS, the prompt and a newline, ended by BOS."""
-    if not tok.chat:
-        return [tok.bos_id] + encode(tok, prompt + "\n", where), {tok.bos_id}
+    """(the prompt's ids, the ids that end a reply): with the chat tokens, the chat prompt, ended by
+    <|end|> or BOS; without (a base model), BOS, the prompt and a newline, ended by BOS."""
     try:
+        if not tok.chat:
+            return [tok.bos_id] + tok.encode(prompt + "\n"), {tok.bos_id}
         return chat_prompt(tok, prompt), {chat_ids(tok)["<|end|>"], tok.bos_id}
     except ValueError as e:  # as encode's
         fail(f"{where}: {e}: this model cannot read it", code=2)
@@ -225,24 +216,25 @@ def reply(model, ids, stops, max_new_tokens, dev):
 
 
 def score_pack(model, tok, rows, categories, cfg, proc):
-    """(n, correct) per category of this rank's rows (rows[rank::world]), as a flat float64 tensor, and the first
-    EXAMPLES replies of each category (prompt, answer, reply, its final answer)."""
+    """(n, correct) per category of this rank's rows (rows[rank::world]) as a flat float64 tensor,
+    and each category's first EXAMPLES replies (prompt, answer, reply, its final answer)."""
     counts = torch.zeros(len(categories), 2, dtype=torch.float64)
     index = {c: i for i, c in enumerate(categories)}
     examples = {c: [] for c in categories}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
         ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack_dir} eval row {k + 1}")
         text = tok.decode(reply(model, ids, stops, cfg.max_new_tokens, proc.dev))
-        counts[index[row["category"]]] += torch.tensor([1.0, final_answer(text) == normalise(row["answer"])])
+        right = final_answer(text) == normalise(row["answer"])
+        counts[index[row["category"]]] += torch.tensor([1.0, right])
         if len(examples[row["category"]]) < EXAMPLES:
-            examples[row["category"]].append(dict(prompt=row["prompt"], answer=row["answer"], reply=text,
-                                                  final_answer=final_answer(text)))
+            examples[row["category"]].append(dict(prompt=row["prompt"], answer=row["answer"],
+                                                  reply=text, final_answer=final_answer(text)))
     return counts.flatten(), examples
 
 
 def choice_logprobs(model, context, continuations, dev):
-    """The summed log-probability of each continuation's ids after the context's, in one batch (right-padded: a
-    causal model's earlier positions do not see the padding). The window keeps the last block_size + 1 ids."""
+    """Each continuation's summed log-probability after the context, in one right-padded batch (a
+    causal model's earlier positions do not see the padding), of the last block_size + 1 ids."""
     span = model.config.block_size + 1
     seqs = [(context + c)[-span:] for c in continuations]
     width = max(len(s) for s in seqs)
@@ -258,8 +250,8 @@ def choice_logprobs(model, context, continuations, dev):
 
 
 def split_pair(tok, question, choice, where):
-    """(context ids, continuation ids) as lm-evaluation-harness splits question + " " + choice: the whole text
-    encoded, the continuation what follows the question's own encoding."""
+    """(context ids, continuation ids) as lm-evaluation-harness splits question + " " + choice: the
+    whole text encoded, the continuation what follows the question's own encoding."""
     context = [tok.bos_id] + encode(tok, question, where)
     whole = [tok.bos_id] + encode(tok, question + " " + choice, where)
     return context, whole[len(context):]
@@ -270,19 +262,20 @@ def score_mc(model, tok, rows, tasks, cfg, proc):
     sums = torch.zeros(len(tasks), 4, dtype=torch.float64)
     index = {t: i for i, t in enumerate(tasks)}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
-        pairs = [split_pair(tok, row["question"], c, f"{cfg.mc} row {k + 1}") for c in row["choices"]]
-        context = pairs[0][0]
-        scores = choice_logprobs(model, context, [c for _, c in pairs], proc.dev)
-        per_byte = [s / max(1, len(c.encode("utf-8"))) for s, c in zip(scores, row["choices"], strict=True)]
-        right = row["answer"]
+        choices, right = row["choices"], row["answer"]
+        pairs = [split_pair(tok, row["question"], c, f"{cfg.mc} row {k + 1}") for c in choices]
+        scores = choice_logprobs(model, pairs[0][0], [c for _, c in pairs], proc.dev)
+        per_byte = [s / max(1, len(c.encode("utf-8")))
+                    for s, c in zip(scores, choices, strict=True)]
         sums[index[row.get("task", "mc")]] += torch.tensor(
-            [1.0, int(np.argmax(scores)) == right, int(np.argmax(per_byte)) == right, 1 / len(row["choices"])])
+            [1.0, int(np.argmax(scores)) == right, int(np.argmax(per_byte)) == right,
+             1 / len(choices)])
     return sums.flatten()
 
 
 def check_same_tokens(tok, data_dir, val):
-    """Stop unless data_dir's tokens mean to the model what they meant to the data: the same BOS, and a stretch of
-    its validation text encoded alike by both tokenizers."""
+    """Stop unless data_dir's tokens mean to the model what they meant to the data: the same BOS,
+    and a stretch of its validation text encoded alike by both tokenizers."""
     try:
         data_tok = load_tokenizer(data_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -293,8 +286,9 @@ def check_same_tokens(tok, data_dir, val):
     except ValueError:
         same = False
     if not same:
-        fail(f"data_dir={data_dir} was tokenized with another tokenizer ({data_tok.spec}) than the model's "
-             f"({tok.spec}): its bits per byte would mean nothing; give the data the model trained on", code=2)
+        fail(f"data_dir={data_dir} was tokenized with another tokenizer ({data_tok.spec}) than the "
+             f"model's ({tok.spec}): its bits per byte would mean nothing; give the data the model "
+             "trained on", code=2)
 
 
 def read_manifest(data_dir):
@@ -304,39 +298,33 @@ def read_manifest(data_dir):
         fail(f"data_dir={data_dir}: {e}", code=2)
 
 
-def validation_split(model, tok, data_dir, manifest):
-    """data_dir's val split in windows of the model's block_size, once its tokens are known to be the model's."""
-    val = Loader(data_dir, "val", manifest, model.config.block_size, seed=0)
-    check_same_tokens(tok, data_dir, val)
-    return val
-
-
 # -----------------------------------------------------------------------------
 # the report
 
 def pack_report(counts, categories, chances):
     """Each category's summary, and overall's (its chance the rows' pooled chance)."""
-    stats = {c: summary(n, right, chances.get(c)) for c, (n, right) in zip(categories, counts.view(-1, 2).tolist(),
-                                                                           strict=True)}
+    pairs = zip(categories, counts.view(-1, 2).tolist(), strict=True)
+    stats = {c: summary(n, right, chances.get(c)) for c, (n, right) in pairs}
     n, right = counts.view(-1, 2).sum(0).tolist()
     return {"categories": stats, "overall": summary(n, right, pooled_chance(list(stats.values())))}
 
 
 def mc_report(sums, tasks):
     """Each task's acc (with its interval and the mean chance) and acc_norm."""
-    report = {}
-    for task, (n, acc, acc_norm, chance) in zip(tasks, sums.view(-1, 4).tolist(), strict=True):
-        report[task] = dict(summary(n, acc, chance / n if n else None), acc_norm=acc_norm / n if n else None)
-    return report
+    rows = zip(tasks, sums.view(-1, 4).tolist(), strict=True)
+    return {task: dict(summary(n, acc, chance / n if n else None),
+                       acc_norm=acc_norm / n if n else None)
+            for task, (n, acc, acc_norm, chance) in rows}
 
 
 def table(title, stats, norm=False):
     """A markdown table of summaries, one row each."""
-    head = ["| " + title + " | n | correct | accuracy | 95% interval | chance | above chance |" + " acc_norm |" * norm,
-            "|---|---:|---:|---:|---|---:|---|" + "---:|" * norm]
-    rows = [f"| {name} | {s['n']} | {s['correct']} | {percent(s['accuracy'])} | {percent(s['low'])} to "
-            f"{percent(s['high'])} | {percent(s['chance'])} | {'yes' if s['above_chance'] else 'no'} |"
-            + f" {percent(s.get('acc_norm'))} |" * norm for name, s in stats.items()]
+    head = [f"| {title} | n | correct | accuracy | 95% interval | chance | above chance |"
+            + " acc_norm |" * norm, "|---|---:|---:|---:|---|---:|---|" + "---:|" * norm]
+    rows = [f"| {name} | {s['n']} | {s['correct']} | {percent(s['accuracy'])} | "
+            f"{percent(s['low'])} to {percent(s['high'])} | {percent(s['chance'])} | "
+            f"{'yes' if s['above_chance'] else 'no'} |" + f" {percent(s.get('acc_norm'))} |" * norm
+            for name, s in stats.items()]
     return "\n".join(head + rows)
 
 
@@ -348,7 +336,8 @@ def cell(text, width=60):
 
 def external_table(external):
     rows = [f"| {task} | {metric} | {value:.4g} |" for task, metrics in external["results"].items()
-            for metric, value in metrics.items() if isinstance(value, (int, float)) and not isinstance(value, bool)]
+            for metric, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)]
     return "\n".join(["| task | metric | value |", "|---|---|---:|", *rows])
 
 
@@ -356,39 +345,48 @@ def markdown(report):
     """eval.md: what was evaluated, then each part that ran."""
     src = report["model"]
     parts = [f"# Evaluation of {src['checkpoint']}", "",
-             f"{'Export' if src['exported'] else 'Checkpoint'} at step {src['step']}; greedy replies of up to "
-             f"{report['settings']['max_new_tokens']} tokens; intervals are 95% Wilson score intervals."]
+             f"{'Export' if src['exported'] else 'Checkpoint'} at step {src['step']}; greedy "
+             f"replies of up to {report['settings']['max_new_tokens']} tokens; intervals are 95% "
+             "Wilson score intervals."]
     if "pack" in report:
         pack = report["pack"]
         parts += ["", f"## Skills pack ({pack['folder']}, {pack['layout']} prompts)", "",
                   table("category", {**pack["categories"], "overall": pack["overall"]}),
-                  "", "| category | prompt | answer | the reply's final answer |", "|---|---|---|---|",
-                  *(f"| {c} | {cell(e['prompt'])} | {cell(e['answer'])} | {cell(e['final_answer'])} |"
+                  "", "| category | prompt | answer | the reply's final answer |",
+                  "|---|---|---|---|",
+                  *(f"| {c} | {cell(e['prompt'])} | {cell(e['answer'])} | "
+                    f"{cell(e['final_answer'])} |"
                     for c, shown in pack["examples"].items() for e in shown)]
     if "bpb" in report:
         bpb = report["bpb"]
-        parts += ["", "## Validation", "", f"{bpb['val_bpb']:.4f} bits per byte on {bpb['data_dir']}'s val split "
-                  f"(loss {bpb['val_loss']:.4f} over {bpb['batches']} micro-batches of {bpb['micro_batch_size']})."]
+        parts += ["", "## Validation", "",
+                  f"{bpb['val_bpb']:.4f} bits per byte on {bpb['data_dir']}'s val split (loss "
+                  f"{bpb['val_loss']:.4f} over {bpb['batches']} micro-batches of "
+                  f"{bpb['micro_batch_size']})."]
     if "mc" in report:
-        sources = "; ".join(f"{name}: {where.get('url', where.get('file'))}" for name, where in
-                            report["mc"]["sources"].items())
-        parts += ["", "## Multiple choice", "", f"From {sources}.", "", table("task", report["mc"]["tasks"], True)]
+        sources = "; ".join(f"{name}: {where.get('url', where.get('file'))}"
+                            for name, where in report["mc"]["sources"].items())
+        parts += ["", "## Multiple choice", "", f"From {sources}.", "",
+                  table("task", report["mc"]["tasks"], True)]
     if "external" in report:
         external = report["external"]
-        parts += ["", f"## lm-evaluation-harness ({external['file']})", "", external_table(external)]
+        parts += ["", f"## lm-evaluation-harness ({external['file']})", "",
+                  external_table(external)]
     return "\n".join(parts) + "\n"
 
 
 def run_folder(path, exported):
-    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; None for another checkpoint or an export."""
+    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; else None."""
     parent = os.path.dirname(os.path.abspath(path))
     return os.path.dirname(parent) if not exported and os.path.basename(parent) == "ckpt" else None
 
 
 def default_out(path, exported):
-    """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or export."""
-    return run_folder(path, exported) or os.path.join(os.path.dirname(os.path.abspath(path)),
-                                                      f"eval-{os.path.basename(os.path.abspath(path))}")
+    """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or
+    export (an export holds only what export.py wrote, so that it can replace it)."""
+    path = os.path.abspath(path)
+    return run_folder(path, exported) or os.path.join(os.path.dirname(path),
+                                                      f"eval-{os.path.basename(path)}")
 
 
 def write_report(out, report):
@@ -405,16 +403,18 @@ def write_report(out, report):
 def check_config(config):
     if config.which not in ("best", "latest"):
         fail(f"which={config.which!r} is not one of best, latest", code=2)
-    for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1), ("mc_limit", 0)):
+    for key, least in (("max_new_tokens", 1), ("eval_batches", 1), ("micro_batch_size", 1),
+                       ("mc_limit", 0)):
         if not isinstance(config[key], int) or config[key] < least:
             fail(f"{key}={config[key]!r} is out of range: use an integer >= {least}", code=2)
     if not (config.pack_dir or config.data_dir or config.mc or config.attach):
-        fail("nothing to evaluate: give --pack_dir=FOLDER, --data_dir=FOLDER, --mc=FILE and/or --attach=FILE", code=2)
+        fail("nothing to evaluate: give --pack_dir=FOLDER, --data_dir=FOLDER, --mc=FILE and/or "
+             "--attach=FILE", code=2)
 
 
 def read_inputs(config):
-    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the attached
-    results, those given."""
+    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the
+    attached results, those given."""
     rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
     questions, sources = read_questions(config.mc, config.download_dir, config.mc_limit)
     return SimpleNamespace(rows=rows, chances=chances, questions=questions, sources=sources,
@@ -423,18 +423,23 @@ def read_inputs(config):
 
 
 def measure(config, loaded, proc, inputs):
-    """The report's parts of the inputs (read_inputs), each rank's sums added up in one all-reduce."""
-    model, tok, ctx = loaded.model, loaded.tok, autocast(proc.dev, compute_dtype(config.dtype, proc.dev))
-    rows, chances, questions, manifest = inputs.rows, inputs.chances, inputs.questions, inputs.manifest
-    val = validation_split(model, tok, config.data_dir, manifest) if manifest else None
+    """The report's parts of the inputs (read_inputs), each rank's sums added in one all-reduce."""
+    model, tok = loaded.model, loaded.tok
+    rows, questions, manifest = inputs.rows, inputs.questions, inputs.manifest
+    val = None
+    if manifest:  # data_dir's val split, once its tokens are known to be the model's
+        val = Loader(config.data_dir, "val", manifest, model.config.block_size, seed=0)
+        check_same_tokens(tok, config.data_dir, val)
     categories = sorted({r["category"] for r in rows})
     tasks = sorted({q.get("task", "mc") for q in questions})
-    with torch.no_grad(), ctx:
+    with torch.no_grad(), autocast(proc.dev, compute_dtype(config.dtype, proc.dev)):
         pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
         parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
-        # the summed loss and the targets counted: validation_sums' first and last (refine's stats lie between)
+        # the summed loss and the targets counted: validation_sums' first and last (refine's
+        # stats lie between)
         loss = torch.zeros(2, dtype=torch.float64) if val is None else val.validation_sums(
-            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world, proc.dev).cpu()[[0, -1]]
+            model, config.eval_batches, config.micro_batch_size, proc.rank, proc.world,
+            proc.dev).cpu()[[0, -1]]
     sums = torch.cat([*parts, loss])
     if proc.distributed:
         sums = sums.to(proc.dev)
@@ -443,16 +448,17 @@ def measure(config, loaded, proc, inputs):
     pack_sums, mc_sums, loss = sums.split([parts[0].numel(), parts[1].numel(), 2])
     report = {}
     if config.pack_dir:
-        layout = "chat" if tok.chat else "base"
-        report["pack"] = dict(folder=config.pack_dir, layout=layout, **pack_report(pack_sums, categories, chances),
+        report["pack"] = dict(folder=config.pack_dir, layout="chat" if tok.chat else "base",
+                              **pack_report(pack_sums, categories, inputs.chances),
                               examples=examples)
     if config.mc:
         report["mc"] = {"sources": inputs.sources, "tasks": mc_report(mc_sums, tasks)}
     if config.data_dir:
-        val_loss, split = loss[0].item() / loss[1].item(), manifest["splits"]["val"]
-        bpb = val_loss * bpb_scale(split)
-        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss, val_bpb=bpb, targets=int(loss[1].item()),
-                             batches=config.eval_batches * proc.world, micro_batch_size=config.micro_batch_size)
+        val_loss = loss[0].item() / loss[1].item()
+        report["bpb"] = dict(data_dir=config.data_dir, val_loss=val_loss,
+                             val_bpb=val_loss * bpb_scale(manifest["splits"]["val"]),
+                             targets=int(loss[1].item()), batches=config.eval_batches * proc.world,
+                             micro_batch_size=config.micro_batch_size)
     return report
 
 
@@ -464,11 +470,11 @@ def main(argv):
     proc = setup(config.device)
     loaded = load_trained(found, proc.dev, info=True)
     if loaded.model.config.objective == "bd3lm":
-        fail(f"checkpoint {loaded.path} is a block-diffusion model (objective=bd3lm): eval.py scores autoregressive "
-             f"models' greedy replies and log-likelihoods", code=2)
+        fail(f"checkpoint {loaded.path} is a block-diffusion model (objective=bd3lm): eval.py "
+             "scores autoregressive models' greedy replies and log-likelihoods", code=2)
+    settings = {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size")}
     report = {"model": {k: v for k, v in loaded.info.items() if k != "model"},
-              "settings": {k: config[k] for k in ("max_new_tokens", "eval_batches", "micro_batch_size")} |
-              {"dtype": dtype_name(compute_dtype(config.dtype, proc.dev))},
+              "settings": settings | {"dtype": dtype_name(compute_dtype(config.dtype, proc.dev))},
               **measure(config, loaded, proc, inputs)}
     if inputs.external:
         report["external"] = inputs.external
@@ -478,10 +484,11 @@ def main(argv):
     write_report(out, report)
     log(markdown(report))
     log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
-    # the run's long-run gate (summary.json) gains the profile's floors on what the pack's rows measured
+    # the run's long-run gate (summary.json) gains the profile's floors on what the pack measured
     if "pack" in report and (run := run_folder(loaded.path, loaded.exported)):
         if floors := record_eval_floors(run, report["pack"]):
-            log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: {floors['detail']}")
+            log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: "
+                f"{floors['detail']}")
 
 
 if __name__ == "__main__":

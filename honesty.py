@@ -1,17 +1,15 @@
 """
-The honesty report of a run folder: every claim its model card would make, each tied to the measurement behind it
-(the file and field), what was never measured, the train/validation gap, the release gate as the run recorded it,
-and the limitations its numbers show. honesty.md (its first screen says the model, the verdict, what it can and
-cannot do) and honesty.json, into the run folder.
+The honesty report of a run folder: every claim its model card would make, each tied to the
+measurement behind it (file and field), what was never measured, the train/validation gap, the
+release gate as recorded and the limitations its numbers show; honesty.md (its first screen: the
+model, the verdict, what it can and cannot do) and honesty.json, into the run folder.
 
     python honesty.py --run=out/tiny_skills/sft
     python honesty.py config/tiny_skills.py          # the run a config file describes (its out_dir)
 
-It reads the files a run and eval.py leave (summary.json and its "long_run_gate", metrics.jsonl, eval.json,
-preflight.json, manifest.json, config.json, the data's manifest.json; for a fine-tuned run, its base run's too) and
-recomputes nothing: no model is loaded, no gate judged again. So it is a script of its own, run after eval.py (which
-adds the eval floors to the release gate) by run.sh's eval stage, and again by handoff.py into the bundle; it can
-be rerun whenever eval.py has attached another benchmark.
+It reads the files a run and eval.py leave (for a fine-tuned run, its base run's too) and
+recomputes nothing: no model loaded, no gate judged again. run.sh's eval stage runs it after
+eval.py (which adds the eval floors to the gate), handoff.py into the bundle.
 """
 
 import os
@@ -23,43 +21,55 @@ from podgpt.core.util import fail, percent, run_main, write_atomic, write_json
 
 # --- config
 run = ""                        # the run folder (a train.py out_dir); "": out_dir
-out_dir = "out"                 # used when run is empty (so a run's config file finds its folder)
+out_dir = "out"                 # used when run is empty (a run's config file finds its folder)
 # --- end config
 
 COMPUTE_OPTIMAL = 20  # tokens per parameter at the compute-optimal point (Hoffmann et al., 2022)
 WIDE = 0.25  # a 95% interval wider than this: the category's accuracy is known only roughly
-GAP = 0.10  # validation loss this much (relative) above the training loss: the model fits its rows better than new ones
+GAP = 0.10  # validation loss this much (relative) above the training loss: it overfits
 FIRST_SCREEN = 25  # honesty.md's lines that must say the essentials
-ABOVE, AT_OR_BELOW, NO_CHANCE = "above_chance", "at_or_below_chance", "no_chance_level"  # a category's standing
-FLAGS = {ABOVE: "above chance", AT_OR_BELOW: "AT OR BELOW CHANCE", NO_CHANCE: "no chance level"}  # honesty.md's table
+# a category's standing, and its flag in honesty.md's table
+ABOVE, AT_OR_BELOW, NO_CHANCE = "above_chance", "at_or_below_chance", "no_chance_level"
+FLAGS = {ABOVE: "above chance", AT_OR_BELOW: "AT OR BELOW CHANCE", NO_CHANCE: "no chance level"}
+UNEVALUATED = (  # eval.json's parts, and what their absence leaves unmeasured
+    ("pack", "no skills-pack evaluation (eval.py --pack_dir): nothing measured of what the model "
+             "can do"),
+    ("mc", "no multiple-choice benchmark (eval.py --mc)"),
+    ("external", "no external benchmark attached (an lm-evaluation-harness results JSON: eval.py "
+                 "--attach)"),
+    ("bpb", "no validation bits per byte (eval.py --data_dir)"))
 
 
 def read_run(folder):
-    """What the run folder (and, for a fine-tuned run, its base run) recorded; util.Error without a summary.json.
-    base: the base run's read_run, if it ended; base_data: its config and data, if its folder is there (run_data's,
-    or base's own)."""
+    """What the run (and a fine-tuned run's base run) recorded; util.Error without a summary.json.
+    base: the base run's read_run, if it ended; base_data: its config and data, if it is there."""
     summary = read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
-        fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has ended")
+        fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has "
+             "ended")
     recorded = run_data(folder)
     base_dir = recorded["config"].get("init_from") or ""
-    base = read_run(base_dir) if base_dir and os.path.isfile(os.path.join(base_dir, "summary.json")) else None
-    return dict(recorded, folder=folder, summary=summary, metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
+    ended = base_dir and os.path.isfile(os.path.join(base_dir, "summary.json"))
+    base = read_run(base_dir) if ended else None
+    return dict(recorded, folder=folder, summary=summary,
+                metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
                 eval=read_json(os.path.join(folder, "eval.json")),
-                manifest=read_json(os.path.join(folder, "manifest.json")) or {}, base=base, base_dir=base_dir,
-                base_data=base or (run_data(base_dir) if base_dir and os.path.isdir(base_dir) else None))
+                manifest=read_json(os.path.join(folder, "manifest.json")) or {}, base=base,
+                base_dir=base_dir, base_data=base or (run_data(base_dir) if base_dir
+                                                      and os.path.isdir(base_dir) else None))
 
 
 def run_data(folder):
-    """A run folder's config.json and its data's manifest.json, as read (a run that never ended has them too)."""
+    """A run folder's config.json and its data's manifest.json (a run that never ended has them)."""
     config = read_json(os.path.join(folder, "config.json")) or {}
     data_dir = config.get("data_dir") or ""
-    return dict(config=config, data=read_json(os.path.join(data_dir, "manifest.json")) if data_dir else None)
+    return dict(config=config,
+                data=read_json(os.path.join(data_dir, "manifest.json")) if data_dir else None)
 
 
 def gate_status(summary):
-    """The release gate as summary.json's long_run_gate records it: recorded, profile, verdict, the blocking and
-    warning gates (name, detail) of its preflight gates and post-run checks."""
+    """The release gate as summary.json's long_run_gate records it: recorded, profile, verdict, and
+    the blocking and warning gates (name, detail) of its preflight gates and post-run checks."""
     gate = summary.get("long_run_gate")
     if not isinstance(gate, dict):
         return {"recorded": False, "verdict": None, "profile": None, "blocking": [], "warnings": []}
@@ -84,47 +94,44 @@ def categories(report):
 
 
 def standing(c):
-    """Where a category stands against chance: ABOVE (its 95% interval's low end is above chance), AT_OR_BELOW,
-    or NO_CHANCE: the pack's manifest gives it no chance level (a free-form task), so its score is all there is."""
+    """ABOVE (its 95% interval's low end is above chance), AT_OR_BELOW, or NO_CHANCE: the pack's
+    manifest gives it no chance level (a free-form task), so its score is all there is."""
     if c.get("chance") is None:
         return NO_CHANCE
     return ABOVE if c["above_chance"] else AT_OR_BELOW
 
 
 def standing_in(cats, where):
-    """The names of the categories that stand `where` (standing's)."""
     return [n for n, c in cats.items() if standing(c) == where]
-
-
-def last_val(metrics):
-    rows = [m for m in metrics if "val_loss" in m]
-    return rows[-1] if rows else None
 
 
 def claims(run):
     """Each number a model card would state: {claim, value, source (file: field)}."""
     s, out = run["summary"], []
-    add = lambda claim, value, source: out.append(dict(claim=claim, value=value, source=source))  # noqa: E731
+    add = lambda *row: out.append(dict(zip(("claim", "value", "source"), row)))  # noqa: E731
     add("parameters", s.get("params", {}).get("total"), "summary.json: params.total")
     add("tokens trained on", s.get("tokens"), "summary.json: tokens")
-    if (val := last_val(run["metrics"])) is not None:
-        add(f"validation loss at step {val['step']} (nats/token)", val["val_loss"],
-            f"metrics.jsonl: step {val['step']}, val_loss")
-    add("best validation loss", s.get("best_val_loss"), f"summary.json: best_val_loss (step {s.get('best_step')})")
+    if vals := [m for m in run["metrics"] if "val_loss" in m]:
+        step = vals[-1]["step"]
+        add(f"validation loss at step {step} (nats/token)", vals[-1]["val_loss"],
+            f"metrics.jsonl: step {step}, val_loss")
+    add("best validation loss", s.get("best_val_loss"),
+        f"summary.json: best_val_loss (step {s.get('best_step')})")
     add("final training loss", s.get("final_train_loss"), "summary.json: final_train_loss")
-    add("unigram baseline validation loss", s.get("unigram_val_loss"), "summary.json: unigram_val_loss")
+    add("unigram baseline validation loss", s.get("unigram_val_loss"),
+        "summary.json: unigram_val_loss")
     report = run["eval"] or {}
+    interval = lambda c: [c["accuracy"], c["low"], c["high"], c["chance"]]  # noqa: E731
     if "bpb" in report:
         add("validation bits per byte", report["bpb"]["val_bpb"], "eval.json: bpb.val_bpb")
     for name, c in categories(report).items():
-        add(f"skills pack: {name} accuracy (95% interval; chance)", [c["accuracy"], c["low"], c["high"], c["chance"]],
+        add(f"skills pack: {name} accuracy (95% interval; chance)", interval(c),
             f"eval.json: pack.categories.{name}")
     if "pack" in report:
-        o = report["pack"]["overall"]
         add("skills pack: overall accuracy (95% interval; pooled chance)",
-            [o["accuracy"], o["low"], o["high"], o["chance"]], "eval.json: pack.overall")
+            interval(report["pack"]["overall"]), "eval.json: pack.overall")
     for task, t in (report.get("mc") or {}).get("tasks", {}).items():
-        add(f"multiple choice: {task} acc (95% interval; chance)", [t["accuracy"], t["low"], t["high"], t["chance"]],
+        add(f"multiple choice: {task} acc (95% interval; chance)", interval(t),
             f"eval.json: mc.tasks.{task}")
     for task, metrics in (report.get("external") or {}).get("results", {}).items():
         for metric, value in metrics.items():
@@ -133,96 +140,88 @@ def claims(run):
     return out
 
 
-def gpu_names(run):
-    hardware = run["manifest"].get("hardware") or {}
-    return hardware.get("gpus") or [], hardware.get("cpu")
-
-
 def unmeasured(run):
     """What was never measured, each said plainly."""
-    report, out = run["eval"], []
+    report = run["eval"]
     if report is None:
-        return ["no evaluation at all: eval.py never wrote eval.json into this run folder"] + hardware_gaps(run)
-    if "pack" not in report:
-        out.append("no skills-pack evaluation (eval.py --pack_dir): nothing measured of what the model can do")
-    if "mc" not in report:
-        out.append("no multiple-choice benchmark (eval.py --mc)")
-    if "external" not in report:
-        out.append("no external benchmark attached (an lm-evaluation-harness results JSON: eval.py --attach)")
-    if "bpb" not in report:
-        out.append("no validation bits per byte (eval.py --data_dir)")
+        return (["no evaluation at all: eval.py never wrote eval.json into this run folder"]
+                + hardware_gaps(run))
+    out = [gap for key, gap in UNEVALUATED if key not in report]
     if run["config"].get("init_from") and run["base"] is None:
         gone = "has no readable summary.json" if run["base_data"] else "is not there to read"
-        out.append(f"the base run ({run['base_dir']}) {gone}: its tokens and numbers are not in this report")
+        out.append(f"the base run ({run['base_dir']}) {gone}: its tokens and numbers are not in "
+                   "this report")
     return out + hardware_gaps(run)
 
 
 def hardware_gaps(run):
     """No GPU run, from manifest.json's hardware: of this run and of its base run."""
-    cpu = [(who, gpu_names(r)[1] or "unknown") for who, r in (("this run", run), ("its base run", run["base"]))
-           if r is not None and not gpu_names(r)[0]]
+    hardware = [(who, r["manifest"].get("hardware") or {})
+                for who, r in (("this run", run), ("its base run", run["base"])) if r is not None]
+    cpu = [(who, hw.get("cpu") or "unknown") for who, hw in hardware if not hw.get("gpus")]
     if not cpu:
         return []
-    return [f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU ({cpu[0][1]}); the GPU paths "
-            "(bf16, compiled kernels, several ranks) never trained this model"]
-
-
-def pretraining(run):
-    """(tokens, parameters) of the pretraining behind the model: the base run's for a fine-tuned one."""
-    s = (run["base"] or run)["summary"]
-    return s.get("tokens"), s.get("params", {}).get("total")
+    return [f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU ({cpu[0][1]}); "
+            "the GPU paths (bf16, compiled kernels, several ranks) never trained this model"]
 
 
 def limitations(run, cats):
     """The limitations the numbers show, each with its numbers."""
     s, out = run["summary"], []
-    tokens, params = pretraining(run)
+    pretrained = (run["base"] or run)["summary"]  # a fine-tuned model's: its base run's
+    tokens, params = pretrained.get("tokens"), pretrained.get("params", {}).get("total")
     if tokens and params and tokens / params < COMPUTE_OPTIMAL:
-        out.append(f"undertrained: pretrained on {tokens / params:.1f} tokens per parameter ({tokens:,} tokens, "
-                   f"{params:,} parameters), below the compute-optimal {COMPUTE_OPTIMAL}")
+        out.append(f"undertrained: pretrained on {tokens / params:.1f} tokens per parameter "
+                   f"({tokens:,} tokens, {params:,} parameters), below the compute-optimal "
+                   f"{COMPUTE_OPTIMAL}")
     low, free = standing_in(cats, AT_OR_BELOW), standing_in(cats, NO_CHANCE)
     if low:
         out.append(f"at or below chance (95% interval's low end not above it) in {len(low)} of "
                    f"{len(cats) - len(free)} categories with a chance level: {', '.join(low)}")
     if free:
-        out.append(f"no chance level for {len(free)} of {len(cats)} categories (the pack's manifest gives none): "
-                   f"{', '.join(free)}: their accuracy alone, never compared with guessing")
+        out.append(f"no chance level for {len(free)} of {len(cats)} categories (the pack's "
+                   f"manifest gives none): {', '.join(free)}: their accuracy alone, never "
+                   "compared with guessing")
     wide = {n: c for n, c in cats.items() if c["high"] - c["low"] > WIDE}
     if wide:
         widest = max(wide, key=lambda n: wide[n]["high"] - wide[n]["low"])
         w = wide[widest]
-        out.append(f"few eval rows: {len(wide)} categories have 95% intervals wider than {percent(WIDE)} (widest "
-                   f"{widest}: {percent(w['low'])} to {percent(w['high'])} from {w['n']} rows); smaller differences "
-                   f"are noise")
+        out.append(f"few eval rows: {len(wide)} categories have 95% intervals wider than "
+                   f"{percent(WIDE)} (widest {widest}: {percent(w['low'])} to "
+                   f"{percent(w['high'])} from {w['n']} rows); smaller differences are noise")
     train, val = s.get("final_train_loss"), s.get("final_val_loss")
     if train and val and val > train * (1 + GAP):
-        out.append(f"a train/validation gap: validation loss {val:.4f} against training loss {train:.4f} "
-                   f"({100 * (val / train - 1):.0f}% higher): it fits its training rows better than new ones")
+        out.append(f"a train/validation gap: validation loss {val:.4f} against training loss "
+                   f"{train:.4f} ({100 * (val / train - 1):.0f}% higher): it fits its training "
+                   "rows better than new ones")
     out += contamination(run)
     if s.get("spikes") or s.get("rollbacks"):
-        out.append(f"training was unstable: {s.get('spikes')} loss spikes, {s.get('rollbacks')} rollbacks")
+        out.append(f"training was unstable: {s.get('spikes')} loss spikes, "
+                   f"{s.get('rollbacks')} rollbacks")
     if (block := run["config"].get("block_size")):
-        out.append(f"context of {block} tokens: a prompt and reply longer than that were never trained on")
+        out.append(f"context of {block} tokens: a prompt and reply longer than that were never "
+                   "trained on")
     if not run["config"].get("init_from"):
-        out.append("a base model: no supervised fine-tuning (SFT), so it continues text and does not follow "
-                   "instructions")
+        out.append("a base model: no supervised fine-tuning (SFT), so it continues text and does "
+                   "not follow instructions")
     return out
 
 
 def contamination(run):
-    """One line per contamination finding: the validation documents that are training documents (the data's
-    manifest.json count, which preflight's contamination gate states again), and each gate's other finding, said
-    once where the preflight gate and the check after the run (eval rows the corpus holds) report the same."""
+    """A line per contamination finding: val documents in training (the data's manifest.json), and
+    each gate's other finding, once where the preflight gate and the post-run check share it."""
     out = []
     found = (run["data"] or {}).get("contamination") or {}
     gate = run["summary"].get("long_run_gate") or {}
-    preflight, after = ([g for g in gate.get(part, []) if isinstance(g, dict) and g.get("verdict") in ("warn", "block")
-                         and "contamination" in str(g.get("name"))] for part in ("gates", "post_run"))
+    preflight, after = ([g for g in gate.get(part, []) if isinstance(g, dict)
+                         and g.get("verdict") in ("warn", "block")
+                         and "contamination" in str(g.get("name"))]
+                        for part in ("gates", "post_run"))
     if found.get("train_docs_in_val"):
-        out.append(f"contamination: {found['train_docs_in_val']} of {found.get('val_documents')} validation "
-                   "documents are also training documents (the data's manifest.json): its validation loss is "
-                   "optimistic")
-        preflight = [g for g in preflight if g.get("name") != "contamination"]  # the count above, from the manifest
+        out.append(f"contamination: {found['train_docs_in_val']} of {found.get('val_documents')} "
+                   "validation documents are also training documents (the data's manifest.json): "
+                   "its validation loss is optimistic")
+        preflight = [g for g in preflight if g.get("name") != "contamination"]  # counted above
     findings = {}  # detail -> the gates that report it
     for g in preflight + after:
         findings.setdefault(g.get("detail"), []).append(g)
@@ -235,20 +234,22 @@ def contamination(run):
 def model_line(run):
     s, c = run["summary"], run["config"]
     tok = (run["data"] or {}).get("tokenizer", "unknown")
-    kind = f"fine-tuned (SFT) from {c['init_from']}" if c.get("init_from") else "a base model (pretrained only)"
+    kind = (f"fine-tuned (SFT) from {c['init_from']}" if c.get("init_from")
+            else "a base model (pretrained only)")
     step = (run["eval"] or {}).get("model", {}).get("step")
     at = f"; the checkpoint of step {step} evaluated" if step is not None else ""
-    return (f"{s.get('params', {}).get('total', 0):,} parameters ({c.get('n_layer')} layers, width {c.get('n_embd')}, "
-            f"context {c.get('block_size')} tokens, {tok} tokenizer), {kind}{at}")
+    return (f"{s.get('params', {}).get('total', 0):,} parameters ({c.get('n_layer')} layers, "
+            f"width {c.get('n_embd')}, context {c.get('block_size')} tokens, {tok} tokenizer), "
+            f"{kind}{at}")
 
 
 def build(run):
     """The honesty report of a run (read_run's) as a dict (honesty.json)."""
-    cats = categories(run["eval"])
-    s = run["summary"]
+    cats, s = categories(run["eval"]), run["summary"]
     train, val = s.get("final_train_loss"), s.get("final_val_loss")
     return {"run": "/".join(os.path.normpath(os.path.abspath(run["folder"])).split(os.sep)[-2:]),
-            "model": model_line(run), "release_gate": gate_status(s), "claims": claims(run), "categories": cats,
+            "model": model_line(run), "release_gate": gate_status(s), "claims": claims(run),
+            "categories": cats,
             **{where: standing_in(cats, where) for where in (ABOVE, AT_OR_BELOW, NO_CHANCE)},
             "train_val_gap": {"final_train_loss": train, "final_val_loss": val,
                               "gap": val - train if train is not None and val is not None else None,
@@ -276,40 +277,46 @@ def first_screen(h):
             f"- **Release gate**: {gate_line(h['release_gate'])}",
             f"- **Can** (95% interval's low end above chance): {can}",
             f"- **Not shown above chance** (at or below it): {cannot}",
-            *([f"- **No chance level** (the score alone, neither above nor at chance): {free}"] if free else []),
+            *([f"- **No chance level** (the score alone, neither above nor at chance): {free}"]
+              if free else []),
             "- **Never measured**: " + ("; ".join(h["never_measured"]) or "-"), "",
-            "## Known limitations", "", *(f"- {x}" for x in h["limitations"] or ["none the numbers show"])]
+            "## Known limitations", "",
+            *(f"- {x}" for x in h["limitations"] or ["none the numbers show"])]
 
 
 def value_cell(value):
     if isinstance(value, list):  # accuracy, interval low, high, chance
-        return f"{percent(value[0])} ({percent(value[1])} to {percent(value[2])}; chance {percent(value[3])})"
-    return f"{value:,}" if isinstance(value, int) else f"{value:.4f}" if isinstance(value, float) else str(value)
+        return (f"{percent(value[0])} ({percent(value[1])} to {percent(value[2])}; "
+                f"chance {percent(value[3])})")
+    return f"{value:,}" if isinstance(value, int) else f"{value:.4f}" if isinstance(value, float) \
+        else str(value)
 
 
 def markdown(h):
-    gap = h["train_val_gap"]
-    lines = first_screen(h) + ["", "## Claims and their measurements", "", "| claim | value | measured in |",
-                               "|---|---|---|",
-                               *(f"| {c['claim']} | {value_cell(c['value'])} | {c['source']} |" for c in h["claims"])]
+    gap, status = h["train_val_gap"], h["release_gate"]
+    lines = first_screen(h) + ["", "## Claims and their measurements", "",
+                               "| claim | value | measured in |", "|---|---|---|",
+                               *(f"| {c['claim']} | {value_cell(c['value'])} | {c['source']} |"
+                                 for c in h["claims"])]
     if h["categories"]:
-        lines += ["", "## Skills pack categories", "", "| category | n | accuracy | 95% interval | chance | flag |",
+        lines += ["", "## Skills pack categories", "",
+                  "| category | n | accuracy | 95% interval | chance | flag |",
                   "|---|---:|---:|---|---:|---|",
-                  *(f"| {n} | {c['n']} | {percent(c['accuracy'])} | {percent(c['low'])} to {percent(c['high'])} | "
-                    f"{percent(c['chance'])} | {FLAGS[standing(c)]} |"
+                  *(f"| {n} | {c['n']} | {percent(c['accuracy'])} | {percent(c['low'])} to "
+                    f"{percent(c['high'])} | {percent(c['chance'])} | {FLAGS[standing(c)]} |"
                     for n, c in h["categories"].items())]
     lines += ["", "## Train/validation gap", "",
               f"final training loss {value_cell(gap['final_train_loss'])}, final validation loss "
-              f"{value_cell(gap['final_val_loss'])}: a gap of {value_cell(gap['gap'])} nats/token ({gap['source']})."]
-    status = h["release_gate"]
-    lines += ["", "## Release gate", "", gate_line(status), "",
+              f"{value_cell(gap['final_val_loss'])}: a gap of {value_cell(gap['gap'])} nats/token "
+              f"({gap['source']}).",
+              "", "## Release gate", "", gate_line(status), "",
               *(f"- block: {g['name']}: {g['detail']}" for g in status["blocking"]),
               *(f"- warn: {g['name']}: {g['detail']}" for g in status["warnings"])]
     return "\n".join(lines).rstrip() + "\n"
 
 
 def write(run, dest=None):
-    """honesty.md and honesty.json of a run (read_run's), into dest (default the run folder); the report."""
+    """honesty.md and honesty.json of a run (read_run's) into dest (default: the run folder)."""
     h = build(run)
     dest = dest or run["folder"]
     write_json(os.path.join(dest, "honesty.json"), h)

@@ -1,19 +1,14 @@
 """
-Sanity checks before paying for a run: does this machine compute what the configured run needs, correctly, and
-does the model fit? Each check has a status (pass / fail / skip), its seconds and a detail line; the report goes
-to out_dir/sanity.json and .md, and the exit status is 1 when any check failed on any rank.
+Sanity checks before paying for a run: does this machine compute what the configured run needs,
+correctly, and does the model fit? Each check passes, fails or is skipped, with its seconds and a
+detail line, into out_dir/sanity.json and .md; exit status 1 when any check failed on any rank.
 
     python sanity.py config/tiny.py
-    python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141    # plan a pod's memory from here
+    python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141   # plan a pod from here
     torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
 
-The checks, in order: environment (python, torch, CUDA, the GPUs, NCCL, free disk); attention:* (each attention
-backend, and auto's pick, forward and backward against the float64 reference at the configured head layout and
-dtype; doc_mask within documents); train_step, kv_cache, checkpoint (a 2-layer model of that head layout trains
-a finite step, decodes the same with the KV cache, and reads back bit for bit); dataset (data_dir agrees with the
-config); compile (compile=True: compiled matches eager); allreduce (under torchrun); capacity (--capacity: the
-planned memory per GPU of each layout, and on a GPU one real step's peak and the largest micro-batch that fits).
-Under torchrun every rank runs every check on its own GPU and rank 0 writes the report.
+The checks are run_checks' list, each a check_* function; under torchrun every rank runs them on
+its own GPU and rank 0 writes the report.
 """
 
 import gc
@@ -34,19 +29,20 @@ import torch.distributed as dist
 from podgpt.core import configurator
 from podgpt.core.checkpoint import CKPT_FORMAT, load_checkpoint, save_checkpoint
 from podgpt.core.data import Loader, check_prepared, load_manifest
-from podgpt.core.attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable, parity_errors, parity_tolerance,
-                       resolve_backend)
+from podgpt.core.attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend_unavailable,
+                                   parity_errors, parity_tolerance, resolve_backend)
 from model import GPT, GPTConfig, KVCache
 from podgpt.pod.objectives import config_class, make_model
 from podgpt.core.optim import make_optimizer
-from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label, model_config, param_counts,
-                       plan_layout, plan_vocab)
-from podgpt.core.util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version, dtype_name, fail, first_line,
-                  make_scratch, on_rank0, remove_scratch, run_main, setup)
+from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label,
+                                  model_config, param_counts, plan_layout, plan_vocab)
+from podgpt.core.util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version,
+                              dtype_name, fail, first_line, make_scratch, on_rank0, remove_scratch,
+                              run_main, setup)
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
-data_dir = "data/default"       # prepared data to check against the model (skipped until prepare.py wrote it)
+data_dir = "data/default"       # prepared data to check against the model (skip: none there yet)
 # the run's model and batch (train.py's keys): --capacity plans this model; the other checks use a
 # 2-layer model with its head layout (and, on a GPU, its width)
 block_size = 1024               # context length in tokens
@@ -54,35 +50,35 @@ n_layer = 12                    # transformer blocks
 n_head = 12                     # query heads
 n_kv_head = 12                  # key/value heads; fewer than n_head is grouped-query attention
 n_embd = 768                    # model width
-ffn_hidden = None               # SwiGLU hidden size; None: floor(8 * n_embd / 3) rounded up to multiple_of
-multiple_of = 256               # Llama's rounding of that default, for whole tensor-core tiles (1: none)
-vocab_size = None               # None: the data's vocabulary (manifest.json); a number must match it
+ffn_hidden = None               # SwiGLU hidden size; None: 8 * n_embd / 3 rounded up to multiple_of
+multiple_of = 256               # Llama's rounding of that default (tensor-core tiles); 1: none
+vocab_size = None               # None: the data's vocabulary (manifest.json); a number must match
 tie_embeddings = True           # share the input embedding with the output head
 vocab_multiple = 64             # pad the vocabulary to a multiple of this (faster matmuls)
 micro_batch_size = 8            # sequences per GPU per forward/backward
-dist_mode = "ddp"               # ddp: each GPU holds the whole model and AdamW state | fsdp: FSDP2 shards them over the GPUs
-grad_ckpt = "none"              # activation checkpointing: none | full (each block keeps only its input) | selective
-loss_chunk = 8192               # tokens per chunk of the cross-entropy: fp32 logits never exist for the whole batch; 0: off
-objective = "ar"                # ar | a module of podgpt/research/ (its keys follow): --capacity plans its model,
-                                # and an objective with a mask of its own has it checked
+dist_mode = "ddp"               # ddp: each GPU holds the model and AdamW state | fsdp: shards them
+grad_ckpt = "none"              # activation checkpointing: none | full | selective
+loss_chunk = 8192               # tokens per chunk of the loss (no batch-wide fp32 logits); 0: off
+objective = "ar"                # ar | a module of podgpt/research/ (planned; its own mask checked)
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 expect_world_size = 0           # ranks this config is written for; 0: any
-device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N (one process)
-dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32
-compile = False                 # torch.compile the model: check compiled forward/backward against eager
+device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N
+dtype = "auto"                  # auto (CUDA bfloat16, CPU float32) | bfloat16 | float16 | float32
+compile = False                 # torch.compile the model: check compiled against eager
 # sanity's own
 min_free_disk_gb = 1.0          # fail when out_dir's disk has less free space than this
 allreduce_mb = 64               # size of the timed all_reduce under torchrun, in MiB
-capacity = False                # plan the configured model's memory per GPU (on a GPU: measure it too)
-world_size = 0                  # GPUs to plan for; 0: WORLD_SIZE under torchrun, else expect_world_size, else 1
+capacity = False                # plan the configured model's memory per GPU (on a GPU: measure it)
+world_size = 0                  # GPUs to plan for; 0: WORLD_SIZE, else expect_world_size, else 1
 gpu_mem_gb = 0.0                # GPU memory to plan with; 0: the GPU in use (on CPU: no verdict)
 # --- end config
 
 # (json key, label, sharded, activation checkpointing); the configured run's layout comes first
 LAYOUTS = (("ddp", "DDP", False, "none"), ("ddp_act_ckpt", "DDP + act. ckpt", False, "full"),
-           ("sharded", "sharded", True, "none"), ("sharded_act_ckpt", "sharded + act. ckpt", True, "full"))
-ALLREDUCE_ITERS = 5             # timed all_reduces, after 2 warm-up ones (NCCL builds its rings on the first)
-# the probe models' AdamW: any hyperparameters do (the checks look at its state's files and memory, not at training)
+           ("sharded", "sharded", True, "none"),
+           ("sharded_act_ckpt", "sharded + act. ckpt", True, "full"))
+ALLREDUCE_ITERS = 5  # timed all_reduces, after 2 warm-up ones (NCCL builds its rings on the first)
+# the probe models' AdamW: any will do (the checks look at its state's files and memory)
 PROBE_OPTIMIZER = dict(learning_rate=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 
 
@@ -90,7 +86,7 @@ PROBE_OPTIMIZER = dict(learning_rate=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
 # helpers
 
 def rel_error(a, b):
-    """Largest absolute difference over the largest absolute value of b; inf when anything is not finite."""
+    """Largest absolute difference over b's largest absolute value; inf when any is not finite."""
     a, b = a.detach().double(), b.detach().double()
     err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
     return float("inf") if math.isnan(err) else err
@@ -101,14 +97,16 @@ def probe_model(cfg, dev, full_width):
     the kernels' shapes matter and it costs nothing), or 16 per head (seconds on a CPU)."""
     head_dim = cfg["n_embd"] // cfg["n_head"] if full_width else 16
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=256, block_size=min(cfg["block_size"], 256 if full_width else 64), n_layer=2,
-                         n_head=cfg["n_head"], n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
-                         ffn_hidden=cfg["ffn_hidden"] if full_width else None, multiple_of=cfg["multiple_of"],
+    block = min(cfg["block_size"], 256 if full_width else 64)
+    return GPT(GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=cfg["n_head"],
+                         n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
+                         ffn_hidden=cfg["ffn_hidden"] if full_width else None,
+                         multiple_of=cfg["multiple_of"],
                          tie_embeddings=cfg["tie_embeddings"])).to(dev)
 
 
 def loss_and_grads(model, x, dev, dt):
-    """The loss and every parameter's gradient of one forward/backward on rows x of block_size+1 tokens."""
+    """The loss and every parameter's gradient of one forward/backward on rows x of block_size+1."""
     model.zero_grad(set_to_none=True)
     with autocast(dev, dt):
         _, loss = model(x[:, :-1], x[:, 1:])
@@ -131,6 +129,10 @@ def gb(n):
     return round(n / 1e9, 3)
 
 
+def verdict(ok, detail):
+    return ("pass" if ok else "fail"), detail
+
+
 # -----------------------------------------------------------------------------
 # checks: each returns (status, detail)
 
@@ -138,8 +140,9 @@ def check_environment(cfg, dev, dt, device_error):
     parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
     if device_error:
         return "fail", "; ".join(parts + [device_error])
-    if dev.type == "cpu" and torch.cuda.is_available():  # device=cpu: the GPUs are counted, never touched
-        parts.append(f"{torch.cuda.device_count()} GPU(s) not used (device={cfg['device']}), {os.cpu_count()} CPU cores")
+    if dev.type == "cpu" and torch.cuda.is_available():  # device=cpu: GPUs counted, never touched
+        parts.append(f"{torch.cuda.device_count()} GPU(s) not used (device={cfg['device']}), "
+                     f"{os.cpu_count()} CPU cores")
     elif dev.type == "cuda":
         parts.append(f"CUDA {torch.version.cuda}, driver {driver_version()}")
         gpus = Counter()
@@ -158,16 +161,17 @@ def check_environment(cfg, dev, dt, device_error):
 
 def check_disk(path, min_gb):
     free = shutil.disk_usage(path).free / 1e9
-    return ("pass" if free >= min_gb else "fail"), f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb:g})"
+    return verdict(free >= min_gb,
+                   f"{free:.1f} GB free at {os.path.abspath(path)} (need {min_gb:g})")
 
 
 def check_attention(name, cfg, dev, dt, mask=None):
-    """A backend of attention.py, or the one auto picks here (saying why), against attention.py's float64
-    reference at the configured head layout: the output and the gradients of q, k and v (attention.parity_errors;
-    mask: None for causal, or a kind of attention.masks()). Skipped, saying why, where it cannot run."""
-    # a GPU's kernels work in 128-row tiles: T=256 crosses them; a CPU kernel has none to cross, and T=64 (what
-    # attention.py's own parity check uses there) keeps the check quick on a CPU
-    T, hd = min(cfg["block_size"], 256 if dev.type == "cuda" else 64), cfg["n_embd"] // cfg["n_head"]
+    """A backend (or auto's pick, saying why) against attention.parity_errors' float64 reference at
+    the configured head layout; mask: None (causal) or a kind of attention.masks()."""
+    # a GPU's kernels work in 128-row tiles: T=256 crosses them; T=64 (attention.py's own parity
+    # check there) keeps it quick on a CPU, whose kernels have none to cross
+    T = min(cfg["block_size"], 256 if dev.type == "cuda" else 64)
+    hd = cfg["n_embd"] // cfg["n_head"]
     note = ""
     if name == "auto":
         name, note = resolve_backend(name, dev, dt, hd, mask)
@@ -178,25 +182,26 @@ def check_attention(name, cfg, dev, dt, mask=None):
     worst = max(errors, key=errors.get)
     tol = parity_tolerance(dt, dev)
     ok = errors[worst] <= tol
-    return ("pass" if ok else "fail"), (f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/{cfg['n_kv_head']} of {hd}: "
-                                        f"largest error {errors[worst]:.1e} ({worst}) "
-                                        f"{'within' if ok else 'OVER'} {tol:g} of the largest value{note}")
+    return verdict(ok, f"{dtype_name(dt)}, T={T}, heads {cfg['n_head']}/{cfg['n_kv_head']} of "
+                       f"{hd}: largest error {errors[worst]:.1e} ({worst}) "
+                       f"{'within' if ok else 'OVER'} {tol:g} of the largest value{note}")
 
 
 def check_train_step(cfg, dev, dt):
     model = probe_model(cfg, dev, full_width=dev.type == "cuda")
     x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
     loss, *grads = loss_and_grads(model, x, dev, dt)
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+    norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
+    norm = torch.linalg.vector_norm(norms).item()
     ok = torch.isfinite(loss).item() and 0 < norm < float("inf")
-    return ("pass" if ok else "fail"), (f"{dtype_name(dt)} forward/backward of a 2-layer "
-                                        f"{model.config.n_embd}-wide model: loss {loss.item():.3f}, gradient norm "
-                                        f"{norm:.3g}" + ("" if ok else ": NOT finite and non-zero"))
+    return verdict(ok, f"{dtype_name(dt)} forward/backward of a 2-layer {model.config.n_embd}-wide "
+                       f"model: loss {loss.item():.3f}, gradient norm {norm:.3g}"
+                       + ("" if ok else ": NOT finite and non-zero"))
 
 
 def check_kv_cache(cfg, dev):
-    """Logits through the KV cache equal one full forward pass over n tokens (32 at most): a prompt
-    of n/4, then a chunk of n/4 (the bottom-right mask path), then single tokens (the unmasked path), in float32."""
+    """KV-cache logits equal a full forward pass's, in float32: n/4 tokens, a chunk of n/4 (the
+    bottom-right mask path), then single tokens (the unmasked path); n is 32 at most."""
     model = probe_model(cfg, dev, full_width=dev.type == "cuda").eval()
     n = min(32, model.config.block_size)
     x = torch.randint(0, 256, (2, n), device=dev)
@@ -206,14 +211,14 @@ def check_kv_cache(cfg, dev):
         pieces = [(0, n // 4), (n // 4, n // 2)] + [(t, t + 1) for t in range(n // 2, n)]
         cached = torch.cat([model(x[:, a:b], cache=cache)[0] for a, b in pieces], 1)
     err, tol = rel_error(cached, full), PARITY_TOLERANCE[torch.float32]
-    return ("pass" if err <= tol else "fail"), (f"{n} tokens fed as {n // 4} + {n // 4} + {n - n // 2} x 1: logits "
-                                                f"differ from a full forward pass by {err:.1e} of the largest "
-                                                f"(tolerance {tol:g})")
+    return verdict(err <= tol, f"{n} tokens fed as {n // 4} + {n // 4} + {n - n // 2} x 1: logits "
+                               f"differ from a full forward pass by {err:.1e} of the largest "
+                               f"(tolerance {tol:g})")
 
 
 def check_checkpoint(cfg, dev):
-    """checkpoint.py's save_checkpoint / load_checkpoint on a model and its AdamW state after one step,
-    in a scratch folder under out_dir that is removed afterwards. Small at any width: this checks the files."""
+    """checkpoint.py's save and load of a model and its AdamW state after one step, in a scratch
+    folder under out_dir removed afterwards. Small at any width: this checks the files."""
     model = probe_model(cfg, dev, full_width=False)
     optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=dev.type == "cuda")
     loss_and_grads(model, torch.randint(0, 256, (2, 16), device=dev), dev, torch.float32)
@@ -221,7 +226,8 @@ def check_checkpoint(cfg, dev):
     files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
              "trainer.pt": dict(format=CKPT_FORMAT, step=1),
              "config.json": json.dumps(dict(model=asdict(model.config))).encode()}
-    scratch = make_scratch(os.path.join(cfg["out_dir"], f".sanity-ckpt-{int(os.environ.get('RANK', 0))}"))
+    rank = int(os.environ.get("RANK", 0))
+    scratch = make_scratch(os.path.join(cfg["out_dir"], f".sanity-ckpt-{rank}"))
     try:
         path = save_checkpoint(scratch, 1, files, keep_last=1, best=False, min_free_gb=0)
         if path is None:
@@ -231,25 +237,30 @@ def check_checkpoint(cfg, dev):
     finally:
         remove_scratch(scratch)
     ok = same(ckpt["model"], files["model.pt"]) and same(ckpt["optimizer"], files["optimizer.pt"])
-    return ("pass" if ok else "fail"), (f"saved and verified {size / 1e6:.1f} MB under {cfg['out_dir']}, read back: "
-                                        + ("every tensor equal" if ok else "tensors DIFFER from what was saved"))
+    return verdict(ok, f"saved and verified {size / 1e6:.1f} MB under {cfg['out_dir']}, read back: "
+                       + ("every tensor equal" if ok else "tensors DIFFER from what was saved"))
 
 
 def check_dataset(cfg):
-    """data_dir's manifest, files and shards agree with the config, as train.py checks them when it opens the data."""
-    data = cfg["data_dir"]
+    """data_dir's manifest, files and shards agree with the config, as train.py checks them."""
+    data, vocab = cfg["data_dir"], cfg["vocab_size"]
     if not os.path.isfile(os.path.join(data, "manifest.json")):
-        return "skip", f"no manifest.json in {data}: not prepared yet (python prepare.py --data_dir={data})"
+        return "skip", (f"no manifest.json in {data}: not prepared yet (python prepare.py "
+                        f"--data_dir={data})")
     manifest = load_manifest(data)
-    check_prepared(data, manifest, cfg["vocab_size"])
-    if cfg["vocab_size"] is not None and cfg["vocab_size"] != manifest["vocab_size"]:  # larger: a preflight block
-        return "fail", (f"vocab_size={cfg['vocab_size']} but {data} holds {manifest['vocab_size']} tokens: "
-                        f"set vocab_size=None or prepare matching data (train.py's tokenizer_vocab gate blocks it)")
-    windows = {split: Loader(data, split, manifest, cfg["block_size"], 0).n for split in ("train", "val")}
+    check_prepared(data, manifest, vocab)
+    if vocab is not None and vocab != manifest["vocab_size"]:  # larger: a preflight block
+        return "fail", (f"vocab_size={vocab} but {data} holds {manifest['vocab_size']} tokens: set "
+                        "vocab_size=None or prepare matching data (train.py's tokenizer_vocab gate "
+                        "blocks it)")
+    windows = {split: Loader(data, split, manifest, cfg["block_size"], 0).n
+               for split in ("train", "val")}
+    splits = manifest["splits"]
     return "pass", (f"{data}: {manifest['tokenizer']}, {manifest['vocab_size']} tokens, "
-                    f"{manifest['splits']['train']['tokens'] / 1e6:.1f}M train and "
-                    f"{manifest['splits']['val']['tokens'] / 1e6:.2f}M val tokens; every shard's header agrees; "
-                    f"block_size {cfg['block_size']} gives {windows['train']:,} train and {windows['val']:,} val windows")
+                    f"{splits['train']['tokens'] / 1e6:.1f}M train and "
+                    f"{splits['val']['tokens'] / 1e6:.2f}M val tokens; every shard's header "
+                    f"agrees; block_size {cfg['block_size']} gives {windows['train']:,} train and "
+                    f"{windows['val']:,} val windows")
 
 
 def check_compile(cfg, dev, dt):
@@ -260,17 +271,18 @@ def check_compile(cfg, dev, dt):
     eager = [t.clone() for t in loss_and_grads(model, x, dev, dt)]
     compiled = loss_and_grads(torch.compile(model), x, dev, dt)
     # held to the kernels' bound against float64
-    err, tol = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True)), PARITY_TOLERANCE[dt]
-    ok = err <= tol
-    return ("pass" if ok else "fail"), (f"{dtype_name(dt)} loss and gradients: compiled differs "
-                                        f"from eager by {err:.1e} of the largest value (tolerance {tol:g})")
+    err = max(rel_error(c, e) for c, e in zip(compiled, eager, strict=True))
+    tol = PARITY_TOLERANCE[dt]
+    return verdict(err <= tol, f"{dtype_name(dt)} loss and gradients: compiled differs from eager "
+                               f"by {err:.1e} of the largest value (tolerance {tol:g})")
 
 
 def check_allreduce(dev, megabytes):
     if not dist.is_initialized():
-        return "skip", "not under torchrun (torchrun --nproc_per_node=N sanity.py ... checks the collectives)"
+        return "skip", ("not under torchrun (torchrun --nproc_per_node=N sanity.py ... checks the "
+                        "collectives)")
     n = dist.get_world_size()
-    # rank r sends (r + 1) * ramp: every rank must get n(n+1)/2 * ramp, exact in float32 (small integers)
+    # rank r sends (r + 1) * ramp: every rank must get n(n+1)/2 * ramp, exact in float32
     ramp = (torch.arange(1 << 20, device=dev) % 1024).float()
     total = ramp * (dist.get_rank() + 1)
     dist.all_reduce(total)
@@ -286,25 +298,25 @@ def check_allreduce(dev, megabytes):
         dist.all_reduce(buf)
     sync()
     seconds = (time.perf_counter() - t0) / ALLREDUCE_ITERS
-    size = buf.numel() * 4
-    busbw = 2 * (n - 1) / n * size / seconds  # what each link carries in a ring all-reduce (nccl-tests' busbw)
-    ok = int(right.item()) == n
-    return ("pass" if ok else "fail"), (f"{dist.get_backend()}, {n} ranks: the sum is right on {int(right.item())}/{n} "
-                                        f"ranks; all_reduce of {megabytes} MiB in {seconds * 1e3:.1f} ms, algbw "
-                                        f"{size / seconds / 1e9:.2f} GB/s, busbw {busbw / 1e9:.2f} GB/s")
+    size, right = buf.numel() * 4, int(right.item())
+    busbw = 2 * (n - 1) / n * size / seconds  # what each link carries in a ring (nccl-tests' busbw)
+    return verdict(right == n, f"{dist.get_backend()}, {n} ranks: the sum is right on {right}/{n} "
+                               f"ranks; all_reduce of {megabytes} MiB in {seconds * 1e3:.1f} ms, "
+                               f"algbw {size / seconds / 1e9:.2f} GB/s, busbw "
+                               f"{busbw / 1e9:.2f} GB/s")
 
 
 # capacity: the plan from preflight.py's arithmetic, and on a GPU the measurement
 
 def step_peak(model, optimizer, mb, dev, dt):
-    """Peak bytes allocated by one forward/backward/AdamW step of mb sequences, or None when out of memory."""
+    """Peak bytes allocated by one forward/backward/AdamW step of mb sequences; None when OOM."""
     gc.collect()
     torch.cuda.empty_cache()  # what a failed try left cached would count against the next one
     torch.cuda.reset_peak_memory_stats(dev)
     try:
         x, y = model.config.random_batch(mb, dev)
         with autocast(dev, dt):
-            loss = model(x, y)[1]  # as train.py: the logits (loss_chunk=0) are not held through the backward
+            loss = model(x, y)[1]  # as train.py: the logits (loss_chunk=0) are not held
         loss.backward()
         optimizer.step()
         torch.cuda.synchronize(dev)
@@ -316,128 +328,145 @@ def step_peak(model, optimizer, mb, dev, dt):
 
 
 def measure_capacity(mconfig, mb, dev, dt, ddp_buckets):
-    """Peak memory of a real training step at micro-batch mb (the second: the first allocates AdamW's
-    moments) and the largest micro-batch that fits, eager, on this GPU."""
-    with torch.device(dev):  # built in place: a 1B model initialised on the CPU first would take a minute
+    """Peak memory of a real training step at micro-batch mb (the second: the first allocates
+    AdamW's moments) and the largest micro-batch that fits, eager, on this GPU."""
+    with torch.device(dev):  # built in place: a 1B model initialised on the CPU takes a minute
         model = make_model(mconfig)
     optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=True)
-    # one process stands in for a DDP rank: hold aside DDP's fp32 copy of the gradients (its buckets)
+    # one process stands in for a DDP rank: hold aside DDP's fp32 copy of the gradients
     reserve = torch.empty(ddp_buckets, dtype=torch.uint8, device=dev)
-    first = step_peak(model, optimizer, mb, dev, dt)  # allocates AdamW's moments: the second step is the steady state
+    first = step_peak(model, optimizer, mb, dev, dt)
     peak = step_peak(model, optimizer, mb, dev, dt) if first else None
-    largest = largest_fitting(lambda m: step_peak(model, optimizer, m, dev, dt) is not None, mb if peak else 0)
+    largest = largest_fitting(lambda m: step_peak(model, optimizer, m, dev, dt) is not None,
+                              mb if peak else 0)
     del reserve  # held until the search is done
     return peak, largest
 
 
 def largest_fits(measured):
-    """The largest micro-batch the search found, against the plan's: the same words in the check's line and in
-    sanity.md."""
+    """The largest micro-batch found against the plan's, in the same words in the check's line
+    and in sanity.md."""
     return (f"the largest micro-batch that fits is {measured['largest_micro_batch']} (predicted "
-            f"{measured['predicted_largest_micro_batch']} in the whole {measured['device_gb']:.1f} GB)")
+            f"{measured['predicted_largest_micro_batch']} in the whole "
+            f"{measured['device_gb']:.1f} GB)")
 
 
 def check_capacity(cfg, dev, dt, world, out):
     """Fills `out` with the plan (and measurement) that goes to sanity.json under "capacity"."""
     if not cfg["capacity"]:
-        return "skip", "capacity=False (--capacity plans, and on a GPU measures, the memory per GPU)"
+        return "skip", ("capacity=False (--capacity plans, and on a GPU measures, the memory per "
+                        "GPU)")
     mconfig, vocab_from = model_config(cfg), plan_vocab(cfg)[1]
     mb = cfg["micro_batch_size"]
     # dtype=auto planned from a CPU is the GPU's bfloat16
     plan_dt = torch.bfloat16 if cfg["dtype"] == "auto" and dev.type != "cuda" else dt
     cbytes = 4 if plan_dt == torch.float32 else 2
-    # the same usable share as train.py's memory_fit gate: the rest is CUDA context, NCCL and fragmentation
-    memory = cfg["gpu_mem_gb"] * 1e9 or (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 0)
+    # train.py's memory_fit gate's usable share: the rest is CUDA context, NCCL, fragmentation
+    memory = cfg["gpu_mem_gb"] * 1e9 or (torch.cuda.get_device_properties(dev).total_memory
+                                         if dev.type == "cuda" else 0)
     budget = MEMORY_USABLE * memory or None
-    with torch.device("meta"):  # the real module's shapes at no cost: its parameter count must match the arithmetic
+    with torch.device("meta"):  # the real module's shapes at no cost: must match the arithmetic
         built = sum(p.numel() for p in make_model(mconfig).parameters())
     counts = param_counts(mconfig)
-    out.update(model={k: v for k, v in asdict(mconfig).items() if k not in ("init_std", "attn_backend")},
-               vocab_from=vocab_from, params=counts, meta_params=built, flops_per_token=flops_per_token(mconfig),
-               world_size=world, micro_batch_size=mb, compute_dtype=dtype_name(plan_dt),
-               gpu_mem_bytes=memory or None, gpu_mem_gb=gb(memory) if memory else None,
-               usable_bytes=budget, usable_share=MEMORY_USABLE, layouts={}, measured=None)
-    fsdp = cfg["dist_mode"] == "fsdp"
+    model = {k: v for k, v in asdict(mconfig).items() if k not in ("init_std", "attn_backend")}
+    out.update(model=model, vocab_from=vocab_from, params=counts, meta_params=built,
+               flops_per_token=flops_per_token(mconfig), world_size=world, micro_batch_size=mb,
+               compute_dtype=dtype_name(plan_dt), gpu_mem_bytes=memory or None,
+               gpu_mem_gb=gb(memory) if memory else None, usable_bytes=budget,
+               usable_share=MEMORY_USABLE, layouts={}, measured=None)
+
+    def plan(sharded, ckpt):
+        return plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget)
     out["layouts"]["run"] = dict(label=f"this run: {layout_label(cfg)}",
-                                 **plan_layout(mconfig, mb, world, fsdp, cfg["grad_ckpt"], cbytes, budget))
+                                 **plan(cfg["dist_mode"] == "fsdp", cfg["grad_ckpt"]))
     for key, label, sharded, ckpt in LAYOUTS:
-        out["layouts"][key] = dict(label=label, **plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget))
+        out["layouts"][key] = dict(label=label, **plan(sharded, ckpt))
     run = out["layouts"]["run"]
-    summary = (f"{counts['total'] / 1e9:.3f}B parameters, {out['flops_per_token'] / 1e9:.2f} GFLOP/token; per GPU at "
-               f"micro-batch {mb}, world {world}: "
-               + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f} GB" for lay in out["layouts"].values()))
+    summary = (f"{counts['total'] / 1e9:.3f}B parameters, {out['flops_per_token'] / 1e9:.2f} "
+               f"GFLOP/token; per GPU at micro-batch {mb}, world {world}: "
+               + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f} GB"
+                           for lay in out["layouts"].values()))
     if built != counts["total"]:
-        return "fail", f"the model builds with {built:,} parameters, preflight.param_counts says {counts['total']:,}"
+        return "fail", (f"the model builds with {built:,} parameters, preflight.param_counts says "
+                        f"{counts['total']:,}")
     if dev.type != "cuda":
-        verdict = (f"; this run {'fits' if run['fits'] else 'does NOT fit'} gpu_mem_gb={cfg['gpu_mem_gb']:g}"
-                   if budget else "; give gpu_mem_gb for a verdict")
-        return ("fail" if budget and not run["fits"] else "pass"), (
-            f"{summary}{verdict}; not on a GPU: estimate only (built on the meta device: {built:,} parameters)")
+        fits = (f"this run {'fits' if run['fits'] else 'does NOT fit'} "
+                f"gpu_mem_gb={cfg['gpu_mem_gb']:g}" if budget else "give gpu_mem_gb for a verdict")
+        return verdict(not budget or run["fits"],
+                       f"{summary}; {fits}; not on a GPU: estimate only (built on the meta device: "
+                       f"{built:,} parameters)")
     return check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out)
 
 
 def check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out):
-    """check_capacity on a GPU: one real training step's peak memory and the largest micro-batch that fits,
-    against the plan, into out["measured"] (not for a model whose whole state this GPU cannot hold)."""
+    """check_capacity on a GPU: one real step's peak memory and the largest micro-batch that fits,
+    against the plan, into out["measured"] (not for a model whose whole state it cannot hold)."""
     mb, fsdp, run = cfg["micro_batch_size"], cfg["dist_mode"] == "fsdp", out["layouts"]["run"]
-    # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU would save nothing
-    one = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes, budget)
+    # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU saves nothing
+    plan = partial(plan_layout, mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes)
+    one = plan(budget)
     total = torch.cuda.get_device_properties(dev).total_memory
     state = sum(one["bytes"][k] for k in ("weights", "gradients", "optimizer", "ddp_buckets"))
     if state > total:  # building it would only end in an out-of-memory error
-        why = (f"one GPU's whole weights, gradients and AdamW state need {state / 1e9:.1f} GB, over this GPU's "
-               f"{total / 1e9:.1f}: not measured (bench/mfu.py measures a slice)")
-        if fsdp:  # the run shards them over its GPUs, which one GPU cannot stand in for: the plan decides
-            return ("pass" if run["fits"] else "fail"), (f"{summary}; {why}; by the plan this run "
-                                                         f"{'fits' if run['fits'] else 'does NOT fit'}")
+        why = (f"one GPU's whole weights, gradients and AdamW state need {state / 1e9:.1f} GB, "
+               f"over this GPU's {total / 1e9:.1f}: not measured (bench/mfu.py measures a slice)")
+        if fsdp:  # the run shards them over its GPUs, which one GPU cannot stand in for: the plan
+            return verdict(run["fits"], f"{summary}; {why}; by the plan this run "
+                                        f"{'fits' if run['fits'] else 'does NOT fit'}")
         return "fail", f"{summary}; {why}"
     peak, largest = measure_capacity(mconfig, mb, dev, dt, one["bytes"]["ddp_buckets"])
-    # the search fills the whole GPU, so the prediction to hold it against is for the whole GPU too
-    predicted_largest = plan_layout(mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes,
-                                    total)["largest_micro_batch"]
     name = torch.cuda.get_device_name(dev)
     headroom = total - peak if peak else None
-    out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total), micro_batch_size=mb,
-                           grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak, peak_gb=gb(peak) if peak else None,
+    # the search fills the whole GPU: the prediction to hold it against is the whole GPU's too
+    out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total),
+                           micro_batch_size=mb, grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak,
+                           peak_gb=gb(peak) if peak else None,
                            predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
                            headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
-                           largest_micro_batch=largest, predicted_largest_micro_batch=predicted_largest)
+                           largest_micro_batch=largest,
+                           predicted_largest_micro_batch=plan(total)["largest_micro_batch"])
     whole = largest_fits(out["measured"])
     if peak is None:
-        return "fail", f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); {whole}"
+        return "fail", (f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); "
+                        f"{whole}")
     return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
-                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of {total / 1e9:.1f}; {whole}")
+                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of "
+                    f"{total / 1e9:.1f}; {whole}")
 
 
 def capacity_lines(cap):
     """The capacity plan as Markdown: one column per layout, predicted against measured below."""
-    lays = list(cap["layouts"].values())
+    lays, model, world = list(cap["layouts"].values()), cap["model"], cap["world_size"]
+    row = lambda head, cells: f"| {head} | " + " | ".join(cells) + " |"  # noqa: E731
     lines = [f"## capacity: {cap['params']['total'] / 1e9:.3f}B parameters "
              f"({cap['params']['non_embedding'] / 1e9:.3f}B non-embedding), "
              f"{cap['flops_per_token'] / 1e9:.2f} GFLOP/token", "",
-             f"GB per GPU (1 GB = 1e9 bytes): {cap['compute_dtype']}, micro-batch {cap['micro_batch_size']} x "
-             f"{cap['model']['block_size']} tokens, world size {cap['world_size']} (sharded: over all "
-             f"{cap['world_size']}), vocabulary {cap['model']['vocab_size']} from {cap['vocab_from']}", "",
-             "| GB per GPU | " + " | ".join(lay["label"] for lay in lays) + " |",
-             "|---|" + "---|" * len(lays)]
-    lines += [f"| {part} | " + " | ".join(f"{lay['gb'][part]:.2f}" for lay in lays) + " |" for part in lays[0]["gb"]]
+             f"GB per GPU (1 GB = 1e9 bytes): {cap['compute_dtype']}, micro-batch "
+             f"{cap['micro_batch_size']} x {model['block_size']} tokens, world size {world} "
+             f"(sharded: over all {world}), vocabulary {model['vocab_size']} from "
+             f"{cap['vocab_from']}", "",
+             row("GB per GPU", [lay["label"] for lay in lays]), "|---|" + "---|" * len(lays)]
+    lines += [row(part, [f"{lay['gb'][part]:.2f}" for lay in lays]) for part in lays[0]["gb"]]
     if cap["gpu_mem_gb"]:
-        lines.append(f"| fits {cap['usable_share']:g} x {cap['gpu_mem_gb']:g} GB | " + " | ".join("yes" if lay["fits"] else "NO" for lay in lays)
-                     + " |")
-        lines.append("| largest micro-batch | " + " | ".join(str(lay["largest_micro_batch"]) for lay in lays) + " |")
+        lines += [row(f"fits {cap['usable_share']:g} x {cap['gpu_mem_gb']:g} GB",
+                      ["yes" if lay["fits"] else "NO" for lay in lays]),
+                  row("largest micro-batch", [str(lay["largest_micro_batch"]) for lay in lays])]
     m = cap["measured"]
     lines.append("")
     if m is None:
-        lines.append("Not on a GPU: the estimate only (the model was built on the meta device to confirm "
-                     f"its {cap['meta_params']:,} parameters).")
+        lines.append("Not on a GPU: the estimate only (the model was built on the meta device to "
+                     f"confirm its {cap['meta_params']:,} parameters).")
     elif m["peak_bytes"] is None:
-        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch {m['micro_batch_size']} "
-                     f"runs out of memory (predicted {m['predicted_gb']:.2f} GB); {largest_fits(m)}.")
+        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager: micro-batch "
+                     f"{m['micro_batch_size']} runs out of memory (predicted "
+                     f"{m['predicted_gb']:.2f} GB); {largest_fits(m)}.")
     else:
-        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager, one process holding DDP's buckets "
-                     f"aside: peak {m['peak_gb']:.2f} GB allocated against {m['predicted_gb']:.2f} GB predicted "
-                     f"(DDP), headroom {m['headroom_gb']:.2f} GB; {largest_fits(m)}; "
-                     f"{lays[0]['largest_micro_batch']} within the planned {cap['usable_share']:g} share.")
+        lines.append(f"Measured on {m['device']} ({m['device_gb']:.1f} GB), eager, one process "
+                     f"holding DDP's buckets aside: peak {m['peak_gb']:.2f} GB allocated against "
+                     f"{m['predicted_gb']:.2f} GB predicted (DDP), headroom "
+                     f"{m['headroom_gb']:.2f} GB; {largest_fits(m)}; "
+                     f"{lays[0]['largest_micro_batch']} within the planned "
+                     f"{cap['usable_share']:g} share.")
     return lines
 
 
@@ -447,8 +476,8 @@ def run_check(name, fn):
     t0 = time.perf_counter()
     try:
         status, detail = fn()
-    except Exception as e:  # a check that crashes is a failed check, reported in one line like the others
-        status, detail = "fail", str(e) if isinstance(e, Error) else first_line(e)  # podgpt's own: one line already
+    except Exception as e:  # a check that crashes is a failed check, reported in one line
+        status, detail = "fail", str(e) if isinstance(e, Error) else first_line(e)
     return dict(name=name, status=status, seconds=round(time.perf_counter() - t0, 3), detail=detail)
 
 
@@ -463,7 +492,8 @@ def write_reports(path, report):
     if "ranks" in report:
         lines += ["", "| rank | status | failed checks |", "|---|---|---|"]
         lines += [f"| {r['rank']} | {'pass' if r['passed'] else 'FAIL'} | "
-                  + ", ".join(c["name"] for c in r["checks"] if c["status"] == "fail") + " |" for r in report["ranks"]]
+                  + ", ".join(c["name"] for c in r["checks"] if c["status"] == "fail") + " |"
+                  for r in report["ranks"]]
     if report["capacity"]:
         lines += [""] + capacity_lines(report["capacity"])
     with open(os.path.join(path, "sanity.md"), "w") as f:
@@ -472,23 +502,25 @@ def write_reports(path, report):
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
-    check_apart(out_dir=cfg["out_dir"], data_dir=cfg["data_dir"])  # its report would land among the data's files
-    # the run's device; one that cannot be had (CUDA asked for but absent): the CPU, so that the other
-    # checks still run and the environment check fails with the reason
+    check_apart(out_dir=cfg["out_dir"], data_dir=cfg["data_dir"])  # not its report in the data
+    # a device that cannot be had (CUDA asked for but absent): the CPU, so that the other checks
+    # still run and the environment check fails with the reason
     device_error = None
     try:
         proc = setup(cfg["device"])
     except Error as e:
         proc, device_error = setup("cpu"), str(e)
-    dev, ddp = proc.dev, proc.distributed
-    dt = compute_dtype(cfg["dtype"], dev)
-    world = cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"] or 1
-    with Folder(cfg["out_dir"], "out_dir", legacy=("ckpt/latest", "sanity.json")) as folder:  # a run's out_dir, or new
-        on_rank0(ddp, lambda: folder.hold().claim())
+    dt = compute_dtype(cfg["dtype"], proc.dev)
+    world = (cfg["world_size"] or int(os.environ.get("WORLD_SIZE", 0)) or cfg["expect_world_size"]
+             or 1)
+    # out_dir may be a run's, or new
+    with Folder(cfg["out_dir"], "out_dir", legacy=("ckpt/latest", "sanity.json")) as folder:
+        on_rank0(proc.distributed, lambda: folder.hold().claim())
         try:
             os.makedirs(cfg["out_dir"], exist_ok=True)  # on every node
         except OSError as e:  # nowhere to write the report
-            fail(f"out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another out_dir")
+            fail(f"out_dir {cfg['out_dir']} cannot be created ({first_line(e)}): choose another "
+                 "out_dir")
         return run_checks(cfg, proc, dt, world, device_error)
 
 
@@ -502,7 +534,8 @@ def run_checks(cfg, proc, dt, world, device_error):
                for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
     # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
     checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, "documents"))]
-    if kind := config_class(cfg["objective"]).own_mask:  # an objective's own mask, on the backend auto picks for it
+    # an objective's own mask, on the backend auto picks for it
+    if kind := config_class(cfg["objective"]).own_mask:
         checks += [(f"attention:{kind}", partial(check_attention, "auto", cfg, dev, dt, kind))]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
@@ -513,11 +546,10 @@ def run_checks(cfg, proc, dt, world, device_error):
                ("capacity", partial(check_capacity, cfg, dev, dt, world, capacity_report))]
     results = []
     for name, fn in checks:
-        results.append(run_check(name, fn))
-        r = results[-1]
+        results.append(r := run_check(name, fn))
         if rank == 0 or r["status"] == "fail":
-            print(f"{'' if rank == 0 else f'[rank {rank}] '}{r['status']:4s}  {name:24s} {r['seconds']:7.2f}s  "
-                  f"{r['detail']}", flush=True)
+            print(f"{'' if rank == 0 else f'[rank {rank}] '}{r['status']:4s}  {name:24s} "
+                  f"{r['seconds']:7.2f}s  {r['detail']}", flush=True)
     per_rank = [results]
     if ddp:
         per_rank = [None] * dist.get_world_size()
@@ -528,12 +560,13 @@ def run_checks(cfg, proc, dt, world, device_error):
         report = dict(passed=passed, device=str(dev), dtype=dtype_name(dt),
                       world_size=len(per_rank), checks=results, capacity=capacity_report or None)
         if ddp:
-            report["ranks"] = [dict(rank=i, passed=all(c["status"] != "fail" for c in rr), checks=rr)
-                               for i, rr in enumerate(per_rank)]
+            report["ranks"] = [dict(rank=i, passed=all(c["status"] != "fail" for c in checks),
+                                    checks=checks) for i, checks in enumerate(per_rank)]
         write_reports(cfg["out_dir"], report)
         if capacity_report:
             print("\n".join(capacity_lines(capacity_report)))
-        print(f"sanity {'passed' if passed else 'FAILED'}: {os.path.join(cfg['out_dir'], 'sanity.md')}", flush=True)
+        print(f"sanity {'passed' if passed else 'FAILED'}: "
+              f"{os.path.join(cfg['out_dir'], 'sanity.md')}", flush=True)
     return 0 if passed else 1
 
 

@@ -1,24 +1,24 @@
 """
-The skills pack: rows a base model is fine-tuned on (sft.jsonl) and judged on (eval.jsonl), and manifest.json.
+The skills pack: rows a base model is fine-tuned on (sft.jsonl) and judged on (eval.jsonl), and
+manifest.json.
 
-    python skills.py --pack_dir=data/skills --sft_rows=1600 --eval_rows=320 --answer_style=scratchpad --pack_seed=0
-    python skills.py --pack_source=my_rows.jsonl --pack_dir=data/mine     # local rows in the same schema
-    python skills.py --pack_source=gsm8k --pack_dir=data/gsm8k_skills      # GSM8K: train rows SFT, test rows eval
+    python skills.py --pack_dir=data/skills --sft_rows=1600 --eval_rows=320 --pack_seed=0
+    python skills.py --pack_source=my_rows.jsonl --pack_dir=data/mine    # local rows, same schema
+    python skills.py --pack_source=gsm8k --pack_dir=data/gsm8k_skills    # train: SFT; test: eval
 
-A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the assistant's reply is the answer alone
-(answer_style direct) or the scratchpad's worked steps, then the answer on a line of its own (scratchpad).
+A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the assistant's reply is the
+answer alone (answer_style direct) or the scratchpad's steps, then the answer on its own line.
 
-The templates (source=templates) are offline task families in named categories (CATEGORIES), each a function
-of a random.Random. Row i of category c in a split comes from its own generator, seeded from (seed, c, split, i,
-draw) by sha256, so the pack is the same for any number of workers. Eval rows are drawn first; a draw is
-skipped when its normalised prompt (lowercase, whitespace collapsed) was made already, and an SFT draw also when
-it holds a word run of an eval row (ngrams.py's, as prepare.py checks the corpus: 13 words of its prompt or reply
-in a row, or a whole prompt or reply of 5 to 12 words). A row that takes more than max_draws draws
-ends its category there: a pack short of the rows asked is refused, and nothing is written.
+The templates are offline task families (CATEGORIES), each a function of a random.Random. Row i of
+category c in a split has its own generator, seeded from (seed, c, split, i, draw) by sha256, so the
+pack is the same for any number of workers. Eval rows are drawn first; a draw is skipped when its
+normalised prompt was made already, and an SFT draw also when it holds a word run of an eval row
+(ngrams.py's, as prepare.py checks the corpus). A row that max_draws draws cannot make ends its
+category: a pack short of the rows asked is refused, and nothing is written.
 
-Whatever the source, the rows are checked as they will be written: unique prompts in and across the splits, and
-no SFT row holding a word run of an eval row (overlap). The files are written atomically into pack_dir, which
-must be new, empty or a pack's own (util.Folder), manifest.json last.
+Whatever the source, the rows are checked as written: unique prompts in and across the splits, no
+SFT row holding a word run of an eval row. The files are written atomically into pack_dir (new,
+empty or a pack's own: util.Folder), manifest.json last.
 """
 
 import calendar
@@ -31,7 +31,8 @@ import random
 import sys
 
 from podgpt.core import configurator
-from podgpt.core.util import MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main, write_atomic, write_json
+from podgpt.core.util import (MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main,
+                              write_atomic, write_json)
 from podgpt.corpus.tasks import ANSWER_STYLES, PACK_FIELDS, read_rows
 from podgpt.corpus.ngrams import MIN_WORDS, NGRAM, EvalGrams, shared_run
 from podgpt.core.tokenizer import reply_text
@@ -40,24 +41,25 @@ from podgpt.core.tokenizer import reply_text
 pack_dir = "data/skills"  # the pack's folder: sft.jsonl, eval.jsonl, manifest.json
 sft_rows = 1600  # rows to fine-tune on
 eval_rows = 320  # rows to judge on, never an SFT row's prompt and none of their word runs in one
-answer_style = "scratchpad"  # direct (the answer alone) | scratchpad (steps, then the answer) | mixed (alternating)
+answer_style = "scratchpad"  # direct (the answer alone) | scratchpad (steps, then it) | mixed
 pack_seed = 0  # the templates' seed: the same seed makes the same pack
-pack_source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k (the prepare.py preset)
+pack_source = "templates"  # templates | a .jsonl file of rows in the pack's schema | gsm8k
 pack_categories = ""  # the template categories to make, comma-separated ("": all of CATEGORIES)
 max_draws = 100  # draws per row before its category counts as run out
 pack_workers = 1  # processes making the template rows (the pack is the same for any count)
-download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's go to its cache), as for prepare.py
+download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's: its cache)
 # --- end config
 
 VERSION = 1  # the generator's: a change to any template makes other rows from the same seed
 FILES = {"eval": "eval.jsonl", "sft": "sft.jsonl"}
 MANIFEST = "manifest.json"
 
-WORDS = ("apple banana cherry garden window pencil rocket silver planet mirror castle forest bottle candle "
-         "dragon button yellow orange purple marble pepper ladder tunnel rabbit turtle parrot basket jacket "
-         "hammer kettle lemon melon river valley island desert summer winter autumn spring bridge harbor "
-         "market school doctor farmer sailor pirate wizard knight artist singer camera pillow blanket carpet "
-         "cookie muffin butter cheese coffee teapot saucer spoon").split()
+WORDS = ("apple banana cherry garden window pencil rocket silver planet mirror castle forest "
+         "bottle candle dragon button yellow orange purple marble pepper ladder tunnel rabbit "
+         "turtle parrot basket jacket hammer kettle lemon melon river valley island desert summer "
+         "winter autumn spring bridge harbor market school doctor farmer sailor pirate wizard "
+         "knight artist singer camera pillow blanket carpet cookie muffin butter cheese coffee "
+         "teapot saucer spoon").split()
 NAMES = "Ava Ben Chloe Dan Ella Finn Grace Hugo Iris Jack Kate Leo Maya Noah Omar Pia".split()
 ITEMS = "apples pencils stickers marbles cookies cards stamps shells coins books beads toys".split()
 WEEKDAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
@@ -66,7 +68,6 @@ ANCHOR = datetime.date(2000, 1, 1)  # a Saturday: weekdays are counted from it
 
 # -----------------------------------------------------------------------------
 # The task families: each makes (prompt, answer, scratchpad lines) from a random.Random
-
 
 def place_parts(n):
     """n by place value, largest first, zeros left out: 3407 -> [3000, 400, 7]."""
@@ -86,9 +87,11 @@ def carries(a, b, sign):
 def arithmetic(rng):
     op = rng.choice("+-*")
     if op == "*":
-        a, b = rng.randint(120, 9999), rng.randint(1, 9) * 10 + rng.randint(2, 9)  # two partial products
+        # b of two nonzero digits: two partial products
+        a, b = rng.randint(120, 9999), rng.randint(1, 9) * 10 + rng.randint(2, 9)
         parts = [(a * p, p) for p in place_parts(b)]
-        steps = [f"{a} * {p} = {v}" for v, p in parts] + [f"{parts[0][0]} + {parts[1][0]} = {a * b}"]
+        steps = [f"{a} * {p} = {v}" for v, p in parts]
+        steps.append(f"{parts[0][0]} + {parts[1][0]} = {a * b}")
         return f"Compute {a} * {b}.", str(a * b), steps
     while True:
         a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
@@ -106,24 +109,27 @@ def word_problem(rng):
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     kind = rng.randrange(4)
     a, b, c = rng.randint(5, 90), rng.randint(2, 12), rng.randint(3, 25)
+    product = f"{b} * {c} = {b * c}"
     if kind == 0:
         d = rng.randint(1, a + b * c - 1)
-        return (f"{name} has {a} {item}, buys {b} packs of {c} {item}, then gives away {d}. How many {item} are "
-                f"left?", str(a + b * c - d), [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}",
-                                                  f"{a + b * c} - {d} = {a + b * c - d}"])
+        return (f"{name} has {a} {item}, buys {b} packs of {c} {item}, then gives away {d}. How "
+                f"many {item} are left?", str(a + b * c - d),
+                [product, f"{a} + {b * c} = {a + b * c}", f"{a + b * c} - {d} = {a + b * c - d}"])
     if kind == 1:
         a = b * c + rng.randint(1, 60)
-        return (f"{name} has {a} {item} and gives {b} to each of {c} friends. How many {item} does {name} keep?",
-                str(a - b * c), [f"{b} * {c} = {b * c}", f"{a} - {b * c} = {a - b * c}"])
+        return (f"{name} has {a} {item} and gives {b} to each of {c} friends. How many {item} does "
+                f"{name} keep?", str(a - b * c), [product, f"{a} - {b * c} = {a - b * c}"])
     if kind == 2:
         paid = b * c + rng.randint(1, 50)
-        return (f"{name} buys {b} {item} at {c} dollars each and pays with {paid} dollars. What is the change in "
-                f"dollars?", str(paid - b * c), [f"{b} * {c} = {b * c}", f"{paid} - {b * c} = {paid - b * c}"])
+        return (f"{name} buys {b} {item} at {c} dollars each and pays with {paid} dollars. What is "
+                f"the change in dollars?", str(paid - b * c),
+                [product, f"{paid} - {b * c} = {paid - b * c}"])
     d = rng.randint(2, 9)
     a += -(a + b * c) % d  # the share is whole
-    return (f"{name} has {a} {item}, buys {b} boxes of {c}, and shares them equally among {d} friends. How many "
-            f"{item} does each friend get?", str((a + b * c) // d),
-            [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}", f"{a + b * c} / {d} = {(a + b * c) // d}"])
+    share = (a + b * c) // d
+    return (f"{name} has {a} {item}, buys {b} boxes of {c}, and shares them equally among {d} "
+            f"friends. How many {item} does each friend get?", str(share),
+            [product, f"{a} + {b * c} = {a + b * c}", f"{a + b * c} / {d} = {share}"])
 
 
 def counting(rng):
@@ -142,38 +148,41 @@ def sorting(rng):
     if rng.random() < 0.5:
         words = rng.sample(WORDS, rng.randint(4, 7))
         ordered = sorted(words)
-        return (f"Sort these words alphabetically: {' '.join(words)}. Give them comma-separated.", ",".join(ordered),
-                [f"first letters: {' '.join(w[0] for w in words)}", f"in order: {' '.join(ordered)}"])
+        return (f"Sort these words alphabetically: {' '.join(words)}. Give them comma-separated.",
+                ",".join(ordered), [f"first letters: {' '.join(w[0] for w in words)}",
+                                    f"in order: {' '.join(ordered)}"])
     numbers = rng.sample(range(1, 1000), rng.randint(4, 7))
     down = rng.random() < 0.5
     ordered = sorted(numbers, reverse=down)
     steps = [f"{'largest' if down else 'smallest'} left: {n}" for n in ordered]
-    return (f"Sort {', '.join(map(str, numbers))} in {'descending' if down else 'ascending'} order, comma-separated.",
-            ",".join(map(str, ordered)), steps)
+    return (f"Sort {', '.join(map(str, numbers))} in {'descending' if down else 'ascending'} "
+            "order, comma-separated.", ",".join(map(str, ordered)), steps)
 
 
-UNITS = [("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("kg", "g", 1000), ("g", "mg", 1000),
-         ("hours", "minutes", 60), ("minutes", "seconds", 60), ("days", "hours", 24), ("weeks", "days", 7)]
+UNITS = [("km", "m", 1000), ("m", "cm", 100), ("cm", "mm", 10), ("kg", "g", 1000),
+         ("g", "mg", 1000), ("hours", "minutes", 60), ("minutes", "seconds", 60),
+         ("days", "hours", 24), ("weeks", "days", 7)]
 
 
 def units(rng):
     big, small, factor = rng.choice(UNITS)
     n = rng.randint(2, 999)
     kind = rng.randrange(3)
+    rate = f"1 {big} = {factor} {small}"
     if kind == 0:
-        return f"Convert {n} {big} to {small}.", str(n * factor), [f"1 {big} = {factor} {small}",
-                                                                    f"{n} * {factor} = {n * factor}"]
+        return (f"Convert {n} {big} to {small}.", str(n * factor),
+                [rate, f"{n} * {factor} = {n * factor}"])
     if kind == 1:
-        return f"Convert {n * factor} {small} to {big}.", str(n), [f"1 {big} = {factor} {small}",
-                                                                   f"{n * factor} / {factor} = {n}"]
+        return (f"Convert {n * factor} {small} to {big}.", str(n),
+                [rate, f"{n * factor} / {factor} = {n}"])
     extra = rng.randint(1, factor - 1)
     return (f"How many {small} are {n} {big} and {extra} {small}?", str(n * factor + extra),
             [f"{n} * {factor} = {n * factor}", f"{n * factor} + {extra} = {n * factor + extra}"])
 
 
 def random_date(rng, first, last):
-    return datetime.date(first, 1, 1) + datetime.timedelta(rng.randrange((datetime.date(last + 1, 1, 1)
-                                                                           - datetime.date(first, 1, 1)).days))
+    start = datetime.date(first, 1, 1)
+    return start + datetime.timedelta(rng.randrange((datetime.date(last + 1, 1, 1) - start).days))
 
 
 def date_add(rng):
@@ -196,8 +205,8 @@ def weekday(rng):
     days = (day - ANCHOR).days
     name = WEEKDAYS[(5 + days) % 7]
     return (f"What day of the week was {day}?", name,
-            [f"{ANCHOR} was a Saturday", f"{ANCHOR} to {day}: {days} days", f"{days} mod 7 = {days % 7}",
-             f"Saturday + {days % 7} days = {name}"])
+            [f"{ANCHOR} was a Saturday", f"{ANCHOR} to {day}: {days} days",
+             f"{days} mod 7 = {days % 7}", f"Saturday + {days % 7} days = {name}"])
 
 
 def month_add(rng):
@@ -206,7 +215,8 @@ def month_add(rng):
     end = (start + sign * n) % 12
     first, last = calendar.month_name[start + 1], calendar.month_name[end + 1]
     return (f"What month is {n} months {'after' if sign > 0 else 'before'} {first}?", last,
-            [f"{first} is month {start + 1}", f"{start + 1} {'+' if sign > 0 else '-'} {n} = {start + 1 + sign * n}",
+            [f"{first} is month {start + 1}",
+             f"{start + 1} {'+' if sign > 0 else '-'} {n} = {start + 1 + sign * n}",
              f"modulo 12: month {end + 1}, {last}"])
 
 
@@ -214,8 +224,8 @@ def string_edit(rng):
     kind = rng.randrange(3)
     if kind == 0:
         word = rng.choice(WORDS) + rng.choice(WORDS)
-        return (f"Reverse the letters of '{word}'.", word[::-1], [f"letters: {' '.join(word)}",
-                                                                  f"backwards: {' '.join(word[::-1])}"])
+        return (f"Reverse the letters of '{word}'.", word[::-1],
+                [f"letters: {' '.join(word)}", f"backwards: {' '.join(word[::-1])}"])
     if kind == 1:
         word = rng.choice(WORDS) + rng.choice(WORDS)
         old, new = rng.choice(word), rng.choice("abcdefghijklmnopqrstuvwxyz")
@@ -239,24 +249,27 @@ def yes_no(rng):
         return (f"Is {a} greater than {b}? Answer as YES or NO.", "YES" if a > b else "NO",
                 [f"{a} - {b} = {a - b}", f"{a - b} is {'positive' if a > b else 'negative'}"])
     word, letter = rng.choice(WORDS) + rng.choice(WORDS), rng.choice("abcdefghijklmnopqrstuvwxyz")
-    return (f"Does '{word}' contain the letter '{letter}'? Answer as YES or NO.", "YES" if letter in word else "NO",
-            [f"{word}: {' '.join(word)}", f"'{letter}' {'is' if letter in word else 'is not'} among them"])
+    return (f"Does '{word}' contain the letter '{letter}'? Answer as YES or NO.",
+            "YES" if letter in word else "NO",
+            [f"{word}: {' '.join(word)}",
+             f"'{letter}' {'is' if letter in word else 'is not'} among them"])
 
 
 def format_list(rng):
     words = rng.sample(WORDS, 3)
     if rng.random() < 0.5:
         return (f"Give the three items {', '.join(words)} comma-separated in uppercase.",
-                ",".join(w.upper() for w in words), [f"uppercase: {' '.join(w.upper() for w in words)}"])
-    return (f"Write {', '.join(words)} in reverse order, separated by ' | '.", " | ".join(words[::-1]),
-            [f"last first: {', '.join(words[::-1])}"])
+                ",".join(w.upper() for w in words),
+                [f"uppercase: {' '.join(w.upper() for w in words)}"])
+    return (f"Write {', '.join(words)} in reverse order, separated by ' | '.",
+            " | ".join(words[::-1]), [f"last first: {', '.join(words[::-1])}"])
 
 
 # each category: its family and its chance level, the probability of its exact answer by guessing
 CATEGORIES = {
-    "arithmetic": (arithmetic, 0.0), "word_problem": (word_problem, 0.0), "counting": (counting, 0.0),
-    "sorting": (sorting, 0.0), "units": (units, 0.0), "date_add": (date_add, 0.0), "weekday": (weekday, 1 / 7),
-    "month_add": (month_add, 1 / 12),
+    "arithmetic": (arithmetic, 0.0), "word_problem": (word_problem, 0.0),
+    "counting": (counting, 0.0), "sorting": (sorting, 0.0), "units": (units, 0.0),
+    "date_add": (date_add, 0.0), "weekday": (weekday, 1 / 7), "month_add": (month_add, 1 / 12),
     "string_edit": (string_edit, 0.0), "yes_no": (yes_no, 0.5), "format": (format_list, 0.0),
 }
 CHANCE = {"gsm8k": 0.0} | {name: chance for name, (_, chance) in CATEGORIES.items()}
@@ -265,14 +278,13 @@ CHANCE = {"gsm8k": 0.0} | {name: chance for name, (_, chance) in CATEGORIES.item
 # -----------------------------------------------------------------------------
 # Rows, their normal form and their overlap
 
-
 def normal(text):
     return " ".join(text.lower().split())
 
 
 class EvalIndex:
-    """The eval rows' normalised prompts and their word runs (ngrams.EvalGrams, as prepare.py checks the corpus's
-    documents), each to the first eval row that has it."""
+    """The eval rows' normalised prompts and word runs (ngrams.EvalGrams, as prepare.py checks the
+    corpus), each to the first eval row that has it."""
 
     def __init__(self, eval_rows):
         self.rows, self.prompts, self.grams = eval_rows, {}, EvalGrams(eval_rows)
@@ -290,14 +302,16 @@ class EvalIndex:
         for row, text, held in zip(rows, texts, self.grams.hits(texts), strict=True):
             if (k := self.prompts.get(normal(row["prompt"]))) is not None:
                 found.append((k, "the same prompt"))
+            elif held:
+                found.append((held[0], f"the words '{shared_run(text, self.rows[held[0]])}'"))
             else:
-                found.append((held[0], f"the words '{shared_run(text, self.rows[held[0]])}'") if held else None)
+                found.append(None)
         return found
 
 
 def overlap(sft_rows, eval_rows):
-    """[(SFT row index, eval row index, what they share)] for each SFT row whose prompt is an eval prompt or
-    that holds one of its word runs (ngrams.py)."""
+    """[(SFT row index, eval row index, what they share)] for each SFT row whose prompt is an eval
+    prompt or that holds one of its word runs (ngrams.py)."""
     return [(k, *found) for k, found in enumerate(EvalIndex(eval_rows).clashes(sft_rows)) if found]
 
 
@@ -311,22 +325,21 @@ def duplicates(rows):
 
 
 def check_pack(splits, origins):
-    """Refuse, in one line naming the first offending pair, a pack whose prompts repeat within or across the
-    splits or whose SFT rows hold a word run of an eval row. origins[split][k]: where row k came from."""
+    """Refuse, naming the first offending pair, a pack whose prompts repeat within or across the
+    splits or whose SFT rows hold a word run of an eval row. origins[split][k]: row k's source."""
     for split in ("eval", "sft"):
         if found := duplicates(splits[split]):
             k, first = found[0]
-            fail(f"{origins[split][k]} and {origins[split][first]} have the same prompt after normalisation "
-                 f"({splits[split][k]['prompt'][:60]!r}): remove one of them")
+            fail(f"{origins[split][k]} and {origins[split][first]} have the same prompt after "
+                 f"normalisation ({splits[split][k]['prompt'][:60]!r}): remove one of them")
     if found := overlap(splits["sft"], splits["eval"]):
         k, e, what = found[0]
-        fail(f"SFT row {origins['sft'][k]} and eval row {origins['eval'][e]} share {what}: an eval row must not be "
-             f"trained on; remove or change one of them")
+        fail(f"SFT row {origins['sft'][k]} and eval row {origins['eval'][e]} share {what}: an eval "
+             "row must not be trained on; remove or change one of them")
 
 
 # -----------------------------------------------------------------------------
 # The templates: rows per category, made in any number of processes
-
 
 def row_rng(seed, category, split, i, draw):
     key = f"{seed}/{category}/{split}/{i}/{draw}".encode()
@@ -338,15 +351,15 @@ def style_of(answer_style, i):
 
 
 def category_rows(job):
-    """Up to n rows of one category in one split, each unique in it and (SFT) clear of the eval rows; the rows
-    stop at the first row that max_draws draws cannot make."""
+    """Up to n rows of one category in one split, each unique in it and (SFT) clear of the eval
+    rows; they stop at the first row that max_draws draws cannot make."""
     category, split, n, cfg, index = job
     family, rows, seen = CATEGORIES[category][0], [], set()
     for i in range(n):
         for draw in range(cfg["max_draws"]):
             prompt, answer, steps = family(row_rng(cfg["pack_seed"], category, split, i, draw))
-            row = dict(category=category, prompt=prompt, answer=answer, scratchpad="\n".join(steps),
-                       answer_style=style_of(cfg["answer_style"], i))
+            row = dict(category=category, prompt=prompt, answer=answer,
+                       scratchpad="\n".join(steps), answer_style=style_of(cfg["answer_style"], i))
             if normal(prompt) not in seen and not (index is not None and index.clash(row)):
                 break
         else:
@@ -372,11 +385,12 @@ def make_split(split, total, names, cfg, index, pool):
 def interleave(by_category, names):
     """The split in its fixed order: row 0 of each category in CATEGORIES order, then row 1, ..."""
     longest = max((len(rows) for rows in by_category.values()), default=0)
-    return [by_category[name][i] for i in range(longest) for name in names if i < len(by_category[name])]
+    return [by_category[name][i] for i in range(longest) for name in names
+            if i < len(by_category[name])]
 
 
 def template_pack(cfg):
-    """{split: rows} from the templates; refused, with what they could make, when they make fewer than asked."""
+    """{split: rows} from the templates; refused, saying what they made, when fewer than asked."""
     names = chosen_categories(cfg.pack_categories)
     settings = {key: cfg[key] for key in ("pack_seed", "answer_style", "max_draws")}
     pool = multiprocessing.Pool(cfg.pack_workers) if cfg.pack_workers > 1 else None
@@ -387,15 +401,16 @@ def template_pack(cfg):
     finally:
         if pool:
             pool.terminate()
-    short = []
-    for split, asked, made in (("eval", eval_asked, eval_made), ("sft", sft_asked, sft_made)):
-        short += [f"{name} {split.replace('sft', 'SFT')} {len(made[name])} of {asked[name]}" for name in names
-                  if len(made[name]) < asked[name]]
+    parts = (("eval", eval_asked, eval_made, cfg.eval_rows),
+             ("SFT", sft_asked, sft_made, cfg.sft_rows))
+    short = [f"{name} {split} {len(made[name])} of {asked[name]}"
+             for split, asked, made, _ in parts for name in names if len(made[name]) < asked[name]]
     if short:
-        counts = ", ".join(f"{sum(map(len, made.values()))} of {total} {split} rows" for split, made, total in
-                           (("eval", eval_made, cfg.eval_rows), ("SFT", sft_made, cfg.sft_rows)))
-        fail(f"the templates could make only {counts} unique and apart ({'; '.join(short)}) in {cfg.max_draws} "
-             f"draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give another --pack_source")
+        counts = ", ".join(f"{sum(map(len, made.values()))} of {total} {split} rows"
+                           for split, _, made, total in parts)
+        fail(f"the templates could make only {counts} unique and apart ({'; '.join(short)}) in "
+             f"{cfg.max_draws} draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give "
+             "another --pack_source")
     return {"eval": interleave(eval_made, names), "sft": interleave(sft_made, names)}
 
 
@@ -403,21 +418,21 @@ def chosen_categories(spec):
     names = [name.strip() for name in spec.split(",") if name.strip()] or list(CATEGORIES)
     unknown = [name for name in names if name not in CATEGORIES]
     if unknown:
-        fail(f"pack_categories={spec!r}: no category {unknown[0]!r} (the categories: {', '.join(CATEGORIES)})")
+        fail(f"pack_categories={spec!r}: no category {unknown[0]!r} (the categories: "
+             f"{', '.join(CATEGORIES)})")
     return names
 
 
 # -----------------------------------------------------------------------------
 # Other sources: local JSONL rows, GSM8K
 
-
 def prompt_hash(row):
     return hashlib.sha256(normal(row["prompt"]).encode()).hexdigest()
 
 
 def split_rows(rows, n_eval, n_sft):
-    """{split: indexes of rows}, by the hash of their normalised prompts: the n_eval smallest to eval, the next
-    n_sft to SFT (a prompt's duplicates hash alike: check_pack then finds them in one split or across the two)."""
+    """{split: indexes of rows} by the hash of their normalised prompts: the n_eval smallest to
+    eval, the next n_sft to SFT (duplicates hash alike: check_pack finds them in the splits)."""
     order = sorted(range(len(rows)), key=lambda k: (prompt_hash(rows[k]), k))
     return {"eval": order[:n_eval], "sft": order[n_eval:n_eval + n_sft]}
 
@@ -426,32 +441,35 @@ def jsonl_pack(cfg):
     """A JSONL file's rows split by split_rows; refused when it holds fewer than asked."""
     rows, origins = read_rows(cfg.pack_source)
     if len(rows) < cfg.eval_rows + cfg.sft_rows:
-        fail(f"{cfg.pack_source} holds {len(rows)} rows, fewer than the {cfg.eval_rows} eval and {cfg.sft_rows} SFT rows "
-             f"asked: ask for fewer rows (--sft_rows / --eval_rows) or give another source")
+        fail(f"{cfg.pack_source} holds {len(rows)} rows, fewer than the {cfg.eval_rows} eval and "
+             f"{cfg.sft_rows} SFT rows asked: ask for fewer rows (--sft_rows / --eval_rows) or "
+             "give another source")
     picks = split_rows(rows, cfg.eval_rows, cfg.sft_rows)
     return ({split: [rows[k] for k in ks] for split, ks in picks.items()},
             {split: [origins[k] for k in ks] for split, ks in picks.items()})
 
 
 def gsm8k_rows(path):
-    """The problems of a GSM8K parquet file as pack rows: the answer the number after "####", the scratchpad
-    the reasoning lines without their calculator annotations."""
+    """A GSM8K parquet file's problems as pack rows: the answer the number after "####", the
+    scratchpad the reasoning lines without their calculator annotations."""
     from podgpt.corpus.sources import read_parquet
     from podgpt.corpus.tasks import gsm8k_answer, gsm8k_plan
 
     rows = []
-    for question, solution in zip(read_parquet(path, "question"), read_parquet(path, "answer"), strict=True):
+    problems = zip(read_parquet(path, "question"), read_parquet(path, "answer"), strict=True)
+    for question, solution in problems:
         answer = gsm8k_answer(solution)
         if answer is None:
-            fail(f"{path}: an answer without its final '#### <number>' line ({solution[:60]!r}): not GSM8K's main "
-                 "config?")
-        rows.append(dict(category="gsm8k", prompt=question.strip(), answer=answer, scratchpad=gsm8k_plan(solution)))
+            fail(f"{path}: an answer without its final '#### <number>' line ({solution[:60]!r}): "
+                 "not GSM8K's main config?")
+        rows.append(dict(category="gsm8k", prompt=question.strip(), answer=answer,
+                         scratchpad=gsm8k_plan(solution)))
     return rows
 
 
 def gsm8k_pack(cfg):
-    """GSM8K through prepare.py's preset: its test problems' first eval_rows are the eval rows, its training
-    problems the SFT rows (the first sft_rows of those apart from every eval row)."""
+    """GSM8K through prepare.py's preset: the first eval_rows test problems are the eval rows, the
+    first sft_rows training problems apart from every eval row the SFT rows."""
     from podgpt.corpus.download import download
     from podgpt.corpus.sources import preset_urls
 
@@ -469,22 +487,23 @@ def gsm8k_pack(cfg):
             continue
         seen.add(normal(row["prompt"]))
         sft.append(row)
-    print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt or a run of "
-          f"words with an eval row")
+    print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt "
+          "or a run of words with an eval row")
     if len(test) < cfg.eval_rows or len(sft) < cfg.sft_rows:
-        fail(f"gsm8k gives {len(test)} of {cfg.eval_rows} eval rows and {len(sft)} of {cfg.sft_rows} SFT rows "
-             "(its training problems apart from the eval rows): ask for fewer rows (--sft_rows / --eval_rows) or "
-             "give another source")
+        fail(f"gsm8k gives {len(test)} of {cfg.eval_rows} eval rows and {len(sft)} of "
+             f"{cfg.sft_rows} SFT rows (its training problems apart from the eval rows): ask for "
+             "fewer rows (--sft_rows / --eval_rows) or give another source")
     splits = {"eval": test, "sft": sft}
-    return splits, {split: [f"gsm8k {split} row {k + 1}" for k in range(len(rows))] for split, rows in splits.items()}
+    return splits, {split: [f"gsm8k {split} row {k + 1}" for k in range(len(rows))]
+                    for split, rows in splits.items()}
 
 
 # -----------------------------------------------------------------------------
 # The pack's folder
 
-
 def jsonl(rows):
-    return "".join(json.dumps({field: row[field] for field in PACK_FIELDS}, ensure_ascii=False) + "\n" for row in rows)
+    return "".join(json.dumps({field: row[field] for field in PACK_FIELDS}, ensure_ascii=False)
+                   + "\n" for row in rows)
 
 
 def manifest_of(cfg, splits, texts, description):
@@ -495,28 +514,30 @@ def manifest_of(cfg, splits, texts, description):
     return {
         "generator_version": VERSION,
         "seed": cfg.pack_seed,
-        "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k") else "the source's, row by row",
+        "answer_style": cfg.answer_style if cfg.pack_source in ("templates", "gsm8k")
+        else "the source's, row by row",
         "source": description,
         "ngram": NGRAM,
-        "min_words": MIN_WORDS,  # and a whole eval prompt or reply of MIN_WORDS to NGRAM - 1 words (ngrams.py)
+        "min_words": MIN_WORDS,  # and a whole eval prompt or reply of MIN_WORDS to NGRAM - 1 words
         "sft_rows_sharing_eval": 0,  # check_pack refuses a pack where one does
         "categories": {name: n | {"chance": CHANCE.get(name)} for name, n in counts.items()},
-        "files": {name: {"rows": len(splits[split]), "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}
+        "files": {name: {"rows": len(splits[split]),
+                         "sha256": hashlib.sha256(texts[split].encode()).hexdigest()}
                   for split, name in FILES.items()},
     }
 
 
 def check_own(folder):
-    """Fail when pack_dir holds anything but a pack's own files (and the mark of the podgpt run that holds it)."""
+    """Fail when pack_dir holds anything but a pack's own files (and the holding run's mark)."""
     own = {MARK, MANIFEST, *FILES.values()}
     if os.path.isdir(folder) and (foreign := sorted(n for n in os.listdir(folder) if n not in own)):
-        fail(f"pack_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): move that out of it, "
-             "or choose another --pack_dir")
+        fail(f"pack_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): "
+             "move that out of it, or choose another --pack_dir")
 
 
 def write_pack(cfg, splits, description):
-    """The pack into pack_dir, each file atomically; the old manifest goes first and the new one comes last, so a
-    manifest is only ever beside its own files."""
+    """The pack into pack_dir, each file atomically; the old manifest goes first and the new one
+    comes last, so a manifest is only ever beside its own files."""
     texts = {split: jsonl(rows) for split, rows in splits.items()}
     manifest = manifest_of(cfg, splits, texts, description)
     with Folder(cfg.pack_dir, "pack_dir") as folder:
@@ -529,7 +550,7 @@ def write_pack(cfg, splits, description):
             for split, name in FILES.items():
                 write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
             write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
-        except OSError as e:  # a full disk, a folder that cannot be written: one line, as podgpt's own errors
+        except OSError as e:  # a full disk, a folder that cannot be written: one line
             fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
                  + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
     return manifest
@@ -552,10 +573,12 @@ def main(argv):
     check_args(cfg)
     if cfg.pack_source == "templates":
         splits = template_pack(cfg)
-        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))] for split, rows in splits.items()}
+        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))]
+                   for split, rows in splits.items()}
         description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.pack_categories))})"
     elif cfg.pack_source == "gsm8k":
-        (splits, origins), description = gsm8k_pack(cfg), "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
+        splits, origins = gsm8k_pack(cfg)
+        description = "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
     else:
         (splits, origins), description = jsonl_pack(cfg), cfg.pack_source
     check_pack(splits, origins)
@@ -563,7 +586,8 @@ def main(argv):
     for name, n in manifest["categories"].items():
         chance = "?" if n["chance"] is None else f"{n['chance']:.3g}"
         print(f"{name:>14}: {n['sft']:5d} sft {n['eval']:5d} eval, chance {chance}")
-    print(f"wrote {cfg.pack_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows from {description}")
+    print(f"wrote {cfg.pack_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows "
+          f"from {description}")
 
 
 if __name__ == "__main__":
