@@ -34,11 +34,8 @@ tie_embeddings = True
 init_std = 0.02
 
 # training: 512K tokens per step = 512 sequences of 1024 (64 per micro-step x 8 accumulation).
-# Micro-batch 64 without the chunked loss, from measured memory and speed on one H100 80GB (no
-# A100 was lent; bench/results/, compiled, bf16, 2026-11-22/23): 36.3% MFU at micro-batch 32 with
-# loss_chunk=8192, 41.2% at 64 with loss_chunk=0 (669k tokens/s, peak 34.8 GB compiled; 59.2 GB
-# eager, preflight.memory_estimate 60.3: 82% of the usable 0.92 x 80 GB), 41.6% at 128 (68.2 GB
-# compiled, but over 80 GB eager, where sanity.py's and the preflight's estimates plan).
+# Micro-batch 64 without the chunked loss: the fastest that fits, measured on one H100 80GB with
+# no A100 lent (docs/LOG.md; bench/results/).
 out_dir = "out/a100_50m"
 micro_batch_size = 64
 loss_chunk = 0

@@ -34,12 +34,9 @@ ffn_hidden = None          # floor(8 * 4096 / 3) = 10922 rounded up to a multipl
 tie_embeddings = True
 
 # training: 524,288 tokens per step = 8 GPUs x 8 sequences x 2048 tokens x accumulation 4.
-# Micro-batch 8 from measured memory: this width at 4 layers (one H100 80GB, eager, full
-# checkpointing, 2026-11-23) peaked at 13.3 GB at micro-batch 1 and 14.8 at 4, within 5% of
-# preflight.memory_estimate, which puts all 64 layers sharded over 8 GPUs at 42.1 GB per GPU at 8
-# (53% of the usable 0.92 x 80 GB; 16 would be 60.0 GB). The headroom is for what one GPU could
-# not measure: FSDP's collectives at 64 layers. Each micro-step gathers all 13B weights twice,
-# so fewer, larger micro-steps (8 rather than 4) halve that traffic per token.
+# Micro-batch 8: the planner puts all 64 layers sharded over 8 GPUs at 42.1 GB per GPU, its
+# estimate checked at 4 layers on one H100 (docs/LOG.md); fewer, larger micro-steps halve
+# FSDP's all-gather traffic per token.
 out_dir = "out/h100_d64"
 micro_batch_size = 8
 total_batch_tokens = 524288

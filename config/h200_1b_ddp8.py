@@ -30,12 +30,8 @@ ffn_hidden = None          # floor(8 * 2048 / 3) = 5461 rounded up to a multiple
 tie_embeddings = True
 
 # training: 2^20 tokens per step = 8 GPUs x 16 sequences x 2048 tokens x accumulation 4.
-# Micro-batch 16 from measured memory: on one H100 80GB (bench/results/, 2026-11-23) this shape's
-# eager step peaked at 74.6 GB at micro-batch 12 (preflight.memory_estimate: 76.9) and 13 was the most
-# that fit; compiled, 61.8 GB at 12 and 69.4 at 14, at 55.1% and 56.0% MFU. On a 141 GB H200 the
-# estimate at 16 is 100.6 GB with DDP's buckets, 78% of the usable 0.92 x 141 GB: room for
-# NCCL and fragmentation. 32 would not fit (177 GB). The chunked loss (loss_chunk=8192, the
-# default) cost 0.3% MFU against none at micro-batch 8, and saves 9.7 GB here.
+# Micro-batch 16: measured memory on one H100 scaled by the planner to a 141 GB H200, 78% of
+# the usable memory (docs/LOG.md; bench/results/).
 out_dir = "out/h200_1b_ddp8"
 micro_batch_size = 16
 total_batch_tokens = 1048576

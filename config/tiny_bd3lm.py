@@ -1,10 +1,7 @@
 # Block diffusion (BD3-LM) on the embedded default's data, CPU-sized: a tiny byte-level model
 # that learns to denoise blocks of 8 bytes given the clean blocks before them (research/bd3lm.py: BlockDiffusionLM), and
 # samples text a block at a time (sample.py: each block starts as [MASK]s and is unmasked in 8 passes).
-# It shows on a 2-core CPU what config/h200_gsm8k_bd3lm.py is for. Measured here (2026-11-23, 2-core CPU,
-# torch 2.13): 300 steps in 3m31s, validation NELBO 3.1158 -> 2.9460 -> 2.8665 at steps 100 / 200 / 300 (the
-# unigram baseline is 3.2657, a uniform guess 5.55). Blocks of 4 at learning_rate 3e-3 ended at 2.9594; the
-# math kernel (auto's pick on a CPU) ran the same steps ~20% slower than sdpa.
+# It shows on a 2-core CPU what config/h200_gsm8k_bd3lm.py is for (its numbers: docs/LOG.md).
 # Prepare the data as config/tiny.py does (bash run.sh, or python prepare.py config/tiny.py).
 
 # data (prepare.py): config/tiny.py's

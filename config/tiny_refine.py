@@ -14,14 +14,8 @@ min_val_tokens = 500_000
 
 # model: one layer, 64 wide, applied n_sup_train = 3 times per forward (n_loops=0: no latent updates). One
 # layer, so that each supervision step adds depth the first one lacks (a second layer's attention composes
-# with the first's: copying a name seen earlier in the file needs both). Measured on this corpus
-# (2026-11-23, 2-core CPU, torch 2.13), final validation losses per step:
-#   2 layers x 128, n_loops=1, 200 steps: the last two steps still crossed (step 2 0.002 above step 1)
-#   1 layer x 128, n_loops=1, 300 steps: 2.4684 -> 2.3857 -> 2.3780 (3.7%), in order from step 200, 1m19s
-#   1 layer x 64, n_loops=1, 250 steps: 2.8155 -> 2.6385 -> 2.6200 (6.9%), in order from step 100, 44 s
-#   1 layer x 64, n_loops=0, 250 steps (this config): 2.7542 -> 2.5304 -> 2.5131 (8.8%), in order from
-#   step 100, 26 s. At this size the latent loops cost twice the time and refine less; the H100 configs
-#   keep the recipe's n_loops=2
+# with the first's: copying a name seen earlier in the file needs both). At this size the latent loops
+# cost twice the time and refine less, so n_loops=0 here; the H100 configs keep the recipe's 2 (docs/LOG.md).
 block_size = 128
 n_layer = 1
 n_head = 4
