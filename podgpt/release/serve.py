@@ -39,9 +39,7 @@ except ImportError as e:
 
 MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused unread
 MAX_STOPS = 4             # stop strings per request, as OpenAI allows
-# a stop string marks where a completion ends (a blank line, a closing tag, a role name): 256
-# characters is far more than any needs, and bounds the text a request makes the server hold back
-MAX_STOP_CHARS = 256
+MAX_STOP_CHARS = 256      # far more than a stop string needs; bounds the text held back
 MAX_LOGPROBS = 5          # the most likely tokens listed per token, as OpenAI allows
 # OpenAI's parameters that this server does not implement: each is accepted only at the value (or
 # null) that changes nothing, so that no client gets an answer to a question it did not ask
@@ -89,7 +87,7 @@ def parse_completion(body, ctx):
     """(sampling parameters, prompt token ids, prompt text) of a /v1/completions body."""
     try:
         req = json.loads(body)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested 1000s deep
+    except (ValueError, RecursionError):  # RecursionError: nested 1000s deep
         raise RequestError('the body is not JSON (or nests it too deeply): send an object such as '
                            '{"prompt": "def main("}')
     if not isinstance(req, dict):
@@ -138,8 +136,7 @@ def parse_completion(body, ctx):
 
 
 def prompt_ids(ctx, value):
-    """(token ids, text) of a prompt: a string, token ids, or a list holding one of those (a batch
-    of one, as lm-evaluation-harness sends it)."""
+    """(token ids, text) of a prompt: a string, token ids, or a batch of one of those."""
     batch = isinstance(value, list) and all(isinstance(v, (str, list)) for v in value)
     if batch and len(value) > 1:
         raise RequestError(f"prompt holds {len(value)} prompts: send one per request "
@@ -191,9 +188,8 @@ def score(ctx, logits, tokens, k):
 
 
 def logprobs_object(tok, scored, start):
-    """OpenAI's logprobs of (token id, score() or None) pairs whose text begins at character `start`
-    of the prompt + completion. A token is its text if its bytes are UTF-8 alone, else "bytes:\\xNN"
-    (a byte-level token may be part of a character); its offset is where the text before it ends."""
+    """OpenAI's logprobs of (token id, score() or None) pairs whose text begins at `start`. A token
+    is its text if its bytes are UTF-8 alone, else "bytes:\\xNN" (part of a character)."""
     def text(token):
         data = tok.decode_bytes([token])
         try:
@@ -212,9 +208,8 @@ def logprobs_object(tok, scored, start):
 
 
 def reply_logprobs(ctx, p, ids, prompt, scored):
-    """None unless asked for, else the generated tokens' (scored), after the prompt's with echo (the
-    first gets None, as at OpenAI, though the model read BOS before it: a client sends ids that
-    begin with BOS to score it). Offsets count from the prompt's start."""
+    """None unless asked for, else the generated tokens' (scored), after the prompt's with echo
+    (the first gets None, as at OpenAI: a client sends ids that begin with BOS to score it)."""
     if scored is None:
         return None
     generated = logprobs_object(ctx.tok, scored, len(prompt))
@@ -230,9 +225,8 @@ def reply_logprobs(ctx, p, ids, prompt, scored):
 
 
 def complete(ctx, p, ids, gone, scored=None):
-    """Yields (new text, finish_reason or None, tokens so far), the last with a finish_reason; text
-    that could begin a stop string waits until it cannot. gone(): whether the client has left (then
-    ConnectionAbortedError). scored: None, or a list that gets (token id, score()) of each token."""
+    """Yields (new text, finish_reason or None, tokens so far); text that could begin a stop string
+    waits until it cannot. scored: None, or a list that gets (token id, score()) of each token."""
     generator = torch.Generator(device=ctx.dev)  # the request's seed, else a random one
     generator.manual_seed(generator.seed() if p["seed"] is None else p["seed"])
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end in a char
@@ -240,8 +234,8 @@ def complete(ctx, p, ids, gone, scored=None):
     tokens = ctx.model.generate(model_input(ctx, ids), p["max_tokens"], generator=generator,
                                 temperature=p["temperature"], top_k=p["top_k"] or None,
                                 top_p=p["top_p"])
-    # with logprobs, the last position's logits of each forward: what each token was drawn from
-    # (after a sliding-window restart of the KV cache too); the hook goes however this ends
+    # with logprobs, each forward's last logits: what each token was drawn from (after a restart of
+    # the KV cache too)
     logits = []
     hook = scored is not None and ctx.model.register_forward_hook(
         lambda m, a, out: logits.append(out[0][0, -1]))
@@ -259,8 +253,7 @@ def complete(ctx, p, ids, gone, scored=None):
             if token == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
                 finish = "stop"
                 break
-            # held holds no stop string, and is the longest end of the text that could begin one: a
-            # stop string that ends in the new text begins in held, so held is all that is searched
+            # held holds no stop string, and is the longest end of the text that could begin one
             held += decoder.decode(ctx.tok.decode_bytes([token]))
             cut = first_stop(held, p["stop"])
             if cut is not None:
@@ -278,8 +271,7 @@ def complete(ctx, p, ids, gone, scored=None):
 
 class ModelQueue:
     """The model, for one generation at a time, first come first served; at most max_waiting wait,
-    each at most max_wait seconds, or get 503 with a Retry-After (uvicorn's limit_concurrency would
-    refuse /health too, in plain text, with no Retry-After)."""
+    each at most max_wait seconds, or get 503 with a Retry-After (limit_concurrency has none)."""
 
     def __init__(self, max_waiting, max_wait):
         self.max_waiting, self.max_wait = max_waiting, max_wait
@@ -294,7 +286,6 @@ class ModelQueue:
 
     @contextlib.contextmanager
     def turn(self):
-        """Holds the model through the with block, once the requests before this one have had it."""
         with self.cond:
             if len(self.line) + (not self.free()) > self.max_waiting:
                 raise self.refusal(f"the model is busy and its line is full ({len(self.line)} "
@@ -335,18 +326,17 @@ class ModelQueue:
 # --- the HTTP layer: uvicorn's connection with the bounds it lacks, the FastAPI app, the thread
 
 def log(client, message):
-    """One write, so that threads' lines do not interleave; client: (host, port), None if gone."""
+    """One write, so that threads' lines do not interleave; client: (host, port) or None."""
     when, who = time.strftime("%d/%b/%Y %H:%M:%S"), client[0] if client else "-"
     sys.stderr.write(f"{who} - - [{when}] {message}\n")  # stderr is line-buffered
 
 
 def json_reply(status, obj, headers=None):
-    """obj as JSON, as json.dumps writes it (a log-probability of -inf too, as -Infinity)."""
+    """obj as json.dumps writes it (a log-probability of -inf too, as -Infinity)."""
     return Response(json.dumps(obj), status, headers, media_type="application/json")
 
 
 def error_reply(e):
-    """A RequestError as OpenAI's JSON error: {"error": {"message", "type", "param"}}."""
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     return json_reply(e.status, {"error": {"message": str(e), "type": kind, "param": e.param}},
                       e.headers)
@@ -364,9 +354,8 @@ def length_error(size):
 
 class Connection(H11Protocol):
     """uvicorn's connection (h11), one request each, with what uvicorn lacks: a request arrives
-    within read_timeout seconds (uvicorn bounds a head's size, not its time: a byte at a time holds
-    a connection as long as the client likes); a head h11 refuses gets the JSON error (uvicorn's is
-    plain text); a body cut short by EOF gets 400 (uvicorn drops the connection unanswered)."""
+    within read_timeout seconds (uvicorn bounds a head's size, not its time); a head h11 refuses
+    gets the JSON error (not plain text); a body cut short by EOF gets 400 (not a dropped line)."""
 
     def __init__(self, *args, read_timeout, **kwargs):
         super().__init__(*args, **kwargs)
@@ -399,8 +388,8 @@ class Connection(H11Protocol):
                                      "(serve_read_timeout): send it at once", status=408))
 
     def send_400_response(self, msg):
-        """h11 refused the request's head (uvicorn calls this handling h11's error): the JSON error,
-        naming the Content-Length h11 cannot read, or h11's reason."""
+        """h11 refused the request's head: the JSON error, naming the bad Content-Length or h11's
+        reason."""
         size = re.search(rb"(?im)^content-length:(.*)$", self.head)
         error = size and length_error(size[1].strip().decode("latin-1"))
         reason = first_line(sys.exc_info()[1])[:80]  # h11's reason may quote the request at length
@@ -431,7 +420,6 @@ def logged(app):
 
 
 def make_app(ctx):
-    """The API as a FastAPI app; a path or method it does not answer gets the JSON error."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None, redirect_slashes=False)
     models = {"object": "list", "data": [{"id": ctx.name, "object": "model",
                                           "created": ctx.created, "owned_by": "podgpt"}]}
@@ -461,13 +449,11 @@ def make_app(ctx):
 
 
 async def answer(ctx, request):
-    """The completion, or a stream of it, made on a thread while the server goes on answering."""
     size = request.headers.get("content-length")
     if size is None or "transfer-encoding" in request.headers:
         raise RequestError("the body has no Content-Length (a chunked body is not read): send it "
                            "whole, with its length", status=411)
-    # not FastAPI's max_body_size, which answers in plain text where a reply starts before the body
-    # is read; and h11 refuses a length of over 20 digits before it could see it
+    # not FastAPI's max_body_size, which answers in plain text
     if error := length_error(size):
         raise error
     body = await request.body()  # ClientDisconnect if the client left, or was too slow (408)
@@ -507,8 +493,7 @@ async def events(reply, replies):
 
 def generate(ctx, p, ids, prompt, gone, say, put):
     """Puts a completion's replies (the whole reply, or a stream's chunks) then None, or what ended
-    them; on a thread that runs ahead of the client, so that one that stops reading does not hold
-    the model. gone(): whether the client has left, which ends the generation (say() logs it)."""
+    them; on a thread of its own, so that a client that stops reading does not hold the model."""
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": ctx.name}
 
@@ -531,16 +516,15 @@ def generate(ctx, p, ids, prompt, gone, say, put):
                 text, finish, n = "".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]
                 put(reply(text, finish, n, reply_logprobs(ctx, p, ids, prompt, scored)))
         put(None)
-    except ConnectionAbortedError as e:
+    except Exception as e:  # the client left, a RequestError (503), or a bug: the reply says so
         put(e)
-        say(f"the client left before the response ended ({first_line(e)})")
-    except Exception as e:  # a RequestError (503), or a bug: the reply or the stream says so
-        put(e)
+        if isinstance(e, ConnectionAbortedError):
+            say(f"the client left before the response ended ({first_line(e)})")
 
 
 class Server(uvicorn.Server):
-    """Ends at SIGTERM or Ctrl-C once the running generation stops: uvicorn's waits for every
-    client (timeout_graceful_shutdown: a traceback each), then raises the signal (exit -15)."""
+    """Ends at SIGTERM or Ctrl-C once the running generation stops (uvicorn's waits for every
+    client, then raises the signal: exit -15)."""
 
     def __init__(self, config, ctx):
         super().__init__(config)
@@ -552,8 +536,7 @@ class Server(uvicorn.Server):
         if not self.ctx.queue.close(STOP_SECONDS):
             print(f"warning: the generation did not stop within {STOP_SECONDS} s: exiting anyway",
                   file=sys.stderr, flush=True)
-        # at once: the interpreter's teardown would end threads waiting in line or encoding a
-        # prompt inside that call (pthread_exit), which can abort the process
+        # at once: the interpreter's teardown would end waiting threads (pthread_exit): an abort
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -580,9 +563,8 @@ def serve_http(config, path, model, tok, info, dev):
              "pick another --port (0: any free one) or --host")
     host, port = sock.getsockname()[:2]
     print(f"serving {path} on http://{host}:{port}", flush=True)  # it takes connections from now on
-    # one request per connection (Connection: close), as Connection reads them; the system's
-    # longest accept queue, so that a burst of clients gets answers (a 503 past the line's bound),
-    # not resets; uvicorn's own log only for errors (the access log is logged()'s)
+    # one request per connection, as Connection reads them; the longest accept queue, so that a
+    # burst of clients gets answers, not resets; the access log is logged()'s
     protocol = functools.partial(Connection, read_timeout=config.serve_read_timeout)
     settings = uvicorn.Config(make_app(ctx), http=protocol, loop="asyncio", ws="none",
                               lifespan="off", headers=[("Connection", "close")],
