@@ -47,8 +47,15 @@ def finite(x):
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-# -----------------------------------------------------------------------------
-# the folder, written from a checkpoint
+def read_trainer(path):
+    """Checkpoint `path`'s trainer.pt (step, losses); ValueError if it cannot be read."""
+    try:
+        return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged pickle can raise many kinds of error
+        raise ValueError(f"trainer.pt is unreadable ({first_line(e)})") from None
+
+
+# --- the folder, written from a checkpoint
 
 def check_llama(model_cfg, state_dict):
     """The model's GPTConfig; util.Error unless LlamaForCausalLM expresses the model exactly."""
@@ -86,7 +93,7 @@ def special_tokens(path, cfg):
 
 def hf_config(cfg, torch_dtype, special=None):
     """config.json; vocab_size the padded vocabulary, so the weights stay the checkpoint's bit for
-    bit. special: special_tokens' (BOS, EOS); None: both the last id (a base model's)."""
+    bit. special: special_tokens' (BOS, EOS); None: both the last id."""
     bos, eos = special[:2] if special else (cfg.vocab_size - 1,) * 2
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
             "vocab_size": cfg.padded_vocab, "hidden_size": cfg.n_embd,
@@ -102,8 +109,8 @@ def hf_config(cfg, torch_dtype, special=None):
 
 
 def generation_config(cfg, bos, eos):
-    """generation_config.json: the padding ids suppressed (vLLM does not: the card says so), and
-    no max_length, which generate(max_new_tokens=...) would warn of every time."""
+    """generation_config.json: the padding ids suppressed (vLLM does not: the card says so); no
+    max_length, which generate(max_new_tokens=...) would warn of."""
     gen = {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos],
            "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
     return {k: v for k, v in gen.items() if v is not None}
@@ -120,7 +127,7 @@ def hf_tensors(cfg, state_dict, dt):
 
 def write_weights(folder, tensors, max_shard_bytes):
     """model.safetensors, or shards of at most max_shard_bytes and their index, as huggingface_hub
-    plans them (the names and the index transformers reads)."""
+    plans them."""
     from huggingface_hub import split_torch_state_dict_into_shards
     plan = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_bytes)
     # each written here, not by save_torch_state_dict: its errors name no file, its files are 0600
@@ -150,7 +157,7 @@ def save_safetensors(tensors, path):
 def write_hf_tokenizer(src, folder, block_size, template=False):
     """tokenizer.json + tokenizer_config.json for transformers (its tiktoken converter gives the
     same ids) from podgpt's files in `src`; None, or why none was written. template: a chat
-    tokenizer gets CHAT_TEMPLATE and reads chat markers in text as tokens, as the template needs."""
+    tokenizer gets CHAT_TEMPLATE and reads chat markers in text as tokens."""
     meta = read_json(os.path.join(src, "tokenizer.json"))
     if meta is None:
         return f"no readable podgpt tokenizer.json in {src}"
@@ -210,8 +217,8 @@ print(tok.decode(model.generate(ids, max_new_tokens=64)[0], skip_special_tokens=
 
 
 def card_usage(where, bos, tokenizer, chat):
-    """The code (the model card's, the hand-off README's) that loads the export in `where` and asks
-    it: through its chat template (chat), by text (tokenizer: there is one), else by token ids."""
+    """The code (of the model card, the hand-off README) that loads the export in `where` and asks
+    it: through its chat template (chat), by text (tokenizer), else by token ids."""
     if not tokenizer:
         return ["from transformers import AutoModelForCausalLM",
                 f'model = AutoModelForCausalLM.from_pretrained("{where}")',
@@ -223,8 +230,7 @@ def card_usage(where, bos, tokenizer, chat):
 
 
 def card_training(path, run_cfg, trainer, out_dir):
-    """The model card's Training section for checkpoint `path`: its data, recipe, losses and
-    preflight verdict, from what the run left in out_dir."""
+    """The model card's Training section of checkpoint `path`, from what out_dir holds."""
     summary = read_json(os.path.join(out_dir, "summary.json")) or {}
     if os.path.basename(str(summary.get("checkpoint") or path)) != os.path.basename(path):
         summary = {}  # the run went on (or ended) at another checkpoint: not this one's numbers
@@ -264,7 +270,7 @@ def card_training(path, run_cfg, trainer, out_dir):
 def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, tokenizer_note, special,
                template):
     """README.md of the export of checkpoint `path`, named `source`; tokenizer_note: why there is
-    no transformers tokenizer (None: there is one); template: a chat template was asked for."""
+    no transformers tokenizer (None: there is one)."""
     p = param_counts(cfg)
     bos, eos, chat = special
     use = card_usage("<this folder>", bos, tokenizer_note is None, template and bool(chat))
@@ -323,8 +329,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
     check_replaceable(out)
     try:  # verified, loaded into model.py as it is; a sharded (fsdp) checkpoint gathered whole
         model, run_cfg = load_model(path, "cpu")
-        trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu",
-                             weights_only=True)
+        trainer = read_trainer(path)
     except Exception as e:  # a damaged pickle can raise many kinds of error
         fail(f"checkpoint {path} cannot be used: {e}")
     state = model.state_dict()
@@ -360,17 +365,16 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
         put_in_place(tmp, out)
 
 
-# -----------------------------------------------------------------------------
-# a finished folder put in place over an earlier one of podgpt's (an export, a hand-off bundle)
+# --- a finished folder put in place over an earlier one of podgpt's (an export, a hand-off bundle)
 
 def beside(out, suffix):
-    """A folder's path beside `out` under a name no user picks: .NAME.suffix."""
+    """A path beside `out` under a name no user picks: .NAME.suffix."""
     return os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.{suffix}")
 
 
 @contextlib.contextmanager
 def scratch_beside(out, suffix):
-    """The folder to build `out` in: beside it, marked as podgpt's; removed if the build fails."""
+    """The folder to build `out` in, beside it, marked as podgpt's; removed if the build fails."""
     tmp = make_scratch(beside(out, suffix))
     try:
         yield tmp
@@ -382,8 +386,8 @@ def scratch_beside(out, suffix):
 
 def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"):
     """The finished folder tmp renamed to out, over an earlier one holding only its own files
-    (checked again: it may be new). The earlier one waits in a marked folder beside, put back if
-    the rename fails: one is always left whole, the rest marked."""
+    (checked again). The earlier one waits in a marked folder beside, put back if the rename
+    fails."""
     check_replaceable(out, record, script, kind)
     if not os.path.lexists(out):
         os.replace(tmp, out)
@@ -408,8 +412,7 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
 
 def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"):
     """Stop unless `out` is absent, empty, or an earlier `kind` holding only the files its `record`
-    lists: `script` replaces nothing it did not write. An earlier one left beside it by a replace
-    cut short stops it too: it would be lost."""
+    lists, with no earlier one left beside it by a replace cut short."""
     waiting = os.path.join(beside(out, "podgpt-old"), "old")
     if os.path.lexists(waiting):
         fail(f"out={out}: an earlier {kind} waits in {waiting}, left by a replace cut short: "
@@ -439,8 +442,7 @@ def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"
          "choose another --out or move those away")
 
 
-# -----------------------------------------------------------------------------
-# an export read back into podgpt (sample.py and eval.py, through loading.py)
+# --- an export read back into podgpt (sample.py and eval.py, through loading.py)
 
 def is_export(path):
     return bool(path) and os.path.isfile(os.path.join(path, PODGPT_FILE))
@@ -455,9 +457,8 @@ def tokenizer_dir(path):
 def load_export_state(path):
     """podgpt's state dict (model.py names) from an export's safetensors, as stored."""
     from safetensors.torch import load_file
-    index = os.path.join(path, "model.safetensors.index.json")
     files = ["model.safetensors"]
-    if os.path.exists(index):
+    if os.path.exists(index := os.path.join(path, "model.safetensors.index.json")):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
     return {k.removeprefix("model."): v for name in files

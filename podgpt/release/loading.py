@@ -1,19 +1,15 @@
-"""
-A trained model ready to use, as sample.py and eval.py take it: a checkpoint folder, a run's out_dir
-(its best or latest checkpoint) or a folder export.py wrote; the model in eval mode on a device and
-the tokenizer saved with it. A checkpoint is held against the run's rotation while it is read
-(checkpoint.reading); a problem is one line naming the fix.
-"""
+"""A trained model ready to use, as sample.py and eval.py take it: a checkpoint folder, a run's
+out_dir (its best or latest checkpoint) or an export; the model in eval mode on a device and its
+tokenizer. A checkpoint is held against the run's rotation while it is read; a problem is one line
+naming the fix."""
 
 import contextlib
 import os
 from types import SimpleNamespace
 
-import torch
-
 from podgpt.core.checkpoint import find_checkpoint, reading
 from podgpt.pod.checkpoints import load_model
-from podgpt.release.hf import finite, is_export, load_export, tokenizer_dir
+from podgpt.release.hf import finite, is_export, load_export, read_trainer, tokenizer_dir
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import fail, first_line
 
@@ -29,8 +25,7 @@ def locate(src, which):
 
 
 def load_trained(found, dev, info=False):
-    """path (the checkpoint or export folder), exported, model, tok, and with info=True the
-    checkpoint's info (checkpoint_info) of what locate found, or one line naming the fix."""
+    """path, exported, model, tok and (info=True) checkpoint_info of what locate found."""
     src, which, exported, path = found.src, found.which, found.exported, found.path
     with contextlib.ExitStack() as held:  # a checkpoint is held against the run's rotation
         try:
@@ -67,8 +62,8 @@ def load_exported(path, dev):
 
 
 def unreadable_weights(path):
-    """The safetensors files of an export that safetensors cannot open (a truncated file holds fewer
-    bytes than its header promises); all of them if each opens, as one failed further in."""
+    """The safetensors files of an export that safetensors cannot open (a truncated one); all of
+    them if each opens, as one failed further in."""
     from safetensors import safe_open
 
     def opens(name):
@@ -82,15 +77,9 @@ def unreadable_weights(path):
 
 
 def checkpoint_info(path, exported, saved):
-    """Step, validation losses and model config of a checkpoint (trainer.pt, config.json) or an
-    export (podgpt.json: `saved`, as load_export read it)."""
-    trainer = saved
-    if not exported:
-        try:
-            trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu",
-                                 weights_only=True)
-        except Exception as e:  # a damaged pickle can raise many kinds of error
-            raise ValueError(f"trainer.pt is unreadable ({first_line(e)})") from None
+    """Step, validation losses and model config of a checkpoint (trainer.pt; `saved`: config.json)
+    or an export (`saved`: podgpt.json)."""
+    trainer = saved if exported else read_trainer(path)
     return {"checkpoint": path, "exported": exported, "step": trainer.get("step"),
             "val_loss": finite(trainer.get("val_loss")),
             "best_val_loss": finite(trainer.get("best_val_loss")), "model": saved["model"]}
