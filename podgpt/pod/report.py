@@ -1,12 +1,10 @@
-"""
-The run report (python -m podgpt.pod.report --out_dir=out), from what a run left in its out_dir:
-summary.md (outcome, losses, target, tokens, hours, dollars, MFU, preflight verdict, plots),
-metrics.csv (metrics.jsonl as step, name, value; events and nulls left out), manifest.json (seed,
-versions, commit, config hash, hardware, dollars) and plots/*.png. train.py writes metrics.jsonl
-through MetricsFile, and the report after every evaluation (live=True) and at the end. A missing or
-damaged file leaves its part empty: a report must never turn a finished run into a failed one.
-"""
+"""The run report (python -m podgpt.pod.report --out_dir=out), from what a run left in its out_dir:
+summary.md, metrics.csv (metrics.jsonl as step, name, value; events and nulls left out),
+manifest.json (seed, versions, commit, config hash, hardware, dollars) and plots/*.png. train.py
+writes metrics.jsonl through MetricsFile, and the report after every evaluation (live=True) and at
+the end. A missing or damaged file leaves its part empty: a report never fails a finished run."""
 
+import contextlib
 import csv
 import hashlib
 import importlib
@@ -28,8 +26,7 @@ out_dir = "out"  # the run's folder: metrics.jsonl, summary.json, ckpt/ are read
 PLOTS = "plots"  # subfolder of out_dir for the PNGs
 
 
-# ----------------------------------------------------------------------------
-# reading: each reader gives None (or []) for a missing or unreadable file
+# --- reading: each reader gives None (or []) for a missing or unreadable file
 
 def read_json(path):
     try:
@@ -41,8 +38,7 @@ def read_json(path):
 
 def metrics_lines(path):
     """(line number, the line's bytes, its row) for each line of metrics.jsonl; the row is None for
-    half a line (a run killed mid-write), damage, or someone else's line. Read as bytes, so that a
-    damaged block spoils its line rather than the read."""
+    half a line, damage, or someone else's line. Bytes: a damaged block spoils its line alone."""
     with open(path, "rb") as f:
         for line_no, line in enumerate(f, 1):
             try:
@@ -132,27 +128,18 @@ def run_config(out_dir):
     return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
 
 
-# ----------------------------------------------------------------------------
-# metrics.csv
-
-def long_rows(rows):
-    """(step, name, value) of every numeric field, once: an eval row repeats its step's tokens."""
-    return list(dict.fromkeys((row["step"], name, value) for row in rows
-                              for name, value in row.items()
-                              if name != "step" and is_number(value)))
-
+# --- metrics.csv and manifest.json
 
 def write_csv(path, rows):
+    """(step, name, value) of every numeric field, once: an eval row repeats its step's tokens."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(["step", "name", "value"])
     # repr: a float's exact round trip
-    w.writerows((s, n, repr(v) if isinstance(v, float) else v) for s, n, v in long_rows(rows))
+    w.writerows(dict.fromkeys((row["step"], n, repr(v) if isinstance(v, float) else v)
+                              for row in rows for n, v in row.items()
+                              if n != "step" and is_number(v)))
     write_atomic(path, buf.getvalue())
-
-
-# ----------------------------------------------------------------------------
-# manifest.json
 
 def version(module):
     try:
@@ -172,31 +159,25 @@ def git_commit():
 
 def config_hash(config):
     """sha256 of the config in canonical JSON: the same however the config was formatted."""
-    if config is None:
-        return None
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(canonical.encode()).hexdigest() if config else None
 
 
 def cpu_name():
-    try:
+    with contextlib.suppress(OSError):  # not Linux
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
                     return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
     return platform.processor() or platform.machine() or None
 
 
 def hardware():
     gpus = []
-    try:
+    with contextlib.suppress(Exception):  # no torch, or a broken driver: a manifest without GPUs
         import torch
         if torch.cuda.is_available():
             gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    except Exception:  # no torch, or a broken driver: a manifest without GPUs rather than none
-        pass
     return dict(cpu=cpu_name(), cpu_count=os.cpu_count(), gpus=gpus, gpu_count=len(gpus),
                 host=platform.node())
 
@@ -213,12 +194,11 @@ def manifest(config, summary, clock):
     versions = dict(python=platform.python_version(), torch=version("torch"),
                     numpy=version("numpy"), tiktoken=version("tiktoken"), podgpt=git_commit())
     world_size = (summary or {}).get("world_size", config.get("world_size"))
-    return dict(seed=config.get("seed"), versions=versions, config_hash=config_hash(config or None),
+    return dict(seed=config.get("seed"), versions=versions, config_hash=config_hash(config),
                 hardware=hardware(), world_size=world_size, cost_usd=spent(summary, clock))
 
 
-# ----------------------------------------------------------------------------
-# plots
+# --- plots
 
 def series(rows, x, y):
     pts = [(r[x], r[y]) for r in rows if is_number(r.get(x)) and is_number(r.get(y))]
@@ -263,18 +243,15 @@ def write_plots(out_dir, rows):
     folder = os.path.join(out_dir, PLOTS)
     written = []
     for name, title, x, ys, ylabel in figures(rows):
+        lines = [(xs, vs, label) for y, label in ys for xs, vs in [series(rows, x, y)] if xs]
+        if not lines:
+            continue
         # fixed margins, not tight_layout, which measures every label's text at every evaluation
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100,
                                gridspec_kw=dict(left=0.12, right=0.97, top=0.9, bottom=0.13))
         try:
-            drawn = 0
-            for y, label in ys:
-                xs, vs = series(rows, x, y)
-                if xs:
-                    ax.plot(xs, vs, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-                    drawn += 1
-            if not drawn:
-                continue
+            for xs, vs, label in lines:
+                ax.plot(xs, vs, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
             ax.set(title=title, xlabel=x, ylabel=ylabel)
             ax.grid(alpha=0.3)
             if len(ys) > 1:
@@ -289,8 +266,7 @@ def write_plots(out_dir, rows):
     return written
 
 
-# ----------------------------------------------------------------------------
-# summary.md
+# --- summary.md
 
 def fmt(v, spec=".4f"):
     return "-" if v is None else format(v, spec) if is_number(v) else str(v)
@@ -302,9 +278,8 @@ def last(rows, name):
 
 
 def target_verdict(band, status, val_loss):
-    """met or missed: the final validation loss (not the best) against target_val_loss's band
-    (preflight.target_band); not reached when the run did not complete (an early stop does); None
-    without a target."""
+    """met or missed: the final validation loss (not the best) against target_val_loss's band; not
+    reached when the run did not complete (an early stop does); None without a target."""
     if band is None:
         return None
     if status != "completed" or val_loss is None:
@@ -422,7 +397,7 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
     return "\n".join(lines + plots_section(plots))
 
 
-# ----------------------------------------------------------------------------
+# --- the report
 
 def write_report(out_dir, plots=True, live=False):
     """Write summary.md, metrics.csv, manifest.json and plots/ (plots=True) into out_dir; {file:
