@@ -47,8 +47,6 @@ UNSUPPORTED = {"n": (1, "one completion per request"), "best_of": (1, "one compl
                "presence_penalty": (0, "no penalties"), "frequency_penalty": (0, "no penalties"),
                "suffix": ("", "it continues the prompt"), "logit_bias": ({}, "no logit bias"),
                "stream_options": (None, "a stream's last chunk carries the usage")}
-SUPPORTED = ("prompt", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream",
-             "echo", "logprobs", "model", "user")  # what it reads (model and user only as names)
 ROUTES = {"/health": "GET", "/info": "GET", "/v1/models": "GET", "/v1/completions": "POST"}
 STOP_SECONDS = 3  # at SIGTERM or Ctrl-C, the time the running generation has to reach a token
 
@@ -69,18 +67,9 @@ def shown(value, width=40):
     return text if len(text) <= width else f"{text[:width]}... ({len(text)} characters)"
 
 
-def stop_strings(value):
-    """The stop strings of a request's "stop" (null, a string or a list of them), within bounds."""
-    stops = [] if value is None else [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop={shown(value)} is invalid: use a non-empty string or list",
-                           "stop")
-    if len(stops) > MAX_STOPS:
-        raise RequestError(f"stop holds {len(stops)} strings: send at most {MAX_STOPS}", "stop")
-    if max(map(len, stops), default=0) > MAX_STOP_CHARS:
-        raise RequestError(f"stop holds a string of {max(map(len, stops))} characters: send at "
-                           f"most {MAX_STOP_CHARS}", "stop")
-    return stops
+def stops(value):
+    """The stop strings of a request's "stop": null, a string or a list of them."""
+    return [] if value is None else [value] if isinstance(value, str) else value
 
 
 def parse_completion(body, ctx):
@@ -92,18 +81,6 @@ def parse_completion(body, ctx):
                            '{"prompt": "def main("}')
     if not isinstance(req, dict):
         raise RequestError(f'the body is a JSON {type(req).__name__}: send {{"prompt": "..."}}')
-    for key, value in req.items():  # a parameter not read, or not at a value that changes nothing
-        neutral, why = UNSUPPORTED.get(key, (None, ""))
-        if why and value is not None and (isinstance(value, bool) or value != neutral):
-            send = "" if neutral is None else f" or send {json.dumps(neutral)}"
-            raise RequestError(f"{key}={shown(value)} is not supported: leave it out{send} (this "
-                               f"server: {why})", key)
-        if not why and key not in SUPPORTED:
-            name = key if len(key) <= 40 else f"{key[:40]}..."  # the reply must not grow with it
-            raise RequestError(f"{name} is not a parameter this server knows: leave it out (it "
-                               f"reads {', '.join(SUPPORTED)})", name)
-    if req.get("prompt") is None:
-        raise RequestError('prompt is missing: send "prompt": "text" (or token ids)', "prompt")
     number, anything = (int, float), lambda v: True
     rules = {  # name: (default, types, valid(value), the rule a bad value breaks)
         "max_tokens": (16, (int,), lambda v: 0 <= v <= ctx.max_tokens,
@@ -111,13 +88,29 @@ def parse_completion(body, ctx):
         "temperature": (1.0, number, lambda v: 0 <= v <= 2, "use a number from 0 (greedy) to 2"),
         "top_p": (1.0, number, lambda v: 0 < v <= 1, "use a number above 0 and at most 1"),
         "top_k": (None, (int,), lambda v: v >= 0, "use an integer >= 0 (0: all tokens)"),
+        "stop": (None, (str, list), lambda v: len(stops(v)) <= MAX_STOPS and all(
+                     isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops(v)),
+                 f"use a string or a list of at most {MAX_STOPS}, each of 1 to {MAX_STOP_CHARS} "
+                 "characters"),
         "seed": (None, (int,), lambda v: 0 <= v < 2**63, "use an integer from 0 to 2**63 - 1"),
         "stream": (False, (bool,), anything, "use true or false"),
         "echo": (False, (bool,), anything, "use true or false"),
         "logprobs": (None, (int,), lambda v: 0 <= v <= MAX_LOGPROBS,
                      f"use an integer from 0 to {MAX_LOGPROBS} (the tokens listed), or null"),
         "model": (None, (str,), anything, "use a string (any: the reply names the one served)"),
-        "user": (None, (str,), anything, "use a string")}
+        "user": (None, (str,), anything, "use a string")}  # model and user: only names
+    for key, value in req.items():  # a parameter not read, or not at a value that changes nothing
+        neutral, why = UNSUPPORTED.get(key, (None, ""))
+        if why and value is not None and (isinstance(value, bool) or value != neutral):
+            send = "" if neutral is None else f" or send {json.dumps(neutral)}"
+            raise RequestError(f"{key}={shown(value)} is not supported: leave it out{send} (this "
+                               f"server: {why})", key)
+        if not why and key != "prompt" and key not in rules:
+            name = key if len(key) <= 40 else f"{key[:40]}..."  # the reply must not grow with it
+            raise RequestError(f"{name} is not a parameter this server knows: leave it out (it "
+                               f"reads prompt, {', '.join(rules)})", name)
+    if req.get("prompt") is None:
+        raise RequestError('prompt is missing: send "prompt": "text" (or token ids)', "prompt")
     p = {}
     for name, (default, kinds, valid, rule) in rules.items():  # null: the default
         value = req.get(name)
@@ -125,7 +118,7 @@ def parse_completion(body, ctx):
                                   or isinstance(value, bool) and bool not in kinds):  # True is no 1
             raise RequestError(f"{name}={shown(value)} is invalid: {rule}", name)
         p[name] = default if value is None else value
-    p["stop"] = stop_strings(req.get("stop"))
+    p["stop"] = stops(p["stop"])
     if p["stream"] and p["logprobs"] is not None:
         raise RequestError("logprobs cannot be streamed: send stream=false to get them", "logprobs")
     ids, text = prompt_ids(ctx, req["prompt"])
