@@ -6,14 +6,12 @@ Export a podgpt checkpoint as a Hugging Face Llama folder (transformers, vLLM).
     python export.py config/tiny.py --out=export/tiny               # the run a config names
 
 The folder holds config.json (LlamaForCausalLM), model.safetensors (or shards and an index past
-max_shard_gb, as huggingface_hub splits them; a tied head stored once, as the embedding),
-generation_config.json (bos = eos = podgpt's BOS id, the padding ids suppressed), tokenizer.json and
-tokenizer_config.json for transformers (none for the char tokenizer: a note and the model card say
-why), podgpt_tokenizer/ (the checkpoint's own tokenizer files, which sample.py reads), podgpt.json
-(the model config; where the export came from, as run/ckpt/checkpoint, never a local path; its step
-and losses; and the files a later export to the same --out may replace) and README.md, a model
-card. Every file gets the mode a new file gets (0644 under the usual umask 022). The folder is
-built beside --out and renamed into place (podgpt/release/hf.py writes it).
+max_shard_gb; a tied head stored once), generation_config.json (the padding ids suppressed),
+tokenizer.json and tokenizer_config.json for transformers (none for the char tokenizer),
+podgpt_tokenizer/ (the checkpoint's own tokenizer files, which sample.py reads), podgpt.json (the
+model config; where it came from, as run/ckpt/checkpoint, never a local path; its step and losses;
+the files a later export to the same --out may replace) and README.md, a model card. Every file
+gets a new file's mode (0644 under umask 022). podgpt/release/hf.py builds it beside --out.
 """
 
 import os

@@ -7,10 +7,9 @@ Generate text from a trained checkpoint, streaming it as it comes, or serve it o
     python sample.py config/tiny.py               # the run a config file describes (its out_dir)
     python sample.py --ckpt=out --serve=True --port=8000   # an OpenAI-style HTTP API: serve.py
 
-A checkpoint folder (or one export.py wrote) holds the model, its config and the tokenizer: no
-data or network is needed. Each sample starts with the BOS token that begins every training
-document, then the prompt. A block-diffusion model (objective=bd3lm) writes a block at a time and
-is not served. --serve=True needs FastAPI and uvicorn (docs/serving.md).
+A checkpoint folder (or an export) holds the model and its tokenizer: no data or network needed.
+Each sample starts with BOS, as every training document does, then the prompt. A block-diffusion
+model (objective=bd3lm) is not served. --serve=True needs FastAPI and uvicorn (docs/serving.md).
 """
 
 import codecs

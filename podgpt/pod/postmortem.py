@@ -1,9 +1,6 @@
-"""
-The spike post-mortem: out_dir/spike-postmortem.md and .json, kept current by rank 0 at every spike
-and non-finite step. Each bad step is written with the steps before it, its batch (sample numbers,
-shards, documents, the first tokens decoded), what the run did about it, and the command that
-trains the run again from the newest checkpoint on disk to that step, logging the same loss.
-"""
+"""The spike post-mortem: out_dir/spike-postmortem.md and .json, kept current by rank 0 at every
+spike and non-finite step: each bad step with the steps before it, its batch, what the run did
+about it, and the command that trains the run again to that step, logging the same loss."""
 import json
 import math
 import os
@@ -33,8 +30,8 @@ def finite_or_text(x):
 
 
 def bad_batch(cfg, st, train_data, rare, tok):
-    """The batch of the step just taken (st.step): its sample numbers and its first samples' first
-    tokens decoded; a spike drill's is rank 0's first micro-batch of the rarest tokens."""
+    """The sample numbers and first tokens of the step just taken; a spike drill's batch is rank 0's
+    first micro-batch of the rarest tokens."""
     n = cfg.total_batch_tokens // cfg.block_size
     first, drill = st.samples - n, f"spike@{st.step}" in st.injected
     if drill:

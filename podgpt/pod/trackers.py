@@ -1,8 +1,6 @@
-"""
-Watching a run: with log_to, rank 0 mirrors every metrics.jsonl line, as it writes it, to
-TensorBoard, Weights & Biases or MLflow (train.py checks log_to with tracker_names before the run
-starts). A tracker that fails never stops training: metrics.jsonl has every line.
-"""
+"""Watching a run: with log_to, rank 0 mirrors every metrics.jsonl line, as it writes it, to
+TensorBoard, Weights & Biases or MLflow. A tracker that fails never stops training: metrics.jsonl
+has every line."""
 
 import importlib.util
 import os
@@ -38,7 +36,7 @@ def tracker_names(log_to):
 
 def tracker_values(row):
     """(step, {name: number}) of a metrics line; an event line as event/<name> = 1 and its numbers
-    as event/<name>/<field>, so events show up as series of their own."""
+    as event/<name>/<field>: series of their own."""
     event = row.get("event")
     values = {f"event/{event}": 1} if event else {}
     values.update({(f"event/{event}/{k}" if event else k): v
@@ -69,9 +67,8 @@ class TensorBoard:
 
 
 class WandB:
-    """A Weights & Biases run in wandb_project (WANDB_API_KEY or `wandb login`; WANDB_MODE=offline
-    keeps it in out_dir/wandb for a later `wandb sync`). podgpt's step is the x axis, which a resume
-    or a rollback may take back over."""
+    """A Weights & Biases run in wandb_project (WANDB_MODE=offline keeps it in out_dir/wandb for a
+    later `wandb sync`). podgpt's step is the x axis, which a resume or a rollback may repeat."""
 
     def __init__(self, out_dir, name, config, tags, run_id, step):
         import wandb
@@ -89,9 +86,8 @@ class WandB:
 
 
 class MLflow:
-    """An MLflow run in mlflow_experiment, at MLFLOW_TRACKING_URI (unset: mlflow 3's default,
-    ./mlflow.db). Through MlflowClient and the run's id: mlflow's module-level calls keep their
-    active run per thread, and Trackers logs from its own."""
+    """An MLflow run in mlflow_experiment, at MLFLOW_TRACKING_URI (unset: ./mlflow.db). Through
+    MlflowClient: mlflow's module-level calls keep a run per thread, and Trackers has its own."""
 
     def __init__(self, out_dir, name, config, tags, run_id, step):
         import mlflow
@@ -122,14 +118,12 @@ class MLflow:
 
 class Trackers:
     """Rank 0's mirror of metrics.jsonl to the trackers log_to names, through a queue to a thread
-    of their own: a slow or unreachable tracker never holds a step up. A tracker that fails to start
-    or raises gets one warning (one that raises is tried again with the next lines: an outage can
-    end). Their run ids go to out_dir/trackers.json, which a resumed run continues."""
+    of their own: a slow tracker never holds a step up. A tracker that fails gets one warning (and
+    the next lines: an outage can end). Their run ids go to out_dir/trackers.json, for a resume."""
 
     CLASSES = dict(tensorboard=TensorBoard, wandb=WandB, mlflow=MLflow)
 
     def __init__(self, cfg, step):
-        """cfg: train.py's config, which each tracker records whole as the run's config."""
         path = os.path.join(cfg.out_dir, "trackers.json")
         ids = read_json(path) if step else None  # a run from step 0 is new to the trackers too
         ids = ids if isinstance(ids, dict) else {}
