@@ -142,19 +142,15 @@ def write_csv(path, rows):
     write_atomic(path, buf.getvalue())
 
 def version(module):
-    try:
+    with contextlib.suppress(Exception):  # not installed, or broken: null rather than a guess
         return importlib.import_module(module).__version__
-    except Exception:  # not installed, or broken: the manifest says null rather than guessing
-        return None
 
 
 def git_commit():
-    try:
+    with contextlib.suppress(Exception):  # no git, or not a clone: null
         r = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                            cwd=os.path.dirname(os.path.abspath(__file__)))
         return (r.stdout.strip() or None) if r.returncode == 0 else None
-    except Exception:  # no git, or not a clone: null
-        return None
 
 
 def config_hash(config):
