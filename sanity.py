@@ -513,16 +513,17 @@ def main(argv):
 def run_checks(cfg, proc, dt, world, device_error):
     """Every check on this rank, the report of them all from rank 0; the exit status."""
     dev, rank, ddp = proc.dev, proc.rank, proc.distributed
-    capacity_report = {}
+    capacity_report, own_mask = {}, config_class(cfg["objective"]).own_mask
+    # (check, backend, mask): each backend causal; the dense document mask (SDPA with a boolean
+    # mask, what math, efficient and sdpa run); an objective's own mask, on auto's pick for it
+    attention = [(name, name, None) for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
+    attention += [("doc_mask", "sdpa", "documents")]
+    if own_mask:
+        attention.append((own_mask, "auto", own_mask))
     checks = [("environment", partial(check_environment, cfg, dev, dt, device_error)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
-    checks += [(f"attention:{name}", partial(check_attention, name, cfg, dev, dt))
-               for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
-    # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
-    checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, "documents"))]
-    # an objective's own mask, on the backend auto picks for it
-    if kind := config_class(cfg["objective"]).own_mask:
-        checks += [(f"attention:{kind}", partial(check_attention, "auto", cfg, dev, dt, kind))]
+    checks += [(f"attention:{key}", partial(check_attention, name, cfg, dev, dt, mask))
+               for key, name, mask in attention]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),
