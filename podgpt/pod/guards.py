@@ -159,7 +159,8 @@ class BadSteps:
             st.loss_ema = loss if ema is None else d * ema + (1 - d) * loss
         st.bad_in_a_row = 0 if finite and not spike else st.bad_in_a_row + 1
         if (spike or not finite) and self.postmortem:
-            self.postmortem.add("spike" if finite else "nonfinite", st, self.recent, batch(), on_disk)
+            kind = "spike" if finite else "nonfinite"
+            self.postmortem.add(kind, st, self.recent, batch(), on_disk)
             self.write_postmortem()
 
     def rollback(self, st, ckpts):

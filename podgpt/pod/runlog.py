@@ -12,8 +12,8 @@ from podgpt.pod.report import MetricsFile
 
 class RunLog:
     """out_dir's running files, on rank 0 alone (master). on_disk(): the newest checkpoint's step
-    (-1: none), where a stop on a full disk resumes; model names its objective's stats; batch_tokens,
-    flops_tok and peak (the GPUs' bf16 FLOP/s; None: no MFU) measure the speed."""
+    (-1: none), where a stop on a full disk resumes; model names its objective's stats;
+    batch_tokens, flops_tok and peak (the GPUs' bf16 FLOP/s; None: no MFU) measure the speed."""
 
     def __init__(self, out_dir, step, master, trackers, on_disk, model, batch_tokens, flops_tok,
                  peak):
