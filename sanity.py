@@ -1,14 +1,12 @@
 """
 Sanity checks before paying for a run: does this machine compute what the configured run needs,
 correctly, and does the model fit? Each check passes, fails or is skipped, with its seconds and a
-detail line, into out_dir/sanity.json and .md; exit status 1 when any check failed on any rank.
+detail line, into out_dir/sanity.json and .md; exit status 1 when any check failed on any rank
+(under torchrun every rank runs run_checks' list on its own GPU; rank 0 writes the report).
 
     python sanity.py config/tiny.py
     python sanity.py config/h200_1b_ddp8.py --capacity --gpu_mem_gb=141   # plan a pod from here
     torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
-
-The checks are run_checks' list, each a check_* function; under torchrun every rank runs them on
-its own GPU and rank 0 writes the report.
 """
 
 import gc
@@ -35,10 +33,10 @@ from model import GPT, GPTConfig, KVCache
 from podgpt.pod.objectives import config_class, make_model
 from podgpt.core.optim import make_optimizer
 from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label,
-                                  model_config, param_counts, plan_layout, plan_vocab)
+                                  md_table, model_config, param_counts, plan_layout, plan_vocab)
 from podgpt.core.util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version,
                               dtype_name, fail, first_line, make_scratch, on_rank0, remove_scratch,
-                              run_main, setup)
+                              run_main, setup, write_atomic, write_json)
 
 # --- config
 out_dir = "out"                 # sanity.json and sanity.md are written here
@@ -92,21 +90,23 @@ def rel_error(a, b):
     return float("inf") if math.isnan(err) else err
 
 
-def probe_model(cfg, dev, full_width):
-    """A 2-layer model with the configured head layout: at the configured width (on a GPU, where
-    the kernels' shapes matter and it costs nothing), or 16 per head (seconds on a CPU)."""
+def probe_model(cfg, dev, full_width=None):
+    """A 2-layer model with the configured head layout: at the configured width (by default on a
+    GPU, where the kernels' shapes matter and it costs nothing), or 16 per head (seconds on a CPU);
+    and two random rows of its block_size + 1 tokens."""
+    full_width = dev.type == "cuda" if full_width is None else full_width
     head_dim = cfg["n_embd"] // cfg["n_head"] if full_width else 16
     torch.manual_seed(0)
     block = min(cfg["block_size"], 256 if full_width else 64)
-    return GPT(GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=cfg["n_head"],
-                         n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
-                         ffn_hidden=cfg["ffn_hidden"] if full_width else None,
-                         multiple_of=cfg["multiple_of"],
-                         tie_embeddings=cfg["tie_embeddings"])).to(dev)
+    model = GPT(GPTConfig(vocab_size=256, block_size=block, n_layer=2, n_head=cfg["n_head"],
+                          n_kv_head=cfg["n_kv_head"], n_embd=head_dim * cfg["n_head"],
+                          ffn_hidden=cfg["ffn_hidden"] if full_width else None,
+                          multiple_of=cfg["multiple_of"], tie_embeddings=cfg["tie_embeddings"]))
+    return model.to(dev), torch.randint(0, 256, (2, block + 1), device=dev)
 
 
 def loss_and_grads(model, x, dev, dt):
-    """The loss and every parameter's gradient of one forward/backward on rows x of block_size+1."""
+    """The loss and every parameter's gradient of one forward/backward on rows x."""
     model.zero_grad(set_to_none=True)
     with autocast(dev, dt):
         _, loss = model(x[:, :-1], x[:, 1:])
@@ -126,7 +126,7 @@ def same(a, b):
 
 
 def gb(n):
-    return round(n / 1e9, 3)
+    return None if n is None else round(n / 1e9, 3)
 
 
 def verdict(ok, detail):
@@ -145,10 +145,8 @@ def check_environment(cfg, dev, dt, device_error):
                      f"{os.cpu_count()} CPU cores")
     elif dev.type == "cuda":
         parts.append(f"CUDA {torch.version.cuda}, driver {driver_version()}")
-        gpus = Counter()
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            gpus[f"{p.name} sm_{p.major}{p.minor} {p.total_memory / 1e9:.1f} GB"] += 1
+        gpus = Counter(f"{p.name} sm_{p.major}{p.minor} {p.total_memory / 1e9:.1f} GB" for p in
+                       map(torch.cuda.get_device_properties, range(torch.cuda.device_count())))
         parts.append(", ".join(f"{n} x {name}" for name, n in gpus.items()))
         if dist.is_nccl_available():
             v = torch.cuda.nccl.version()
@@ -168,8 +166,7 @@ def check_disk(path, min_gb):
 def check_attention(name, cfg, dev, dt, mask=None):
     """A backend (or auto's pick, saying why) against attention.parity_errors' float64 reference at
     the configured head layout; mask: None (causal) or a kind of attention.masks()."""
-    # a GPU's kernels work in 128-row tiles: T=256 crosses them; T=64 (attention.py's own parity
-    # check there) keeps it quick on a CPU, whose kernels have none to cross
+    # T=256 crosses a GPU kernel's 128-row tiles; T=64 (attention.py's own check) is quick on a CPU
     T = min(cfg["block_size"], 256 if dev.type == "cuda" else 64)
     hd = cfg["n_embd"] // cfg["n_head"]
     note = ""
@@ -188,8 +185,7 @@ def check_attention(name, cfg, dev, dt, mask=None):
 
 
 def check_train_step(cfg, dev, dt):
-    model = probe_model(cfg, dev, full_width=dev.type == "cuda")
-    x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
+    model, x = probe_model(cfg, dev)
     loss, *grads = loss_and_grads(model, x, dev, dt)
     norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
     norm = torch.linalg.vector_norm(norms).item()
@@ -202,7 +198,7 @@ def check_train_step(cfg, dev, dt):
 def check_kv_cache(cfg, dev):
     """KV-cache logits equal a full forward pass's, in float32: n/4 tokens, a chunk of n/4 (the
     bottom-right mask path), then single tokens (the unmasked path); n is 32 at most."""
-    model = probe_model(cfg, dev, full_width=dev.type == "cuda").eval()
+    model = probe_model(cfg, dev)[0].eval()
     n = min(32, model.config.block_size)
     x = torch.randint(0, 256, (2, n), device=dev)
     with torch.no_grad():
@@ -219,9 +215,9 @@ def check_kv_cache(cfg, dev):
 def check_checkpoint(cfg, dev):
     """checkpoint.py's save and load of a model and its AdamW state after one step, in a scratch
     folder under out_dir removed afterwards. Small at any width: this checks the files."""
-    model = probe_model(cfg, dev, full_width=False)
+    model, x = probe_model(cfg, dev, full_width=False)
     optimizer = make_optimizer(model, **PROBE_OPTIMIZER, fused=dev.type == "cuda")
-    loss_and_grads(model, torch.randint(0, 256, (2, 16), device=dev), dev, torch.float32)
+    loss_and_grads(model, x, dev, torch.float32)
     optimizer.step()
     files = {"model.pt": model.state_dict(), "optimizer.pt": optimizer.state_dict(),
              "trainer.pt": dict(format=CKPT_FORMAT, step=1),
@@ -266,8 +262,7 @@ def check_dataset(cfg):
 def check_compile(cfg, dev, dt):
     if not cfg["compile"]:
         return "skip", "compile=False: the run is eager (--compile=True checks torch.compile)"
-    model = probe_model(cfg, dev, full_width=dev.type == "cuda")
-    x = torch.randint(0, 256, (2, model.config.block_size + 1), device=dev)
+    model, x = probe_model(cfg, dev)
     eager = [t.clone() for t in loss_and_grads(model, x, dev, dt)]
     compiled = loss_and_grads(torch.compile(model), x, dev, dt)
     # held to the kernels' bound against float64
@@ -356,54 +351,51 @@ def check_capacity(cfg, dev, dt, world, out):
     if not cfg["capacity"]:
         return "skip", ("capacity=False (--capacity plans, and on a GPU measures, the memory per "
                         "GPU)")
-    mconfig, vocab_from = model_config(cfg), plan_vocab(cfg)[1]
-    mb = cfg["micro_batch_size"]
+    mconfig, mb = model_config(cfg), cfg["micro_batch_size"]
     # dtype=auto planned from a CPU is the GPU's bfloat16
     plan_dt = torch.bfloat16 if cfg["dtype"] == "auto" and dev.type != "cuda" else dt
-    cbytes = 4 if plan_dt == torch.float32 else 2
-    # train.py's memory_fit gate's usable share: the rest is CUDA context, NCCL, fragmentation
     memory = cfg["gpu_mem_gb"] * 1e9 or (torch.cuda.get_device_properties(dev).total_memory
                                          if dev.type == "cuda" else 0)
-    budget = MEMORY_USABLE * memory or None
+    budget = MEMORY_USABLE * memory or None  # train.py's memory_fit gate's usable share
     with torch.device("meta"):  # the real module's shapes at no cost: must match the arithmetic
         built = sum(p.numel() for p in make_model(mconfig).parameters())
     counts = param_counts(mconfig)
-    model = {k: v for k, v in asdict(mconfig).items() if k not in ("init_std", "attn_backend")}
-    out.update(model=model, vocab_from=vocab_from, params=counts, meta_params=built,
+    run = ("run", f"this run: {layout_label(cfg)}", cfg["dist_mode"] == "fsdp", cfg["grad_ckpt"])
+    layouts = {key: dict(label=label, **plan_layout(mconfig, mb, world, sharded, ckpt,
+                                                    plan_dt.itemsize, budget))
+               for key, label, sharded, ckpt in (run, *LAYOUTS)}
+    out.update(model={k: v for k, v in asdict(mconfig).items()
+                      if k not in ("init_std", "attn_backend")},
+               vocab_from=plan_vocab(cfg)[1], params=counts, meta_params=built,
                flops_per_token=flops_per_token(mconfig), world_size=world, micro_batch_size=mb,
                compute_dtype=dtype_name(plan_dt), gpu_mem_bytes=memory or None,
-               gpu_mem_gb=gb(memory) if memory else None, usable_bytes=budget,
-               usable_share=MEMORY_USABLE, layouts={}, measured=None)
-
-    def plan(sharded, ckpt):
-        return plan_layout(mconfig, mb, world, sharded, ckpt, cbytes, budget)
-    out["layouts"]["run"] = dict(label=f"this run: {layout_label(cfg)}",
-                                 **plan(cfg["dist_mode"] == "fsdp", cfg["grad_ckpt"]))
-    for key, label, sharded, ckpt in LAYOUTS:
-        out["layouts"][key] = dict(label=label, **plan(sharded, ckpt))
-    run = out["layouts"]["run"]
+               gpu_mem_gb=gb(memory or None), usable_bytes=budget, usable_share=MEMORY_USABLE,
+               layouts=layouts, measured=None)
     summary = (f"{counts['total'] / 1e9:.3f}B parameters, {out['flops_per_token'] / 1e9:.2f} "
                f"GFLOP/token; per GPU at micro-batch {mb}, world {world}: "
                + ", ".join(f"{lay['label']} {lay['gb']['total']:.1f} GB"
-                           for lay in out["layouts"].values()))
+                           for lay in layouts.values()))
+    fits = "fits" if layouts["run"]["fits"] else "does NOT fit"
     if built != counts["total"]:
         return "fail", (f"the model builds with {built:,} parameters, preflight.param_counts says "
                         f"{counts['total']:,}")
-    if dev.type != "cuda":
-        fits = (f"this run {'fits' if run['fits'] else 'does NOT fit'} "
-                f"gpu_mem_gb={cfg['gpu_mem_gb']:g}" if budget else "give gpu_mem_gb for a verdict")
-        return verdict(not budget or run["fits"],
-                       f"{summary}; {fits}; not on a GPU: estimate only (built on the meta device: "
-                       f"{built:,} parameters)")
-    return check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out)
+    if dev.type == "cuda":
+        return check_capacity_on_gpu(cfg, mconfig, dev, dt, world, budget, f"{summary}; ", out,
+                                     fits)
+    fits = f"this run {fits} gpu_mem_gb={cfg['gpu_mem_gb']:g}" if budget else \
+        "give gpu_mem_gb for a verdict"
+    return verdict(not budget or layouts["run"]["fits"],
+                   f"{summary}; {fits}; not on a GPU: estimate only (built on the meta device: "
+                   f"{built:,} parameters)")
 
 
-def check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary, out):
+def check_capacity_on_gpu(cfg, mconfig, dev, dt, world, budget, summary, out, fits):
     """check_capacity on a GPU: one real step's peak memory and the largest micro-batch that fits,
     against the plan, into out["measured"] (not for a model whose whole state it cannot hold)."""
-    mb, fsdp, run = cfg["micro_batch_size"], cfg["dist_mode"] == "fsdp", out["layouts"]["run"]
+    mb, fsdp = cfg["micro_batch_size"], cfg["dist_mode"] == "fsdp"
     # one GPU measures one rank whole, at the run's grad_ckpt: sharding over one GPU saves nothing
-    plan = partial(plan_layout, mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"], cbytes)
+    plan = partial(plan_layout, mconfig, mb, 1 if fsdp else world, False, cfg["grad_ckpt"],
+                   dt.itemsize)
     one = plan(budget)
     total = torch.cuda.get_device_properties(dev).total_memory
     state = sum(one["bytes"][k] for k in ("weights", "gradients", "optimizer", "ddp_buckets"))
@@ -411,48 +403,44 @@ def check_capacity_on_gpu(cfg, mconfig, dev, dt, world, cbytes, budget, summary,
         why = (f"one GPU's whole weights, gradients and AdamW state need {state / 1e9:.1f} GB, "
                f"over this GPU's {total / 1e9:.1f}: not measured (bench/mfu.py measures a slice)")
         if fsdp:  # the run shards them over its GPUs, which one GPU cannot stand in for: the plan
-            return verdict(run["fits"], f"{summary}; {why}; by the plan this run "
-                                        f"{'fits' if run['fits'] else 'does NOT fit'}")
-        return "fail", f"{summary}; {why}"
+            return verdict(out["layouts"]["run"]["fits"], f"{summary}{why}; by the plan this run "
+                                                          f"{fits}")
+        return "fail", f"{summary}{why}"
     peak, largest = measure_capacity(mconfig, mb, dev, dt, one["bytes"]["ddp_buckets"])
     name = torch.cuda.get_device_name(dev)
     headroom = total - peak if peak else None
     # the search fills the whole GPU: the prediction to hold it against is the whole GPU's too
-    out["measured"] = dict(device=name, device_bytes=total, device_gb=gb(total),
-                           micro_batch_size=mb, grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak,
-                           peak_gb=gb(peak) if peak else None,
-                           predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
-                           headroom_bytes=headroom, headroom_gb=gb(headroom) if peak else None,
-                           largest_micro_batch=largest,
-                           predicted_largest_micro_batch=plan(total)["largest_micro_batch"])
-    whole = largest_fits(out["measured"])
+    out["measured"] = m = dict(
+        device=name, device_bytes=total, device_gb=gb(total), micro_batch_size=mb,
+        grad_ckpt=cfg["grad_ckpt"], peak_bytes=peak, peak_gb=gb(peak),
+        predicted_bytes=one["bytes"]["total"], predicted_gb=one["gb"]["total"],
+        headroom_bytes=headroom, headroom_gb=gb(headroom), largest_micro_batch=largest,
+        predicted_largest_micro_batch=plan(total)["largest_micro_batch"])
     if peak is None:
-        return "fail", (f"{summary}; micro_batch_size={mb} does NOT fit on {name} (out of memory); "
-                        f"{whole}")
-    return "pass", (f"{summary}; measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
-                    f"{one['gb']['total']:.1f}), headroom {(total - peak) / 1e9:.1f} GB of "
-                    f"{total / 1e9:.1f}; {whole}")
+        return "fail", (f"{summary}micro_batch_size={mb} does NOT fit on {name} (out of memory); "
+                        f"{largest_fits(m)}")
+    return "pass", (f"{summary}measured on {name}: peak {peak / 1e9:.1f} GB (predicted "
+                    f"{one['gb']['total']:.1f}), headroom {headroom / 1e9:.1f} GB of "
+                    f"{total / 1e9:.1f}; {largest_fits(m)}")
 
 
 def capacity_lines(cap):
     """The capacity plan as Markdown: one column per layout, predicted against measured below."""
     lays, model, world = list(cap["layouts"].values()), cap["model"], cap["world_size"]
-    row = lambda head, cells: f"| {head} | " + " | ".join(cells) + " |"  # noqa: E731
     lines = [f"## capacity: {cap['params']['total'] / 1e9:.3f}B parameters "
              f"({cap['params']['non_embedding'] / 1e9:.3f}B non-embedding), "
              f"{cap['flops_per_token'] / 1e9:.2f} GFLOP/token", "",
              f"GB per GPU (1 GB = 1e9 bytes): {cap['compute_dtype']}, micro-batch "
              f"{cap['micro_batch_size']} x {model['block_size']} tokens, world size {world} "
              f"(sharded: over all {world}), vocabulary {model['vocab_size']} from "
-             f"{cap['vocab_from']}", "",
-             row("GB per GPU", [lay["label"] for lay in lays]), "|---|" + "---|" * len(lays)]
-    lines += [row(part, [f"{lay['gb'][part]:.2f}" for lay in lays]) for part in lays[0]["gb"]]
+             f"{cap['vocab_from']}", ""]
+    rows = [(part, *(f"{lay['gb'][part]:.2f}" for lay in lays)) for part in lays[0]["gb"]]
     if cap["gpu_mem_gb"]:
-        lines += [row(f"fits {cap['usable_share']:g} x {cap['gpu_mem_gb']:g} GB",
-                      ["yes" if lay["fits"] else "NO" for lay in lays]),
-                  row("largest micro-batch", [str(lay["largest_micro_batch"]) for lay in lays])]
+        rows += [(f"fits {cap['usable_share']:g} x {cap['gpu_mem_gb']:g} GB",
+                  *("yes" if lay["fits"] else "NO" for lay in lays)),
+                 ("largest micro-batch", *(lay["largest_micro_batch"] for lay in lays))]
+    lines += md_table(("GB per GPU", *(lay["label"] for lay in lays)), rows) + [""]
     m = cap["measured"]
-    lines.append("")
     if m is None:
         lines.append("Not on a GPU: the estimate only (the model was built on the meta device to "
                      f"confirm its {cap['meta_params']:,} parameters).")
@@ -482,22 +470,20 @@ def run_check(name, fn):
 
 
 def write_reports(path, report):
-    with open(os.path.join(path, "sanity.json"), "w") as f:
-        json.dump(report, f, indent=1)
+    write_json(os.path.join(path, "sanity.json"), report)
     lines = [f"# sanity: {'PASS' if report['passed'] else 'FAIL'}", "",
-             f"{report['device']}, {report['dtype']}, {report['world_size']} rank(s)", "",
-             "| check | status | seconds | detail |", "|---|---|---|---|"]
-    lines += [f"| {c['name']} | {c['status']} | {c['seconds']} | {c['detail'].replace('|', '/')} |"
-              for c in report["checks"]]
+             f"{report['device']}, {report['dtype']}, {report['world_size']} rank(s)", ""]
+    lines += md_table(("check", "status", "seconds", "detail"),
+                      [(c["name"], c["status"], c["seconds"], c["detail"].replace("|", "/"))
+                       for c in report["checks"]])
     if "ranks" in report:
-        lines += ["", "| rank | status | failed checks |", "|---|---|---|"]
-        lines += [f"| {r['rank']} | {'pass' if r['passed'] else 'FAIL'} | "
-                  + ", ".join(c["name"] for c in r["checks"] if c["status"] == "fail") + " |"
-                  for r in report["ranks"]]
+        lines += [""] + md_table(("rank", "status", "failed checks"), [
+            (r["rank"], "pass" if r["passed"] else "FAIL",
+             ", ".join(c["name"] for c in r["checks"] if c["status"] == "fail"))
+            for r in report["ranks"]])
     if report["capacity"]:
         lines += [""] + capacity_lines(report["capacity"])
-    with open(os.path.join(path, "sanity.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_atomic(os.path.join(path, "sanity.md"), "\n".join(lines) + "\n")
 
 
 def main(argv):
@@ -527,16 +513,17 @@ def main(argv):
 def run_checks(cfg, proc, dt, world, device_error):
     """Every check on this rank, the report of them all from rank 0; the exit status."""
     dev, rank, ddp = proc.dev, proc.rank, proc.distributed
-    capacity_report = {}
+    capacity_report, own_mask = {}, config_class(cfg["objective"]).own_mask
+    # (check, backend, mask): each backend causal; the dense document mask (SDPA with a boolean
+    # mask, what math, efficient and sdpa run); an objective's own mask, on auto's pick for it
+    attention = [(name, name, None) for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
+    attention += [("doc_mask", "sdpa", "documents")]
+    if own_mask:
+        attention.append((own_mask, "auto", own_mask))
     checks = [("environment", partial(check_environment, cfg, dev, dt, device_error)),
               ("disk", partial(check_disk, cfg["out_dir"], cfg["min_free_disk_gb"]))]
-    checks += [(f"attention:{name}", partial(check_attention, name, cfg, dev, dt))
-               for name in (*ATTENTION_BACKENDS, "sdpa", "auto")]
-    # the dense document mask: SDPA with a boolean mask, what math, efficient and sdpa run
-    checks += [("attention:doc_mask", partial(check_attention, "sdpa", cfg, dev, dt, "documents"))]
-    # an objective's own mask, on the backend auto picks for it
-    if kind := config_class(cfg["objective"]).own_mask:
-        checks += [(f"attention:{kind}", partial(check_attention, "auto", cfg, dev, dt, kind))]
+    checks += [(f"attention:{key}", partial(check_attention, name, cfg, dev, dt, mask))
+               for key, name, mask in attention]
     checks += [("train_step", partial(check_train_step, cfg, dev, dt)),
                ("kv_cache", partial(check_kv_cache, cfg, dev)),
                ("checkpoint", partial(check_checkpoint, cfg, dev)),

@@ -24,8 +24,7 @@ def dryrun_report(root, n, first, resumed, activities):
     if len(diffs) != n - half or not worst <= tolerance:
         problems.append(f"the resumed run does not reproduce steps {half + 1}..{n}: largest "
                         f"relative loss difference {worst:.3g} (tolerance {tolerance:g})")
-    idle = [x["rank"] for x in activities if x["steps"] != n]
-    if idle:
+    if idle := [x["rank"] for x in activities if x["steps"] != n]:
         problems.append(f"ranks {idle} did not run all {n} steps")
     if first["nonfinite_steps"]:
         problems.append(f"{first['nonfinite_steps']} non-finite steps")

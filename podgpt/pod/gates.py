@@ -2,8 +2,8 @@
 The gate profiles (PROFILES: every threshold of every gate), the gates on the base model's tokens,
 and summary.json's long_run_gate: the preflight gates, then the checks only the finished run can
 answer. A gate is {name, verdict, value, threshold, detail}: pass, warn, block (the run does not
-start, unless allow_unsafe; it says the fix) or skip (said why). preflight.py checks the other
-gates; the skills pack's gates and eval.py's floors are podgpt/release/gates.py's.
+start, unless allow_unsafe; it says the fix) or skip (said why). preflight.py checks the others;
+the skills pack's gates and eval.py's floors are podgpt/release/gates.py's.
 """
 
 import math
@@ -56,14 +56,20 @@ def check_profile(profile):
         fail(f"gate_profile={profile!r} is not one of {', '.join(PROFILE_NAMES)}", 2)
 
 
-def gate(name, verdict, value, threshold, detail):
+def gate(name, verdict, value, threshold, detail, fix=""):
+    """fix: what to change, said after the detail when the gate blocks."""
+    if fix and verdict == "block":
+        detail += f": {fix}"
     return dict(name=name, verdict=verdict, value=value, threshold=threshold, detail=detail)
 
 
+def worst(*verdicts):
+    """block over warn over pass (a skip counts as a pass)."""
+    return next((v for v in ("block", "warn") if v in verdicts), "pass")
+
+
 def verdict_of(gates):
-    """The worst verdict of gates: block, warn, else pass (a skip counts as a pass)."""
-    verdicts = {g["verdict"] for g in gates}
-    return "block" if "block" in verdicts else "warn" if "warn" in verdicts else "pass"
+    return worst(*(g["verdict"] for g in gates))
 
 
 def wilson(correct, n, z=Z95):
@@ -117,13 +123,12 @@ def release_token_budget(cfg, params):
     tokens, what = (base[0], f"the base checkpoint {base[1]} trained on") if base else (
         cfg.max_steps * cfg.total_batch_tokens, f"max_steps={cfg.max_steps:,} plans")
     per_param = tokens / params
-    verdict = judge(per_param, warn_below, block_below, below=True)
-    return gate("release_token_budget", verdict, per_param, block_below,
-                f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per parameter "
-                f"({params / 1e9:.3g}B) ("
-                + said(cfg.gate_profile, warn_below=warn_below, block_below=block_below) + ")"
-                + ("" if verdict != "block" else ": a longer base run (more max_steps), or "
-                   "gate_profile=research for a run not meant for release"))
+    return gate("release_token_budget", judge(per_param, warn_below, block_below, below=True),
+                per_param, block_below, f"{tokens / 1e9:.3g}B tokens {what} = {per_param:.3g} per "
+                f"parameter ({params / 1e9:.3g}B) ("
+                + said(cfg.gate_profile, warn_below=warn_below, block_below=block_below) + ")",
+                "a longer base run (more max_steps), or gate_profile=research for a run not meant "
+                "for release")
 
 
 # -----------------------------------------------------------------------------
@@ -164,8 +169,9 @@ def base_exposure(cfg, params, manifest):
     """base_exposure: the base model's tokens per parameter, and SFT's share of base + SFT tokens:
     an SFT run's base checkpoint and own tokens, or a base run's and a pass over its pack's SFT."""
     lim = limits(cfg.gate_profile)
-    threshold = dict(base_tokens_per_param=lim["exposure_block_below"],
-                     sft_share=lim["sft_share_block_above"])
+    base_below, share_warn, share_block = (
+        lim[k] for k in ("exposure_block_below", "sft_share_warn_above", "sft_share_block_above"))
+    threshold = dict(base_tokens_per_param=base_below, sft_share=share_block)
     planned = cfg.max_steps * cfg.total_batch_tokens
     if cfg.init_from:
         base = base_checkpoint(cfg.init_from)
@@ -185,17 +191,14 @@ def base_exposure(cfg, params, manifest):
         base_tokens = planned
         how = f"max_steps={cfg.max_steps:,} planned, then one pass over {cfg.pack_dir}'s SFT rows"
     per_param, share = base_tokens / params, sft_tokens / (base_tokens + sft_tokens)
-    verdict = verdict_of([
-        {"verdict": judge(per_param, None, lim["exposure_block_below"], below=True)},
-        {"verdict": judge(share, lim["sft_share_warn_above"], lim["sft_share_block_above"])}])
-    value = dict(base_tokens_per_param=per_param, sft_share=share)
-    return gate("base_exposure", verdict, value, threshold,
-                f"{how}: the base saw {base_tokens / 1e9:.3g}B tokens = {per_param:.3g} per "
-                f"parameter, SFT {sft_tokens / 1e6:.3g}M = {share:.2%} of all ("
-                + said(cfg.gate_profile, base_block_below=lim["exposure_block_below"],
-                       SFT_share_warn_above=lim["sft_share_warn_above"],
-                       block_above=lim["sft_share_block_above"])
-                + ")" + ("" if verdict != "block" else ": a longer base run, or fewer SFT steps"))
+    verdict = worst(judge(per_param, None, base_below, below=True),
+                    judge(share, share_warn, share_block))
+    return gate("base_exposure", verdict, dict(base_tokens_per_param=per_param, sft_share=share),
+                threshold, f"{how}: the base saw {base_tokens / 1e9:.3g}B tokens = {per_param:.3g} "
+                f"per parameter, SFT {sft_tokens / 1e6:.3g}M = {share:.2%} of all ("
+                + said(cfg.gate_profile, base_block_below=base_below,
+                       SFT_share_warn_above=share_warn, block_above=share_block) + ")",
+                "a longer base run, or fewer SFT steps")
 
 
 def no_pack_gates(cfg, params, manifest):
@@ -214,25 +217,23 @@ def final_loss(profile, summary):
     target, loss = summary.get("target"), summary.get("final_val_loss")
     if target is None:
         return gate("final_loss", "skip", loss, None, "no target_val_loss to judge it by")
-    verdict = "pass" if target == "met" else limits(profile)["target_missed"]
-    return gate("final_loss", verdict, loss, summary.get("target_val_loss"),
-                f"final validation loss {loss}: target {target}" + (
-                    "" if verdict != "block" else
-                    ": resume it to its horizon, or train longer or on more data"))
+    return gate("final_loss", "pass" if target == "met" else limits(profile)["target_missed"],
+                loss, summary.get("target_val_loss"), f"final validation loss {loss}: target "
+                f"{target}", "resume it to its horizon, or train longer or on more data")
 
 
 def spikes_rollbacks(profile, summary):
     """spikes_rollbacks: the loss spikes, non-finite steps and rollbacks of the run."""
     block = limits(profile)["rollbacks_block_above"]
     counts = {k: summary.get(k) or 0 for k in ("spikes", "nonfinite_steps", "rollbacks")}
-    verdict = ("block" if block is not None and counts["rollbacks"] > block else
-               "warn" if counts["rollbacks"] or counts["nonfinite_steps"] else "pass")
+    verdict = worst(judge(counts["rollbacks"], block=block),
+                    "warn" if counts["rollbacks"] or counts["nonfinite_steps"] else "pass")
     return gate("spikes_rollbacks", verdict, counts, block,
                 f"{counts['spikes']} spikes, {counts['nonfinite_steps']} non-finite steps, "
                 f"{counts['rollbacks']} rollbacks ({profile}: warn at a rollback or a non-finite "
-                f"step" + ("" if block is None else f", block above {block} rollbacks") + ")"
-                + ("" if verdict != "block" else ": find the cause (metrics.jsonl's events, "
-                   "postmortem/) and train again, lower learning_rate"))
+                f"step" + ("" if block is None else f", block above {block} rollbacks") + ")",
+                "find the cause (metrics.jsonl's events, postmortem/) and train again, lower "
+                "learning_rate")
 
 
 def long_run_gate(cfg, summary, release=None):

@@ -1,8 +1,8 @@
 """
 The guards train.py's loop calls around a paid run's steps: its clock and spend (Clock: the stop
-before max_hours or budget_usd is crossed, budget_file's verdict, wsd's decay when what is left pays
-for no more), the fire drills that rehearse a bad batch, a NaN or a slower pod (Drills), and the
-bad steps: spikes and non-finite steps, each an event and a post-mortem entry (BadSteps).
+before max_hours or budget_usd is crossed, budget_file's verdict, wsd's decay), the fire drills
+that rehearse a bad batch, a NaN or a slower pod (Drills), and spikes and non-finite steps
+(BadSteps), each an event and a post-mortem entry.
 """
 import json
 import os
@@ -27,12 +27,11 @@ STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "b
 def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,
           accum=1):
     """One all-reduce per step, so that every rank takes the same decisions: the summed loss and
-    stats, whether any rank saw a non-finite step or a signal, rank 0's guard, decay_to (wsd: the
-    horizon to decay to from the next step; 0: none) and save_due (by its clock). (mean loss over
-    every micro-step, finite, stop reason or None, decay_to, save due, mean stats or None)."""
-    flags = [0.0 if finite else 1.0, 1.0 if signal else 0.0,
-             float(STOP_REASONS.index(guard_reason) + 1) if guard_reason else 0.0, float(decay_to),
-             1.0 if save_due else 0.0]
+    stats, any rank's non-finite step or signal, rank 0's guard, decay_to (wsd's horizon from the
+    next step; 0: none) and save_due (by its clock). Returns (mean loss over every micro-step,
+    finite, stop reason or None, decay_to, save due, mean stats or None)."""
+    flags = [not finite, bool(signal), STOP_REASONS.index(guard_reason) + 1 if guard_reason else 0,
+             decay_to, bool(save_due)]
     # float64: a horizon is an exact integer in it at any length (float32 stops at 2**24)
     v = torch.cat([loss_sum.double().reshape(1),
                    torch.tensor(flags, device=proc.dev, dtype=torch.float64),
@@ -53,12 +52,11 @@ class Clock:
 
     def __init__(self, state, t_start, budget, schedule, usd_per_s, save_seconds):
         self.state, self.budget, self.schedule, self.usd_per_s = state, budget, schedule, usd_per_s
-        # the slowest save's write, estimated until measured
+        # save_seconds: the slowest save's write, estimated until measured
         self.t_last, self.save_seconds = t_start, save_seconds
         self.eval_seconds, self.next_budget_check = 0.0, 0.0
-        self.step_times = deque(maxlen=GUARD_STEPS)
-        # (steps done, elapsed) at the recent steps' ends: wsd's projection
-        self.pace = deque(maxlen=GUARD_STEPS)
+        # pace: (steps done, elapsed) at the recent steps' ends, wsd's projection
+        self.step_times, self.pace = deque(maxlen=GUARD_STEPS), deque(maxlen=GUARD_STEPS)
 
     def tick(self):
         now = time.time()
@@ -72,8 +70,7 @@ class Clock:
         return slowest + self.eval_seconds + self.save_seconds * (2 if writing else 1)
 
     def stop_reason(self, writing, event):
-        """Rank 0's verdict: the guard that must stop the run now, or None. event(name, message,
-        **fields): the loop's, for budget_file's warning."""
+        """Rank 0's guard that must stop the run now, or None; event: the loop's (budget_file's)."""
         st, budget = self.state, self.budget
         if limit := budget.crossed(st.elapsed, st.cost_usd, self.reserve(writing), self.usd_per_s):
             return limit
@@ -108,17 +105,15 @@ def restore_clock(path, state):
 
 
 class Drills:
-    """Fire drills (each -1: off): the steps logged as spike_at.. train on batches of the rarest
-    tokens, nan_at.. get a NaN loss on the last rank (INJECT_STEPS each), and from slow_at on every
-    step sleeps slow_seconds."""
+    """Fire drills (each -1: off): INJECT_STEPS steps from spike_at train on the rarest tokens, from
+    nan_at get a NaN loss on the last rank; from slow_at every step sleeps slow_seconds."""
 
     def __init__(self, spike_at, nan_at, slow_at, slow_seconds):
         self.spike_at, self.nan_at = spike_at, nan_at
         self.slow_at, self.slow_seconds = slow_at, slow_seconds
 
     def pick(self, state):
-        """(spike, nan): the drills the next step runs; each fires once, even if a rollback replays
-        its step."""
+        """(spike, nan) the next step runs; each fires once, even if a rollback replays its step."""
         return self.firing(state, "spike", self.spike_at), self.firing(state, "nan", self.nan_at)
 
     @staticmethod
@@ -136,15 +131,14 @@ class Drills:
 
 class BadSteps:
     """Spikes (a loss above spike_factor x the EMA of recent losses) and non-finite steps: each an
-    event and, on rank 0, a post-mortem entry; they count in a row toward a rollback."""
+    event and, on rank 0, a post-mortem entry; max_bad_steps in a row roll back."""
 
     def __init__(self, spike_factor, max_bad_steps, max_rollbacks, event, postmortem,
                  write_postmortem):
         self.spike_factor, self.max_bad_steps = spike_factor, max_bad_steps
         self.max_rollbacks, self.event = max_rollbacks, event
         self.postmortem, self.write_postmortem = postmortem, write_postmortem
-        # (step, loss, grad norm, lr) a post-mortem shows
-        self.recent = deque(maxlen=POSTMORTEM_STEPS)
+        self.recent = deque(maxlen=POSTMORTEM_STEPS)  # (step, loss, grad norm, lr) it shows
 
     def account(self, st, loss, finite, grad_norm, lr, batch, on_disk):
         """Count the step just taken as non-finite or a spike, else fold its loss into the EMA.
@@ -170,8 +164,7 @@ class BadSteps:
             self.write_postmortem()
 
     def rollback(self, st, ckpts):
-        """max_bad_steps in a row: back to the newest good checkpoint at half the learning rate;
-        None, or why that cannot be (the run diverges)."""
+        """Back to the newest good checkpoint at half the learning rate: None, or why it cannot."""
         if st.rollbacks >= self.max_rollbacks:
             return (f"{self.max_bad_steps} bad steps in a row after {st.rollbacks} rollbacks "
                     f"(max_rollbacks={self.max_rollbacks}): the run diverges; lower learning_rate "

@@ -105,8 +105,7 @@ def read_manifest(data_dir, vocab_size, planning=False):
 
 
 def open_data(data_dir, manifest, mconfig, seed):
-    """(manifest, train Loader, validation Loader) for the model mconfig; all None before the data
-    exists."""
+    """(manifest, train Loader, validation Loader); all None before the data exists."""
     if manifest is None:
         return None, None, None
     mconfig.check_data(data_dir, manifest)
@@ -116,10 +115,8 @@ def open_data(data_dir, manifest, mconfig, seed):
 
 def build_model(mconfig, proc, dt, seed, fp8=False, compiled=False, sharded=False, verbose=False,
                 out_dir=""):
-    """The model on this rank's device (its share when sharded), from seed as every RNG the run
-    uses; its attention kernel resolved before torch.compile traces it, logged in one line (verbose:
-    why auto skipped the others, which preflight.md always says); fp8: float8 linear layers, or one
-    line why that cannot run here."""
+    """The model on this rank's device (its share when sharded), every RNG seeded; its attention
+    kernel resolved before torch.compile traces it (verbose: why auto skipped the others)."""
     torch.manual_seed(seed)
     random.seed(seed + proc.rank)
     np.random.seed((seed + proc.rank) % 2**32)  # numpy's range; the configurator keeps seed in it
@@ -136,28 +133,27 @@ def build_model(mconfig, proc, dt, seed, fp8=False, compiled=False, sharded=Fals
     model = make_model(mconfig).to(proc.dev)
     if fp8:  # before FSDP wraps the layers, and before torch.compile traces them
         converted, kept = float8_linears(model)
-        more = f" and {len(kept) - 4} more" if len(kept) > 4 else ""
         log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); "
-            f"kept in bfloat16: {', '.join(kept[:4])}{more}")
+            f"kept in bfloat16: {', '.join(kept[:4])}"
+            + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""))
     if sharded:
         shard_model(model, proc.dev, dt)
     return model
 
 
 def wrap_model(raw_model, proc, compile_mode=None, ddp=True):
-    """The model as the loop calls it: compiled unless compile_mode is None, in DDP under torchrun
-    when ddp."""
+    """The model as the loop calls it: compiled unless compile_mode is None, maybe in DDP."""
     model = raw_model if compile_mode is None else torch.compile(raw_model, mode=compile_mode)
-    if proc.distributed and ddp:
-        model = DDP(model, device_ids=[proc.dev.index] if proc.dev.type == "cuda" else None)
     if proc.distributed:
+        if ddp:
+            model = DDP(model, device_ids=[proc.dev.index] if proc.dev.type == "cuda" else None)
         LIVE_MODELS.append(model)
     return model
 
 
 def check_writable(out_dir, proc, folder, config, report):
-    """out_dir becomes this run's (rank 0 claims it) and proves it takes writes (each rank its own
-    probe) before any step is spent; then rank 0 writes the config and preflight report into it."""
+    """out_dir claimed by rank 0 and proved writable by each rank before any step is spent; then
+    rank 0 writes the config and preflight report into it."""
     on_rank0(proc.distributed, folder.claim)
     probe = os.path.join(out_dir, f".write-test-{proc.rank}")
     try:

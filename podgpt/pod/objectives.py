@@ -12,8 +12,7 @@ from podgpt.core.configurator import research_keys, research_modules
 
 
 def objective(name):
-    """The research module of objective `name`; None for "ar". ValueError for a name that is
-    neither."""
+    """The research module of objective `name`; None for "ar"; ValueError for neither."""
     if name == "ar":
         return None
     if name not in research_modules():
@@ -23,12 +22,10 @@ def objective(name):
 
 
 def config_class(name):
-    module = objective(name)
-    return GPTConfig if module is None else module.Config
+    return getattr(objective(name), "Config", GPTConfig)  # "ar" (None) has none: GPTConfig
 
 
 def config_fields(name):
-    """The fields a model config of objective `name` takes."""
     return [f.name for f in fields(config_class(name)) if f.init]
 
 
@@ -46,5 +43,4 @@ def make_config(**values):
 
 def make_model(config):
     """A new model of config's objective, initialized."""
-    module = objective(config.objective)
-    return GPT(config) if module is None else module.Model(config)
+    return getattr(objective(config.objective), "Model", GPT)(config)

@@ -96,9 +96,8 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
                     activation_checkpointing=None, compute_bytes=2):
     """Bytes per GPU at a training step's peak (memory_phases' largest), by part, and params.
     compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32; activation_checkpointing: "none", "full"
-    or "selective" (True: full, False: none, None: config.grad_ckpt). Activations count as model.py
-    saves them on CPU (tests/test_model.py); within -1%..+5% of the H100 peaks measured in
-    bench/results/memory.jsonl (cuBLAS workspaces and allocator rounding are not counted)."""
+    or "selective" (True: full, False: none, None: config.grad_ckpt). Within -1%..+5% of the H100
+    peaks in bench/results/memory.jsonl (cuBLAS workspaces, allocator rounding not counted)."""
     phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing,
                            compute_bytes)
     peak = max(phases.values(), key=lambda parts: parts["total"])
@@ -159,10 +158,7 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
 
 def peak_flops(device_name):
     """Datasheet dense bf16 FLOP/s of a GPU name; None if unknown (no MFU, not a wrong one)."""
-    for key, flops in PEAK_BF16_FLOPS:
-        if key.lower() in device_name.lower():
-            return flops
-    return None
+    return next((f for key, f in PEAK_BF16_FLOPS if key.lower() in device_name.lower()), None)
 
 
 def largest_fitting(fits, known, limit=MAX_MICRO_BATCH):
@@ -200,20 +196,17 @@ def horizon_gate(cfg, counts):
     """compute_optimal_horizon: planned tokens per non-embedding parameter vs Chinchilla's 20."""
     tokens = cfg.max_steps * cfg.total_batch_tokens
     per_param = tokens / counts["non_embedding"]
-    lim = limits(cfg.gate_profile)
-    low, band = lim["horizon_block_below"], lim["horizon_warn_outside"]
-    high = lim["horizon_block_above"]
+    low, band, high = (limits(cfg.gate_profile)[f"horizon_{k}"]
+                       for k in ("block_below", "warn_outside", "block_above"))
     ratio = per_param / 20
     blocked = (low and ratio < low) or (high and ratio > high and tokens >= LONG_RUN_TOKENS)
     verdict = "block" if blocked else "warn" if band and not band[0] <= ratio <= band[1] else "pass"
     return gate("compute_optimal_horizon", verdict, ratio, band or "-",
                 f"{tokens / 1e9:.3g}B tokens = {tokens / counts['total']:.1f} per parameter "
                 f"({counts['total'] / 1e9:.3g}B), {per_param:.1f} per non-embedding parameter "
-                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20" + (
-                    "" if verdict != "block" else
-                    f": max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per "
-                    "non-embedding parameter, or gate_profile=research for a run not meant for "
-                    "release"))
+                f"({counts['non_embedding'] / 1e9:.3g}B) = {ratio:.2f}x Chinchilla's 20",
+                f"max_steps={round(20 / per_param * cfg.max_steps):,} is 20 per non-embedding "
+                "parameter, or gate_profile=research for a run not meant for release")
 
 
 def lr_scaling_gate(cfg):
@@ -270,16 +263,12 @@ def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
               f"({mem_gb:g} GB x {MEMORY_USABLE})")
     if need <= usable:
         return gate("memory_fit", "warn" if need > 0.85 * usable else "pass", need, usable, detail)
-    remedies = []
-    for mb in (cfg.micro_batch_size // 2 ** k for k in range(1, 12)):
-        if mb >= 1 and total(mb) <= usable:
-            remedies.append(f"micro_batch_size={mb} (gradient accumulation keeps "
-                            f"total_batch_tokens)")
-            break
-    for ckpt in ("selective", "full"):
-        if cfg.grad_ckpt != ckpt and cfg.grad_ckpt != "full" and total(ckpt=ckpt) <= usable:
-            remedies.append(f"grad_ckpt={ckpt}")
-            break
+    # the first that fits of each: a micro-batch halved (up to 11 times), more checkpointing
+    halves = [mb for mb in (cfg.micro_batch_size >> k for k in range(1, 12)) if mb >= 1]
+    remedies = [f"micro_batch_size={mb} (gradient accumulation keeps total_batch_tokens)"
+                for mb in halves if total(mb) <= usable][:1]
+    remedies += [f"grad_ckpt={ckpt}" for ckpt in ("selective", "full")
+                 if cfg.grad_ckpt not in (ckpt, "full") and total(ckpt=ckpt) <= usable][:1]
     best = total(shard=True, ckpt="full")
     if not sharded and best <= usable:
         remedies.append(f"dist_mode=fsdp + grad_ckpt=full across {world} GPUs: "
@@ -373,7 +362,7 @@ def target_band(value):
 
 
 def check_gate_settings(cfg):
-    """Refuse (exit 2) an unknown gate_profile, and a target_val_loss neither a loss nor a band."""
+    """Refuse (exit 2) an unknown gate_profile or target_val_loss."""
     check_profile(cfg.gate_profile)
     try:
         target_band(cfg.target_val_loss)
@@ -387,13 +376,12 @@ def loss_gate(cfg, plan, manifest):
     target = target_text(band) if band else None
     tokenizer = manifest["tokenizer"] if manifest else None
     if cfg.objective != "ar" or tokenizer in ("byte", "char"):
-        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy" if
-               cfg.objective != "ar" else f"nats per {tokenizer} token are not comparable to its "
-               f"subword tokens'")
+        why = (f"objective={cfg.objective}'s loss is not next-token cross-entropy"
+               if cfg.objective != "ar" else
+               f"nats per {tokenizer} token are not comparable to its subword tokens'")
         return gate("predicted_loss", "skip", None, target,
                     f"Chinchilla's fit does not apply: {why}")
-    # the horizon's tokens: what max_steps plans, or what the budget pays for
-    horizon = plan.get("horizon")
+    horizon = plan.get("horizon")  # what the budget pays for, else what max_steps plans
     d = horizon["steps"] * cfg.total_batch_tokens if horizon else plan["planned_tokens"]
     n, c = plan["params"]["total"], CHINCHILLA
     loss = c["E"] + c["A"] / n ** c["alpha"] + c["B"] / d ** c["beta"]
@@ -431,7 +419,7 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
         world, here = plan_world(cfg, proc), not planning(cfg, proc)
         mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
                                     if proc.dev.type == "cuda" else 0)
-        counts, dtype_bytes = param_counts(mconfig), 4 if dt == torch.float32 else 2
+        counts, dtype_bytes = param_counts(mconfig), dt.itemsize
         pack_gates = release.pack_gates if release else no_pack_gates
         gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts),
                  *data_gates(cfg, manifest), *pack_gates(cfg, counts["total"], manifest),
@@ -569,13 +557,17 @@ def write_preflight(path, report):
     """preflight.json and preflight.md, with the report's verdict."""
     report["verdict"] = verdict_of(report["gates"])
     write_json(os.path.join(path, "preflight.json"), report)
-    lines = [f"# preflight: {report['verdict']} ({report['profile']} profile)", "",
-             "| gate | verdict | value | threshold | detail |", "|---|---|---|---|---|"]
-    for g in report["gates"]:
-        value = f"{g['value']:.4g}" if isinstance(g["value"], float) else g["value"]
-        lines.append(f"| {g['name']} | {g['verdict']} | {value} | {g['threshold']} | "
-                     f"{g['detail']} |")
+    lines = [f"# preflight: {report['verdict']} ({report['profile']} profile)", ""] + md_table(
+        ("gate", "verdict", "value", "threshold", "detail"),
+        [(g["name"], g["verdict"], f"{g['value']:.4g}" if isinstance(g["value"], float)
+          else g["value"], g["threshold"], g["detail"]) for g in report["gates"]])
     write_atomic(os.path.join(path, "preflight.md"), "\n".join(lines) + "\n")
+
+
+def md_table(head, rows):
+    """A Markdown table's lines: the head's cells, its rule, then each row's."""
+    lines = [f"| {' | '.join(map(str, cells))} |" for cells in [head, *rows]]
+    return lines[:1] + ["|" + "---|" * len(head)] + lines[1:]
 
 
 def finish_preflight(cfg, report, master):

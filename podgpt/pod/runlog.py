@@ -11,10 +11,9 @@ from podgpt.pod.report import MetricsFile
 
 
 class RunLog:
-    """out_dir's running files, written on rank 0 alone (master). on_disk(): the newest checkpoint's
-    step (-1: none), where a stop on a full disk resumes; model: the one trained, which names its
-    objective's stats; batch_tokens, flops_tok and peak (the GPUs' bf16 peak; None: no MFU) measure
-    the speed."""
+    """out_dir's running files, on rank 0 alone (master). on_disk(): the newest checkpoint's step
+    (-1: none), where a stop on a full disk resumes; model names its objective's stats;
+    batch_tokens, flops_tok and peak (the GPUs' bf16 FLOP/s; None: no MFU) measure the speed."""
 
     def __init__(self, out_dir, step, master, trackers, on_disk, model, batch_tokens, flops_tok,
                  peak):
@@ -64,26 +63,17 @@ class RunLog:
     def write(self, row):
         """A metrics.jsonl line, and the trackers'."""
         if self.metrics is not None:
-            try:
-                row = self.metrics.write(row)
-            except OSError as e:
-                self.metrics = None
-                self.out_of_space(self.metrics_path, e)
+            row = self.attempt(self.metrics_path, self.metrics.write, row)
             if self.trackers:
                 self.trackers.log(row)
 
     def clock(self, state):
         if self.metrics is not None:
-            try:
-                write_json(self.clock_path, dict(elapsed=state.elapsed, cost_usd=state.cost_usd))
-            except OSError as e:
-                self.out_of_space(self.clock_path, e)
+            self.attempt(self.clock_path, write_json, self.clock_path,
+                         dict(elapsed=state.elapsed, cost_usd=state.cost_usd))
 
     def postmortem(self, postmortem):
-        try:
-            postmortem.write()
-        except OSError as e:
-            self.out_of_space(postmortem.path + ".md", e)
+        self.attempt(postmortem.path + ".md", postmortem.write)
 
     def close(self, status, report):
         """metrics.jsonl closed, report() (the run report, read from it), then the trackers: last,
@@ -93,9 +83,16 @@ class RunLog:
         if self.trackers:
             self.trackers.close(status)
 
-    def out_of_space(self, path, e):
-        on_disk = self.on_disk()
-        where = (f"it resumes from step {on_disk}" if on_disk >= 0
-                 else "it starts over (no checkpoint yet)")
-        fail(f"cannot write {path} ({first_line(e)}): "
-             + (f"{MAKE_ROOM}: {where}" if disk_full(e) else "check out_dir's disk"))
+    def attempt(self, path, write, *args):
+        """write(*args); one the disk refuses stops the run (a refused metrics.jsonl write closed
+        it: nothing more goes there)."""
+        try:
+            return write(*args)
+        except OSError as e:
+            if path == self.metrics_path:
+                self.metrics = None
+            on_disk = self.on_disk()
+            where = (f"it resumes from step {on_disk}" if on_disk >= 0
+                     else "it starts over (no checkpoint yet)")
+            fail(f"cannot write {path} ({first_line(e)}): "
+                 + (f"{MAKE_ROOM}: {where}" if disk_full(e) else "check out_dir's disk"))
