@@ -1,13 +1,11 @@
 """
-Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them, resume and
-init_from: podgpt/pod/checkpoints.py).
-
-ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, each file fsync'd, complete.json (sizes,
-CRC32s) last, then renamed into place and named by latest (and best): a kill at any moment leaves
-the previous checkpoint intact, and a damaged one is caught when read back. One process writes
-model.pt and optimizer.pt; several ranks write state/ with torch.distributed.checkpoint, each its
-part (fsdp's shards, ddp's share_of); muon's ddp runs (DCP does not take its optimizer) and ddp
-with one process per node write model.pt and optimizer.pt on rank 0. Either resumes anywhere.
+Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them:
+podgpt/pod/checkpoints.py). ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, each file
+fsync'd, complete.json (sizes, CRC32s) last, then renamed into place and named by latest (and
+best): a kill at any moment leaves the previous checkpoint intact, and a damaged one is caught when
+read back. Rank 0 writes model.pt and optimizer.pt, or several ranks write state/ with
+torch.distributed.checkpoint, each its part (fsdp's shards, ddp's share_of); muon's ddp runs
+(DCP does not take its optimizer) write on rank 0. Either resumes at any world size.
 """
 
 import fcntl
@@ -15,10 +13,9 @@ import json
 import os
 import random
 import shutil
-import sys
 import warnings
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 
 import numpy as np
@@ -117,12 +114,11 @@ def file_crc32(path):
 def room_for(ckpt_root, step, need, min_free_gb):
     """Whether the disk holds `need` more bytes and keeps min_free_gb free; else a warning."""
     free = shutil.disk_usage(ckpt_root).free
-    if free - need >= min_free_gb * 1e9:
-        return True
-    print(f"warning: skipping the step {step} checkpoint: it needs {format_bytes(need)} and "
-          f"{ckpt_root} has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training "
-          f"goes on: free disk space", file=sys.stderr, flush=True)
-    return False
+    if free - need < min_free_gb * 1e9:
+        warn(f"skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} "
+             f"has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: "
+             f"free disk space")
+    return free - need >= min_free_gb * 1e9
 
 
 def write_shards(state_dir, sharded, group=None):
@@ -158,8 +154,8 @@ def write_files(folder, files):
     crc_options = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name)))
-                   for name, obj in files.items()}
+        writers = {name: CutShortThread(partial(save_file, obj, os.path.join(folder, name)),
+                                        "checkpoint-writer") for name, obj in files.items()}
         for writer in writers.values():  # all done before an error is raised: the caller cleans up
             writer.join()
         crcs = {name: writer.result() for name, writer in writers.items()}
@@ -213,14 +209,11 @@ def remove_unread(path):
 
 def abandon(ckpt_root, tmp, step, error):
     """Drop a partial checkpoint folder and keep training; None."""
-    try:
+    with suppress(OSError):  # the disk that failed the save may fail this too: a later save will
         if os.path.lexists(tmp):
             remove(tmp)
-    except OSError:  # the disk that failed the save may fail this too: a later save removes it
-        pass
-    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: free disk "
-          f"space or check {ckpt_root}", file=sys.stderr, flush=True)
-    return None
+    warn(f"the step {step} checkpoint failed ({error}); training goes on: free disk space or "
+         f"check {ckpt_root}")
 
 
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
@@ -319,17 +312,22 @@ class Staging:
         self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
 
     def reserve(self, obj):
-        """Allocate the buffers copy(obj) will fill, each touched so its pages are mapped too."""
+        """Allocate in a thread the buffers copy(obj) will fill, each touched so its pages are
+        mapped too."""
         wanted = {}
         self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(
             p, (t.shape, t.dtype)))
-        self.reserving = Reserving(self.buffers, wanted, self.pin)
+
+        def allocate():
+            for place, (shape, dtype) in wanted.items():
+                self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
+        self.reserving = CutShortThread(allocate, "checkpoint-staging")
 
     def copy(self, obj):
         """obj with every tensor replaced by a CPU copy; tensors that share memory (tied
         embeddings) share it, so torch.save writes it once, as it would the originals."""
         if self.reserving is not None:
-            self.reserving.join()
+            self.reserving.result()
             self.reserving = None
         copied = self._walk(obj, "", {}, self._buffer)
         if self.pin:  # the copies from the GPU run asynchronously: the writer needs them whole
@@ -359,41 +357,6 @@ class Staging:
         if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
             buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
         return buf.copy_(obj, non_blocking=self.pin)
-
-
-class Reserving(CutShortThread):
-    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)})."""
-
-    def __init__(self, buffers, wanted, pin):
-        super().__init__("checkpoint-staging")
-        self.buffers, self.wanted, self.pin = buffers, wanted, pin
-        self.start()
-
-    def work(self):
-        for place, (shape, dtype) in self.wanted.items():
-            self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
-
-
-class Writer(CutShortThread):
-    """write() in a daemon thread: a run stopping on an error exits without finishing it (a save
-    cut short is never taken for a checkpoint). result() returns or raises what write() did."""
-
-    def __init__(self, write):
-        super().__init__("checkpoint-writer")
-        self.write, self.value, self.error = write, None, None
-        self.start()
-
-    def work(self):
-        try:
-            self.value = self.write()
-        except BaseException as e:  # handed to the loop's thread by result()
-            self.error = e
-
-    def result(self):
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 # -----------------------------------------------------------------------------
