@@ -95,7 +95,7 @@ def leaves(obj):
 
 
 def tensor_bytes(obj):
-    """The bytes of the tensors and bytes objects in obj (nested dicts, lists and tuples)."""
+    """The bytes of the tensors and bytes objects in obj."""
     return sum(x.numel() * x.element_size() if torch.is_tensor(x) else
                len(x) if isinstance(x, bytes) else 0 for x in leaves(obj))
 
@@ -114,16 +114,16 @@ def file_crc32(path):
 def room_for(ckpt_root, step, need, min_free_gb):
     """Whether the disk holds `need` more bytes and keeps min_free_gb free; else a warning."""
     free = shutil.disk_usage(ckpt_root).free
-    if free - need < min_free_gb * 1e9:
+    room = free - need >= min_free_gb * 1e9
+    if not room:
         warn(f"skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} "
              f"has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: "
              f"free disk space")
-    return free - need >= min_free_gb * 1e9
+    return room
 
 
 def write_shards(state_dir, sharded, group=None):
-    """This rank's part of the sharded state, written by DCP into state_dir on `group` (None: the
-    default one): {file: size and CRC32}."""
+    """This rank's part of the sharded state, written by DCP into state_dir: {file: size, CRC32}."""
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP stages tensors through a CUDA stream wherever CUDA exists: a CPU run's are written as they
     # are, so that a CPU run on a GPU machine never reaches into a GPU
@@ -140,7 +140,7 @@ def write_shards(state_dir, sharded, group=None):
 
 
 def save_errors(sharded):
-    """What a failing disk raises in a save: OSError, and under DCP its CheckpointException."""
+    """What a failing disk raises in a save: OSError, and DCP's CheckpointException."""
     if sharded is None:
         return (OSError,)
     import torch.distributed.checkpoint as dcp
@@ -148,8 +148,8 @@ def save_errors(sharded):
 
 
 def write_files(folder, files):
-    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a Writer (torch.save's
-    copies and the CRC32 leave the GIL): {file: size and CRC32}. Torch's per-record CRC32, a second
+    """`files` ({name: bytes or torch object}) into folder, fsync'd, each in a thread (torch.save's
+    copies and the CRC32 leave the GIL): {file: size, CRC32}. Torch's own per-record CRC32, a second
     pass, is off meanwhile: process-wide, but one save runs at a time, and no other torch.save."""
     crc_options = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -167,7 +167,7 @@ def write_files(folder, files):
 
 def commit(ckpt_root, tmp, step, marker, best, keep_last):
     """Rank 0's end of a save: the marker, the rename, the pointers, the rotation. The folder, or
-    None (with a warning, the partial folder removed) when the disk refused."""
+    None (see abandon) when the disk refused."""
     name = f"step_{step:07d}"
     try:
         save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(),
@@ -185,9 +185,9 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
     write_pointer(ckpt_root, "latest", name)
     if best:
         write_pointer(ckpt_root, "best", name)
-    keep = {read_pointer(ckpt_root, "best")}
+    keep = read_pointer(ckpt_root, "best")
     for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
-        if old not in keep:
+        if old != keep:
             remove_unread(os.path.join(ckpt_root, old))
     return final
 
@@ -219,9 +219,8 @@ def abandon(ckpt_root, tmp, step, error):
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN: the folder, or None
     when the disk could not hold it and keep min_free_gb free. sharded: {"model", "optimizer"} of
-    DTensors (fsdp) or this rank's share (ddp: share_of); then every rank calls this and writes its
-    part into state/ with DCP on `group`, and rank 0 alone writes `files`, the marker (once every
-    part is on disk) and the pointers."""
+    DTensors (fsdp) or this rank's share_of (ddp): every rank calls this and writes its part with
+    DCP on `group`; rank 0 alone writes `files`, then the marker and the pointers."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -280,14 +279,14 @@ def share_of(state, rank, world):
 
 
 def checkpoint_bytes(path):
-    """The bytes of a checkpoint's files, every rank's shards included, as its marker lists them."""
+    """The bytes of a checkpoint's files, every rank's shards included."""
     with open(os.path.join(path, MARKER)) as f:
         return sum(m["bytes"] for m in json.load(f)["files"].values())
 
 
 def too_slow_for_preemption(gb, seconds, shared, world):
     """What is wrong with `gb` written in `seconds` (over PREEMPT_SAVE_SECONDS), and the fix.
-    shared: the ranks share the write where they can (not with muon's optimizer under ddp)."""
+    shared: the ranks share the write (not with muon's optimizer under ddp)."""
     fix = (f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more "
            f"(local NVMe, not a network volume)")
     if not shared and world > 1:  # muon's ddp runs
@@ -304,16 +303,15 @@ def too_slow_for_preemption(gb, seconds, shared, world):
 
 # Ours, not DCP's stagers: theirs allocate at the first stage(), which would block the first save
 class Staging:
-    """CPU copies of state dicts, which a Writer writes while training goes on. Buffers are kept by
-    their place in the dict; on a GPU they are pinned (full-speed copies), seconds to allocate for
-    a 1B model: reserve() allocates them in a thread while the first steps run."""
+    """CPU copies of state dicts, written while training goes on. Buffers are kept by their place
+    in the dict; on a GPU they are pinned (full-speed copies), seconds to allocate for a 1B model:
+    reserve() allocates them in a thread while the first steps run."""
 
     def __init__(self, dev):
         self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
 
     def reserve(self, obj):
-        """Allocate in a thread the buffers copy(obj) will fill, each touched so its pages are
-        mapped too."""
+        """Allocate the buffers copy(obj) will fill, each touched so its pages are mapped."""
         wanted = {}
         self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(
             p, (t.shape, t.dtype)))
