@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -229,7 +229,7 @@ def remove_empty(made):
         remove(folder)
 
 
-class Folder:
+class Folder(AbstractContextManager):
     """A folder one podgpt process writes, held by the OS's lock on its MARK: hold() before reading
     what a run left (it writes nothing), claim() before the first write, release() at the end. It
     must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
@@ -238,9 +238,6 @@ class Folder:
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
         self.fd, self.made, self.marked = None, [], False  # locked mark; what claim() made
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.release()

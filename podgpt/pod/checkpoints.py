@@ -255,9 +255,8 @@ class Checkpoints:
         return (self.pending and bad_in_a_row == 0) or (new_best and self.save_best) or stopping
 
     def save(self, trainer, best):
-        """Save the current step with every rank's RNG state and `trainer` (the loop's state). The
-        loop waits for the save in flight (never two at once) and the copy into CPU memory; the
-        files are then written in the background (background=False: before this returns)."""
+        """Save the step with every rank's RNG state and `trainer` (the loop's state), after the
+        save in flight; once copied into CPU memory, written in the background if `background`."""
         t0 = self.t_saved = time.time()
         proc = self.proc
         self.wait()
@@ -331,7 +330,7 @@ class Checkpoints:
 
     def collect(self):
         writer, self.writer = self.writer, None
-        self.report(writer.result())
+        self.report(writer.result())  # raises what the write raised
 
     def report(self, r):
         """Say on the loop's thread (a line from the writer's could land inside a step's) how long
