@@ -1,13 +1,11 @@
 """
-Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them, resume and
-init_from: podgpt/pod/checkpoints.py).
-
-ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, each file fsync'd, complete.json (sizes,
-CRC32s) last, then renamed into place and named by latest (and best): a kill at any moment leaves
-the previous checkpoint intact, and a damaged one is caught when read back. One process writes
-model.pt and optimizer.pt; several ranks write state/ with torch.distributed.checkpoint, each its
-part (fsdp's shards, ddp's share_of); muon's ddp runs (DCP does not take its optimizer) and ddp
-with one process per node write model.pt and optimizer.pt on rank 0. Either resumes anywhere.
+Checkpoint folders: write, verify, commit, rotate, find, load (the run's view of them:
+podgpt/pod/checkpoints.py). ckpt/step_NNNNNNN/ is written as ckpt/.tmp-step_NNNNNNN/, each file
+fsync'd, complete.json (sizes, CRC32s) last, then renamed into place and named by latest (and
+best): a kill at any moment leaves the previous checkpoint intact, and a damaged one is caught when
+read back. Rank 0 writes model.pt and optimizer.pt, or several ranks write state/ with
+torch.distributed.checkpoint, each its part (fsdp's shards, ddp's share_of); muon's ddp runs
+(DCP does not take its optimizer) write on rank 0. Either resumes at any world size.
 """
 
 import fcntl
@@ -15,10 +13,9 @@ import json
 import os
 import random
 import shutil
-import sys
 import warnings
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 
 import numpy as np
@@ -98,7 +95,7 @@ def leaves(obj):
 
 
 def tensor_bytes(obj):
-    """The bytes of the tensors and bytes objects in obj (nested dicts, lists and tuples)."""
+    """The bytes of the tensors and bytes objects in obj."""
     return sum(x.numel() * x.element_size() if torch.is_tensor(x) else
                len(x) if isinstance(x, bytes) else 0 for x in leaves(obj))
 
@@ -117,17 +114,16 @@ def file_crc32(path):
 def room_for(ckpt_root, step, need, min_free_gb):
     """Whether the disk holds `need` more bytes and keeps min_free_gb free; else a warning."""
     free = shutil.disk_usage(ckpt_root).free
-    if free - need >= min_free_gb * 1e9:
-        return True
-    print(f"warning: skipping the step {step} checkpoint: it needs {format_bytes(need)} and "
-          f"{ckpt_root} has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training "
-          f"goes on: free disk space", file=sys.stderr, flush=True)
-    return False
+    room = free - need >= min_free_gb * 1e9
+    if not room:
+        warn(f"skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} "
+             f"has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: "
+             f"free disk space")
+    return room
 
 
 def write_shards(state_dir, sharded, group=None):
-    """This rank's part of the sharded state, written by DCP into state_dir on `group` (None: the
-    default one): {file: size and CRC32}."""
+    """This rank's part of the sharded state, written by DCP into state_dir: {file: size, CRC32}."""
     import torch.distributed.checkpoint as dcp  # only sharded runs import it: see model.shard_model
     # DCP stages tensors through a CUDA stream wherever CUDA exists: a CPU run's are written as they
     # are, so that a CPU run on a GPU machine never reaches into a GPU
@@ -144,7 +140,7 @@ def write_shards(state_dir, sharded, group=None):
 
 
 def save_errors(sharded):
-    """What a failing disk raises in a save: OSError, and under DCP its CheckpointException."""
+    """What a failing disk raises in a save: OSError, and DCP's CheckpointException."""
     if sharded is None:
         return (OSError,)
     import torch.distributed.checkpoint as dcp
@@ -152,14 +148,14 @@ def save_errors(sharded):
 
 
 def write_files(folder, files):
-    """`files` ({name: bytes or torch object}) into folder, fsync'd, each by a Writer (torch.save's
-    copies and the CRC32 leave the GIL): {file: size and CRC32}. Torch's per-record CRC32, a second
+    """`files` ({name: bytes or torch object}) into folder, fsync'd, each in a thread (torch.save's
+    copies and the CRC32 leave the GIL): {file: size, CRC32}. Torch's own per-record CRC32, a second
     pass, is off meanwhile: process-wide, but one save runs at a time, and no other torch.save."""
     crc_options = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
-        writers = {name: Writer(partial(save_file, obj, os.path.join(folder, name)))
-                   for name, obj in files.items()}
+        writers = {name: CutShortThread(partial(save_file, obj, os.path.join(folder, name)),
+                                        "checkpoint-writer") for name, obj in files.items()}
         for writer in writers.values():  # all done before an error is raised: the caller cleans up
             writer.join()
         crcs = {name: writer.result() for name, writer in writers.items()}
@@ -171,7 +167,7 @@ def write_files(folder, files):
 
 def commit(ckpt_root, tmp, step, marker, best, keep_last):
     """Rank 0's end of a save: the marker, the rename, the pointers, the rotation. The folder, or
-    None (with a warning, the partial folder removed) when the disk refused."""
+    None (see abandon) when the disk refused."""
     name = f"step_{step:07d}"
     try:
         save_file(json.dumps(dict(step=step, files=marker), indent=1).encode(),
@@ -189,9 +185,9 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
     write_pointer(ckpt_root, "latest", name)
     if best:
         write_pointer(ckpt_root, "best", name)
-    keep = {read_pointer(ckpt_root, "best")}
+    keep = read_pointer(ckpt_root, "best")
     for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
-        if old not in keep:
+        if old != keep:
             remove_unread(os.path.join(ckpt_root, old))
     return final
 
@@ -213,22 +209,18 @@ def remove_unread(path):
 
 def abandon(ckpt_root, tmp, step, error):
     """Drop a partial checkpoint folder and keep training; None."""
-    try:
+    with suppress(OSError):  # the disk that failed the save may fail this too: a later save will
         if os.path.lexists(tmp):
             remove(tmp)
-    except OSError:  # the disk that failed the save may fail this too: a later save removes it
-        pass
-    print(f"warning: the step {step} checkpoint failed ({error}); training goes on: free disk "
-          f"space or check {ckpt_root}", file=sys.stderr, flush=True)
-    return None
+    warn(f"the step {step} checkpoint failed ({error}); training goes on: free disk space or "
+         f"check {ckpt_root}")
 
 
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
     """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN: the folder, or None
     when the disk could not hold it and keep min_free_gb free. sharded: {"model", "optimizer"} of
-    DTensors (fsdp) or this rank's share (ddp: share_of); then every rank calls this and writes its
-    part into state/ with DCP on `group`, and rank 0 alone writes `files`, the marker (once every
-    part is on disk) and the pointers."""
+    DTensors (fsdp) or this rank's share_of (ddp): every rank calls this and writes its part with
+    DCP on `group`; rank 0 alone writes `files`, then the marker and the pointers."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
     go = [True]
@@ -287,14 +279,14 @@ def share_of(state, rank, world):
 
 
 def checkpoint_bytes(path):
-    """The bytes of a checkpoint's files, every rank's shards included, as its marker lists them."""
+    """The bytes of a checkpoint's files, every rank's shards included."""
     with open(os.path.join(path, MARKER)) as f:
         return sum(m["bytes"] for m in json.load(f)["files"].values())
 
 
 def too_slow_for_preemption(gb, seconds, shared, world):
     """What is wrong with `gb` written in `seconds` (over PREEMPT_SAVE_SECONDS), and the fix.
-    shared: the ranks share the write where they can (not with muon's optimizer under ddp)."""
+    shared: the ranks share the write (not with muon's optimizer under ddp)."""
     fix = (f"put out_dir on a disk that writes {gb / PREEMPT_SAVE_SECONDS:.1f} GB/s or more "
            f"(local NVMe, not a network volume)")
     if not shared and world > 1:  # muon's ddp runs
@@ -311,25 +303,29 @@ def too_slow_for_preemption(gb, seconds, shared, world):
 
 # Ours, not DCP's stagers: theirs allocate at the first stage(), which would block the first save
 class Staging:
-    """CPU copies of state dicts, which a Writer writes while training goes on. Buffers are kept by
-    their place in the dict; on a GPU they are pinned (full-speed copies), seconds to allocate for
-    a 1B model: reserve() allocates them in a thread while the first steps run."""
+    """CPU copies of state dicts, written while training goes on. Buffers are kept by their place
+    in the dict; on a GPU they are pinned (full-speed copies), seconds to allocate for a 1B model:
+    reserve() allocates them in a thread while the first steps run."""
 
     def __init__(self, dev):
         self.dev, self.pin, self.buffers, self.reserving = dev, dev.type == "cuda", {}, None
 
     def reserve(self, obj):
-        """Allocate the buffers copy(obj) will fill, each touched so its pages are mapped too."""
+        """Allocate the buffers copy(obj) will fill, each touched so its pages are mapped."""
         wanted = {}
         self._walk(obj, "", {}, lambda p, t: type(t) is torch.Tensor and wanted.setdefault(
             p, (t.shape, t.dtype)))
-        self.reserving = Reserving(self.buffers, wanted, self.pin)
+
+        def allocate():
+            for place, (shape, dtype) in wanted.items():
+                self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
+        self.reserving = CutShortThread(allocate, "checkpoint-staging")
 
     def copy(self, obj):
         """obj with every tensor replaced by a CPU copy; tensors that share memory (tied
         embeddings) share it, so torch.save writes it once, as it would the originals."""
         if self.reserving is not None:
-            self.reserving.join()
+            self.reserving.result()
             self.reserving = None
         copied = self._walk(obj, "", {}, self._buffer)
         if self.pin:  # the copies from the GPU run asynchronously: the writer needs them whole
@@ -359,41 +355,6 @@ class Staging:
         if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:
             buf = self.buffers[place] = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=self.pin)
         return buf.copy_(obj, non_blocking=self.pin)
-
-
-class Reserving(CutShortThread):
-    """Staging's buffers allocated in the background: `wanted` ({place: (shape, dtype)})."""
-
-    def __init__(self, buffers, wanted, pin):
-        super().__init__("checkpoint-staging")
-        self.buffers, self.wanted, self.pin = buffers, wanted, pin
-        self.start()
-
-    def work(self):
-        for place, (shape, dtype) in self.wanted.items():
-            self.buffers[place] = torch.empty(shape, dtype=dtype, pin_memory=self.pin).zero_()
-
-
-class Writer(CutShortThread):
-    """write() in a daemon thread: a run stopping on an error exits without finishing it (a save
-    cut short is never taken for a checkpoint). result() returns or raises what write() did."""
-
-    def __init__(self, write):
-        super().__init__("checkpoint-writer")
-        self.write, self.value, self.error = write, None, None
-        self.start()
-
-    def work(self):
-        try:
-            self.value = self.write()
-        except BaseException as e:  # handed to the loop's thread by result()
-            self.error = e
-
-    def result(self):
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 # -----------------------------------------------------------------------------

@@ -46,7 +46,7 @@ class Config(dict):
 
 
 def block_defaults(path):
-    """{key: (default, comment)} of the config block of `path` (a script or an objective)."""
+    """{key: (default, comment)} of the config block of a script or an objective."""
     with open(path, encoding="utf-8") as f:
         source = f.read()
     lines = source.splitlines()
@@ -73,7 +73,7 @@ def research_modules():
 
 
 def research_keys():
-    """{key: the objective whose key it is} of every research objective."""
+    """{key: its objective} of every research objective."""
     return {key: name for name, path in research_modules().items() for key in block_defaults(path)}
 
 
@@ -88,8 +88,8 @@ def read_defaults(path):
 
 
 def shown(value):
-    """repr(value) for a message, a huge int by its size: one of over 4300 digits (max_steps =
-    10**10000) has no repr in Python 3.11+, and asking would turn the message into a traceback."""
+    """repr(value) for a message, a huge int by its size: one of over 4300 digits has no repr in
+    Python 3.11+, and asking would turn the message into a traceback."""
     if is_int(value) and value.bit_length() > 128:
         return f"an integer of {value.bit_length():,} bits"
     try:
@@ -125,12 +125,12 @@ def coerce(key, value, default):
         if isinstance(value, bool):
             return value
     elif kind is int:
+        if isinstance(value, float) and value.is_integer():  # 2e4 for max_steps
+            value = int(value)
         if is_int(value):
             return check_int(key, value)
-        if isinstance(value, float) and value.is_integer():  # 2e4 for max_steps
-            return check_int(key, int(value))
     elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if is_int(value) or isinstance(value, float):
             try:
                 number = float(value)
             except OverflowError:  # an int past the largest float
@@ -151,7 +151,7 @@ def suggest(key, known):
 
 
 def foreign_keys(script_path):
-    """Keys of the other podgpt scripts beside this one: a config file may set them."""
+    """Keys of the other podgpt scripts: a config file may set them."""
     others = [p for p in (os.path.join(ROOT, name) for name in SCRIPTS)
               if os.path.exists(p) and os.path.abspath(p) != os.path.abspath(script_path)]
     return {key for path in others for key in read_defaults(path)}

@@ -14,6 +14,8 @@ import json
 import math
 import os
 import zlib
+from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ def mask_file(shard_file):
 
 
 def read_header(path):
-    """The validated header of a shard as a dict; ValueError saying what is wrong otherwise."""
+    """The validated header of a shard as a dict; ValueError saying what is wrong."""
     size = os.path.getsize(path)
     if size < HEADER_BYTES:
         raise ValueError(f"{path}: truncated shard ({size} bytes, shorter than its {HEADER_BYTES}-"
@@ -64,7 +66,7 @@ def read_header(path):
 
 
 def open_shard(path):
-    """The tokens of a shard, memory-mapped read-only, after checking its header."""
+    """The tokens of a shard, memory-mapped read-only, its header checked."""
     header = read_header(path)
     return np.memmap(path, dtype=header["dtype"], mode="r", offset=HEADER_BYTES,
                      shape=(header["n_tokens"],))
@@ -130,9 +132,8 @@ def manifest_problem(manifest):
 
 
 def check_prepared(data_dir, manifest, vocab_size):
-    """Stop with one line when data_dir lacks a file its manifest lists, its tokenizer or unigram
-    counts do not load (checkpoints carry the one, the run's end reads the other), or it holds
-    tokens a model of vocab_size (None: the data's) cannot embed. Loader checks the shards."""
+    """Stop when data_dir lacks a file its manifest lists, its tokenizer or counts do not load, or
+    it holds tokens a model of vocab_size (None: the data's) cannot embed. Loader checks shards."""
     for name in manifest["tokenizer_files"] + [manifest["token_counts"]]:
         if not os.path.isfile(os.path.join(data_dir, name)):
             fail(f"{data_dir} has no {name}, which its manifest.json lists: rebuild the data with "
@@ -145,8 +146,7 @@ def check_prepared(data_dir, manifest, vocab_size):
 
 
 def check_tokenizer(data_dir, manifest):
-    """Stop with one line unless tokenizer.json reads back as the manifest's tokenizer
-    (tokenizer.check_tokenizer_loads then loads it as sample.py loads a checkpoint's copy)."""
+    """Stop unless tokenizer.json reads back as the manifest's tokenizer (checkpoints carry it)."""
     path = os.path.join(data_dir, "tokenizer.json")
     fix = f"the data is damaged; rebuild it with python prepare.py --data_dir={data_dir} --force"
     try:
@@ -161,8 +161,8 @@ def check_tokenizer(data_dir, manifest):
 
 
 def check_counts(data_dir, manifest):
-    """Stop with one line unless the unigram counts load as int64[vocab_size]: unigram_baseline
-    reads them at the run's end, after every step is paid for."""
+    """Stop unless the unigram counts load as int64[vocab_size]: unigram_baseline reads them at
+    the run's end, after every step is paid for."""
     path, vocab = os.path.join(data_dir, manifest["token_counts"]), manifest["vocab_size"]
     try:
         counts = np.load(path)
@@ -197,7 +197,6 @@ def shard_documents(data_dir, shards):
 
 
 def document_hashes(data_dir, split):
-    """token_hash of every document of a split."""
     return (token_hash(tokens) for tokens, _ in shard_documents(data_dir, split["shards"]))
 
 
@@ -209,7 +208,7 @@ def shared_documents(train_hashes, val_hashes):
 
 def contamination(data_dir, manifest):
     """shared_documents of the data: the manifest's "contamination" (prepare.py counts it as it
-    writes), or for an older manifest, by hashing the whole corpus at each call."""
+    writes), or for an older manifest, by hashing the whole corpus."""
     if "contamination" in manifest:
         return (manifest["contamination"]["train_docs_in_val"],
                 manifest["contamination"]["val_documents"])
@@ -220,10 +219,8 @@ def contamination(data_dir, manifest):
 
 def tokenizer_fingerprint(data_dir, manifest):
     """CRC32s of the tokenizer files: two bpe:N tokenizers of different corpora differ here."""
-    crcs = []
-    for name in manifest["tokenizer_files"]:
-        with open(os.path.join(data_dir, name), "rb") as f:
-            crcs.append(f"{zlib.crc32(f.read()):08x}")
+    crcs = (f"{zlib.crc32(Path(data_dir, name).read_bytes()):08x}"
+            for name in manifest["tokenizer_files"])
     return f"{manifest['tokenizer']}:{'.'.join(crcs)}"
 
 
@@ -286,13 +283,10 @@ class Loader:
             fail(f"the {split} split of {data_dir} has fewer than "
                  f"{'block_size' if draws else 'block_size+1'} = {self.span} tokens: lower "
                  f"block_size or prepare more data")
-        self._epoch, self._order = None, None
 
+    @lru_cache(maxsize=1)  # an epoch's permutation, made once: the epochs come in order
     def order(self, epoch):
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.n)
-        return self._order
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
 
     def locate(self, i):
         """(shard, first token) of window i."""
@@ -344,7 +338,6 @@ class Loader:
         return total
 
     def train_window(self, k):
-        """The window of the run's training sample k (see the class)."""
         return int(self.order(k // self.n)[k % self.n])
 
     def train_batch(self, first_sample, size, device):
@@ -389,8 +382,8 @@ def open_mask(data_dir, shard, own_targets):
 
 
 def to_device(rows, device, draws=None, mask=None):
-    """(inputs, targets) from rows of block_size+1 tokens, a target whose mask (the rows' shape)
-    is 0 set to IGNORE; with draws, (rows, draws)."""
+    """(inputs, targets) from rows of block_size+1 tokens, a target whose mask is 0 set to IGNORE;
+    with draws, (rows, draws)."""
     if mask is not None:
         rows = rows.astype(np.int64)  # IGNORE is negative
         targets = np.where(mask[:, 1:] != 0, rows[:, 1:], IGNORE)

@@ -1,8 +1,7 @@
 """
 What every podgpt script shares below the model: the one error type and exit, atomic writes,
 podgpt's own folders (one writer each), dtype names, and the one device and process-group setup.
-The device is cuda:LOCAL_RANK under torchrun, cuda:0 otherwise, or the CPU; device=cpu means the
-CPU all the way down, also on a machine with GPUs (gloo, a CPU mesh for FSDP, no call into CUDA).
+device=cpu means the CPU all the way down, also on a machine with GPUs (gloo, no call into CUDA).
 """
 
 import errno
@@ -19,21 +18,17 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import AbstractContextManager, contextmanager, nullcontext, suppress
 from datetime import timedelta
 from types import SimpleNamespace
 
 # torch is imported inside the functions that use it: configurator.py and report.py import util and
 # stay quick to start without it (run.sh reads out_dir through configurator.py at every start)
-DEVICES = "auto, cpu, cuda, cuda:N"
-# CUDA's allocator grows segments in place rather than leave a freed block of the wrong size idle
-ALLOC_CONF = "expandable_segments:True"
 IGNORE = -100  # a target the loss skips (SFT's prompt tokens): F.cross_entropy's ignore_index
 
 
 class Error(Exception):
-    """One line naming the problem and the fix, and the script's exit status: run_main prints it;
-    only a script that carries on past one catches it (sanity.py)."""
+    """One line naming the problem and the fix, and the exit status: run_main prints it."""
 
     def __init__(self, message, code=1):
         super().__init__(message)
@@ -45,8 +40,7 @@ def fail(message, code=1):
 
 
 def run_main(main, argv):
-    """A script's top level: exit with main(argv)'s status (None: 0), an Error's after its one
-    line, or 130 after Ctrl-C."""
+    """Exit with main(argv)'s status (None: 0), an Error's after its line, or 130 after Ctrl-C."""
     try:
         code = main(argv)
     except Error as e:
@@ -59,25 +53,34 @@ def run_main(main, argv):
 
 
 class CutShortThread(threading.Thread):
-    """A daemon thread running work() (checkpoint.py's background save): while it runs, exit_worker
-    skips the teardown that aborts on a daemon thread inside torch's C++ code. `busy`, not
-    is_alive(): that turns False when a Ctrl-C interrupts a join() (CPython < 3.13)."""
+    """work() in a daemon thread, started (checkpoint.py's background save): a run stopping on an
+    error exits without finishing it, and exit_worker skips the teardown that aborts on a daemon
+    thread inside torch's C++ code. `busy`, not is_alive(): that turns False when a Ctrl-C
+    interrupts a join() (CPython < 3.13). result() returns or raises what work() did."""
 
-    def __init__(self, name):
+    def __init__(self, work, name):
         super().__init__(name=name, daemon=True)
-        self.busy = True
+        self.work, self.busy, self.value, self.error = work, True, None, None
+        self.start()
 
     def run(self):
         try:
-            self.work()
+            self.value = self.work()
+        except BaseException as e:  # handed to the caller's thread by result()
+            self.error = e
         finally:
             self.busy = False
 
+    def result(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
+        return self.value
+
 
 def exit_worker(code):
-    """Exit with `code`, output flushed. A torchrun worker, or a process still saving, skips the
-    interpreter's teardown: it aborts on torch's C++ threads ("terminate called without an active
-    exception"), which torchrun reports as a failed job."""
+    """Exit, output flushed. A torchrun worker, or a process still saving, skips the interpreter's
+    teardown: it aborts on torch's C++ threads, which torchrun reports as a failed job."""
     sys.stdout.flush()
     sys.stderr.flush()
     if "RANK" in os.environ or any(getattr(t, "busy", False) for t in threading.enumerate()):
@@ -86,7 +89,6 @@ def exit_worker(code):
 
 
 def first_line(e):
-    """An exception as one line, for messages that must stay one line."""
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
@@ -115,7 +117,6 @@ def format_bytes(n):
 
 
 def percent(x):
-    """A fraction as a percentage with one decimal; "-" for None."""
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
@@ -131,7 +132,7 @@ def write_atomic(path, text):
         with open(tmp, "w", encoding="utf-8", newline="") as f:
             f.write(text)
     except BaseException:
-        if os.path.isfile(tmp):
+        with suppress(FileNotFoundError):
             os.remove(tmp)
         raise
     os.replace(tmp, path)
@@ -151,8 +152,8 @@ MAKE_ROOM = ("free disk space (or raise the quota or file-size limit), then run 
 
 
 def check_apart(**folders):
-    """Stop with one line when two of the named folders (key: the setting) are one or nested: one
-    script's files would land among, and over, the other's. Call it before writing."""
+    """Stop when two of the folders (key: the setting) are one or nested: one script's files would
+    land among, and over, the other's."""
     real = {name: os.path.realpath(path) for name, path in folders.items()}
     for (a, pa), (b, pb) in itertools.combinations(real.items(), 2):
         if pa == pb:
@@ -178,8 +179,8 @@ OWN_NAMES = ((re.compile(r"\.?(tmp-)?step_\d{7}"), "folder"),
 
 # not filelock: it always creates the file, and its 3.x empties it (the holder's record) each try
 def lock_file(path, create=False):
-    """path, opened and flock'ed by this process alone (the OS drops it however the process ends);
-    None when another process holds it, or (create=False) when there is no such file."""
+    """path's fd, flock'ed by this process alone (the OS drops it however the process ends); None
+    when another process holds it, or (create=False) when there is no such file."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
@@ -223,12 +224,12 @@ def make_folders(path):
 def remove_empty(made):
     """Remove the folders make_folders made, as far as they are empty again."""
     for folder in made:
-        if not os.path.isdir(folder) or os.listdir(folder):  # gone or in use: it and those above
-            return                                           # are not ours to remove
+        if not os.path.isdir(folder) or os.listdir(folder):  # gone or in use, as are those above
+            return
         remove(folder)
 
 
-class Folder:
+class Folder(AbstractContextManager):
     """A folder one podgpt process writes, held by the OS's lock on its MARK: hold() before reading
     what a run left (it writes nothing), claim() before the first write, release() at the end. It
     must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
@@ -237,9 +238,6 @@ class Folder:
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
         self.fd, self.made, self.marked = None, [], False  # locked mark; what claim() made
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.release()
@@ -267,7 +265,6 @@ class Folder:
         return self
 
     def claim(self):
-        """Create the folder if need be and write who holds it into its mark."""
         if self.fd is None:
             self.hold()  # another process may have started on it since hold()
         if self.fd is None:
@@ -299,14 +296,13 @@ class Folder:
 
 
 def writer_record():
-    """Who this process is, for the mark of a folder it holds."""
     return dict(pid=os.getpid(), host=socket.gethostname(),
                 command=" ".join([sys.executable, *sys.argv]),
                 since=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
 
 
 def marked(path):
-    """The mark a folder holds that says podgpt made it (None: none)."""
+    """The mark a folder holds that says podgpt made it, or None."""
     return next((m for m in (MARK, SCRATCH_MARK) if os.path.isfile(os.path.join(path, m))), None)
 
 
@@ -369,8 +365,7 @@ def in_use(path):
         return None
     if (fd := lock_file(mark)) is not None:
         os.close(fd)
-        return None
-    return holder(mark) if os.path.isfile(mark) else None
+    return holder(mark) if fd is None and os.path.isfile(mark) else None
 
 
 def make_scratch(path):
@@ -395,7 +390,7 @@ def finish_scratch(path, at):
 
 
 def remove_scratch(path):
-    """Remove a folder make_scratch made, if one is there; anything else stays, with one line."""
+    """Remove a folder make_scratch made, if one is there (see remove)."""
     if os.path.lexists(path):
         remove(path)
 
@@ -415,7 +410,6 @@ def dtype_name(dt):
 
 
 def autocast(dev, dt):
-    """Mixed precision in dt, or nothing in float32."""
     import torch
     return nullcontext() if dt == torch.float32 else torch.autocast(dev.type, dtype=dt)
 
@@ -434,8 +428,8 @@ def resolve_device(name, local_rank=None, cuda_count=None):
     import torch
     if name == "cpu":
         return torch.device("cpu")
-    if name != "auto" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
-        raise ValueError(f"device={name!r} is not one of {DEVICES}")
+    if name not in ("auto", "cuda") and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda, cuda:N")
     if cuda_count is None:
         cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cuda_count == 0:
@@ -462,9 +456,10 @@ def setup(device, group=False):
     PYTORCH_ALLOC_CONF first, unless it or PYTORCH_CUDA_ALLOC_CONF (it would override) is set."""
     import torch
     import torch.distributed as dist
-    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_ALLOC_CONF"] = ALLOC_CONF
     env, torchrun = os.environ, "RANK" in os.environ
+    if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        # CUDA's allocator grows segments in place rather than leave a freed block idle
+        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     rank, local_rank, world = (int(env["RANK"]), int(env.get("LOCAL_RANK", 0)),
                                int(env.get("WORLD_SIZE", 1))) if torchrun else (0, 0, 1)
     try:
@@ -476,8 +471,7 @@ def setup(device, group=False):
     distributed = torchrun or group
     if distributed and not dist.is_initialized():
         # a rank that dies or hangs fails the others' collectives after this, not never
-        timeout = timedelta(minutes=float(os.environ.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
-        # torchrun's group, or a group of one
+        timeout = timedelta(minutes=float(env.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
         options = {} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)
         if dev.type == "cuda":  # binds the group to this rank's GPU (barrier() would guess it)
             options["device_id"] = dev
@@ -508,19 +502,17 @@ def driver_version():
 def on_rank0(distributed, fn):
     """fn() on rank 0 alone (the rank that writes a run's files); an Error it raises stops every
     rank with the same line, where the others would wait at their next collective until timeout."""
-    error = None
+    box = [None]
     if is_master():
         try:
             fn()
         except Error as e:
-            error = (str(e), e.code)
+            box = [(str(e), e.code)]
     if distributed:
         import torch.distributed as dist
-        box = [error]
         dist.broadcast_object_list(box)
-        error = box[0]
-    if error:
-        fail(*error)
+    if box[0]:
+        fail(*box[0])
 
 
 def mean_over_ranks(value, distributed, device):

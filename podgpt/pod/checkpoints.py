@@ -1,7 +1,7 @@
 """
 The run's checkpoints as train.py's loop sees them (Checkpoints), the record each carries, the
-checks a resume makes, an SFT run's start from a base checkpoint's weights (start_from), and
-load_model for sample.py and export.py. The folders themselves are podgpt/core/checkpoint.py's.
+checks a resume makes, an SFT run's start from a base's weights, and load_model for sample.py and
+export.py. The folders themselves are podgpt/core/checkpoint.py's.
 """
 import json
 import os
@@ -15,13 +15,13 @@ from model import RUNTIME_FIELDS
 from podgpt.core import checkpoint  # its functions called through it: a test may replace one
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.core.tokenizer import with_chat_tokens
-from podgpt.core.util import fail, first_line, log, warn
+from podgpt.core.util import CutShortThread, fail, first_line, log, warn
 from podgpt.pod.objectives import make_config, make_model
 
 
 def load_model(ckpt, device="cpu", verify=True):
     """(model in eval mode, config dict) from a checkpoint folder, verified unless
-    checkpoint.reading() did (verify=False); ValueError saying what is wrong."""
+    checkpoint.reading() did; ValueError saying what is wrong."""
     if verify:
         checkpoint.verify_checkpoint(ckpt)
     try:
@@ -29,13 +29,13 @@ def load_model(ckpt, device="cpu", verify=True):
             config = json.load(f)
         # trained elsewhere: this machine's kernel
         model = make_model(make_config(**dict(config["model"], attn_backend="auto")))
-    # a field this model.py does not know, or a missing one
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a field unknown here, or missing
         raise ValueError(f"config.json does not describe a model this model.py builds "
                          f"({first_line(e)})") from None
-    if os.path.isdir(os.path.join(ckpt, checkpoint.STATE_DIR)):  # fsdp's: DCP gathers it whole
+    state_dir = os.path.join(ckpt, checkpoint.STATE_DIR)
+    if os.path.isdir(state_dir):  # fsdp's: DCP gathers it whole
         state = {"model": model.state_dict()}
-        checkpoint.load_sharded(state, os.path.join(ckpt, checkpoint.STATE_DIR))
+        checkpoint.load_sharded(state, state_dir)
         model.load_state_dict(state["model"])
     else:
         model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device,
@@ -45,7 +45,7 @@ def load_model(ckpt, device="cpu", verify=True):
 
 def run_record(cfg, mconfig, world, grad_accum, manifest):
     """(config.json's dict, {file: bytes}): what every checkpoint carries besides the weights, so
-    that the folder is enough to sample from: the config, model, data and tokenizer."""
+    that the folder is enough to sample from."""
     # padded_vocab follows from vocab_size and multiple_of only rounded ffn_hidden: a checkpoint
     # from before multiple_of has the same record, and export meets no unknown field
     model = {k: v for k, v in asdict(mconfig).items() if k not in ("padded_vocab", "multiple_of")}
@@ -90,6 +90,7 @@ def same_base_vocabulary(base, data_dir):
             meta = with_chat_tokens(json.load(f))
         ranks = os.path.join(folder, "tokenizer.tiktoken")
         return meta, open(ranks, "rb").read() if os.path.exists(ranks) else None
+
     try:
         return tokenizer_files(base) == tokenizer_files(data_dir)
     except (OSError, ValueError, KeyError, TypeError):
@@ -153,8 +154,7 @@ class Checkpoints:
         self.save_best, self.min_free_gb = save_best, min_free_gb
         self.every_s, self.t_saved = every_minutes * 60, time.time()  # 0: no save by the clock
         self.pending = False  # a periodic save owed, held back while bad steps run in a row
-        self.saved_step = -1  # the step the newest save holds
-        self.on_disk = -1  # the newest checkpoint known to be on disk (rank 0's, and fsdp's ranks')
+        self.saved_step = self.on_disk = -1  # the newest save's step; the newest known on disk
         # the ranks that write each save: fsdp's all; ddp's those of rank 0's node, which see the
         # out_dir it writes (torchrun numbers node 0's ranks first); muon's MuonAdamW: rank 0 alone
         self.writers = proc.world if sharded else 1
@@ -171,10 +171,6 @@ class Checkpoints:
         self.in_flight = False  # a save started that the ranks have not all waited for yet
         self.records = []  # saves on disk that finished() has not handed out yet
 
-    def has_earlier(self):
-        return os.path.isdir(self.root) and any(
-            d.startswith("step_") for d in os.listdir(self.root))
-
     def newest(self):
         """(path, loaded checkpoint) of the newest one that reads back intact, or (None, None)."""
         self.wait()  # the save in flight may be that one
@@ -184,18 +180,17 @@ class Checkpoints:
         """Restore the model, optimizer and the loop's `state` from the checkpoint resume= names
         (auto: the newest good one, if any; never: none; or a folder) when it fits `config`; the
         folder resumed from, or None (then init_from's weights, if given: start_from)."""
-        earlier = self.has_earlier()
+        earlier = os.path.isdir(self.root) and bool(checkpoint.step_folders(self.root))
+        ckpt = None
         if resume == "never" and earlier:  # its checkpoints and ckpt/best would mix with this run's
             fail(f"resume=never but {self.root} holds checkpoints of an earlier run: use a new "
                  f"out_dir, or move them away")
-        if resume == "never":
-            ckpt = None
         elif resume == "auto":
             path, ckpt = self.newest()
             if ckpt is None and earlier:
                 fail(f"no checkpoint in {self.root} reads back intact (see the warnings): move "
                      f"them away to start over, or give resume= a checkpoint folder")
-        else:
+        elif resume != "never":
             path = checkpoint.find_checkpoint(resume)
             if path is None:
                 fail(f"resume={resume}: no checkpoint there (give a checkpoint folder or an "
@@ -260,11 +255,10 @@ class Checkpoints:
         return (self.pending and bad_in_a_row == 0) or (new_best and self.save_best) or stopping
 
     def save(self, trainer, best):
-        """Save the current step with every rank's RNG state and `trainer` (the loop's state). The
-        loop waits for the save in flight (never two at once) and the copy into CPU memory; the
-        files are then written in the background (background=False: before this returns)."""
-        t0, proc = time.time(), self.proc
-        self.t_saved = t0
+        """Save the step with every rank's RNG state and `trainer` (the loop's state), after the
+        save in flight; once copied into CPU memory, written in the background if `background`."""
+        t0 = self.t_saved = time.time()
+        proc = self.proc
         self.wait()
         t1 = time.time()  # this save's own time starts
         states = [checkpoint.rng_state()]
@@ -280,8 +274,9 @@ class Checkpoints:
             if self.staging:
                 files, sharded = self.staging.copy((files, sharded))
                 blocked = time.time() - t0
-                self.writer = checkpoint.Writer(
-                    lambda: self.write(step, best, files, sharded, t1, t1 - t0, blocked))
+                self.writer = CutShortThread(
+                    lambda: self.write(step, best, files, sharded, t1, t1 - t0, blocked),
+                    "checkpoint-writer")
             else:
                 self.report(self.write(step, best, files, sharded, t1, t1 - t0, None))
         self.in_flight = True
@@ -306,11 +301,9 @@ class Checkpoints:
         path = checkpoint.save_checkpoint(self.root, step, files, self.keep_last, best,
                                           self.min_free_gb, sharded, self.group)
         written = time.time() - t1
-        if path is None:
-            return None
-        blocked = waited + written if blocked is None else blocked
-        return dict(step=step, path=path, gb=checkpoint.checkpoint_bytes(path) / 1e9,
-                    blocked_s=blocked, waited_s=waited, written_s=written)
+        return path and dict(step=step, path=path, gb=checkpoint.checkpoint_bytes(path) / 1e9,
+                             blocked_s=waited + written if blocked is None else blocked,
+                             waited_s=waited, written_s=written)
 
     @property
     def writing(self):  # this rank has a save being written in the background
@@ -336,9 +329,8 @@ class Checkpoints:
         self.in_flight = False
 
     def collect(self):
-        """Report the ended background save, or raise what its write raised."""
         writer, self.writer = self.writer, None
-        self.report(writer.result())
+        self.report(writer.result())  # raises what the write raised
 
     def report(self, r):
         """Say on the loop's thread (a line from the writer's could land inside a step's) how long
