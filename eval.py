@@ -88,8 +88,7 @@ def pooled_chance(stats):
 # reading the inputs: one line naming the fix for anything unusable
 
 def read_pack(folder):
-    """(eval rows, {category: chance level or None}) of a skills pack, each row checked as skills.py
-    and prepare.py check them (tasks.read_rows)."""
+    """(eval rows, checked as skills.py checks them, {category: chance level}) of a skills pack."""
     path = os.path.join(folder, "eval.jsonl")
     try:
         rows = read_rows(path)[0]
@@ -129,7 +128,7 @@ def read_questions(spec, download_dir, limit):
 
 
 def read_mc(path):
-    """The questions of a multiple-choice JSONL file; it stops at the first row not in the schema."""
+    """The questions of a multiple-choice JSONL file; stops at the first row not in the schema."""
     what = "the multiple-choice file"
     try:
         with open(path, encoding="utf-8") as f:
@@ -220,13 +219,10 @@ def choice_logprobs(model, context, continuations, dev):
     width = max(len(s) for s in seqs)
     batch = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=dev)
     logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
-    sums = []
-    for row, (s, c) in enumerate(zip(seqs, continuations, strict=True)):
-        n = min(len(c), len(s) - 1)  # a continuation longer than the window: the part it holds
-        targets = torch.tensor(s[len(s) - n:], device=dev)
-        positions = torch.arange(len(s) - n - 1, len(s) - 1, device=dev)
-        sums.append(logp[row, positions, targets].sum().item())
-    return sums
+    picked = logp.gather(-1, batch[:, 1:, None])[..., 0]  # each position's next id's
+    # a continuation longer than the window: the part it holds
+    ends = [(len(s) - 1, min(len(c), len(s) - 1)) for s, c in zip(seqs, continuations, strict=True)]
+    return [picked[row, end - n:end].sum().item() for row, (end, n) in enumerate(ends)]
 
 
 def score_mc(model, tok, rows, tasks, cfg, proc):
@@ -339,12 +335,6 @@ def markdown(report):
     return "\n".join(parts) + "\n"
 
 
-def run_folder(path, exported):
-    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; else None."""
-    parent = os.path.dirname(os.path.abspath(path))
-    return os.path.dirname(parent) if not exported and os.path.basename(parent) == "ckpt" else None
-
-
 # -----------------------------------------------------------------------------
 
 def check_config(config):
@@ -360,8 +350,7 @@ def check_config(config):
 
 
 def read_inputs(config):
-    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the
-    attached results, those given."""
+    """Every input given: the pack, the questions, data_dir's manifest, the attached results."""
     rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
     questions, sources = read_questions(config.mc, config.download_dir, config.mc_limit)
     try:
@@ -430,10 +419,13 @@ def main(argv):
         report["external"] = inputs.external
     if not is_master():
         return
-    # the run's folder; else eval-NAME beside the checkpoint or export (an export holds only what
-    # export.py wrote, so that it can replace it)
-    path, run = os.path.abspath(loaded.path), run_folder(loaded.path, loaded.exported)
-    out = config.out or run or os.path.join(os.path.dirname(path), f"eval-{os.path.basename(path)}")
+    # the run's folder (its out_dir) for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the
+    # checkpoint or export (an export holds only what export.py wrote, so that it can replace it)
+    path = os.path.abspath(loaded.path)
+    parent = os.path.dirname(path)
+    in_run = not loaded.exported and os.path.basename(parent) == "ckpt"
+    run = os.path.dirname(parent) if in_run else None
+    out = config.out or run or os.path.join(parent, f"eval-{os.path.basename(path)}")
     try:
         os.makedirs(out, exist_ok=True)
         write_json(os.path.join(out, "eval.json"), report)

@@ -7,14 +7,10 @@ the answer alone (answer_style direct) or the scratchpad's steps, then the answe
     python skills.py --pack_source=my_rows.jsonl --pack_dir=data/mine    # local rows, same schema
     python skills.py --pack_source=gsm8k --pack_dir=data/gsm8k_skills    # train: SFT; test: eval
 
-The templates are offline task families (CATEGORIES). Row i of category c in a split has its own
-random.Random, seeded from (seed, c, split, i, draw) by sha256: the pack is the same for any number
-of workers. Eval rows come first; a draw is skipped when its normalised prompt was made already or
-(SFT) it holds a word run of an eval row (ngrams.py's, as prepare.py checks the corpus). A row that
-max_draws draws cannot make ends its category, and a pack short of the rows asked is refused.
-Any source's rows are checked as written: unique prompts in and across the splits, no SFT row
-holding a word run of an eval row. The files go atomically into pack_dir (new, empty or a pack's
-own: util.Folder), manifest.json last; nothing is written for a refused pack.
+Row i of a template category c in a split has its own random.Random, seeded from (seed, c, split,
+i, draw) by sha256: the pack is the same for any number of workers. Whatever the source, no prompt
+repeats and no SFT row holds a word run of an eval row (ngrams.py's, as prepare.py checks the
+corpus); a pack short of the rows asked is refused, and nothing is written.
 """
 
 import calendar
@@ -310,8 +306,8 @@ def overlap(sft_rows, eval_rows):
 
 
 def fresh(row, seen, index):
-    """Whether row's normalised prompt is not in seen (then it is added) and, given an EvalIndex,
-    the row shares nothing with its eval rows."""
+    """Whether row's normalised prompt is new to seen (then added) and, given an EvalIndex, the row
+    shares nothing with its eval rows (the eval rows are made first)."""
     prompt = normal(row["prompt"])
     if prompt in seen or (index is not None and index.clashes([row])[0]):
         return False
@@ -342,8 +338,7 @@ def style_of(answer_style, i):
 
 
 def category_rows(job):
-    """Up to n fresh rows of one category in one split; they stop at the first row that max_draws
-    draws cannot make."""
+    """Up to n fresh rows of a category in a split: to the first that max_draws draws can't make."""
     category, split, n, cfg, index = job
     family, rows, seen = CATEGORIES[category][0], [], set()
     for i in range(n):
@@ -363,7 +358,7 @@ def category_rows(job):
 
 def make_split(split, total, names, cfg, index, pool):
     """A split's rows in its fixed order (row 0 of each category of names, then row 1, ...), and
-    each category that made fewer than its share: total // len(names), the remainder to the first."""
+    each category short of its share (total // len(names), the remainder to the first)."""
     asked = [total // len(names) + (k < total % len(names)) for k in range(len(names))]
     jobs = [(name, split, n, cfg, index) for name, n in zip(names, asked)]
     made = pool.map(category_rows, jobs) if pool else [category_rows(job) for job in jobs]
