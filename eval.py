@@ -2,7 +2,7 @@
 Say what a trained model can do: a checkpoint, a run's out_dir (its best checkpoint) or an export
 in; eval.json and eval.md out, and a table on the console. Each part runs when its setting is
 given: pack_dir (a skills pack's rows, greedy replies), data_dir (validation bits per byte), mc
-(multiple choice) and attach (an lm-evaluation-harness results JSON); docs/evaluation.md says how.
+(multiple choice), attach (an lm-evaluation-harness results JSON); docs/evaluation.md says how.
 
     python eval.py --ckpt=out/tiny --pack_dir=data/skills --data_dir=data/default \\
         --mc=arc_easy,piqa --attach=lm_eval.json
@@ -12,6 +12,7 @@ A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or
 eval_floors, the gate profile's floors on those results (gates.py).
 """
 
+import itertools
 import json
 import os
 import sys
@@ -66,7 +67,6 @@ def summary(n, correct, chance):
 
 
 def normalise(text):
-    """Runs of whitespace as one space, no whitespace at the ends."""
     return " ".join(text.split())
 
 
@@ -87,34 +87,8 @@ def pooled_chance(stats):
 # -----------------------------------------------------------------------------
 # reading the inputs: one line naming the fix for anything unusable
 
-def read_jsonl(path, fields, what):
-    """The objects of a JSONL file, each with `fields` (name -> type); stops at the first not."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    except (OSError, UnicodeDecodeError) as e:
-        fail(f"cannot read {what} {path} ({first_line(e)})", code=2)
-    rows = []
-    for i, line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            fail(f"{path} line {i} is not JSON ({first_line(e)}): {what} holds one JSON object a "
-                 "line", code=2)
-        wrong = [k for k, kind in fields.items()
-                 if not isinstance(row, dict) or not isinstance(row.get(k), kind)]
-        if wrong:
-            fail(f"{path} line {i}: {', '.join(wrong)} missing or not of the {what} schema's type",
-                 code=2)
-        rows.append(row)
-    if not rows:
-        fail(f"{path} holds no rows: {what} needs at least one", code=2)
-    return rows
-
-
 def read_pack(folder):
-    """(eval rows, {category: chance level or None}) of a skills pack, each row checked as skills.py
-    and prepare.py check them (tasks.read_rows)."""
+    """(eval rows, checked as skills.py checks them, {category: chance level}) of a skills pack."""
     path = os.path.join(folder, "eval.jsonl")
     try:
         rows = read_rows(path)[0]
@@ -154,17 +128,33 @@ def read_questions(spec, download_dir, limit):
 
 
 def read_mc(path):
-    """The questions of a multiple-choice JSONL file, checked against the schema."""
-    rows = read_jsonl(path, {"question": str, "choices": list, "answer": int},
-                      "the multiple-choice file")
-    for i, row in enumerate(rows, 1):
-        choices = row["choices"]
-        if (len(choices) < 2 or not all(isinstance(c, str) for c in choices)
-                or not 0 <= row["answer"] < len(choices)):
-            fail(f"{path} row {i}: choices must be 2 or more strings and answer the index of one "
-                 "of them", code=2)
+    """The questions of a multiple-choice JSONL file; stops at the first row not in the schema."""
+    what = "the multiple-choice file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"cannot read {what} {path} ({first_line(e)})", code=2)
+    rows = []
+    for i, line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            fail(f"{path} line {i} is not JSON ({first_line(e)}): {what} holds one JSON object a "
+                 "line", code=2)
+        if wrong := [k for k, kind in (("question", str), ("choices", list), ("answer", int))
+                     if not isinstance(row, dict) or not isinstance(row.get(k), kind)]:
+            fail(f"{path} line {i}: {', '.join(wrong)} missing or not of the {what} schema's type",
+                 code=2)
+        rows.append(row)
+        if (len(row["choices"]) < 2 or not all(isinstance(c, str) for c in row["choices"])
+                or not 0 <= row["answer"] < len(row["choices"])):
+            fail(f"{path} row {len(rows)}: choices must be 2 or more strings and answer the index "
+                 "of one of them", code=2)
         if not isinstance(row.get("task", ""), str):
-            fail(f"{path} row {i}: task must be a string", code=2)
+            fail(f"{path} row {len(rows)}: task must be a string", code=2)
+    if not rows:
+        fail(f"{path} holds no rows: {what} needs at least one", code=2)
     return rows
 
 
@@ -187,9 +177,9 @@ def read_attach(path):
 # -----------------------------------------------------------------------------
 # measuring: each rank its share of the rows, as sums one all-reduce adds up
 
-def encode(tok, text, where):
+def encode(where, tokenize, *args):
     try:
-        return tok.encode(text)
+        return tokenize(*args)
     except ValueError as e:  # the char tokenizer knows only its corpus' characters
         fail(f"{where}: {e}: this model cannot read it", code=2)
 
@@ -197,35 +187,24 @@ def encode(tok, text, where):
 def prompt_layout(tok, prompt, where):
     """(the prompt's ids, the ids that end a reply): with the chat tokens, the chat prompt, ended by
     <|end|> or BOS; without (a base model), BOS, the prompt and a newline, ended by BOS."""
-    try:
-        if not tok.chat:
-            return [tok.bos_id] + tok.encode(prompt + "\n"), {tok.bos_id}
-        return chat_prompt(tok, prompt), {chat_ids(tok)["<|end|>"], tok.bos_id}
-    except ValueError as e:  # as encode's
-        fail(f"{where}: {e}: this model cannot read it", code=2)
-
-
-def reply(model, ids, stops, max_new_tokens, dev):
-    """The greedy continuation of ids up to a stop id (left out) or max_new_tokens."""
-    out = []
-    for token in model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=0):
-        if token.item() in stops:
-            break
-        out.append(token.item())
-    return out
+    if not tok.chat:
+        return [tok.bos_id] + encode(where, tok.encode, prompt + "\n"), {tok.bos_id}
+    return encode(where, chat_prompt, tok, prompt), {chat_ids(tok)["<|end|>"], tok.bos_id}
 
 
 def score_pack(model, tok, rows, categories, cfg, proc):
     """(n, correct) per category of this rank's rows (rows[rank::world]) as a flat float64 tensor,
-    and each category's first EXAMPLES replies (prompt, answer, reply, its final answer)."""
+    and each category's first EXAMPLES greedy replies (prompt, answer, reply, its final answer)."""
     counts = torch.zeros(len(categories), 2, dtype=torch.float64)
-    index = {c: i for i, c in enumerate(categories)}
     examples = {c: [] for c in categories}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
         ids, stops = prompt_layout(tok, row["prompt"], f"{cfg.pack_dir} eval row {k + 1}")
-        text = tok.decode(reply(model, ids, stops, cfg.max_new_tokens, proc.dev))
+        tokens = model.generate(torch.tensor([ids], device=proc.dev), cfg.max_new_tokens,
+                                temperature=0)
+        text = tok.decode(list(itertools.takewhile(lambda t: t not in stops,
+                                                   (t.item() for t in tokens))))
         right = final_answer(text) == normalise(row["answer"])
-        counts[index[row["category"]]] += torch.tensor([1.0, right])
+        counts[categories.index(row["category"])] += torch.tensor([1.0, right])
         if len(examples[row["category"]]) < EXAMPLES:
             examples[row["category"]].append(dict(prompt=row["prompt"], answer=row["answer"],
                                                   reply=text, final_answer=final_answer(text)))
@@ -240,34 +219,25 @@ def choice_logprobs(model, context, continuations, dev):
     width = max(len(s) for s in seqs)
     batch = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=dev)
     logp = F.log_softmax(model(batch[:, :-1])[0].float(), dim=-1)
-    sums = []
-    for row, (s, c) in enumerate(zip(seqs, continuations, strict=True)):
-        n = min(len(c), len(s) - 1)  # a continuation longer than the window: the part it holds
-        targets = torch.tensor(s[len(s) - n:], device=dev)
-        positions = torch.arange(len(s) - n - 1, len(s) - 1, device=dev)
-        sums.append(logp[row, positions, targets].sum().item())
-    return sums
-
-
-def split_pair(tok, question, choice, where):
-    """(context ids, continuation ids) as lm-evaluation-harness splits question + " " + choice: the
-    whole text encoded, the continuation what follows the question's own encoding."""
-    context = [tok.bos_id] + encode(tok, question, where)
-    whole = [tok.bos_id] + encode(tok, question + " " + choice, where)
-    return context, whole[len(context):]
+    picked = logp.gather(-1, batch[:, 1:, None])[..., 0]  # each position's next id's
+    # a continuation longer than the window: the part it holds
+    ends = [(len(s) - 1, min(len(c), len(s) - 1)) for s, c in zip(seqs, continuations, strict=True)]
+    return [picked[row, end - n:end].sum().item() for row, (end, n) in enumerate(ends)]
 
 
 def score_mc(model, tok, rows, tasks, cfg, proc):
     """(n, acc, acc_norm, summed chance) per task of this rank's rows, as a flat float64 tensor."""
     sums = torch.zeros(len(tasks), 4, dtype=torch.float64)
-    index = {t: i for i, t in enumerate(tasks)}
     for k, row in list(enumerate(rows))[proc.rank::proc.world]:
-        choices, right = row["choices"], row["answer"]
-        pairs = [split_pair(tok, row["question"], c, f"{cfg.mc} row {k + 1}") for c in choices]
-        scores = choice_logprobs(model, pairs[0][0], [c for _, c in pairs], proc.dev)
+        choices, right, where = row["choices"], row["answer"], f"{cfg.mc} row {k + 1}"
+        # as lm-evaluation-harness splits question + " " + choice: the whole text encoded, the
+        # continuation what follows the question's own encoding (after BOS)
+        context = [tok.bos_id] + encode(where, tok.encode, row["question"])
+        wholes = [encode(where, tok.encode, row["question"] + " " + c) for c in choices]
+        scores = choice_logprobs(model, context, [w[len(context) - 1:] for w in wholes], proc.dev)
         per_byte = [s / max(1, len(c.encode("utf-8")))
                     for s, c in zip(scores, choices, strict=True)]
-        sums[index[row.get("task", "mc")]] += torch.tensor(
+        sums[tasks.index(row.get("task", "mc"))] += torch.tensor(
             [1.0, int(np.argmax(scores)) == right, int(np.argmax(per_byte)) == right,
              1 / len(choices)])
     return sums.flatten()
@@ -289,13 +259,6 @@ def check_same_tokens(tok, data_dir, val):
         fail(f"data_dir={data_dir} was tokenized with another tokenizer ({data_tok.spec}) than the "
              f"model's ({tok.spec}): its bits per byte would mean nothing; give the data the model "
              "trained on", code=2)
-
-
-def read_manifest(data_dir):
-    try:
-        return load_manifest(data_dir)
-    except ValueError as e:
-        fail(f"data_dir={data_dir}: {e}", code=2)
 
 
 # -----------------------------------------------------------------------------
@@ -334,13 +297,6 @@ def cell(text, width=60):
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
-def external_table(external):
-    rows = [f"| {task} | {metric} | {value:.4g} |" for task, metrics in external["results"].items()
-            for metric, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)]
-    return "\n".join(["| task | metric | value |", "|---|---|---:|", *rows])
-
-
 def markdown(report):
     """eval.md: what was evaluated, then each part that ran."""
     src = report["model"]
@@ -371,31 +327,12 @@ def markdown(report):
     if "external" in report:
         external = report["external"]
         parts += ["", f"## lm-evaluation-harness ({external['file']})", "",
-                  external_table(external)]
+                  "| task | metric | value |", "|---|---|---:|",
+                  *(f"| {task} | {metric} | {value:.4g} |"
+                    for task, metrics in external["results"].items()
+                    for metric, value in metrics.items()
+                    if isinstance(value, (int, float)) and not isinstance(value, bool))]
     return "\n".join(parts) + "\n"
-
-
-def run_folder(path, exported):
-    """The run's folder (its out_dir) of a checkpoint of OUT_DIR/ckpt/; else None."""
-    parent = os.path.dirname(os.path.abspath(path))
-    return os.path.dirname(parent) if not exported and os.path.basename(parent) == "ckpt" else None
-
-
-def default_out(path, exported):
-    """The run's folder for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the checkpoint or
-    export (an export holds only what export.py wrote, so that it can replace it)."""
-    path = os.path.abspath(path)
-    return run_folder(path, exported) or os.path.join(os.path.dirname(path),
-                                                      f"eval-{os.path.basename(path)}")
-
-
-def write_report(out, report):
-    try:
-        os.makedirs(out, exist_ok=True)
-        write_json(os.path.join(out, "eval.json"), report)
-        write_atomic(os.path.join(out, "eval.md"), markdown(report))
-    except OSError as e:
-        fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): give --out=FOLDER")
 
 
 # -----------------------------------------------------------------------------
@@ -413,28 +350,30 @@ def check_config(config):
 
 
 def read_inputs(config):
-    """The pack's rows and chance levels, the multiple-choice questions, data_dir's manifest and the
-    attached results, those given."""
+    """Every input given: the pack, the questions, data_dir's manifest, the attached results."""
     rows, chances = read_pack(config.pack_dir) if config.pack_dir else ([], {})
     questions, sources = read_questions(config.mc, config.download_dir, config.mc_limit)
+    try:
+        manifest = load_manifest(config.data_dir) if config.data_dir else None
+    except ValueError as e:
+        fail(f"data_dir={config.data_dir}: {e}", code=2)
     return SimpleNamespace(rows=rows, chances=chances, questions=questions, sources=sources,
-                           manifest=read_manifest(config.data_dir) if config.data_dir else None,
+                           manifest=manifest,
                            external=read_attach(config.attach) if config.attach else None)
 
 
 def measure(config, loaded, proc, inputs):
     """The report's parts of the inputs (read_inputs), each rank's sums added in one all-reduce."""
-    model, tok = loaded.model, loaded.tok
-    rows, questions, manifest = inputs.rows, inputs.questions, inputs.manifest
+    model, tok, manifest = loaded.model, loaded.tok, inputs.manifest
     val = None
     if manifest:  # data_dir's val split, once its tokens are known to be the model's
         val = Loader(config.data_dir, "val", manifest, model.config.block_size, seed=0)
         check_same_tokens(tok, config.data_dir, val)
-    categories = sorted({r["category"] for r in rows})
-    tasks = sorted({q.get("task", "mc") for q in questions})
+    categories = sorted({r["category"] for r in inputs.rows})
+    tasks = sorted({q.get("task", "mc") for q in inputs.questions})
     with torch.no_grad(), autocast(proc.dev, compute_dtype(config.dtype, proc.dev)):
-        pack_counts, examples = score_pack(model, tok, rows, categories, config, proc)
-        parts = [pack_counts, score_mc(model, tok, questions, tasks, config, proc)]
+        pack_counts, examples = score_pack(model, tok, inputs.rows, categories, config, proc)
+        parts = [pack_counts, score_mc(model, tok, inputs.questions, tasks, config, proc)]
         # the summed loss and the targets counted: validation_sums' first and last (refine's
         # stats lie between)
         loss = torch.zeros(2, dtype=torch.float64) if val is None else val.validation_sums(
@@ -480,15 +419,25 @@ def main(argv):
         report["external"] = inputs.external
     if not is_master():
         return
-    out = config.out or default_out(loaded.path, loaded.exported)
-    write_report(out, report)
+    # the run's folder (its out_dir) for a checkpoint of OUT_DIR/ckpt/; else eval-NAME beside the
+    # checkpoint or export (an export holds only what export.py wrote, so that it can replace it)
+    path = os.path.abspath(loaded.path)
+    parent = os.path.dirname(path)
+    in_run = not loaded.exported and os.path.basename(parent) == "ckpt"
+    run = os.path.dirname(parent) if in_run else None
+    out = config.out or run or os.path.join(parent, f"eval-{os.path.basename(path)}")
+    try:
+        os.makedirs(out, exist_ok=True)
+        write_json(os.path.join(out, "eval.json"), report)
+        write_atomic(os.path.join(out, "eval.md"), markdown(report))
+    except OSError as e:
+        fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): give --out=FOLDER")
     log(markdown(report))
     log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
     # the run's long-run gate (summary.json) gains the profile's floors on what the pack measured
-    if "pack" in report and (run := run_folder(loaded.path, loaded.exported)):
-        if floors := record_eval_floors(run, report["pack"]):
-            log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: "
-                f"{floors['detail']}")
+    if "pack" in report and run and (floors := record_eval_floors(run, report["pack"])):
+        log(f"{run}/summary.json long_run_gate: eval_floors {floors['verdict']}: "
+            f"{floors['detail']}")
 
 
 if __name__ == "__main__":

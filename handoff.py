@@ -7,12 +7,9 @@ checksum for every file, made only when the run's release gate is acceptable.
 
 The gate is summary.json's "long_run_gate" (train.py, eval.py): pass or warn goes on; block, or
 none recorded, stops in one line unless override_gate=True, and then README.md's first line says so.
-The bundle: README.md for the receiving team (its table lists the rest), model/ (export.py's Hugging
-Face folder), run/ and base_run/ (the run's files), release_gate.json, honesty.md/.json,
-limitations.md, recipe.json (the exact data: every source's and shard's sha256, the tokenizer's
-fingerprint, the skills pack's manifest), podgpt-handoff.json (the bundle's record of its files)
-and checksums.sha256 (sha256sum -c). It is built beside out and renamed into place; an earlier
-bundle there is replaced only when it holds nothing but the files its podgpt-handoff.json lists.
+README.md's table lists what the bundle holds; podgpt-handoff.json records its files. It is built
+beside out and renamed into place; an earlier bundle there is replaced only when it holds nothing
+but the files its podgpt-handoff.json lists.
 """
 
 import hashlib
@@ -92,25 +89,19 @@ def source_hash(part, args):
                     "here")
 
 
-def pack_of(source):
-    """The manifest.json of the skills pack a source file (sft.jsonl, eval.jsonl) is of, or None."""
-    if os.path.isfile(source):
-        manifest = read_json(os.path.join(os.path.dirname(source), "manifest.json"))
-        if isinstance(manifest, dict) and os.path.basename(source) in manifest.get("files", {}):
-            return manifest
-
-
 def data_recipe(data_dir, manifest):
     """What data_dir holds and how prepare.py made it, from its manifest.json (as read)."""
     if not isinstance(manifest, dict):
         return {"data_dir": data_dir, "missing": "no readable manifest.json there"}
     args = manifest.get("prepare_args", {})
-    sources = source_hashes(args)
-    packs = {s["source"]: pack for s in sources if (pack := pack_of(s["source"]))}
-    for s in sources:  # a pack's file: its sha256 now against the one the pack recorded
-        if s["source"] in packs:
-            recorded = packs[s["source"]]["files"][os.path.basename(s["source"])]["sha256"]
-            s["matches_pack"] = recorded == s["sha256"]
+    sources, packs = source_hashes(args), {}
+    for s in sources:  # a skills pack's file: its sha256 now against the one its pack recorded
+        name, pack = os.path.basename(s["source"]), None
+        if os.path.isfile(s["source"]):
+            pack = read_json(os.path.join(os.path.dirname(s["source"]), "manifest.json"))
+        if isinstance(pack, dict) and name in pack.get("files", {}):
+            packs[s["source"]] = pack
+            s["matches_pack"] = pack["files"][name]["sha256"] == s["sha256"]
     try:
         tokenizer = tokenizer_fingerprint(data_dir, manifest)
     except OSError as e:
@@ -149,17 +140,14 @@ def copy_run(folder, dest):
             shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
 
 
-def usage(model):
-    """The export's own code (hf.card_usage) for the export in `model`, run from the bundle."""
+def readme(name, h, why, model, data, shown):
+    """README.md: its first line says when the bundle was made against its release gate; its Use,
+    the export's own code (hf.card_usage) for `model`, run from the bundle."""
     # tokenizer_config.json is written with tokenizer.json, or neither is
     hf_tokenizer = read_json(os.path.join(model, "tokenizer_config.json"))
     bos = (read_json(os.path.join(model, "config.json")) or {}).get("bos_token_id")
-    return card_usage(os.path.basename(model), bos, hf_tokenizer is not None,
-                      "chat_template" in (hf_tokenizer or {}))
-
-
-def readme(name, h, why, model, data, shown):
-    """README.md: its first line says when the bundle was made against its release gate."""
+    usage = card_usage(os.path.basename(model), bos, hf_tokenizer is not None,
+                       "chat_template" in (hf_tokenizer or {}))
     head = [f"**NOT ACCEPTABLE FOR RELEASE: {why}; this bundle was made anyway (handoff.py "
             "--override_gate=True).**", ""] if why else []
     examples = [f"- ({e['category']}) {e['prompt']!r} -> {e['final_answer']!r} "
@@ -173,7 +161,7 @@ def readme(name, h, why, model, data, shown):
         *honesty.first_screen(h)[2:], "",  # the honesty report's essentials, less its title
         "## What the model wrote (eval.json's recorded replies)", "",
         *(examples or ["- none recorded"]), "",
-        "## Use", "", "```python", *usage(model), "```", "",
+        "## Use", "", "```python", *usage, "```", "",
         "## The data", "", *recipes, "", "Every source with its sha256, the shards' sha256s and "
         "the skills packs' manifests: `recipe.json`.", "",
         "## Contents", "", "| file | what it is |", "|---|---|",
@@ -188,45 +176,36 @@ def readme(name, h, why, model, data, shown):
         f"| `{CHECKSUMS}` | the sha256 of every file: `sha256sum -c {CHECKSUMS}` |"]) + "\n"
 
 
-def write_checksums(folder):
-    """checksums.sha256: every other file's sha256 in sha256sum's format, relative to the bundle."""
-    lines = [f"{file_sha256(os.path.join(folder, path))}  {path}\n"
-             for path in files_under(folder) if path not in (CHECKSUMS, SCRATCH_MARK)]
-    write_atomic(os.path.join(folder, CHECKSUMS), "".join(lines))
-
-
-def fill(tmp, run, path, cfg, why):
-    """All but the record and the checksums into the bundle's scratch folder; honesty's report."""
-    export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
-    copy_run(run["folder"], os.path.join(tmp, "run"))
-    if run["base_data"]:  # the base run's folder is there
-        copy_run(run["base_dir"], os.path.join(tmp, "base_run"))
-    gate = run["summary"].get("long_run_gate")
-    write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else
-               {"recorded": False, "detail": "summary.json has no long_run_gate"})
-    h = honesty.write(run, tmp)
-    write_atomic(os.path.join(tmp, "limitations.md"), "# Known limitations\n\n" + "".join(
-        f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
-    data = recipe(run)
-    write_json(os.path.join(tmp, "recipe.json"), data)
-    pack = (run["eval"] or {}).get("pack") or {}
-    shown = [dict(some[0], category=c) for c, some in pack.get("examples", {}).items() if some]
-    write_atomic(os.path.join(tmp, "README.md"),
-                 readme(h["run"], h, why, os.path.join(tmp, "model"), data, shown[:cfg.examples]))
-    return h
-
-
 def bundle(run, path, cfg, why):
-    """The bundle of checkpoint `path` of a run (honesty.read_run's) into cfg.out, atomically."""
+    """The bundle of checkpoint `path` of a run (honesty.read_run's) into cfg.out, atomically: built
+    in a scratch folder beside it, the record and the checksums last."""
     out = os.path.normpath(cfg.out)
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
     with scratch_beside(out, "podgpt-handoff") as tmp:
-        h = fill(tmp, run, path, cfg, why)
+        export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
+        copy_run(run["folder"], os.path.join(tmp, "run"))
+        if run["base_data"]:  # the base run's folder is there
+            copy_run(run["base_dir"], os.path.join(tmp, "base_run"))
+        gate = run["summary"].get("long_run_gate")
+        write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else
+                   {"recorded": False, "detail": "summary.json has no long_run_gate"})
+        h = honesty.write(run, tmp)
+        write_atomic(os.path.join(tmp, "limitations.md"), "# Known limitations\n\n" + "".join(
+            f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
+        data = recipe(run)
+        write_json(os.path.join(tmp, "recipe.json"), data)
+        pack = (run["eval"] or {}).get("pack") or {}
+        shown = [dict(some[0], category=c) for c, some in pack.get("examples", {}).items() if some]
+        write_atomic(os.path.join(tmp, "README.md"), readme(
+            h["run"], h, why, os.path.join(tmp, "model"), data, shown[:cfg.examples]))
         files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [BUNDLE_MARK, CHECKSUMS]
         write_json(os.path.join(tmp, BUNDLE_MARK),
                    {"run": h["run"], "checkpoint": os.path.relpath(path, run["folder"]),
                     "release_gate": h["release_gate"], "override_gate": why, "files": files})
-        write_checksums(tmp)
+        # every other file's sha256 in sha256sum's format, relative to the bundle
+        write_atomic(os.path.join(tmp, CHECKSUMS), "".join(
+            f"{file_sha256(os.path.join(tmp, f))}  {f}\n" for f in files_under(tmp)
+            if f not in (CHECKSUMS, SCRATCH_MARK)))
         put_in_place(tmp, out, BUNDLE_MARK, "handoff.py", "bundle")
 
 

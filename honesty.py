@@ -7,9 +7,8 @@ model, the verdict, what it can and cannot do) and honesty.json, into the run fo
     python honesty.py --run=out/tiny_skills/sft
     python honesty.py config/tiny_skills.py          # the run a config file describes (its out_dir)
 
-It reads the files a run and eval.py leave (for a fine-tuned run, its base run's too) and
-recomputes nothing: no model loaded, no gate judged again. run.sh's eval stage runs it after
-eval.py (which adds the eval floors to the gate), handoff.py into the bundle.
+It only reads the files a run and eval.py leave (and a fine-tuned run's base run's): no model
+loaded, no gate judged again. run.sh runs it after eval.py; handoff.py, into the bundle.
 """
 
 import os
@@ -96,9 +95,7 @@ def categories(report):
 def standing(c):
     """ABOVE (its 95% interval's low end is above chance), AT_OR_BELOW, or NO_CHANCE: the pack's
     manifest gives it no chance level (a free-form task), so its score is all there is."""
-    if c.get("chance") is None:
-        return NO_CHANCE
-    return ABOVE if c["above_chance"] else AT_OR_BELOW
+    return NO_CHANCE if c.get("chance") is None else ABOVE if c["above_chance"] else AT_OR_BELOW
 
 
 def standing_in(cats, where):
@@ -141,28 +138,23 @@ def claims(run):
 
 
 def unmeasured(run):
-    """What was never measured, each said plainly."""
+    """What was never measured, each said plainly; no GPU run from manifest.json's hardware."""
     report = run["eval"]
     if report is None:
-        return (["no evaluation at all: eval.py never wrote eval.json into this run folder"]
-                + hardware_gaps(run))
-    out = [gap for key, gap in UNEVALUATED if key not in report]
-    if run["config"].get("init_from") and run["base"] is None:
+        out = ["no evaluation at all: eval.py never wrote eval.json into this run folder"]
+    else:
+        out = [gap for key, gap in UNEVALUATED if key not in report]
+    if report is not None and run["config"].get("init_from") and run["base"] is None:
         gone = "has no readable summary.json" if run["base_data"] else "is not there to read"
         out.append(f"the base run ({run['base_dir']}) {gone}: its tokens and numbers are not in "
                    "this report")
-    return out + hardware_gaps(run)
-
-
-def hardware_gaps(run):
-    """No GPU run, from manifest.json's hardware: of this run and of its base run."""
     hardware = [(who, r["manifest"].get("hardware") or {})
                 for who, r in (("this run", run), ("its base run", run["base"])) if r is not None]
-    cpu = [(who, hw.get("cpu") or "unknown") for who, hw in hardware if not hw.get("gpus")]
-    if not cpu:
-        return []
-    return [f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU ({cpu[0][1]}); "
-            "the GPU paths (bf16, compiled kernels, several ranks) never trained this model"]
+    if cpu := [(who, hw.get("cpu") or "unknown") for who, hw in hardware if not hw.get("gpus")]:
+        out.append(f"no GPU run: {' and '.join(who for who, _ in cpu)} trained on a CPU "
+                   f"({cpu[0][1]}); the GPU paths (bf16, compiled kernels, several ranks) never "
+                   "trained this model")
+    return out
 
 
 def limitations(run, cats):
@@ -182,10 +174,9 @@ def limitations(run, cats):
         out.append(f"no chance level for {len(free)} of {len(cats)} categories (the pack's "
                    f"manifest gives none): {', '.join(free)}: their accuracy alone, never "
                    "compared with guessing")
-    wide = {n: c for n, c in cats.items() if c["high"] - c["low"] > WIDE}
-    if wide:
-        widest = max(wide, key=lambda n: wide[n]["high"] - wide[n]["low"])
-        w = wide[widest]
+    if wide := [n for n, c in cats.items() if c["high"] - c["low"] > WIDE]:
+        widest = max(wide, key=lambda n: cats[n]["high"] - cats[n]["low"])
+        w = cats[widest]
         out.append(f"few eval rows: {len(wide)} categories have 95% intervals wider than "
                    f"{percent(WIDE)} (widest {widest}: {percent(w['low'])} to "
                    f"{percent(w['high'])} from {w['n']} rows); smaller differences are noise")
@@ -257,17 +248,15 @@ def build(run):
             "never_measured": unmeasured(run), "limitations": limitations(run, cats)}
 
 
-def category_cell(name, c):
-    chance = "no chance level" if standing(c) == NO_CHANCE else f"chance {percent(c['chance'])}"
-    return f"{name} {percent(c['accuracy'])} ({percent(c['low'])}-{percent(c['high'])}, {chance})"
-
-
 def first_screen(h):
     """The essentials, in the first lines of honesty.md."""
     cats = h["categories"]
 
     def cells(where):
-        return "; ".join(category_cell(n, cats[n]) for n in h[where])
+        return "; ".join(
+            f"{n} {percent(c['accuracy'])} ({percent(c['low'])}-{percent(c['high'])}, "
+            + ("no chance level)" if where == NO_CHANCE else f"chance {percent(c['chance'])})")
+            for n, c in cats.items() if n in h[where])
     can, cannot = cells(ABOVE) or "nothing measured above chance", cells(AT_OR_BELOW) or "-"
     if not cats:
         can = cannot = "unknown: no skills pack was evaluated"

@@ -1,34 +1,28 @@
 """
 The skills pack: rows a base model is fine-tuned on (sft.jsonl) and judged on (eval.jsonl), and
-manifest.json.
+manifest.json. A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the reply is
+the answer alone (answer_style direct) or the scratchpad's steps, then the answer on its own line.
 
     python skills.py --pack_dir=data/skills --sft_rows=1600 --eval_rows=320 --pack_seed=0
     python skills.py --pack_source=my_rows.jsonl --pack_dir=data/mine    # local rows, same schema
     python skills.py --pack_source=gsm8k --pack_dir=data/gsm8k_skills    # train: SFT; test: eval
 
-A row: {"category", "prompt", "answer", "scratchpad", "answer_style"}; the assistant's reply is the
-answer alone (answer_style direct) or the scratchpad's steps, then the answer on its own line.
-
-The templates are offline task families (CATEGORIES), each a function of a random.Random. Row i of
-category c in a split has its own generator, seeded from (seed, c, split, i, draw) by sha256, so the
-pack is the same for any number of workers. Eval rows are drawn first; a draw is skipped when its
-normalised prompt was made already, and an SFT draw also when it holds a word run of an eval row
-(ngrams.py's, as prepare.py checks the corpus). A row that max_draws draws cannot make ends its
-category: a pack short of the rows asked is refused, and nothing is written.
-
-Whatever the source, the rows are checked as written: unique prompts in and across the splits, no
-SFT row holding a word run of an eval row. The files are written atomically into pack_dir (new,
-empty or a pack's own: util.Folder), manifest.json last.
+Row i of a template category c in a split has its own random.Random, seeded from (seed, c, split,
+i, draw) by sha256: the pack is the same for any number of workers. Whatever the source, no prompt
+repeats and no SFT row holds a word run of an eval row (ngrams.py's, as prepare.py checks the
+corpus); a pack short of the rows asked is refused, and nothing is written.
 """
 
 import calendar
 import datetime
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
 import random
 import sys
+from contextlib import nullcontext
 
 from podgpt.core import configurator
 from podgpt.core.util import (MAKE_ROOM, MARK, Folder, disk_full, fail, first_line, run_main,
@@ -89,10 +83,9 @@ def arithmetic(rng):
     if op == "*":
         # b of two nonzero digits: two partial products
         a, b = rng.randint(120, 9999), rng.randint(1, 9) * 10 + rng.randint(2, 9)
-        parts = [(a * p, p) for p in place_parts(b)]
-        steps = [f"{a} * {p} = {v}" for v, p in parts]
-        steps.append(f"{parts[0][0]} + {parts[1][0]} = {a * b}")
-        return f"Compute {a} * {b}.", str(a * b), steps
+        tens, ones = place_parts(b)
+        return (f"Compute {a} * {b}.", str(a * b), [f"{a} * {tens} = {a * tens}",
+                f"{a} * {ones} = {a * ones}", f"{a * tens} + {a * ones} = {a * b}"])
     while True:
         a, b = rng.randint(1000, 99999), rng.randint(100, 9999)
         if carries(a, b, 1 if op == "+" else -1):
@@ -291,12 +284,9 @@ class EvalIndex:
         for k, row in enumerate(eval_rows):
             self.prompts.setdefault(normal(row["prompt"]), k)
 
-    def clash(self, row):
-        """(the eval row's index, what they share) for an SFT row that must not be, else None."""
-        return self.clashes([row])[0]
-
     def clashes(self, rows):
-        """clash() of each row, their word runs looked up at once."""
+        """For each row, (the eval row's index, what they share) when it must not be an SFT row,
+        else None; the rows' word runs looked up at once."""
         texts = [row["prompt"] + "\n" + reply_text(row) for row in rows]
         found = []
         for row, text, held in zip(rows, texts, self.grams.hits(texts), strict=True):
@@ -315,23 +305,25 @@ def overlap(sft_rows, eval_rows):
     return [(k, *found) for k, found in enumerate(EvalIndex(eval_rows).clashes(sft_rows)) if found]
 
 
-def duplicates(rows):
-    """[(index, index of the earlier row with the same normalised prompt)]."""
-    seen, found = {}, []
-    for k, row in enumerate(rows):
-        if (first := seen.setdefault(normal(row["prompt"]), k)) != k:
-            found.append((k, first))
-    return found
+def fresh(row, seen, index):
+    """Whether row's normalised prompt is new to seen (then added) and, given an EvalIndex, the row
+    shares nothing with its eval rows (the eval rows are made first)."""
+    prompt = normal(row["prompt"])
+    if prompt in seen or (index is not None and index.clashes([row])[0]):
+        return False
+    seen.add(prompt)
+    return True
 
 
 def check_pack(splits, origins):
     """Refuse, naming the first offending pair, a pack whose prompts repeat within or across the
     splits or whose SFT rows hold a word run of an eval row. origins[split][k]: row k's source."""
     for split in ("eval", "sft"):
-        if found := duplicates(splits[split]):
-            k, first = found[0]
-            fail(f"{origins[split][k]} and {origins[split][first]} have the same prompt after "
-                 f"normalisation ({splits[split][k]['prompt'][:60]!r}): remove one of them")
+        seen = {}
+        for k, row in enumerate(splits[split]):
+            if (first := seen.setdefault(normal(row["prompt"]), k)) != k:
+                fail(f"{origins[split][k]} and {origins[split][first]} have the same prompt after "
+                     f"normalisation ({row['prompt'][:60]!r}): remove one of them")
     if found := overlap(splits["sft"], splits["eval"]):
         k, e, what = found[0]
         fail(f"SFT row {origins['sft'][k]} and eval row {origins['eval'][e]} share {what}: an eval "
@@ -341,77 +333,53 @@ def check_pack(splits, origins):
 # -----------------------------------------------------------------------------
 # The templates: rows per category, made in any number of processes
 
-def row_rng(seed, category, split, i, draw):
-    key = f"{seed}/{category}/{split}/{i}/{draw}".encode()
-    return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
-
-
 def style_of(answer_style, i):
     return ("scratchpad", "direct")[i % 2] if answer_style == "mixed" else answer_style
 
 
 def category_rows(job):
-    """Up to n rows of one category in one split, each unique in it and (SFT) clear of the eval
-    rows; they stop at the first row that max_draws draws cannot make."""
+    """Up to n fresh rows of a category in a split: to the first that max_draws draws can't make."""
     category, split, n, cfg, index = job
     family, rows, seen = CATEGORIES[category][0], [], set()
     for i in range(n):
         for draw in range(cfg["max_draws"]):
-            prompt, answer, steps = family(row_rng(cfg["pack_seed"], category, split, i, draw))
+            key = f"{cfg['pack_seed']}/{category}/{split}/{i}/{draw}".encode()
+            rng = random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "big"))
+            prompt, answer, steps = family(rng)
             row = dict(category=category, prompt=prompt, answer=answer,
                        scratchpad="\n".join(steps), answer_style=style_of(cfg["answer_style"], i))
-            if normal(prompt) not in seen and not (index is not None and index.clash(row)):
+            if fresh(row, seen, index):
+                rows.append(row)
                 break
         else:
-            return rows
-        seen.add(normal(prompt))
-        rows.append(row)
+            break
     return rows
 
 
-def shares(total, names):
-    """total rows among the names: total // len(names) each, the remainder to the first."""
-    return {name: total // len(names) + (k < total % len(names)) for k, name in enumerate(names)}
-
-
 def make_split(split, total, names, cfg, index, pool):
-    """A split's rows per category, as many as the templates could make of shares(total, names)."""
-    asked = shares(total, names)
-    jobs = [(name, split, asked[name], cfg, index) for name in names]
+    """A split's rows in its fixed order (row 0 of each category of names, then row 1, ...), and
+    each category short of its share (total // len(names), the remainder to the first)."""
+    asked = [total // len(names) + (k < total % len(names)) for k in range(len(names))]
+    jobs = [(name, split, n, cfg, index) for name, n in zip(names, asked)]
     made = pool.map(category_rows, jobs) if pool else [category_rows(job) for job in jobs]
-    return asked, dict(zip(names, made))
-
-
-def interleave(by_category, names):
-    """The split in its fixed order: row 0 of each category in CATEGORIES order, then row 1, ..."""
-    longest = max((len(rows) for rows in by_category.values()), default=0)
-    return [by_category[name][i] for i in range(longest) for name in names
-            if i < len(by_category[name])]
+    short = [f"{name} {split.replace('sft', 'SFT')} {len(rows)} of {n}"
+             for name, n, rows in zip(names, asked, made) if len(rows) < n]
+    return [row for group in itertools.zip_longest(*made) for row in group if row], short
 
 
 def template_pack(cfg):
     """{split: rows} from the templates; refused, saying what they made, when fewer than asked."""
     names = chosen_categories(cfg.pack_categories)
     settings = {key: cfg[key] for key in ("pack_seed", "answer_style", "max_draws")}
-    pool = multiprocessing.Pool(cfg.pack_workers) if cfg.pack_workers > 1 else None
-    try:
-        eval_asked, eval_made = make_split("eval", cfg.eval_rows, names, settings, None, pool)
-        index = EvalIndex(interleave(eval_made, names))
-        sft_asked, sft_made = make_split("sft", cfg.sft_rows, names, settings, index, pool)
-    finally:
-        if pool:
-            pool.terminate()
-    parts = (("eval", eval_asked, eval_made, cfg.eval_rows),
-             ("SFT", sft_asked, sft_made, cfg.sft_rows))
-    short = [f"{name} {split} {len(made[name])} of {asked[name]}"
-             for split, asked, made, _ in parts for name in names if len(made[name]) < asked[name]]
-    if short:
-        counts = ", ".join(f"{sum(map(len, made.values()))} of {total} {split} rows"
-                           for split, _, made, total in parts)
-        fail(f"the templates could make only {counts} unique and apart ({'; '.join(short)}) in "
+    with multiprocessing.Pool(cfg.pack_workers) if cfg.pack_workers > 1 else nullcontext() as pool:
+        evals, short = make_split("eval", cfg.eval_rows, names, settings, None, pool)
+        sft, sft_short = make_split("sft", cfg.sft_rows, names, settings, EvalIndex(evals), pool)
+    if short + sft_short:
+        fail(f"the templates could make only {len(evals)} of {cfg.eval_rows} eval rows, {len(sft)} "
+             f"of {cfg.sft_rows} SFT rows unique and apart ({'; '.join(short + sft_short)}) in "
              f"{cfg.max_draws} draws a row: ask for fewer rows (--sft_rows / --eval_rows) or give "
              "another --pack_source")
-    return {"eval": interleave(eval_made, names), "sft": interleave(sft_made, names)}
+    return {"eval": evals, "sft": sft}
 
 
 def chosen_categories(spec):
@@ -426,14 +394,11 @@ def chosen_categories(spec):
 # -----------------------------------------------------------------------------
 # Other sources: local JSONL rows, GSM8K
 
-def prompt_hash(row):
-    return hashlib.sha256(normal(row["prompt"]).encode()).hexdigest()
-
-
 def split_rows(rows, n_eval, n_sft):
-    """{split: indexes of rows} by the hash of their normalised prompts: the n_eval smallest to
+    """{split: indexes of rows} by the sha256 of their normalised prompts: the n_eval smallest to
     eval, the next n_sft to SFT (duplicates hash alike: check_pack finds them in the splits)."""
-    order = sorted(range(len(rows)), key=lambda k: (prompt_hash(rows[k]), k))
+    order = sorted(range(len(rows)), key=lambda k: (
+        hashlib.sha256(normal(rows[k]["prompt"]).encode()).hexdigest(), k))
     return {"eval": order[:n_eval], "sft": order[n_eval:n_eval + n_sft]}
 
 
@@ -479,14 +444,13 @@ def gsm8k_pack(cfg):
         row["answer_style"] = style_of(cfg.answer_style, k)
     index, seen, sft, left_out = EvalIndex(test), set(), [], 0
     for row in gsm8k_rows(download(train_url, cfg.download_dir)):
-        row["answer_style"] = style_of(cfg.answer_style, len(sft))
         if len(sft) == cfg.sft_rows:
             break
-        if normal(row["prompt"]) in seen or index.clash(row):
+        row["answer_style"] = style_of(cfg.answer_style, len(sft))
+        if fresh(row, seen, index):
+            sft.append(row)
+        else:
             left_out += 1
-            continue
-        seen.add(normal(row["prompt"]))
-        sft.append(row)
     print(f"gsm8k: {left_out} training problems left out of SFT, each a repeat or sharing a prompt "
           "or a run of words with an eval row")
     if len(test) < cfg.eval_rows or len(sft) < cfg.sft_rows:
@@ -500,11 +464,6 @@ def gsm8k_pack(cfg):
 
 # -----------------------------------------------------------------------------
 # The pack's folder
-
-def jsonl(rows):
-    return "".join(json.dumps({field: row[field] for field in PACK_FIELDS}, ensure_ascii=False)
-                   + "\n" for row in rows)
-
 
 def manifest_of(cfg, splits, texts, description):
     counts = {}
@@ -527,22 +486,19 @@ def manifest_of(cfg, splits, texts, description):
     }
 
 
-def check_own(folder):
-    """Fail when pack_dir holds anything but a pack's own files (and the holding run's mark)."""
-    own = {MARK, MANIFEST, *FILES.values()}
-    if os.path.isdir(folder) and (foreign := sorted(n for n in os.listdir(folder) if n not in own)):
-        fail(f"pack_dir {folder} holds what skills.py did not write ({', '.join(foreign[:3])}): "
-             "move that out of it, or choose another --pack_dir")
-
-
 def write_pack(cfg, splits, description):
     """The pack into pack_dir, each file atomically; the old manifest goes first and the new one
     comes last, so a manifest is only ever beside its own files."""
-    texts = {split: jsonl(rows) for split, rows in splits.items()}
+    texts = {split: "".join(json.dumps({f: row[f] for f in PACK_FIELDS}, ensure_ascii=False)
+                            + "\n" for row in rows) for split, rows in splits.items()}
     manifest = manifest_of(cfg, splits, texts, description)
     with Folder(cfg.pack_dir, "pack_dir") as folder:
         folder.hold()
-        check_own(cfg.pack_dir)
+        own = {MARK, MANIFEST, *FILES.values()}  # a pack's files, and the holding run's mark
+        if os.path.isdir(cfg.pack_dir) and (
+                foreign := sorted(n for n in os.listdir(cfg.pack_dir) if n not in own)):
+            fail(f"pack_dir {cfg.pack_dir} holds what skills.py did not write "
+                 f"({', '.join(foreign[:3])}): move that out of it, or choose another --pack_dir")
         folder.claim()
         try:
             if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):

@@ -103,12 +103,10 @@ def pack_gates(cfg, params, manifest):
     Without the pack they block under skill_release, unless the data is not prepared either
     (planning ahead: they skip, as data_gates do)."""
     pack, why = read_pack(cfg.pack_dir)
-    gates = (sft_category_balance, eval_skill_release_coverage, eval_contamination)
-    if pack is None:  # planned before the data and the pack: research's
-        profile = cfg.gate_profile if manifest or not cfg.pack_dir else "research"
-        return [base_exposure(cfg, params, manifest)] + [
-            no_pack(g.__name__, profile, cfg.pack_dir, why) for g in gates]
-    return [base_exposure(cfg, params, manifest)] + [g(cfg, pack) for g in gates]
+    profile = cfg.gate_profile if manifest or not cfg.pack_dir else "research"  # planned ahead
+    return [base_exposure(cfg, params, manifest)] + [
+        g(cfg, pack) if pack is not None else no_pack(g.__name__, profile, cfg.pack_dir, why)
+        for g in (sft_category_balance, eval_skill_release_coverage, eval_contamination)]
 
 
 # -----------------------------------------------------------------------------
