@@ -154,10 +154,7 @@ def read_jsonl(path, text_field):
 
 
 def read_parquet(path, text_field):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        fail("pyarrow is needed for .parquet sources: pip install pyarrow")
+    import pyarrow.parquet as pq
     # pyarrow reports a corrupt file as ArrowInvalid, OSError (with a message of several lines),
     # UnicodeDecodeError or others; a damaged page only when its row group is read
     try:
