@@ -17,6 +17,7 @@ import array
 import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
@@ -93,8 +94,7 @@ worker_tok = worker_lengths = worker_chat = worker_grams = None  # each worker's
 
 def init_worker(tok_dir, lengths, chat, grams):
     global worker_tok, worker_lengths, worker_chat, worker_grams
-    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints
-    # one line, where each worker would print a traceback
+    # Ctrl-C reaches the terminal's whole process group: the parent alone stops, with one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
     worker_lengths, worker_chat, worker_grams = lengths, chat, grams
@@ -177,19 +177,15 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
                 job.wait(max(0.0, deadline - time.monotonic()))
         stack.callback(wait_for_pending)
 
-        def first_results():
-            results = pending[0].get()
-            pending.popleft()  # only once it is back: a Ctrl-C inside get() leaves it for the wait
-            for result in results:
-                bar.update(result[1])
-                yield result
-
-        for batch in batched(docs):
-            pending.append(pool.apply_async(encode_batch, (batch,)))
-            while len(pending) > 2 * n_workers or (pending and pending[0].ready()):
-                yield from first_results()
-        while pending:
-            yield from first_results()
+        for batch in itertools.chain(batched(docs), [None]):  # None: the end, all taken back
+            if batch:
+                pending.append(pool.apply_async(encode_batch, (batch,)))
+            while pending and (not batch or len(pending) > 2 * n_workers or pending[0].ready()):
+                results = pending[0].get()
+                pending.popleft()  # only once back: a Ctrl-C inside get() leaves it for the wait
+                for result in results:
+                    bar.update(result[1])
+                    yield result
 
 
 def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None,
@@ -373,7 +369,6 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     lengths = segment_lengths(cfg.segments)
     tok, tokenizer_files, reserve = make_tokenizer(scratch, cfg, docs, threshold, lengths)
     smallest = SmallestHashes(cfg.min_val_tokens)
-    # to replay a split short of min_val_tokens at a raised threshold
     ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens else None
     # closed as soon as anything fails (a Ctrl-C too), not when collected: the pool stops and the
     # progress bar ends before the error line is printed
@@ -382,7 +377,6 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
         splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens,
                                                      threshold, smallest, eval_found, ledger)
     val = splits["val"]
-    # smallest's threshold None: the whole corpus holds too few
     if ledger and val["tokens"] < cfg.min_val_tokens and smallest.threshold() is not None:
         threshold = smallest.threshold()
         if threshold > reserve:  # least_tokens counted more pieces than tiktoken's Unicode tables
@@ -470,8 +464,8 @@ def check_args(cfg):
     for key in ("shard_tokens", "bpe_train_chars"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
-    # a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among its
-    # downloads (a local source needs no download_dir, but checking always is simpler)
+    # a download cache inside data_dir is in a rebuild's way (a local source needs none: checked all
+    # the same)
     check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
 
 
@@ -529,9 +523,8 @@ def build(cfg):
     check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256,
                                           cfg.split_paragraphs)
-    for source in inputs:  # under HF_HUB_OFFLINE a missing file fails now, not hours into a run
-        if is_url(source.location):
-            local_copy(source.location, cfg.download_dir)
+    for url in (s.location for s in inputs if is_url(s.location)):
+        local_copy(url, cfg.download_dir)  # under HF_HUB_OFFLINE a missing file fails now
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames
     try:
