@@ -6,14 +6,10 @@ Prepare training data: text sources -> tokenizer -> token shards + manifest.json
     python prepare.py --source=fineweb-edu-10bt --max_shards=2 --tokenizer=gpt2 --data_dir=data/fwe
     python prepare.py --source=corpus/,more.jsonl --tokenizer=bpe:8192 --data_dir=data/mine
 
-The sources are read as documents (sources.py); the tokenizer (byte, char, gpt2, or bpe:N trained
-here) and the shards are built in data_dir/.podgpt-prepare and moved into place when complete,
-manifest.json last, into a data_dir that holds nothing but prepare.py's own files. The format:
-docs/data-format.md; segments and gsm8k_format: docs/objectives.md.
-
-Validation is whole documents, those with the smallest hashes of their text: val_fraction of them,
-and more while they hold fewer than min_val_tokens tokens, read back from the shards rather than
-tokenized twice (holdout.py). The split depends on the set of documents alone: the output is the
+The tokenizer and shards are built in data_dir/.podgpt-prepare and moved into place when complete,
+manifest.json last, into a data_dir that holds nothing but prepare.py's own files (the format:
+docs/data-format.md; segments and gsm8k_format: docs/objectives.md). Validation is whole documents,
+those with the smallest hashes (holdout.py): the split depends on the set of documents alone, the
 same for any number of workers, and duplicate documents land in the same split.
 """
 
@@ -21,11 +17,13 @@ import array
 import collections
 import contextlib
 import hashlib
+import itertools
 import json
 import math
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -38,7 +36,8 @@ from podgpt.core.data import (HEADER_BYTES, VERSION, docs_file, load_manifest, m
 from podgpt.core.tokenizer import (SEGMENT, chat_row, chat_tokenizer, load_tokenizer, parse_spec,
                                    save_tokenizer, train_tokenizer)
 from podgpt.core.util import (check_apart, disk_full, fail, first_line, in_use, make_folders,
-                              make_scratch, remove_empty, remove_scratch, run_main, signals_held)
+                              make_scratch, remove_empty, remove_scratch, run_main, signals_held,
+                              write_atomic)
 from podgpt.corpus.download import local_copy
 from podgpt.corpus.holdout import (Ledger, SmallestHashes, bpe_reserve, bpe_training_texts,
                                    doc_hash, least_tokens)
@@ -95,17 +94,15 @@ worker_tok = worker_lengths = worker_chat = worker_grams = None  # each worker's
 
 def init_worker(tok_dir, lengths, chat, grams):
     global worker_tok, worker_lengths, worker_chat, worker_grams
-    # Ctrl-C reaches every process of the terminal's group: the parent stops the workers and prints
-    # one line, where each worker would print a traceback
+    # Ctrl-C reaches the terminal's whole process group: the parent alone stops, with one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_tok = load_tokenizer(tok_dir)  # from the files: nothing pickled
     worker_lengths, worker_chat, worker_grams = lengths, chat, grams
 
 
 def encode_document(tok, text, lengths):
-    """([BOS] + tokens, whether a segment was cut). lengths (segments): the document's
-    SEGMENT-separated parts tokenized one by one, the first after BOS, each padded with BOS or cut
-    to its length."""
+    """([BOS] + tokens, whether a segment was cut). lengths (segments): each SEGMENT-separated part
+    tokenized alone (the first after BOS), padded with BOS or cut to its length."""
     if not lengths:  # the ids cast once, straight into the shard's dtype
         ids = tok.encode_array(text)
         tokens = np.empty(len(ids) + 1, dtype=token_dtype(tok.vocab_size))
@@ -126,10 +123,9 @@ def encode_document(tok, text, lengths):
 
 
 def encode_batch(docs):
-    """(doc_hash, n_bytes, [BOS] + tokens, split, whether a segment was cut, the loss mask or None,
-    the eval rows it holds a gram of, the tokens' token_hash) for each (text, split); chat: n_bytes
-    are the reply's, the text its loss is on. The hashes are taken here: one parent writes for all
-    workers."""
+    """(doc_hash, n_bytes, [BOS] + tokens, split, cut, loss mask or None, the eval rows it holds a
+    gram of, token_hash) per (text, split); chat: n_bytes are the reply's, which the loss is on.
+    Hashed here: one parent writes for all workers."""
     dtype = token_dtype(worker_tok.vocab_size)
     hits = worker_grams.hits([text for text, _ in docs]) if worker_grams else [()] * len(docs)
     out = []
@@ -174,36 +170,29 @@ def encode_all(docs, n_workers, tok_dir, lengths, chat=False, grams=None):
         pending = collections.deque()
 
         def wait_for_pending(timeout=60):
-            """Before the pool's __exit__ terminates it, every job sent must be back: terminate()
-            joins the result thread, which waits forever for the rest of a result whose worker it
-            killed mid-send. A job whose worker was killed from outside never comes: given up at
-            timeout."""
+            """Every job sent back before the pool's terminate(), whose result thread waits forever
+            for a result cut off mid-send; one whose worker was killed never comes: timeout."""
             deadline = time.monotonic() + timeout
             for job in pending:
                 job.wait(max(0.0, deadline - time.monotonic()))
         stack.callback(wait_for_pending)
 
-        def first_results():
-            results = pending[0].get()
-            pending.popleft()  # only once it is back: a Ctrl-C inside get() leaves it for the wait
-            for result in results:
-                bar.update(result[1])
-                yield result
-
-        for batch in batched(docs):
-            pending.append(pool.apply_async(encode_batch, (batch,)))
-            while len(pending) > 2 * n_workers or (pending and pending[0].ready()):
-                yield from first_results()
-        while pending:
-            yield from first_results()
+        for batch in itertools.chain(batched(docs), [None]):  # None: the end, all taken back
+            if batch:
+                pending.append(pool.apply_async(encode_batch, (batch,)))
+            while pending and (not batch or len(pending) > 2 * n_workers or pending[0].ready()):
+                results = pending[0].get()
+                pending.popleft()  # only once back: a Ctrl-C inside get() leaves it for the wait
+                for result in results:
+                    bar.update(result[1])
+                    yield result
 
 
 def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_found=None,
                  ledger=None):
-    """Pack encoded documents into shards per split (validation: hash below threshold), each also
-    added to `smallest` (a SmallestHashes), to `ledger` (a holdout.Ledger, if given) and, by eval
-    row, to eval_found (a Counter); returns the manifest's splits, train unigram counts and
-    contamination."""
+    """Pack encoded documents into shards per split (validation: hash below threshold), each added
+    to `smallest`, `ledger` (if given) and by eval row to eval_found (a Counter); returns the
+    manifest's splits, train unigram counts and contamination."""
     splits = {name: {"tokens": 0, "docs": 0, "bytes": 0, "cut": 0, "shards": []}
               for name in ("train", "val")}
     hashes = {name: array.array("Q") for name in splits}  # each document's token_hash: 8 bytes
@@ -231,10 +220,8 @@ def write_shards(out_dir, encoded, tok, shard_tokens, threshold, smallest, eval_
             smallest.add(h, len(tokens))
         name = forced or ("val" if h < threshold else "train")
         split = splits[name]
-        split["docs"] += 1
-        split["cut"] += cut
-        split["bytes"] += n_bytes
-        split["tokens"] += len(tokens)
+        for key, n in (("docs", 1), ("cut", cut), ("bytes", n_bytes), ("tokens", len(tokens))):
+            split[key] += n
         if name == "train" and eval_found is not None:
             eval_found.update(rows)
         filling[name].append(tokens)
@@ -273,8 +260,7 @@ def listed_files(manifest):
 
 def is_complete(data_dir, args):
     """Whether data_dir holds a finished build of exactly these arguments, every file there and each
-    shard of its size. A damaged manifest (a key missing, a value of the wrong type) is none:
-    rebuilt."""
+    shard of its size; a damaged manifest is none: rebuilt."""
     try:
         manifest = load_manifest(data_dir)
         saved = manifest.get("prepare_args")
@@ -300,8 +286,7 @@ def own_file(entry):
 
 def check_own(data_dir):
     """Fail, before anything is written, when data_dir holds anything prepare.py did not write: a
-    rebuild replaces prepare.py's files there, and a user's file or folder among them must stay as
-    it is. The scratch folder counts as prepare.py's here; make_scratch checks that it is."""
+    rebuild replaces prepare.py's files, and a user's must stay (make_scratch checks SCRATCH's)."""
     if not os.path.lexists(data_dir):
         return
     if not os.path.isdir(data_dir):
@@ -316,10 +301,9 @@ def check_own(data_dir):
 
 
 def swap_into_place(scratch, data_dir, manifest):
-    """Move the new build from scratch into data_dir, then remove the old files the new manifest
-    does not list. The old manifest.json goes first and the new one comes last: a crash in between
-    leaves no manifest, which the next run rebuilds, never one beside files that are not its own. A
-    Ctrl-C waits until the renames are done (milliseconds)."""
+    """Move the build from scratch into data_dir, then remove old files the manifest does not list.
+    The old manifest.json goes first and the new one last: a crash in between leaves no manifest
+    (rebuilt), never one beside files not its own. A Ctrl-C waits for the renames (milliseconds)."""
     keep = listed_files(manifest) + [MANIFEST]
     with signals_held(signal.SIGINT, signal.SIGTERM):
         if os.path.lexists(os.path.join(data_dir, MANIFEST)):
@@ -337,9 +321,8 @@ def fingerprint(out_dir, tokenizer_files, splits):
     for name in tokenizer_files:
         with open(os.path.join(out_dir, name), "rb") as f:
             digest.update(f.read())
-    for split in splits.values():
-        for shard in split["shards"]:
-            digest.update(shard["sha256"].encode())
+    shas = (shard["sha256"] for split in splits.values() for shard in split["shards"])
+    digest.update("".join(shas).encode())
     return digest.hexdigest()
 
 
@@ -359,8 +342,12 @@ def make_tokenizer(scratch, cfg, docs, threshold, lengths):
             print(f"{cfg.tokenizer} is trained without the documents min_val_tokens="
                   f"{cfg.min_val_tokens:,} may hold out for validation (hashes in the lowest "
                   f"{reserve / 2**64:.2%})")
-    if cfg.chat:
-        meta, ranks = chat_tokenizer(base_tokenizer_dir(cfg.chat_base))
+    if cfg.chat:  # the base's tokenizer: a data_dir or checkpoint folder, or an out_dir's latest
+        from podgpt.core.checkpoint import find_checkpoint  # here: only SFT data needs it
+        base = cfg.chat_base
+        if not os.path.isfile(os.path.join(base, "tokenizer.json")):
+            base = find_checkpoint(base) or base
+        meta, ranks = chat_tokenizer(base)
     else:
         meta, ranks = train_tokenizer(
             cfg.tokenizer, lambda: (text for text, _ in docs()),
@@ -371,9 +358,7 @@ def make_tokenizer(scratch, cfg, docs, threshold, lengths):
 
 def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     """Train the tokenizer and write the shards into scratch, holding out at least min_val_tokens
-    where the corpus allows; returns the Tokenizer, its files, the manifest's splits, train unigram
-    counts and contamination. grams (ngrams.EvalGrams or None): each eval row's training documents
-    are counted into eval_found, a Counter."""
+    where the corpus allows; returns the Tokenizer, its files and write_shards' results."""
 
     def docs():
         return documents(inputs, cfg.text_field, cfg.min_chars, cfg.max_docs, cfg.download_dir,
@@ -384,7 +369,6 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
     lengths = segment_lengths(cfg.segments)
     tok, tokenizer_files, reserve = make_tokenizer(scratch, cfg, docs, threshold, lengths)
     smallest = SmallestHashes(cfg.min_val_tokens)
-    # to replay a split short of min_val_tokens at a raised threshold
     ledger = Ledger(cfg.min_val_tokens) if cfg.val_fraction and cfg.min_val_tokens else None
     # closed as soon as anything fails (a Ctrl-C too), not when collected: the pool stops and the
     # progress bar ends before the error line is printed
@@ -393,8 +377,7 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
         splits, counts, contamination = write_shards(scratch, encoded, tok, cfg.shard_tokens,
                                                      threshold, smallest, eval_found, ledger)
     val = splits["val"]
-    short = ledger is not None and val["tokens"] < cfg.min_val_tokens
-    if short and smallest.threshold() is not None:  # None: the whole corpus holds too few
+    if ledger and val["tokens"] < cfg.min_val_tokens and smallest.threshold() is not None:
         threshold = smallest.threshold()
         if threshold > reserve:  # least_tokens counted more pieces than tiktoken's Unicode tables
             fail(f"{cfg.tokenizer} was trained on documents min_val_tokens={cfg.min_val_tokens:,} "
@@ -411,8 +394,7 @@ def tokenize_corpus(scratch, cfg, inputs, grams, eval_found):
 
 def split_again(scratch, ledger, splits, tok, shard_tokens, threshold, eval_found):
     """write_shards again at a raised threshold, the documents read back from the shards just
-    written (moved into a folder of the scratch folder, removed after): no document is tokenized
-    twice."""
+    written (moved aside, removed after): no document is tokenized twice."""
     first = os.path.join(scratch, "first-pass")
     os.mkdir(first)
     names = shard_files(splits)
@@ -421,16 +403,13 @@ def split_again(scratch, ledger, splits, tok, shard_tokens, threshold, eval_foun
     eval_found.clear()
     again = write_shards(scratch, ledger.replay(first, splits), tok, shard_tokens, threshold,
                          SmallestHashes(0), eval_found)
-    for name in names:
-        os.remove(os.path.join(first, name))
-    os.rmdir(first)
+    shutil.rmtree(first)
     return again
 
 
 def check_split(splits, raised, source, val_fraction, min_val_tokens):
-    """Fail on a split that cannot train: no documents, or none for training, or (val_fraction > 0)
-    no validation documents, fewer than min_val_tokens tokens of them, or, where that minimum
-    `raised` the threshold beyond val_fraction's, more than half of the tokens."""
+    """Fail on a split that cannot train; with val_fraction > 0 also on one with no validation, less
+    than min_val_tokens of it, or (`raised` the threshold) more than half of the tokens."""
     train, val = splits["train"], splits["val"]
     n_docs, n_tokens = train["docs"] + val["docs"], train["tokens"] + val["tokens"]
     if n_docs == 0:
@@ -451,13 +430,11 @@ def check_split(splits, raised, source, val_fraction, min_val_tokens):
 
 def segment_lengths(spec):
     """The token lengths of --segments ("128,128,256") as ints; [] for ""."""
-    if not spec:
-        return []
     try:
-        lengths = [int(n) for n in spec.split(",")]
+        lengths = [int(n) for n in spec.split(",")] if spec else []
     except ValueError:
         lengths = [0]
-    if min(lengths) < 1:
+    if lengths and min(lengths) < 1:
         fail(f"segments={spec!r}: token lengths separated by commas, each at least 1, e.g. 512 or "
              "128,128,256")
     return lengths
@@ -487,23 +464,13 @@ def check_args(cfg):
     for key in ("shard_tokens", "bpe_train_chars"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
-    # a download cache inside data_dir is in a rebuild's way, a data_dir inside the cache among its
-    # downloads (a local source needs no download_dir, but checking always is simpler)
+    # a download cache inside data_dir is in a rebuild's way (a local source needs none: checked all
+    # the same)
     check_apart(data_dir=cfg.data_dir, download_dir=cfg.download_dir)
 
 
-def base_tokenizer_dir(base):
-    """The folder holding the base model's tokenizer: a data_dir or a checkpoint folder as given, an
-    out_dir's latest checkpoint."""
-    if os.path.isfile(os.path.join(base, "tokenizer.json")):
-        return base
-    from podgpt.core.checkpoint import find_checkpoint  # here: only SFT data needs it
-    return find_checkpoint(base) or base
-
-
 def write_data(scratch, cfg, inputs, description, args, grams):
-    """Tokenize the corpus into scratch, then its unigram counts and manifest.json; returns the
-    manifest."""
+    """Tokenize the corpus into scratch, then its unigram counts and manifest.json (returned)."""
     eval_found = collections.Counter()
     tok, tokenizer_files, splits, counts, contamination = tokenize_corpus(
         scratch, cfg, inputs, grams, eval_found)
@@ -516,9 +483,7 @@ def write_data(scratch, cfg, inputs, description, args, grams):
         manifest["eval_contamination"] = eval_record(cfg.pack_dir, grams, eval_found)
     # what a checkpoint's data check compares: the tokenizer and the shards alone
     manifest["fingerprint"] = fingerprint(scratch, tokenizer_files, splits)
-    with open(os.path.join(scratch, MANIFEST), "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=2)
-        f.write("\n")
+    write_atomic(os.path.join(scratch, MANIFEST), json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
@@ -540,8 +505,7 @@ def print_totals(out_dir, manifest, segments, seconds):
 
 def build(cfg):
     """Prepare cfg.data_dir: reused when it holds this exact result, else built in its scratch
-    folder and moved into place. What data_dir held that prepare.py did not write stops it before it
-    writes."""
+    folder and moved into place; anything there prepare.py did not write stops it first."""
     t0 = time.time()
     check_args(cfg)
     out_dir = os.path.normpath(cfg.data_dir)
@@ -559,9 +523,8 @@ def build(cfg):
     check_own(out_dir)
     inputs, description = resolve_sources(cfg.source, cfg.max_shards, cfg.sha256,
                                           cfg.split_paragraphs)
-    for source in inputs:  # under HF_HUB_OFFLINE a missing file fails now, not hours into a run
-        if is_url(source.location):
-            local_copy(source.location, cfg.download_dir)
+    for url in (s.location for s in inputs if is_url(s.location)):
+        local_copy(url, cfg.download_dir)  # under HF_HUB_OFFLINE a missing file fails now
     made = make_folders(out_dir)
     scratch = make_scratch(os.path.join(out_dir, SCRATCH))  # inside: the moves are renames
     try:

@@ -1,18 +1,17 @@
-"""
-The tokenizers: byte (the 256 UTF-8 bytes), char (the corpus' characters), gpt2 (tiktoken's GPT-2
-BPE) and bpe:N (trained with rustbpe, run with tiktoken). BOS is the base vocabulary's last id; a
-document is stored as [BOS] + tokens. A chat tokenizer (SFT) appends CHAT_TOKENS after BOS, so a
-base checkpoint's ids keep their meaning. prepare.py saves one into data_dir as tokenizer.json plus,
-for gpt2 and bpe:N, tokenizer.tiktoken ("base64 rank" lines); load_tokenizer needs no network.
-"""
+"""The tokenizers: byte (the 256 UTF-8 bytes), char (the corpus' characters), gpt2 (tiktoken's
+GPT-2 BPE) and bpe:N (trained with rustbpe, run with tiktoken). BOS is the base vocabulary's last
+id; a document is stored as [BOS] + tokens. A chat tokenizer (SFT) appends CHAT_TOKENS after BOS,
+so a base checkpoint's ids keep their meaning. prepare.py saves one into data_dir as tokenizer.json
+plus, for gpt2 and bpe:N, tokenizer.tiktoken ("base64 rank" lines); loading needs no network."""
 
 import base64
+import itertools
 import json
 import os
 
 import numpy as np
 
-from podgpt.core.util import fail, first_line
+from podgpt.core.util import fail, first_line, write_atomic
 
 GPT2_RANKS = 50256  # GPT-2's BPE ranks; <|endoftext|> = 50256 is its BOS
 SEGMENT = "\x1e"  # between a document's segments, reader to tokenizer (ASCII's record separator)
@@ -33,15 +32,9 @@ class Tokenizer:
 
     def encode(self, text):
         """Token ids of text, without BOS; "<|endoftext|>" and the like are plain text."""
-        if self.kind == "byte":
-            return list(text.encode("utf-8"))
-        if self.kind == "char":
-            try:
-                return [self.char_ids[c] for c in text]
-            except KeyError as e:
-                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char "
-                                 "tokenizer") from None
-        return self.enc.encode_ordinary(text)
+        if self.kind == "tiktoken":
+            return self.enc.encode_ordinary(text)  # replaces lone surrogates; encode_to_numpy not
+        return self.encode_array(text).tolist()
 
     def encode_array(self, text):
         """encode's ids as a numpy array (uint32, byte's uint8), which tiktoken fills with no Python
@@ -49,21 +42,22 @@ class Tokenizer:
         if self.kind == "byte":
             return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
         if self.kind == "char":
-            return np.array(self.encode(text), dtype=np.uint32)
+            try:
+                return np.array([self.char_ids[c] for c in text], dtype=np.uint32)
+            except KeyError as e:
+                raise ValueError(f"character {e.args[0]!r} is not in the vocabulary of this char "
+                                 "tokenizer") from None
         # no special token allowed: their text is plain text, as encode_ordinary has it
         return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
 
     def decode_bytes(self, ids):
         """The bytes of ids; BOS decodes to nothing, a chat token to its name."""
         ids = np.asarray(ids, dtype=np.int64)
-        ids = ids[ids != self.bos_id].tolist()
         names = {i: name.encode("utf-8") for name, i in self.chat.items()}
-        parts, start = [], 0
-        for k, i in enumerate(ids):
-            if i in names:
-                parts += [self.decode_base(ids[start:k]), names[i]]
-                start = k + 1
-        return b"".join(parts + [self.decode_base(ids[start:])])
+        parts = []
+        for chat, run in itertools.groupby(ids[ids != self.bos_id].tolist(), names.__contains__):
+            parts += [names[i] for i in run] if chat else [self.decode_base(list(run))]
+        return b"".join(parts)
 
     def decode_base(self, ids):
         """The bytes of base-vocabulary ids (no BOS, no chat token)."""
@@ -90,19 +84,9 @@ def parse_spec(spec):
 def read_ranks(path):
     """{token bytes: rank} from a tiktoken ranks file. Not tiktoken's load_tiktoken_bpe: it caches
     by path, so a rebuilt file at the same path would load stale."""
-    ranks = {}
     with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-    return ranks
-
-
-def write_ranks(path, ranks):
-    with open(path, "wb") as f:
-        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-            f.write(base64.b64encode(token) + b" %d\n" % rank)
+        pairs = [line.split() for line in f if line.strip()]
+    return {base64.b64decode(token): int(rank) for token, rank in pairs}
 
 
 def gpt2_ranks():
@@ -177,12 +161,12 @@ def chat_tokenizer(base):
 def save_tokenizer(out_dir, spec, meta, ranks):
     """Write tokenizer.json (+ tokenizer.tiktoken); returns the file names."""
     meta = {"spec": spec, "bos_id": meta["vocab_size"] - 1, **meta}
-    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        f.write("\n")
+    write_atomic(os.path.join(out_dir, "tokenizer.json"), json.dumps(meta, indent=1) + "\n")
     if ranks is None:
         return ["tokenizer.json"]
-    write_ranks(os.path.join(out_dir, "tokenizer.tiktoken"), ranks)
+    with open(os.path.join(out_dir, "tokenizer.tiktoken"), "wb") as f:
+        f.writelines(b"%s %d\n" % (base64.b64encode(token), rank)
+                     for token, rank in sorted(ranks.items(), key=lambda item: item[1]))
     return ["tokenizer.json", "tokenizer.tiktoken"]
 
 
@@ -199,8 +183,7 @@ def load_tokenizer(data_dir):
         import tiktoken
         ranks_file = os.path.join(data_dir, "tokenizer.tiktoken")
         specials = len(meta["special_tokens"]) + len(meta.get("chat_tokens", ()))
-        n_ranks = meta["vocab_size"] - specials
-        ranks = read_ranks(ranks_file)
+        n_ranks, ranks = meta["vocab_size"] - specials, read_ranks(ranks_file)
         # tiktoken aborts on repeated ranks (a file cut mid-line) with pyo3's PanicException, not an
         # Exception, and takes ranks that stop short (a file cut at a line's end)
         if sorted(ranks.values()) != list(range(n_ranks)):
@@ -234,8 +217,7 @@ def chat_ids(tok):
 def chat_prompt(tok, prompt):
     """A generation prompt: BOS <|user|> prompt <|end|> <|assistant|>."""
     ids = chat_ids(tok)
-    head, tail = [tok.bos_id, ids["<|user|>"]], [ids["<|end|>"], ids["<|assistant|>"]]
-    return head + tok.encode(prompt) + tail
+    return [tok.bos_id, ids["<|user|>"], *tok.encode(prompt), ids["<|end|>"], ids["<|assistant|>"]]
 
 
 def chat_row(tok, prompt, reply):

@@ -44,7 +44,6 @@ def hub_file(url):
                     "repo_type": {"datasets/": "dataset", "spaces/": "space"}.get(kind, "model"),
                     "revision": urllib.parse.unquote(revision),
                     "filename": urllib.parse.unquote(file)}
-    return None
 
 
 def local_copy(url, download_dir):
@@ -67,8 +66,8 @@ def local_copy(url, download_dir):
 
 
 def hub_download(url, hub, path):
-    """The file's path in the Hugging Face cache, downloaded there by huggingface_hub if need be; a
-    failure is one line saying what to do (path: where download_dir would hold a copy)."""
+    """The file's path in the Hugging Face cache, downloaded there if need be; a failure is one line
+    saying what to do (path: where download_dir would hold a copy)."""
     from huggingface_hub import constants, hf_hub_download
 
     try:
@@ -118,8 +117,8 @@ def fetch(url, part):
 
 
 def wrapped(e):
-    """e and every exception inside it (args, .reason, __cause__, __context__): requests wraps
-    urllib3's, huggingface_hub httpx's, and those the socket's."""
+    """e and every exception inside it: requests wraps urllib3's, huggingface_hub httpx's, and those
+    the socket's."""
     found, todo = [], [e]
     while todo:
         x = todo.pop()
@@ -208,30 +207,27 @@ def file_sha256(path):
 
 
 def download(url, download_dir, sha256=""):
-    """The local copy of url: download_dir's, else for a file on the hub the Hugging Face cache's
-    (never changed here), else fetched into download_dir. A failed fetch leaves behind only a .part
-    with bytes in it, which the rerun resumes."""
+    """The local copy of url: download_dir's, else for a file on the hub the Hugging Face cache's,
+    else fetched into download_dir; a failed fetch leaves only a .part with bytes, which a rerun
+    resumes."""
     path, hub = cache_path(url, download_dir), hub_file(url)
     found = local_copy(url, download_dir) or (hub and hub_download(url, hub, path))
-    if found and found != path:  # the Hugging Face cache's copy
-        actual = file_sha256(found) if sha256 else ""
-        if actual != sha256.lower():
-            fail(f"{url}: sha256 of its copy in the Hugging Face cache ({found}) is {actual}, "
-                 f"expected {sha256}: check --sha256")
+    if found:  # download_dir's copy (maybe the user's) or the Hugging Face cache's
+        if sha256 and (actual := file_sha256(found)) != sha256.lower():
+            mine = found == path
+            what = path if mine else f"its copy in the Hugging Face cache ({found})"
+            fix = ", or move that file away and rerun to download it again" if mine else ""
+            fail(f"{url}: sha256 of {what} is {actual}, expected {sha256}: check --sha256{fix}")
         return found
     part = path + ".part"
     made = make_folders(os.path.dirname(path))
     try:
-        if not found:
-            fetch_retrying(url, path)
-            if sha256 and (actual := file_sha256(part)) != sha256.lower():
-                os.remove(part)  # this run's download, checked before it takes the copy's name
-                fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): "
-                     "check --sha256 or the URL")
-            os.replace(part, path)
-        elif sha256 and (actual := file_sha256(path)) != sha256.lower():  # maybe the user's copy
-            fail(f"{url}: sha256 of {path} is {actual}, expected {sha256}: check --sha256, or move "
-                 "that file away and rerun to download it again")
+        fetch_retrying(url, path)
+        if sha256 and (actual := file_sha256(part)) != sha256.lower():
+            os.remove(part)  # this run's download, checked before it takes the copy's name
+            fail(f"{url}: sha256 is {actual}, expected {sha256} (download deleted): "
+                 "check --sha256 or the URL")
+        os.replace(part, path)
     except BaseException as e:
         if os.path.isfile(part) and os.path.getsize(part) == 0:
             os.remove(part)

@@ -77,11 +77,10 @@ class SmallestHashes:
 
 def bpe_reserve(docs, threshold, min_tokens, least_tokens):
     """The hash below which bpe:N must not train: `threshold` (val_fraction's), or higher where the
-    documents below it may hold fewer than min_tokens tokens, so that those held out after
-    tokenizing were never in its training. docs: (hash, source split, text) of all documents but
-    the train split's; least_tokens(text): a lower bound on a document's tokens, so the documents
-    below the result hold at least what SmallestHashes finds on the tokens. Reads only until the
-    documents below `threshold` surely hold min_tokens: the first few hundred MB of a big corpus."""
+    documents below it may hold fewer than min_tokens tokens, so none held out after tokenizing was
+    trained on. docs: (hash, source split, text) of all but the train split's; least_tokens(text):
+    a lower bound on its tokens. Reads only until the documents below `threshold` surely hold
+    min_tokens: the first few hundred MB of a big corpus."""
     smallest, held = SmallestHashes(min_tokens), 0
     for h, split, text in docs:
         below = split == "val" or not split and h < threshold  # validation at `threshold`
@@ -101,15 +100,13 @@ class Ledger:
     rows found), 17 bytes apiece, kept only while validation holds fewer than min_tokens tokens."""
 
     def __init__(self, min_tokens):
-        self.min_tokens, self.open = min_tokens, True
+        self.min_tokens = min_tokens
         self.hashes, self.n_bytes, self.flags = array.array("Q"), array.array("Q"), array.array("B")
         self.rows = {}  # document number -> the eval rows it holds a gram of, where any
 
     def add(self, h, n_bytes, name, forced, cut, rows, val_tokens):
-        if self.open and val_tokens >= self.min_tokens:  # validation is big enough: never replayed
-            self.open = False
-            self.hashes, self.n_bytes, self.flags, self.rows = None, None, None, {}
-        if not self.open:
+        if val_tokens >= self.min_tokens:  # validation is big enough, and only grows: no replay
+            self.hashes = self.n_bytes = self.flags = self.rows = None
             return
         if rows:
             self.rows[len(self.hashes)] = rows

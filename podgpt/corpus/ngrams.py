@@ -80,7 +80,7 @@ def shared_run(text, row):
 
 
 def read_eval_grams(path):
-    """The EvalGrams of a pack's eval.jsonl, with its sha256 (a bad row: one line naming it)."""
+    """The EvalGrams of a pack's eval.jsonl (a bad row: one line naming it)."""
     return EvalGrams(read_rows(path)[0], file_sha256(path))
 
 
@@ -111,8 +111,7 @@ class EvalGrams:
     not from a file)."""
 
     def __init__(self, rows, sha256=None):
-        found, lengths = {}, set()
-        self.sha256 = sha256
+        found, lengths, self.sha256 = {}, set(), sha256
         for k, row in enumerate(rows):
             for text in (row["prompt"], reply_text(row)):
                 grams, n = text_grams(text)

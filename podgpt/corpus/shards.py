@@ -1,7 +1,5 @@
-"""
-The write side of the shard format that data.py reads: a shard, the index of where each of its
-documents starts and, for SFT data, its loss mask, each file written whole or not at all.
-"""
+"""The write side of the shard format that data.py reads: a shard, the index of where each of its
+documents starts and, for SFT data, its loss mask, each file written whole or not at all."""
 
 import hashlib
 import io
@@ -13,8 +11,8 @@ from podgpt.core.data import HEADER_INTS, MAGIC, VERSION, docs_file, mask_file, 
 
 
 def write_shard(path, tokens, vocab_size, bos_id, doc_starts, mask=None):
-    """Write a shard, its .docs.npy index and (SFT data) its loss mask; returns the .bin's
-    sha256."""
+    """Write a shard, its .docs.npy index and (SFT data) its loss mask; returns the sha256 of the
+    .bin."""
     if not path.endswith(".bin"):
         raise ValueError(f"{path}: shard files end in .bin")
     tokens, doc_starts = np.asarray(tokens), np.asarray(doc_starts, dtype=np.int64)

@@ -5,7 +5,7 @@ comma-separated spec concatenates them:
   paragraph with split_paragraphs), .jsonl one per line, .parquet one per row (field text_field);
 - an http(s) URL, downloaded (download.py), then read as a file;
 - a preset: tinyshakespeare, or the Hugging Face datasets fineweb-edu-10bt, climbmix and gsm8k,
-  which keeps its own split (test as validation), a problem per document (tasks.gsm8k_document)."""
+  which keeps its own split (test as validation), a problem per document (tasks.gsm8k_documents)."""
 
 import collections
 import difflib
@@ -73,7 +73,8 @@ def resolve_sources(spec, max_shards, sha256, split_paragraphs):
     """[Source] for a source spec, and a description of it."""
     inputs, parts = [], []
     for part in (p.strip() for p in spec.split(",")):
-        paragraphs = split_paragraphs
+        # tinyshakespeare is one file: its blank-line separated speeches are the documents
+        paragraphs = split_paragraphs or part == "tinyshakespeare"
         if part == "stdlib":
             files = walk(sysconfig.get_paths()["stdlib"], (".py",),
                          ("site-packages", "dist-packages"))
@@ -87,8 +88,6 @@ def resolve_sources(spec, max_shards, sha256, split_paragraphs):
                 inputs += [Source(url, False, split, "gsm8k")
                            for url, split in zip(files, GSM8K_SPLITS)]
                 continue
-            # tinyshakespeare is one file: its blank-line separated speeches are the documents
-            paragraphs = split_paragraphs or part == "tinyshakespeare"
         elif is_url(part):
             files = [part]
             parts.append(part)
@@ -154,10 +153,7 @@ def read_jsonl(path, text_field):
 
 
 def read_parquet(path, text_field):
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        fail("pyarrow is needed for .parquet sources: pip install pyarrow")
+    import pyarrow.parquet as pq
     # pyarrow reports a corrupt file as ArrowInvalid, OSError (with a message of several lines),
     # UnicodeDecodeError or others; a damaged page only when its row group is read
     try:

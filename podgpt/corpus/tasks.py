@@ -16,32 +16,28 @@ from podgpt.core.tokenizer import SEGMENT, load_tokenizer, reply_text
 from podgpt.core.util import fail, first_line
 
 
-def gsm8k_document(question, answer, form):
-    """A GSM8K problem as one document: qa, "Question: ...\nAnswer: ..."; hdp, for plan-then-execute
-    block diffusion, the question, the plan (gsm8k_plan) and the execution (the annotated lines and
-    the final "#### <number>"), joined by SEGMENT."""
-    if form == "qa":
-        return f"Question: {question}\nAnswer: {answer}"
-    reasoning, _, final = answer.rpartition("####")
-    execution = f"{reasoning.strip()}\n#### {final.strip()}"
-    return SEGMENT.join([question.strip(), gsm8k_plan(answer), execution])
-
-
 def gsm8k_plan(answer):
     """The reasoning lines of a GSM8K answer (before "####") without their <<calculator>> notes."""
     return re.sub(r"<<[^<>]*>>", "", answer.rpartition("####")[0]).strip()
 
 
 def gsm8k_documents(path, questions, answers, form):
-    """The problems of a GSM8K file's question and answer columns, each as gsm8k_document."""
+    """The problems of a GSM8K file's question and answer columns, each one document: qa,
+    "Question: ...\nAnswer: ..."; hdp, for plan-then-execute block diffusion, the question, the plan
+    (gsm8k_plan) and the execution (the annotated lines and "#### <number>"), joined by SEGMENT."""
     if len(questions) != len(answers):
         fail(f"{path}: {len(questions)} questions but {len(answers)} answers (a null in one "
              "column?): download it again")
     for question, answer in zip(questions, answers, strict=True):
-        if "####" not in answer:
+        reasoning, hashes, final = answer.rpartition("####")
+        if not hashes:
             fail(f"{path}: an answer without its final '#### <number>' line, which GSM8K's all "
                  f"have: not GSM8K's main config? ({answer[:60]!r})")
-        yield gsm8k_document(question, answer, form)
+        if form == "qa":
+            yield f"Question: {question}\nAnswer: {answer}"
+        else:
+            execution = f"{reasoning.strip()}\n#### {final.strip()}"
+            yield SEGMENT.join([question.strip(), gsm8k_plan(answer), execution])
 
 
 def gsm8k_answer(text):
@@ -194,10 +190,7 @@ def hub_questions(name, download_dir, limit=0):
     """(the first `limit` questions of a hub benchmark (0: all), {url, sha256, questions} of where
     they came from); its file through download.py."""
     from huggingface_hub import hf_hub_url
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        fail("pyarrow is needed for the hub's multiple-choice tasks: pip install pyarrow", code=2)
+    import pyarrow.parquet as pq
     repo, revision, file, question = HUB_MC[name]
     url = hf_hub_url(repo, file, repo_type="dataset", revision=revision)
     path = download(url, download_dir)
