@@ -1,12 +1,9 @@
 """
 The GPT of podgpt: a decoder-only transformer laid out as Llama's (names, rotate-half RoPE), so its
 weights map one to one onto transformers' LlamaForCausalLM: pre-norm RMSNorm, RoPE, a SwiGLU MLP,
-grouped-query attention, no biases, tied or untied embeddings. The vocabulary is padded to a
-multiple of vocab_multiple (faster matmuls); padded ids are never targets and never sampled.
-Attention runs on the kernel attn_backend names (podgpt/core/attention.py); doc_mask keeps each
-token within its document, so packed rows train apart. Activation checkpointing (grad_ckpt) and a
-chunked loss (loss_chunk) save memory; generate() streams tokens with a KV cache; fp8 linear layers
-and FSDP2 sharding are for train.py. The objectives of podgpt/research/ subclass GPT and GPTConfig.
+grouped-query attention, no biases. The vocabulary is padded to a multiple of vocab_multiple
+(faster matmuls); padded ids are never targets and never sampled. podgpt/research/'s objectives
+subclass GPT and GPTConfig.
 """
 
 import importlib.util
@@ -93,14 +90,11 @@ class GPTConfig:
         return self.own_mask or ("documents" if self.doc_mask else None)
 
     # what a research objective overrides
+    stream = 1                    # positions the blocks run on per token of a row
+
     def applications(self, training=True):
         """(supervision steps, block applications per layer and step with gradients, without)."""
         return 1, 1, 0
-
-    @property
-    def stream(self):
-        """Positions the blocks run on per token of a row."""
-        return 1
 
     def sums_kept(self, mode):
         """Bytes per token a layer keeps beyond its activations under grad_ckpt=mode."""
@@ -173,15 +167,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cache=None, mask=None, slot=None):
         """mask: None (causal), False (none: x sees itself and every cached key), or a Mask."""
-        B, T, _ = x.shape
-        hd = self.config.head_dim
-        start = cache.pos if cache is not None else 0
+        (B, T, _), hd, start = x.shape, self.config.head_dim, cache.pos if cache is not None else 0
         positions = mask.positions if isinstance(mask, Mask) else None  # a mask may move rows
         at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
-        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = (proj(x).view(B, T, -1, hd).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the queries follow the cached keys: causal aligns them bottom-right
             k, v = cache.update(slot, k, v)
@@ -431,11 +422,9 @@ def fp8_unavailable(device, dtype, compiled):
 
 
 def float8_linears(model):
-    """fp8=True: the nn.Linear layers become torchao's Float8Linear (tensorwise scales), in place,
-    before FSDP and torch.compile; their weights stay the same fp32 parameters, so checkpoints and
-    the optimizer are as without. Kept in bf16: lm_head (tied to the embedding, and the loss reads
-    its logits) and layers with a dimension that is not a multiple of 16 (float8 matmuls need it).
-    (converted names, kept names)."""
+    """fp8=True: (converted names, kept names). The nn.Linear layers become torchao's Float8Linear
+    (tensorwise), in place, their weights the same fp32 parameters; kept in bf16: lm_head (the loss
+    reads its logits) and layers with a dimension not a multiple of 16 (float8 matmuls need it)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     kept = [name for name, m in linears
@@ -448,11 +437,8 @@ def float8_linears(model):
 
 
 def shard_model(model, dev, compute_dtype):
-    """FSDP2: each block's parameters gathered for its own compute and backward (grad_ckpt's
-    recompute included); compute in compute_dtype, gradients reduced in fp32; the root shards the
-    rest (embedding, tied head, final norm)."""
-    # FSDP2, DTensor and torch.distributed.checkpoint are imported only where a run shards: ~1 s
-    # of import every other run would pay
+    """FSDP2: each block sharded on its own, the root the rest; compute in compute_dtype,
+    gradients reduced in fp32. (Imported here: ~1 s every run that does not shard would pay.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     mesh = device_mesh(dev)
