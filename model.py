@@ -19,7 +19,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from podgpt.core.attention import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention,
                                    resolve_backend)
-from podgpt.core.util import IGNORE, device_mesh, first_line
+from podgpt.core.util import IGNORE, device_mesh, dtype_name, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
@@ -240,8 +240,8 @@ selective_checkpointing = partial(create_selective_checkpoint_contexts, selectiv
 
 
 def per_target(total, targets, weights):
-    """The loss per target, as F.cross_entropy's mean over the targets that count (SFT: the
-    replies'), but 0, not NaN, for a batch with none; with weights, over every target."""
+    """The loss per target, as F.cross_entropy's mean over the targets that are not IGNORE, but 0,
+    not NaN, for a batch with none; with weights, over every target."""
     return total / (targets.numel() if weights is not None
                     else (targets != IGNORE).sum().clamp(min=1))
 
@@ -287,7 +287,6 @@ class GPT(nn.Module):
         return out
 
     def check_length(self, idx, cache):
-        """idx's length, once it is known to fit after the cache's positions."""
         start, T = cache.pos if cache is not None else 0, idx.size(1)
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than "
@@ -295,8 +294,8 @@ class GPT(nn.Module):
         return T
 
     def ready(self, x, mask=None):
-        """mask, made in the form the backend the blocks will run x on takes: once for all layers,
-        and not inside a checkpoint (auto's parity check runs a backward of its own)."""
+        """mask, made in the form x's backend takes: once for all layers, and not inside a
+        checkpoint (auto's parity check runs a backward of its own)."""
         c, dev = self.config, x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         kind = None if mask is None else mask.kind
@@ -316,19 +315,16 @@ class GPT(nn.Module):
         return x
 
     def head(self, x, targets, weights=None, in_graph=False):
-        """The final norm, the LM head and the loss: forward()'s first two items. With weights (as
-        targets), the weighted cross-entropy summed over the number of targets; without, the mean
-        over the targets that are not IGNORE, divided outside the compiled graph when the loss is
-        chunked, unless in_graph (a graph break there would split a caller's loop)."""
+        """The final norm, the LM head and the loss: forward()'s first two items. The loss: with
+        weights, their weighted cross-entropy over the number of targets; else per_target, outside
+        the compiled graph when chunked, unless in_graph (a break would split a caller's loop)."""
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
         targets, weights = targets.flatten(), None if weights is None else weights.flatten()
-        if not self.config.loss_chunk:
-            logits = self.lm_head(x)
-            total = self.cross_entropy_sum(logits, targets, weights)
-        else:
-            logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
+        logits = None if self.config.loss_chunk else self.lm_head(x)
+        total = (self.chunked_loss(x.flatten(0, 1), targets, weights) if logits is None else
+                 self.cross_entropy_sum(logits, targets, weights))
         outside = logits is None and weights is None and not in_graph
         return logits, (per_target_outside if outside else per_target)(total, targets, weights)
 
@@ -356,9 +352,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  use_cache=True, generator=None):
-        """Yields the next token of each row, shape (B,), max_new_tokens times. With the cache, each
-        new token costs one position; past block_size the cache restarts from the last
-        block_size // 2 tokens (a sliding window, amortised over the next half block)."""
+        """Yields the next token of each row, shape (B,), max_new_tokens times. Past block_size the
+        cache restarts from the last block_size // 2 tokens (a sliding window)."""
         c, cache, feed = self.config, None, idx
         block, dtype = c.block_size, next(self.parameters()).dtype
         for _ in range(max_new_tokens):
@@ -406,7 +401,7 @@ def fp8_unavailable(device, dtype, compiled):
                 f"{major}.{minor}: set fp8=False")
     if dtype != torch.bfloat16:
         return (f"fp8=True computes the rest of the model in bfloat16, not "
-                f"{str(dtype).removeprefix('torch.')}: set dtype=bfloat16")
+                f"{dtype_name(dtype)}: set dtype=bfloat16")
     if not compiled:
         return ("fp8=True needs compile=True: without torch.compile fusing float8's scaling and "
                 "casts, its matmuls are slower than bfloat16's")

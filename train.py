@@ -164,8 +164,7 @@ def release_gates(pack_dir):
 # the loop
 
 class Trainer:
-    """The training loop and what it keeps between steps. Everything a resumed run needs to continue
-    exactly is in `state`, which goes into every checkpoint."""
+    """The training loop; all a resumed run needs to go on exactly is in `state` (checkpointed)."""
 
     def __init__(self, cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state,
                  stop_signal, t_start):
@@ -201,8 +200,7 @@ class Trainer:
         self.save_due = False  # the ranks agreed: ckpt_every_minutes have passed
 
     def loop(self):
-        """Train until the horizon, a stop (signal, guard, early stop) or divergence: (the stop
-        reason, the last validation loss or None)."""
+        """Train until the horizon, a stop or divergence: (the stop reason, the last val loss)."""
         cfg, st, proc = self.cfg, self.state, self.proc
         self.clock.tick()
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may be past a limit
@@ -238,8 +236,7 @@ class Trainer:
         return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
 
     def step(self):
-        """One optimizer step over the global batch: the stop reason the ranks agreed on (with the
-        guards' verdicts and the loss, in one all-reduce), or None."""
+        """One optimizer step over the global batch: the stop reason the ranks agreed on, or None."""
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
         lr, base_lr = self.set_lr()
@@ -266,8 +263,8 @@ class Trainer:
         return reason
 
     def set_lr(self):
-        """(the step's learning rate, the schedule's): the schedule's x the rollbacks' scale, in
-        every group (muon: each group at its own peak_lr, on the schedule's shape)."""
+        """(the step's learning rate: the schedule's x the rollbacks' scale, the schedule's); muon:
+        each group at its own peak_lr, on the schedule's shape."""
         st = self.state
         base_lr = self.schedule.lr(st.step, st.horizon, st.decay_start, st.decay_lr)
         lr = base_lr * st.lr_scale
@@ -319,8 +316,8 @@ class Trainer:
         return grad_norm, finite
 
     def after_step(self, loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill):
-        """The step's account: wsd's decay from the next step (linear from this step's learning rate
-        to min_lr at step decay_to), the fire drill, a spike or non-finite step counted."""
+        """wsd's decay from the next step (linear to min_lr at step decay_to), the fire drill, a
+        spike or non-finite step counted."""
         st, cfg = self.state, self.cfg
         if decay_to:
             planned = decay_to == st.horizon
@@ -339,7 +336,6 @@ class Trainer:
             cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir)), self.ckpts.on_disk)
 
     def micro_batch(self, micro, spike_drill):
-        """This rank's micro-batch `micro` of the step (the fire drill's, when spike_drill)."""
         cfg, first = self.cfg, self.first_sample(micro)
         if spike_drill:
             return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size,
@@ -363,14 +359,13 @@ class Trainer:
             dist.all_reduce(total)
         return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
 
-    def guard(self):
-        return self.clock.stop_reason(self.ckpts.writing, self.event)  # rank 0's: a stop, or None
+    def guard(self):  # rank 0's: a stop reason, or None
+        return self.clock.stop_reason(self.ckpts.writing, self.event)
 
     # evaluation, checkpoints, events
 
     def evaluate(self):
-        """The validation loss over eval_steps micro-batches per rank, on all ranks; the objective's
-        stats, their mean per micro-batch, in self.val_stats."""
+        """The validation loss on all ranks; the objective's stats, per micro-batch, in val_stats."""
         cfg, proc = self.cfg, self.proc
         self.model.eval()
         with torch.no_grad(), self.autocast:
@@ -411,8 +406,7 @@ class Trainer:
                              val_loss=val_loss), best)
 
     def saved(self):
-        """Log each save that reached the disk since the last look; the guards keep back the
-        slowest write for the final save."""
+        """Log each save that reached the disk; the guards keep back the slowest for the last."""
         for record in self.ckpts.finished():
             self.clock.save_seconds = max(self.clock.save_seconds, record["written_s"])
             self.log.write({"step": record["step"], "event": "checkpoint", **record})
@@ -422,8 +416,8 @@ class Trainer:
         warn(f"step {self.state.step}: {message}")
 
     def finish(self, reason, val_loss):
-        """A final evaluation and checkpoint if the run completed, then summary.json and the report:
-        rank 0's summary (None elsewhere)."""
+        """A last evaluation and save if the run completed, summary.json, the report: rank 0's
+        summary (None elsewhere)."""
         st, cfg = self.state, self.cfg
         if reason in ("max_steps", "horizon"):
             if val_loss is None:  # resumed at the horizon
@@ -479,14 +473,13 @@ class Trainer:
 # the run
 
 def configure(argv):
-    """This script's config from argv, checked."""
     cfg = configurator.configure(__file__, argv)
     check_config(cfg)
     return cfg
 
 
 def new_state(cfg):
-    """The loop's state at the start: all of it goes into every checkpoint (an exact resume)."""
+    """The loop's state at the start: all of it goes into every checkpoint."""
     return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"),
                            best_step=-1, evals_since_best=0, loss_ema=None, spikes=0,
                            nonfinite_steps=0, bad_in_a_row=0, rollbacks=0, lr_scale=1.0,
@@ -576,7 +569,7 @@ def train(cfg, keep_group=False):
 
 
 def main(argv):
-    """A training run, a dry run (dryrun_steps) or a preflight (preflight_only): the exit status."""
+    """A training run, a dry run or a preflight: the exit status."""
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from podgpt.core.util import first_line
+from podgpt.core.util import dtype_name, first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
@@ -280,8 +280,8 @@ def parity_error(name, device, dtype, head_dim, mask=None):
 def flash_unavailable(name, device, dtype, head_dim):
     """Why FlashAttention 3, 2 or 4 (FLASH_PACKAGES) cannot run here, or None."""
     module, label, install = FLASH_PACKAGES[name]
-    if name == "fa4" and "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls",
-                                              list)():
+    impls = getattr(torch.nn.attention, "list_flash_attention_impls", list)()  # torch 2.10+
+    if name == "fa4" and "FA4" not in impls:
         return (f"{label} runs through SDPA from torch 2.10 on "
                 f"(torch.nn.attention.activate_flash_attention_impl); this is torch "
                 f"{torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
@@ -290,7 +290,7 @@ def flash_unavailable(name, device, dtype, head_dim):
     if device.type != "cuda":
         return f"{label} is CUDA only; this is {device.type}"
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
+        return f"{label} computes in bfloat16 or float16, not {dtype_name(dtype)}"
     major, minor = torch.cuda.get_device_capability(device)
     lowest, highest, gpus, fix = FLASH_GPUS[name]
     if not lowest <= major <= highest:
@@ -312,18 +312,17 @@ def flash_unavailable(name, device, dtype, head_dim):
 
 
 def backend_unavailable(name, device, dtype, head_dim, mask=None):
-    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of
-    kind `mask`: None, or one of masks()), else one line saying why not and what would fix it."""
+    """None when attention backend `name` can train here (under a mask of kind `mask`), else one
+    line saying why not and what would fix it."""
     device = torch.device(device)
     if name not in ATTENTION_KERNELS:
         return (f"unknown attention backend {name!r}: choose auto or one of "
                 f"{', '.join(ATTENTION_KERNELS)}")
     if mask is not None and name not in masks()[mask].FORMS:
         return f"{name} cannot {masks()[mask].refusal}; {', '.join(masks()[mask].FORMS)} can"
-    if name in FLASH_PACKAGES:
-        if why := flash_unavailable(name, device, dtype, head_dim):
-            return why
-    elif name == "flex":
+    if name in FLASH_PACKAGES and (why := flash_unavailable(name, device, dtype, head_dim)):
+        return why
+    if name == "flex":
         if device.type != "cuda":
             return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
         if importlib.util.find_spec("triton") is None:
@@ -338,8 +337,8 @@ def backend_unavailable(name, device, dtype, head_dim, mask=None):
 
 
 def trial_call(name, device, dtype, head_dim, mask):
-    """A tiny causal GQA forward and backward (under an example of kind `mask`): None when it runs,
-    else why not (SDPA says why it refuses a kernel in warnings)."""
+    """A tiny causal GQA forward and backward: None when it runs, else why not (SDPA says why it
+    refuses a kernel in warnings)."""
     g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the init
     q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_()
              for h in (2, 1))
@@ -352,8 +351,7 @@ def trial_call(name, device, dtype, head_dim, mask):
         except Exception as e:  # whatever a kernel raises, it cannot train here
             texts = (str(w.message).split(" (Triggered internally")[0] for w in caught)
             why = "; ".join(dict.fromkeys(" ".join(t.split()) for t in texts)) or first_line(e)
-    return (f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: "
-            f"{why[:400]}")
+    return f"{name} cannot run {dtype_name(dtype)} with head_dim {head_dim} here: {why[:400]}"
 
 
 resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
@@ -390,10 +388,9 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
         here = [b for b in ATTENTION_KERNELS
                 if b != name and not backend_unavailable(b, device, dtype, head_dim, mask)]
         raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
-                         f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
+                         f"({device.type}, {dtype_name(dtype)}, head_dim {head_dim}"
                          f"{masks()[mask].label if mask else ''}): {', '.join(here) or 'none'}")
-    skipped = []
-    tol = parity_tolerance(dtype, device)
+    skipped, tol = [], parity_tolerance(dtype, device)
     flex_first = mask is not None and masks()[mask].flex_first
     for candidate in sorted(ATTENTION_BACKENDS, key=lambda b: flex_first and b != "flex"):
         why = backend_unavailable(candidate, device, dtype, head_dim, mask)

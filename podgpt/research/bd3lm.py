@@ -180,8 +180,8 @@ class BlockDiffusionLM(GPT):
 
     def denoise(self, block, cache=None):
         """Logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) that sees the cache's
-        clean blocks and itself whole, as training's noisy copy does; its keys and values stay in the
-        cache only when forward() runs the finished block."""
+        clean blocks and itself whole, as training's noisy copy does; its keys and values stay in
+        the cache only when forward() runs the finished block."""
         return self.head(self.blocks(self.embed_tokens(block), cache, False), None)[0]
 
     def cross_entropy_sum(self, logits, targets, weights=None):
@@ -196,7 +196,8 @@ class BlockDiffusionLM(GPT):
         """Yields the next token of each row, shape (B,), a block at a time: each block after the
         prompt's starts [MASK] and is unmasked in `steps` passes (None: a token a pass). HDP: the
         prompt is the question, padded with BOS as prepare.py pads it. Ends after max_new_tokens,
-        at block_size (no sliding window), or once every row has made BOS (HDP: in the execution)."""
+        at block_size (no sliding window), or once every row has made BOS (HDP: in the
+        execution)."""
         c = self.config
         if unmask not in UNMASKING:
             raise ValueError(f"unmask={unmask!r}: choose one of {', '.join(UNMASKING)}")
