@@ -236,7 +236,7 @@ class Trainer:
         return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
 
     def step(self):
-        """One optimizer step over the global batch: the stop reason the ranks agreed on, or None."""
+        """One optimizer step over the global batch: the stop reason the ranks agreed, or None."""
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
         lr, base_lr = self.set_lr()
@@ -365,7 +365,7 @@ class Trainer:
     # evaluation, checkpoints, events
 
     def evaluate(self):
-        """The validation loss on all ranks; the objective's stats, per micro-batch, in val_stats."""
+        """The validation loss on all ranks; the objective's stats per micro-batch in val_stats."""
         cfg, proc = self.cfg, self.proc
         self.model.eval()
         with torch.no_grad(), self.autocast:
