@@ -1,12 +1,9 @@
 """
 The GPT of podgpt: a decoder-only transformer laid out as Llama's (names, rotate-half RoPE), so its
 weights map one to one onto transformers' LlamaForCausalLM: pre-norm RMSNorm, RoPE, a SwiGLU MLP,
-grouped-query attention, no biases, tied or untied embeddings. The vocabulary is padded to a
-multiple of vocab_multiple (faster matmuls); padded ids are never targets and never sampled.
-Attention runs on the kernel attn_backend names (podgpt/core/attention.py); doc_mask keeps each
-token within its document, so packed rows train apart. Activation checkpointing (grad_ckpt) and a
-chunked loss (loss_chunk) save memory; generate() streams tokens with a KV cache; fp8 linear layers
-and FSDP2 sharding are for train.py. The objectives of podgpt/research/ subclass GPT and GPTConfig.
+grouped-query attention, no biases. The vocabulary is padded to a multiple of vocab_multiple
+(faster matmuls); padded ids are never targets and never sampled. podgpt/research/'s objectives
+subclass GPT and GPTConfig.
 """
 
 import importlib.util
@@ -22,7 +19,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from podgpt.core.attention import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention,
                                    resolve_backend)
-from podgpt.core.util import IGNORE, device_mesh, first_line
+from podgpt.core.util import IGNORE, device_mesh, dtype_name, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
@@ -93,14 +90,11 @@ class GPTConfig:
         return self.own_mask or ("documents" if self.doc_mask else None)
 
     # what a research objective overrides
+    stream = 1                    # positions the blocks run on per token of a row
+
     def applications(self, training=True):
         """(supervision steps, block applications per layer and step with gradients, without)."""
         return 1, 1, 0
-
-    @property
-    def stream(self):
-        """Positions the blocks run on per token of a row."""
-        return 1
 
     def sums_kept(self, mode):
         """Bytes per token a layer keeps beyond its activations under grad_ckpt=mode."""
@@ -173,15 +167,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cache=None, mask=None, slot=None):
         """mask: None (causal), False (none: x sees itself and every cached key), or a Mask."""
-        B, T, _ = x.shape
-        hd = self.config.head_dim
-        start = cache.pos if cache is not None else 0
+        (B, T, _), hd, start = x.shape, self.config.head_dim, cache.pos if cache is not None else 0
         positions = mask.positions if isinstance(mask, Mask) else None  # a mask may move rows
         at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
-        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k, v = (proj(x).view(B, T, -1, hd).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the queries follow the cached keys: causal aligns them bottom-right
             k, v = cache.update(slot, k, v)
@@ -249,8 +240,8 @@ selective_checkpointing = partial(create_selective_checkpoint_contexts, selectiv
 
 
 def per_target(total, targets, weights):
-    """The loss per target, as F.cross_entropy's mean over the targets that count (SFT: the
-    replies'), but 0, not NaN, for a batch with none; with weights, over every target."""
+    """The loss per target, as F.cross_entropy's mean over the targets that are not IGNORE, but 0,
+    not NaN, for a batch with none; with weights, over every target."""
     return total / (targets.numel() if weights is not None
                     else (targets != IGNORE).sum().clamp(min=1))
 
@@ -296,7 +287,6 @@ class GPT(nn.Module):
         return out
 
     def check_length(self, idx, cache):
-        """idx's length, once it is known to fit after the cache's positions."""
         start, T = cache.pos if cache is not None else 0, idx.size(1)
         if start + T > self.config.block_size:
             raise ValueError(f"sequence of {start + T} tokens is longer than "
@@ -304,8 +294,8 @@ class GPT(nn.Module):
         return T
 
     def ready(self, x, mask=None):
-        """mask, made in the form the backend the blocks will run x on takes: once for all layers,
-        and not inside a checkpoint (auto's parity check runs a backward of its own)."""
+        """mask, made in the form x's backend takes: once for all layers, and not inside a
+        checkpoint (auto's parity check runs a backward of its own)."""
         c, dev = self.config, x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         kind = None if mask is None else mask.kind
@@ -325,19 +315,16 @@ class GPT(nn.Module):
         return x
 
     def head(self, x, targets, weights=None, in_graph=False):
-        """The final norm, the LM head and the loss: forward()'s first two items. With weights (as
-        targets), the weighted cross-entropy summed over the number of targets; without, the mean
-        over the targets that are not IGNORE, divided outside the compiled graph when the loss is
-        chunked, unless in_graph (a graph break there would split a caller's loop)."""
+        """The final norm, the LM head and the loss: forward()'s first two items. The loss: with
+        weights, their weighted cross-entropy over the number of targets; else per_target, outside
+        the compiled graph when chunked, unless in_graph (a break would split a caller's loop)."""
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
         targets, weights = targets.flatten(), None if weights is None else weights.flatten()
-        if not self.config.loss_chunk:
-            logits = self.lm_head(x)
-            total = self.cross_entropy_sum(logits, targets, weights)
-        else:
-            logits, total = None, self.chunked_loss(x.flatten(0, 1), targets, weights)
+        logits = None if self.config.loss_chunk else self.lm_head(x)
+        total = (self.chunked_loss(x.flatten(0, 1), targets, weights) if logits is None else
+                 self.cross_entropy_sum(logits, targets, weights))
         outside = logits is None and weights is None and not in_graph
         return logits, (per_target_outside if outside else per_target)(total, targets, weights)
 
@@ -365,9 +352,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  use_cache=True, generator=None):
-        """Yields the next token of each row, shape (B,), max_new_tokens times. With the cache, each
-        new token costs one position; past block_size the cache restarts from the last
-        block_size // 2 tokens (a sliding window, amortised over the next half block)."""
+        """Yields the next token of each row, shape (B,), max_new_tokens times. Past block_size the
+        cache restarts from the last block_size // 2 tokens (a sliding window)."""
         c, cache, feed = self.config, None, idx
         block, dtype = c.block_size, next(self.parameters()).dtype
         for _ in range(max_new_tokens):
@@ -415,7 +401,7 @@ def fp8_unavailable(device, dtype, compiled):
                 f"{major}.{minor}: set fp8=False")
     if dtype != torch.bfloat16:
         return (f"fp8=True computes the rest of the model in bfloat16, not "
-                f"{str(dtype).removeprefix('torch.')}: set dtype=bfloat16")
+                f"{dtype_name(dtype)}: set dtype=bfloat16")
     if not compiled:
         return ("fp8=True needs compile=True: without torch.compile fusing float8's scaling and "
                 "casts, its matmuls are slower than bfloat16's")
@@ -431,11 +417,9 @@ def fp8_unavailable(device, dtype, compiled):
 
 
 def float8_linears(model):
-    """fp8=True: the nn.Linear layers become torchao's Float8Linear (tensorwise scales), in place,
-    before FSDP and torch.compile; their weights stay the same fp32 parameters, so checkpoints and
-    the optimizer are as without. Kept in bf16: lm_head (tied to the embedding, and the loss reads
-    its logits) and layers with a dimension that is not a multiple of 16 (float8 matmuls need it).
-    (converted names, kept names)."""
+    """fp8=True: (converted names, kept names). The nn.Linear layers become torchao's Float8Linear
+    (tensorwise), in place, their weights the same fp32 parameters; kept in bf16: lm_head (the loss
+    reads its logits) and layers with a dimension not a multiple of 16 (float8 matmuls need it)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     kept = [name for name, m in linears
@@ -448,11 +432,8 @@ def float8_linears(model):
 
 
 def shard_model(model, dev, compute_dtype):
-    """FSDP2: each block's parameters gathered for its own compute and backward (grad_ckpt's
-    recompute included); compute in compute_dtype, gradients reduced in fp32; the root shards the
-    rest (embedding, tied head, final norm)."""
-    # FSDP2, DTensor and torch.distributed.checkpoint are imported only where a run shards: ~1 s
-    # of import every other run would pay
+    """FSDP2: each block sharded on its own, the root the rest; compute in compute_dtype,
+    gradients reduced in fp32. (Imported here: ~1 s every run that does not shard would pay.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     mesh = device_mesh(dev)

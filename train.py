@@ -10,8 +10,7 @@ models DDP cannot fit).
 
 Config: the globals below, overridden by config files and --key=val (--help). A run writes into
 out_dir only. Step s trains on the same sequences at any world size, so the same command resumes
-bit-identically from the newest checkpoint; a preemption signal or a guard stops every rank at one
-step boundary, with a checkpoint. The loop is Trainer.loop, each step Trainer.step.
+bit-identically; a signal or a guard stops every rank at one step boundary, with a checkpoint.
 """
 import os
 import sys
@@ -165,8 +164,7 @@ def release_gates(pack_dir):
 # the loop
 
 class Trainer:
-    """The training loop and what it keeps between steps. Everything a resumed run needs to continue
-    exactly is in `state`, which goes into every checkpoint."""
+    """The training loop; all a resumed run needs to go on exactly is in `state` (checkpointed)."""
 
     def __init__(self, cfg, proc, dt, grad_accum, data, model, raw_model, optimizer, ckpts, state,
                  stop_signal, t_start):
@@ -178,8 +176,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(enabled=dt == torch.float16)
         self.schedule = Schedule.of(cfg)
         self.bpb_scale = bpb_scale(self.manifest["splits"]["val"])
-        # until a save is measured, its write: the fsyncs, and weights + AdamW's 2 moments at 200
-        # MB/s
+        # until a save is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s
         save_s = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
         usd_per_s = proc.world * cfg.usd_per_gpu_hour / 3600
         self.clock = Clock(state, t_start, Budget.of(cfg), self.schedule, usd_per_s, save_s)
@@ -203,8 +200,7 @@ class Trainer:
         self.save_due = False  # the ranks agreed: ckpt_every_minutes have passed
 
     def loop(self):
-        """Train until the horizon, a stop (signal, guard, early stop) or divergence: (the stop
-        reason, the last validation loss or None)."""
+        """Train until the horizon, a stop or divergence: (the stop reason, the last val loss)."""
         cfg, st, proc = self.cfg, self.state, self.proc
         self.clock.tick()
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may be past a limit
@@ -240,10 +236,7 @@ class Trainer:
         return reason or ("max_steps" if st.horizon >= cfg.max_steps else "horizon"), val_loss
 
     def step(self):
-        """One optimizer step over the step's global batch: the stop reason the ranks agreed on, or
-        None. Before it, the learning rate and the fire drills; after the backward, the guards'
-        verdicts, agreed by every rank in one all-reduce; after the update, the step's account
-        (wsd's decay, the drills, spikes) and its log."""
+        """One optimizer step over the global batch: the stop reason the ranks agreed, or None."""
         cfg, proc, st = self.cfg, self.proc, self.state
         t_step = time.time()
         lr, base_lr = self.set_lr()
@@ -270,8 +263,8 @@ class Trainer:
         return reason
 
     def set_lr(self):
-        """The step's learning rate (the schedule's, x the rollbacks' scale) in every group: (it,
-        the schedule's); optimizer=muon: each group at its own peak_lr, on the schedule's shape."""
+        """(the step's learning rate: the schedule's x the rollbacks' scale, the schedule's); muon:
+        each group at its own peak_lr, on the schedule's shape."""
         st = self.state
         base_lr = self.schedule.lr(st.step, st.horizon, st.decay_start, st.decay_lr)
         lr = base_lr * st.lr_scale
@@ -280,8 +273,7 @@ class Trainer:
         return lr, base_lr
 
     def forward_backward(self, spike_drill, nan_drill):
-        """This rank's micro-steps of the step, forward and backward: (their summed loss, and the
-        objective's summed stats or None)."""
+        """This rank's micro-steps: (their summed loss, the objective's summed stats or None)."""
         proc = self.proc
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
         batch = self.micro_batch(0, spike_drill)
@@ -312,8 +304,7 @@ class Trainer:
         return loss_sum, stats_sum
 
     def clip_gradients(self, loss_sum):
-        """The gradients unscaled and clipped to grad_clip: (their norm before clipping, whether the
-        step is finite)."""
+        """Unscale and clip to grad_clip: (the norm before clipping, whether the step is finite)."""
         self.scaler.unscale_(self.optimizer)
         grad_clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), grad_clip)
@@ -325,8 +316,8 @@ class Trainer:
         return grad_norm, finite
 
     def after_step(self, loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill):
-        """The step's account: wsd's decay from the next step (linear from this step's learning rate
-        to min_lr at step decay_to), the fire drill it ran, a spike or non-finite step counted."""
+        """wsd's decay from the next step (linear to min_lr at step decay_to), the fire drill, a
+        spike or non-finite step counted."""
         st, cfg = self.state, self.cfg
         if decay_to:
             planned = decay_to == st.horizon
@@ -345,7 +336,6 @@ class Trainer:
             cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir)), self.ckpts.on_disk)
 
     def micro_batch(self, micro, spike_drill):
-        """This rank's micro-batch `micro` of the step (the fire drill's, when spike_drill)."""
         cfg, first = self.cfg, self.first_sample(micro)
         if spike_drill:
             return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size,
@@ -355,14 +345,12 @@ class Trainer:
 
     def first_sample(self, micro):
         """The first sample of this rank's slice of micro-batch `micro`: disjoint across ranks."""
-        proc = self.proc
-        return self.state.samples + (micro * proc.world + proc.rank) * self.cfg.micro_batch_size
+        world, rank = self.proc.world, self.proc.rank
+        return self.state.samples + (micro * world + rank) * self.cfg.micro_batch_size
 
     def target_weights(self):
-        """SFT data (targets IGNORE outside the replies): each micro-batch's share of the targets
-        the whole step counts (every rank's) times the micro-batches of the step, so that the mean
-        over ranks and micro-batches is the mean over every counted target, not a mean of unequal
-        means."""
+        """SFT data: each micro-batch's share of the step's targets (every rank's) x the step's
+        micro-batches, so that the mean over them is over every target, not of unequal means."""
         counts = [self.train_data.train_targets(self.first_sample(micro), self.cfg.micro_batch_size)
                   for micro in range(self.grad_accum)]
         counts = torch.tensor(counts, device=self.proc.dev).float()
@@ -371,14 +359,13 @@ class Trainer:
             dist.all_reduce(total)
         return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
 
-    def guard(self):
-        return self.clock.stop_reason(self.ckpts.writing, self.event)  # rank 0's: a stop, or None
+    def guard(self):  # rank 0's: a stop reason, or None
+        return self.clock.stop_reason(self.ckpts.writing, self.event)
 
     # evaluation, checkpoints, events
 
     def evaluate(self):
-        """The validation loss, the mean over every target eval_steps micro-batches per rank count,
-        on all ranks; the objective's stats, their mean per micro-batch, in self.val_stats."""
+        """The validation loss on all ranks; the objective's stats per micro-batch in val_stats."""
         cfg, proc = self.cfg, self.proc
         self.model.eval()
         with torch.no_grad(), self.autocast:
@@ -393,7 +380,7 @@ class Trainer:
         return loss / max(counted, 1)
 
     def validate(self):
-        """Evaluate now, log it and let the objective check it: (validation loss, a new best?)."""
+        """Evaluate, log it, let the objective check it: (validation loss, a new best?)."""
         cfg, st, t0 = self.cfg, self.state, time.time()
         val_loss = self.evaluate()
         self.clock.eval_seconds = time.time() - t0
@@ -419,8 +406,7 @@ class Trainer:
                              val_loss=val_loss), best)
 
     def saved(self):
-        """Each save that reached the disk since the last look, as a metrics.jsonl event; the
-        slowest write is what the guards keep back for the final save."""
+        """Log each save that reached the disk; the guards keep back the slowest for the last."""
         for record in self.ckpts.finished():
             self.clock.save_seconds = max(self.clock.save_seconds, record["written_s"])
             self.log.write({"step": record["step"], "event": "checkpoint", **record})
@@ -430,8 +416,8 @@ class Trainer:
         warn(f"step {self.state.step}: {message}")
 
     def finish(self, reason, val_loss):
-        """A final evaluation and checkpoint when the run completed, then summary.json and the
-        report; rank 0's summary (None elsewhere)."""
+        """A last evaluation and save if the run completed, summary.json, the report: rank 0's
+        summary (None elsewhere)."""
         st, cfg = self.state, self.cfg
         if reason in ("max_steps", "horizon"):
             if val_loss is None:  # resumed at the horizon
@@ -458,9 +444,8 @@ class Trainer:
         """summary.json: how the run ended and what it measured, with its long-run gate."""
         st, cfg = self.state, self.cfg
         lost = self.ckpts.unsaved(st.step, reason)
-        status = "failed" if lost else {"max_steps": "completed", "horizon": "completed",
-                                        "early_stop": "completed", "diverged": "failed"
-                                        }.get(reason, "stopped")
+        status = ("failed" if lost or reason == "diverged" else
+                  "completed" if reason in ("max_steps", "horizon", "early_stop") else "stopped")
         best, band = st.best_step >= 0, target_band(cfg.target_val_loss)
         summary = dict(
             status=status, stop_reason=reason,
@@ -488,14 +473,13 @@ class Trainer:
 # the run
 
 def configure(argv):
-    """This script's config from argv, checked."""
     cfg = configurator.configure(__file__, argv)
     check_config(cfg)
     return cfg
 
 
 def new_state(cfg):
-    """The loop's state at the start: all of it goes into every checkpoint (an exact resume)."""
+    """The loop's state at the start: all of it goes into every checkpoint."""
     return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"),
                            best_step=-1, evals_since_best=0, loss_ema=None, spikes=0,
                            nonfinite_steps=0, bad_in_a_row=0, rollbacks=0, lr_scale=1.0,
@@ -504,9 +488,8 @@ def new_state(cfg):
 
 
 def start(cfg, proc, dt, grad_accum, folder):
-    """Everything before the first step, in order: the data, the model's plan and gates (preflight),
-    the model, the optimizer, the checkpoints and a resume, out_dir claimed. (the preflight report,
-    and, unless preflight_only, what the Trainer takes)."""
+    """Everything before the first step: the data, the plan and gates (preflight), the model, the
+    optimizer, a resume, out_dir claimed: (the preflight report, unless preflight_only the rest)."""
     manifest = read_manifest(cfg.data_dir, cfg.vocab_size, planning=cfg.preflight_only)
     mconfig = model_config(cfg, manifest)
     data = open_data(cfg.data_dir, manifest, mconfig, cfg.seed)
@@ -586,7 +569,7 @@ def train(cfg, keep_group=False):
 
 
 def main(argv):
-    """A training run, a dry run (dryrun_steps) or a preflight (preflight_only): the exit status."""
+    """A training run, a dry run or a preflight: the exit status."""
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir,

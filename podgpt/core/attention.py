@@ -1,14 +1,8 @@
 """
-Attention for podgpt's GPT: the masks, the kernels that run them, and which kernel runs here.
-
-- A Mask says once who sees whom (allowed); each kernel's form of it (SDPA's dense tensor,
-  FlexAttention's BlockMask, FlashAttention's varlen sequences) and the float64 reference derive
-  from it.
-- The kernels: FlashAttention 3 / 2 when installed, PyTorch's SDPA held to one kernel (cudnn,
-  flash, efficient, math) or left to choose ("sdpa"), FlexAttention, and FlashAttention 4 through
-  SDPA ("fa4", only when named).
-- attention() dispatches on an attn_backend name; "auto" resolves to the fastest kernel that runs
-  here and agrees with a float64 reference (resolve_backend).
+Attention for podgpt's GPT: the masks (a Mask says once who sees whom; each kernel's form of it and
+the float64 reference derive from it), the kernels (FlashAttention 3 / 2, PyTorch's SDPA held to one
+kernel or left to choose, FlexAttention, FlashAttention 4 through SDPA), and attention(), which
+runs an attn_backend; "auto" resolves to the fastest that runs here and agrees with float64.
 """
 
 import importlib
@@ -21,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from podgpt.core.util import first_line
+from podgpt.core.util import dtype_name, first_line
 
 # fastest first: the order attn_backend="auto" tries them in
 ATTENTION_BACKENDS = ("fa3", "fa2", "cudnn", "flash", "efficient", "flex", "math")
@@ -31,17 +25,14 @@ OPT_IN_BACKENDS = ("fa4",)
 
 # -----------------------------------------------------------------------------
 # attention kernels: (q, k, v) are (B, heads, T, head_dim); k and v may have fewer heads (GQA:
-# query head h reads key/value head h // (n_head / n_kv_head), every kernel's convention).
-# `causal`: True for causal, aligned bottom-right when there are more keys than queries (the KV
-# cache's new queries come after the cached keys); False for no mask; or a boolean tensor
-# (T_q, T_k), True where a query may attend (SDPA kernels only).
-# `mask`: None or a Mask, which then decides alone who sees whom: Documents (causal within each
-# document), or a research objective's own.
+# query head h reads key/value head h // (n_head / n_kv_head)). `causal`: True (aligned
+# bottom-right when there are more keys than queries: the KV cache's), False for no mask, or a
+# (T_q, T_k) bool tensor, True where a query may attend (SDPA kernels only). `mask`: None or a
+# Mask, which then decides alone who sees whom (Documents, or a research objective's own).
 
 class Mask:
-    """Who sees whom in attention, said once by allowed(); each form a kind of kernel takes (FORMS:
-    backend -> form) derives from it, made on first use and kept: GPT.forward makes one per batch,
-    so every layer and every recomputation reuses it. A new kind of mask is one subclass."""
+    """Who sees whom, said once by allowed(); each kernel's form of it (FORMS: backend -> form) is
+    made on first use and kept, so every layer and recomputation of a batch reuses it."""
     kind = None  # its name where resolve_backend takes a kind of mask (masks())
     FORMS = {}  # the backends that can take it, and the form each takes
     refusal = ""  # a backend outside FORMS "cannot {refusal}"
@@ -139,10 +130,9 @@ def pinned_sdpa(kernel, q, k, v, causal, mask=None):
 
 
 def flash_sdpa(impl, q, k, v, causal, mask=None):
-    """SDPA's flash kernel as implemented by `impl`: None, PyTorch's own (flash); "FA4" (fa4).
-    activate_flash_attention_impl swaps it for the whole process, so each call puts back its own:
-    flash and fa4 can both run in one process. A compiled graph calls whichever is active when it
-    runs: the eager trial call that resolved the backend set it before anything was traced."""
+    """SDPA's flash kernel as `impl` implements it: None, PyTorch's own (flash); "FA4" (fa4). The
+    swap is process-wide, so each call puts back its own; a compiled graph calls whichever is
+    active, which the eager trial call that resolved the backend set before any tracing."""
     if q.is_cuda and not torch.compiler.is_compiling():
         registry = torch.nn.attention  # before torch 2.10 there is none: PyTorch's is the only one
         if getattr(registry, "current_flash_attention_impl", lambda: None)() != impl:
@@ -153,12 +143,19 @@ def flash_sdpa(impl, q, k, v, causal, mask=None):
     return pinned_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal, mask)
 
 
-# name: (module, what it is, how to get it)
+# name: (module, what it is, how to get it). fa4: torch 2.10+ routes SDPA's flash kernel to
+# flash_attn.cute (flash-attn-4: CuTe DSL kernels compiled at first use) on Hopper and Blackwell
 FLASH_PACKAGES = {
     "fa3": ("flash_attn_interface", "FlashAttention 3",
             "build it from flash-attention's hopper/ folder: cd hopper && python setup.py install"),
     "fa2": ("flash_attn", "FlashAttention 2", "pip install flash-attn --no-build-isolation"),
+    "fa4": ("flash_attn.cute", "FlashAttention 4", "pip install --pre flash-attn-4"),
 }
+# name: (the compute capabilities' majors it runs on, lowest and highest, as said, what to use else)
+FLASH_GPUS = {"fa3": (9, 9, "is built for Hopper, compute capability 9.0", ": use fa2"),
+              "fa2": (8, 99, "needs compute capability 8.0 (Ampere) or newer", ""),
+              "fa4": (9, 10, "runs on Hopper (compute capability 9.0) and Blackwell (10.x)",
+                      ": use fa2 or flash")}
 
 
 def flash_attention(name, q, k, v, causal, mask=None):
@@ -197,9 +194,8 @@ def compiled_flex_attention():
 
 
 def flex_attention(q, k, v, causal, mask=None):
-    """FlexAttention with a block mask. Uncompiled it computes the whole score matrix, so on CUDA
-    the training shapes (as many queries as keys) run compiled; the KV cache's changing shapes
-    would each compile anew, so they run eagerly (one query row at a time is cheap)."""
+    """FlexAttention with a block mask, compiled for training's shapes on CUDA (eager, it computes
+    the whole score matrix); the KV cache's changing shapes would each compile anew: eager."""
     from torch.nn.attention.flex_attention import flex_attention as eager
     if isinstance(causal, torch.Tensor):
         raise ValueError("attn_backend=flex takes causal=True or False, not a mask tensor: use an "
@@ -239,9 +235,7 @@ def parity_tolerance(dtype, device):
     """PARITY_TOLERANCE of dtype, float16's for float32 on a GPU whose fp32 matmuls run in TF32
     (10-bit mantissa: an H200 measured math at 8.0e-4 and flex at 2.3e-3 there)."""
     tf32 = device.type == "cuda" and torch.get_float32_matmul_precision() != "highest"
-    if dtype == torch.float32 and tf32:
-        return PARITY_TOLERANCE[torch.float16]
-    return PARITY_TOLERANCE.get(dtype, 1e-4)
+    return PARITY_TOLERANCE.get(torch.float16 if dtype == torch.float32 and tf32 else dtype, 1e-4)
 
 
 def reference_attention(q, k, v, mask=None):
@@ -263,18 +257,16 @@ def parity_errors(name, device, dtype, head_dim, mask=None, n_head=4, n_kv_head=
     device = torch.device(device)
     T = T or (256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(0)
-    shapes = [(2, n_head, T, head_dim), (2, n_kv_head, T, head_dim), (2, n_kv_head, T, head_dim),
-              (2, n_head, T, head_dim)]
-    q, k, v, grad = (torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype)
-                     for s in shapes)
+    q, k, v, grad = (torch.randn(2, h, T, head_dim, generator=g, dtype=torch.float64)
+                     .to(device, dtype) for h in (n_head, n_kv_head, n_kv_head, n_head))
     example = None if mask is None else masks()[mask].example(T, device)
     ref_in = [t.double().requires_grad_() for t in (q, k, v)]
-    reference_attention(*ref_in, example).backward(grad.double())
+    ref = reference_attention(*ref_in, example)
+    ref.backward(grad.double())
     test_in = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ATTENTION_KERNELS[name](*test_in, True, example)
     out.backward(grad)
     with torch.no_grad():
-        ref = reference_attention(*ref_in, example)
         pairs = [(out, ref)] + [(t.grad, r.grad) for t, r in zip(test_in, ref_in, strict=True)]
         return {part: ((a.double() - b).abs().max() / b.abs().max()).nan_to_num(math.inf).item()
                 for part, (a, b) in zip(("output", "dq", "dk", "dv"), pairs, strict=True)}
@@ -285,78 +277,52 @@ def parity_error(name, device, dtype, head_dim, mask=None):
     return max(parity_errors(name, device, dtype, head_dim, mask).values())
 
 
-def fa4_unavailable(device, dtype, head_dim):
-    """Why fa4 cannot run here, or None: torch 2.10+ routes SDPA's flash kernel to flash_attn.cute
-    (flash-attn-4: CuTe DSL kernels compiled at first use) on Hopper and Blackwell GPUs."""
-    label, install = "FlashAttention 4", "pip install --pre flash-attn-4"
-    if "FA4" not in getattr(torch.nn.attention, "list_flash_attention_impls", list)():
+def flash_unavailable(name, device, dtype, head_dim):
+    """Why FlashAttention 3, 2 or 4 (FLASH_PACKAGES) cannot run here, or None."""
+    module, label, install = FLASH_PACKAGES[name]
+    impls = getattr(torch.nn.attention, "list_flash_attention_impls", list)()  # torch 2.10+
+    if name == "fa4" and "FA4" not in impls:
         return (f"{label} runs through SDPA from torch 2.10 on "
                 f"(torch.nn.attention.activate_flash_attention_impl); this is torch "
                 f"{torch.__version__}: upgrade torch, or use fa3, fa2 or flash")
-    if importlib.util.find_spec("flash_attn") is None:
-        return f"flash_attn.cute is not installed ({label}): {install}"
-    if device.type != "cuda":
-        return f"{label} is CUDA only; this is {device.type}"
-    if dtype not in (torch.bfloat16, torch.float16):
-        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major not in (9, 10):  # the GPUs PyTorch's FA4 route accepts
-        return (f"{label} runs on Hopper (compute capability 9.0) and Blackwell (10.x); this GPU "
-                f"is {major}.{minor}: use fa2 or flash")
-    if head_dim % 8 or head_dim > 256 or (major == 10 and 128 < head_dim < 256):
-        return (f"{label} takes a head_dim that is a multiple of 8 up to 256 (Blackwell: up to "
-                f"128, or 256), not {head_dim}")
-    try:  # flash_attn may be FlashAttention 2 alone, without the cute kernels
-        importlib.import_module("flash_attn.cute.interface")
-    except ImportError as e:
-        return f"flash_attn.cute does not import ({first_line(e)}): {install}"
-    return None
-
-
-def flash_unavailable(name, device, dtype, head_dim):
-    """Why FlashAttention 3 or 2 (FLASH_PACKAGES) cannot run here, or None."""
-    module, label, install = FLASH_PACKAGES[name]
-    if importlib.util.find_spec(module) is None:
+    if importlib.util.find_spec(module.split(".")[0]) is None:
         return f"{module} is not installed ({label}): {install}"
     if device.type != "cuda":
         return f"{label} is CUDA only; this is {device.type}"
     if dtype not in (torch.bfloat16, torch.float16):
-        return f"{label} computes in bfloat16 or float16, not {str(dtype).removeprefix('torch.')}"
-    if head_dim % 8 or head_dim > 256:
-        return f"{label} takes a head_dim that is a multiple of 8 up to 256, not {head_dim}"
+        return f"{label} computes in bfloat16 or float16, not {dtype_name(dtype)}"
     major, minor = torch.cuda.get_device_capability(device)
-    if name == "fa3" and major != 9:
-        return (f"{label} is built for Hopper, compute capability 9.0; this GPU is "
-                f"{major}.{minor}: use fa2")
-    if name == "fa2" and major < 8:
-        return (f"{label} needs compute capability 8.0 (Ampere) or newer; this GPU is "
-                f"{major}.{minor}")
-    try:
-        imported = importlib.import_module(module)
+    lowest, highest, gpus, fix = FLASH_GPUS[name]
+    if not lowest <= major <= highest:
+        return f"{label} {gpus}; this GPU is {major}.{minor}{fix}"
+    fa4 = name == "fa4"
+    if head_dim % 8 or head_dim > 256 or (fa4 and major == 10 and 128 < head_dim < 256):
+        return (f"{label} takes a head_dim that is a multiple of 8 up to 256"
+                f"{' (Blackwell: up to 128, or 256)' if fa4 else ''}, not {head_dim}")
+    try:  # flash_attn may be FlashAttention 2 alone, without fa4's cute kernels
+        imported = importlib.import_module(module + ".interface" if fa4 else module)
     except ImportError as e:
-        return (f"{module} is installed but does not import ({first_line(e)}): reinstall it for "
+        return (f"{module} does not import ({first_line(e)}): {install}" if fa4 else
+                f"{module} is installed but does not import ({first_line(e)}): reinstall it for "
                 f"this torch")
-    if not hasattr(imported, "flash_attn_func"):
+    if not (fa4 or hasattr(imported, "flash_attn_func")):
         return (f"{module} has no flash_attn_func (flash-attn-4 alone installs only "
                 f"flash_attn.cute): {install}")
     return None
 
 
 def backend_unavailable(name, device, dtype, head_dim, mask=None):
-    """None when attention backend `name` can train here (device, dtype, head_dim, under a mask of
-    kind `mask`: None, or one of masks()), else one line saying why not and what would fix it."""
+    """None when attention backend `name` can train here (under a mask of kind `mask`), else one
+    line saying why not and what would fix it."""
     device = torch.device(device)
     if name not in ATTENTION_KERNELS:
         return (f"unknown attention backend {name!r}: choose auto or one of "
                 f"{', '.join(ATTENTION_KERNELS)}")
     if mask is not None and name not in masks()[mask].FORMS:
         return f"{name} cannot {masks()[mask].refusal}; {', '.join(masks()[mask].FORMS)} can"
-    if name in FLASH_PACKAGES or name == "fa4":
-        why = (flash_unavailable(name, device, dtype, head_dim) if name in FLASH_PACKAGES else
-               fa4_unavailable(device, dtype, head_dim))
-        if why:
-            return why
-    elif name == "flex":
+    if name in FLASH_PACKAGES and (why := flash_unavailable(name, device, dtype, head_dim)):
+        return why
+    if name == "flex":
         if device.type != "cuda":
             return "FlexAttention has no backward pass on CPU: it trains on CUDA only"
         if importlib.util.find_spec("triton") is None:
@@ -371,8 +337,8 @@ def backend_unavailable(name, device, dtype, head_dim, mask=None):
 
 
 def trial_call(name, device, dtype, head_dim, mask):
-    """A tiny causal GQA forward and backward (under an example of kind `mask`): None when it runs,
-    else why not (SDPA says why it refuses a kernel in warnings)."""
+    """A tiny causal GQA forward and backward: None when it runs, else why not (SDPA says why it
+    refuses a kernel in warnings)."""
     g = torch.Generator().manual_seed(0)  # not the global RNG: resolving must not change the init
     q, kv = (torch.randn(2, h, 16, head_dim, generator=g).to(device, dtype).requires_grad_()
              for h in (2, 1))
@@ -385,20 +351,16 @@ def trial_call(name, device, dtype, head_dim, mask):
         except Exception as e:  # whatever a kernel raises, it cannot train here
             texts = (str(w.message).split(" (Triggered internally")[0] for w in caught)
             why = "; ".join(dict.fromkeys(" ".join(t.split()) for t in texts)) or first_line(e)
-    return (f"{name} cannot run {str(dtype).removeprefix('torch.')} with head_dim {head_dim} here: "
-            f"{why[:400]}")
+    return f"{name} cannot run {dtype_name(dtype)} with head_dim {head_dim} here: {why[:400]}"
 
 
 resolved = {}  # (name, device type, dtype, head_dim, mask) -> (backend, note)
 
 
 def resolve_backend(name, device, dtype, head_dim, mask=None):
-    """(backend, note): the kernel attn_backend=name runs here, and one line saying why.
-
-    "auto": the first of ATTENTION_BACKENDS that can run and agrees with float64 (parity_error
-    within PARITY_TOLERANCE), the note naming the faster ones skipped and why. A named backend that
-    cannot run here is a ValueError listing those that can: never a silent substitute. mask: None
-    (causal), or the kind of Mask it will get (masks()). Cached per argument."""
+    """(backend, note): the kernel attn_backend=name runs here (under a mask of kind `mask`), and
+    why. "auto": the first of ATTENTION_BACKENDS that runs and agrees with float64, the note naming
+    those skipped and why. A named backend that cannot run is a ValueError naming those that can."""
     if mask not in (None, *masks()):
         raise ValueError(f"mask={mask!r}: None or one of {', '.join(masks())}")
     key = (name, torch.device(device).type, dtype, head_dim, mask)
@@ -426,10 +388,9 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
         here = [b for b in ATTENTION_KERNELS
                 if b != name and not backend_unavailable(b, device, dtype, head_dim, mask)]
         raise ValueError(f"attn_backend={name} cannot run here: {why}. Available here "
-                         f"({device.type}, {str(dtype).removeprefix('torch.')}, head_dim {head_dim}"
+                         f"({device.type}, {dtype_name(dtype)}, head_dim {head_dim}"
                          f"{masks()[mask].label if mask else ''}): {', '.join(here) or 'none'}")
-    skipped = []
-    tol = parity_tolerance(dtype, device)
+    skipped, tol = [], parity_tolerance(dtype, device)
     flex_first = mask is not None and masks()[mask].flex_first
     for candidate in sorted(ATTENTION_BACKENDS, key=lambda b: flex_first and b != "flex"):
         why = backend_unavailable(candidate, device, dtype, head_dim, mask)
@@ -449,10 +410,8 @@ def resolve_in_eager(name, device, dtype, head_dim, mask):
 
 def attention(backend, q, k, v, causal, mask=None):
     """Attention of q (B, Hq, T, D) over k, v (B, Hkv, T', D) on `backend` (an attn_backend value).
-    causal: True, False, or a bool mask tensor (see above). mask: None, a Mask, or a (B, T) tensor
-    of each token's document (made into Documents: causal within documents). The first call for a
-    (backend, device, dtype, head_dim, kind of mask) resolves it, which runs a backward of its own:
-    call resolve_backend first where that cannot be (under torch.utils.checkpoint)."""
+    mask: None, a Mask, or a (B, T) tensor of each token's document. The first call resolves the
+    backend, running a backward of its own: call resolve_backend first under a checkpoint."""
     if isinstance(mask, torch.Tensor):
         mask = Documents(mask)
     if isinstance(mask, Documents) and causal is not True:

@@ -13,8 +13,7 @@ def check_optimizer(cfg):
         if not hasattr(torch.optim, "Muon"):
             fail("optimizer=muon needs torch.optim.Muon (torch 2.9 or newer): pip install -U "
                  "torch, or optimizer=adamw")
-        # Newton-Schulz multiplies whole matrices: on FSDP2's shards torch's Muon all-gathers each
-        # matrix many times a step, where FSDP's forward and backward gather it twice
+        # Newton-Schulz multiplies whole matrices: on FSDP2's shards torch's Muon would all-gather
         if cfg.dist_mode == "fsdp":
             fail("optimizer=muon does not run sharded (dist_mode=fsdp): Muon orthogonalizes each "
                  "whole matrix, which FSDP splits over the GPUs; use dist_mode=ddp, or "
@@ -32,9 +31,8 @@ def check_optimizer(cfg):
 
 
 class MuonAdamW:
-    """optimizer=muon's two optimizers as one: param_groups (Muon's, then AdamW's, each with its
-    peak_lr), step, zero_grad, state_dict. A resume keeps this run's peaks, as it keeps
-    learning_rate, and takes the rest (moments, steps, betas, momentum) from the checkpoint."""
+    """optimizer=muon's two optimizers as one (param_groups: Muon's, then AdamW's). A resume keeps
+    this run's peak_lr, as it keeps learning_rate, and takes the rest from the checkpoint."""
 
     def __init__(self, muon, adamw):
         self.muon, self.adamw = muon, adamw
@@ -65,24 +63,22 @@ class MuonAdamW:
 def make_optimizer(model, learning_rate, betas, weight_decay, fused, kind="adamw", matrix_lr=0.02,
                    embedding_lr=4e-3, momentum=0.95):
     """AdamW decaying matrices only: not norms (1-D) nor the embedding (sparse rows, tied head).
-    fused: one kernel per step (CUDA). kind="muon": torch.optim.Muon (Nesterov) for the blocks'
-    matrices at peak matrix_lr, that AdamW for the rest at peak embedding_lr, as a MuonAdamW whose
-    groups carry their peak_lr for train.py's schedule. Under ddp every rank orthogonalizes every
-    matrix: the same all-reduced gradients give the same update."""
+    kind="muon": torch.optim.Muon (Nesterov) for the blocks' matrices at peak matrix_lr, that AdamW
+    for the rest at peak embedding_lr, as a MuonAdamW whose groups carry their peak_lr. (Under ddp
+    every rank orthogonalizes every matrix: the same all-reduced gradients, the same update.)"""
     matrices, decay, no_decay = [], [], []
     for name, p in model.named_parameters():
         if kind == "muon" and name.startswith("layers.") and p.dim() == 2:
             matrices.append(p)
         else:
             (no_decay if p.dim() < 2 or name.startswith("embed_tokens") else decay).append(p)
+    peak = {} if kind == "adamw" else dict(peak_lr=embedding_lr)
+    adamw = torch.optim.AdamW([dict(params=decay, weight_decay=weight_decay, **peak),
+                               dict(params=no_decay, weight_decay=0.0, **peak)],
+                              lr=peak.get("peak_lr", learning_rate), betas=betas, fused=fused)
     if kind == "adamw":
-        groups = [dict(params=decay, weight_decay=weight_decay),
-                  dict(params=no_decay, weight_decay=0.0)]
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        return adamw
     # no weight decay on Muon's matrices (nanochat's, Keller Jordan's): torch's decays by lr x wd a
     # step, at 0.02 some 70x what AdamW's does at 3e-4 with the same weight_decay
-    muon = torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr,
-                            momentum=momentum, weight_decay=0.0)
-    groups = [dict(params=decay, weight_decay=weight_decay, peak_lr=embedding_lr),
-              dict(params=no_decay, weight_decay=0.0, peak_lr=embedding_lr)]
-    return MuonAdamW(muon, torch.optim.AdamW(groups, lr=embedding_lr, betas=betas, fused=fused))
+    return MuonAdamW(torch.optim.Muon([dict(params=matrices, peak_lr=matrix_lr)], lr=matrix_lr,
+                                      momentum=momentum, weight_decay=0.0), adamw)

@@ -1,13 +1,8 @@
 """
-The learning-rate schedule, and the time and money left to it: train.py's loop asks these at every
-step, preflight.py at the start.
-
-The schedule ends at its horizon: max_steps, or fewer where max_hours or budget_usd pay for fewer at
-the planned throughput (fit_horizon). Schedule.lr: linear warmup, then cosine to min_lr at the
-horizon; or wsd, flat, then linear to min_lr over the horizon's last decay_frac, starting (or
-ending) sooner when the time or money left pays for no more (decay_horizon). Budget: what stops a
-run before a limit is crossed, keeping back what a stop still needs (one more step, an evaluation
-and the final save: the reserve, in seconds).
+The learning-rate schedule, and the time and money left to it. The schedule ends at its horizon:
+max_steps, or fewer where max_hours or budget_usd pay for fewer (fit_horizon); wsd's decay starts
+(or ends) sooner when what is left pays for no more (decay_horizon). Budget stops a run before a
+limit is crossed, keeping back what a stop still needs (the reserve, in seconds).
 """
 import json
 import math
@@ -32,10 +27,9 @@ class Schedule:
         return cls(cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.lr_schedule, cfg.decay_frac)
 
     def lr(self, step, horizon, decay_start=-1, decay_lr=None):
-        """Learning rate of optimizer step `step` (0-based) of a schedule whose last step is horizon
-        - 1; wsd: learning_rate until decay_start (-1: not yet), then linear from decay_lr
-        (learning_rate, or where an earlier decay had come when the horizon moved closer) to min_lr
-        at the last step."""
+        """Learning rate of step `step` (0-based), the last being horizon - 1: warmup, then cosine;
+        wsd: learning_rate until decay_start (-1: not yet), then linear from decay_lr (None:
+        learning_rate; else where an earlier decay had come) to min_lr at the last step."""
         if step < self.warmup_steps:
             return self.learning_rate * (step + 1) / self.warmup_steps
         if self.kind == "wsd":
@@ -58,9 +52,8 @@ class Schedule:
 
 @dataclass
 class Budget:
-    """What a run may spend (train.py's keys of these names; 0 or "": no limit): max_hours of wall
-    clock, budget_usd at usd_per_gpu_hour, and a budget_file kept current from outside, read every
-    check_minutes."""
+    """What a run may spend (train.py's keys; 0 or "": no limit); budget_file is kept current from
+    outside and read every check_minutes."""
     max_hours: float = 0.0
     budget_usd: float = 0.0
     usd_per_gpu_hour: float = 0.0
@@ -73,9 +66,8 @@ class Budget:
                    cfg.budget_check_minutes)
 
     def seconds_left(self, elapsed, cost_usd, reserve, usd_per_s):
-        """{limit: seconds}: what max_hours and budget_usd (each where set) leave after `elapsed`
-        seconds and `cost_usd` dollars, keeping back `reserve` seconds; usd_per_s: what the run
-        spends a second."""
+        """{limit: seconds}: what max_hours and budget_usd (where set) leave after `elapsed` seconds
+        and `cost_usd` dollars at usd_per_s, keeping back `reserve` seconds."""
         left = {}
         if self.max_hours:
             left["max_hours"] = self.max_hours * 3600 - elapsed - reserve
@@ -90,8 +82,7 @@ class Budget:
 
     def file_verdict(self):
         """budget_file, read now: (the guard that must stop the run, or None; (spent, projected)
-        when the spend has passed BUDGET_WARN of budget_usd, to warn about, or None). An unreadable
-        file is a warning: it is read again at the next check."""
+        to warn about past BUDGET_WARN of budget_usd, or None). Unreadable: a warning."""
         try:
             with open(self.budget_file) as f:
                 b = json.load(f)
@@ -109,27 +100,24 @@ class Budget:
 
 
 def step_seconds(tokens_per_sec, batch_tokens, accum, eval_steps, eval_every):
-    """A step's time at tokens_per_sec, with its share of the evaluations: eval_steps micro-batches
-    forward every eval_every steps, a forward being about a third of a training micro-batch's
-    forward and backward."""
+    """A step's time at tokens_per_sec, with its share of the evaluations (a forward is about a
+    third of a training micro-batch's forward and backward)."""
     return batch_tokens / tokens_per_sec * (1 + eval_steps / (3 * accum * eval_every))
 
 
 def fit_horizon(max_steps, budget, step_s, usd_per_s, spent_s=0.0, spent_usd=0.0, reserve_s=0.0):
-    """(steps, what sets them): where the run's schedule ends at step_s seconds a step. max_steps,
-    or fewer when max_hours or budget_usd (after spent_s and spent_usd, keeping back reserve_s and a
-    step, as the guards do) pays for fewer."""
+    """(steps, what sets them): max_steps, or fewer when max_hours or budget_usd (after spent_s and
+    spent_usd, keeping back reserve_s and a step, as the guards do) pay for fewer at step_s."""
     left = budget.seconds_left(spent_s, spent_usd, reserve_s, usd_per_s)
     steps, by = min([(max_steps, "max_steps"), *((s / step_s, limit) for limit, s in left.items())])
     return max(0, int(steps) - (by != "max_steps")), by
 
 
 def decay_horizon(schedule, budget, st, pace, reserve, usd_per_s):
-    """wsd: the horizon to decay to from the next step on, when the decay should start (or, already
-    decaying, end sooner) now; else 0. st: the loop's state; pace: (steps done, elapsed) at the ends
-    of recent steps. The decay starts decay_frac of the horizon before its end, or sooner when what
-    is left pays for no more than the decay at that pace (saves, evaluations and all); a decay the
-    money can no longer finish ends sooner, from where it has come."""
+    """wsd: the horizon to decay to from the next step on, when the decay should start (or end
+    sooner) now; else 0. pace: (steps done, elapsed) at the ends of recent steps. The decay starts
+    decay_frac of the horizon before its end, or sooner when what is left pays for no more than it
+    at that pace; a decay the money can no longer finish ends sooner, from where it has come."""
     if schedule.kind != "wsd" or st.step + 1 < schedule.warmup_steps or len(pace) < 2:
         return 0
     decay = max(1, round(schedule.decay_frac * st.horizon))

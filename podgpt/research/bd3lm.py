@@ -1,10 +1,9 @@
 """
-Block diffusion (objective=bd3lm; BD3-LM, Arriola et al. 2025), for GSM8K among others: the sequence
-is cut into blocks of diffusion_block tokens, each noised to [MASK] (one id past the data's) at a
-rate t drawn per block, and denoised from the clean blocks before it. The loss, the NELBO (each
-masked token's cross-entropy x 1/t, averaged over the tokens), is taken over a noisy and a clean
-copy of each row in one pass (BlockDiffusion's mask; HDP's question / plan / execution segments),
-and the model samples a block at a time with the earlier blocks in the KV cache.
+Block diffusion (objective=bd3lm; BD3-LM, Arriola et al. 2025): the sequence is cut into blocks of
+diffusion_block tokens, each noised to [MASK] (one id past the data's) at a rate t drawn per block
+and denoised from the clean blocks before it. The loss, the NELBO (each masked token's
+cross-entropy x 1/t, averaged over the tokens), takes a noisy and a clean copy of each row in one
+pass; the model samples a block at a time, the earlier blocks in the KV cache.
 """
 from dataclasses import dataclass
 
@@ -31,8 +30,7 @@ LOGLINEAR_EPS = 1e-3  # loglinear's t ~ U[eps, 1] (BD3-LM's sampling_eps_min): 1
 
 def diffusion_draws(seed, keys, block_size):
     """The noise, (len(keys), 2, block_size) float32 in [0, 1): row j from a generator of (seed,
-    keys[j]) alone, so a sample's noise is the same whatever the world size, micro-batch or resume
-    (diffuse: [:, 0] masks tokens, [:, 1] draws each block's t)."""
+    keys[j]) alone, the same whatever the world size or resume ([:, 0] masks, [:, 1] draws t)."""
     rows = [np.random.default_rng([*seed, int(k)]).random((2, block_size), dtype=np.float32)
             for k in keys]
     return np.stack(rows)
@@ -86,19 +84,14 @@ class Config(GPTConfig):
                              f"block_size={self.block_size}, e.g. \"128,128,256\" for 512")
         return segments
 
-    @property
-    def stream(self):
-        """The blocks run on the noisy and the clean copy of each row."""
-        return 2
+    stream = 2                      # the blocks run on the noisy and the clean copy of each row
 
     @property
-    def mask_id(self):
-        """The [MASK] token: the vocabulary's last id."""
+    def mask_id(self):  # [MASK]: the vocabulary's last id
         return self.vocab_size - 1
 
     @property
-    def noised_from(self):
-        """The first position that is ever noised (after HDP's question)."""
+    def noised_from(self):  # the first position ever noised (after HDP's question)
         return self.segments[0] if self.hdp_segments else 0
 
     def diffusion_blocks(self, device=None):
@@ -114,8 +107,8 @@ class Config(GPTConfig):
                 torch.rand(rows, 2, shape[1], device=device))
 
     def check_data(self, data_dir, manifest):
-        """Data of fixed-length documents (prepare.py's segments) must have a row be one document,
-        and HDP's segments be the data's."""
+        """Data of fixed-length documents (prepare.py's segments): a row must be one document, and
+        HDP's segments the data's."""
         segments = manifest.get("prepare_args", {}).get("segments", "")
         if not (segments or self.hdp_segments):
             return
@@ -131,11 +124,9 @@ class Config(GPTConfig):
 
 class BlockDiffusion(Mask):
     """bd3lm's attention over a 2T row, a sequence's noisy copy ([0, T)) then its clean copy ([T,
-    2T)), both at RoPE positions 0..T-1; blocks (T,) numbers each position's diffusion block, in
-    order. A noisy token sees its own noisy block and the clean blocks before it; a clean token the
-    clean blocks up to its own; no token sees another block's noisy tokens (BD3-LM's block
-    diagonal, offset block causal and block causal). HDP's question is one block that no block
-    precedes, so it sees only itself."""
+    2T)), both at RoPE positions 0..T-1; blocks (T,) numbers each position's diffusion block.
+    BD3-LM's block diagonal, offset block causal and block causal (below); HDP's question is one
+    block that no block precedes, so it sees only itself."""
     kind, label, flex_first = "diffusion", ", bd3lm mask", True
     refusal = "take bd3lm's block-diffusion mask"
     FORMS = {"flex": "block", "efficient": "dense", "math": "dense", "sdpa": "dense"}  # no varlen
@@ -189,26 +180,24 @@ class BlockDiffusionLM(GPT):
 
     def denoise(self, block, cache=None):
         """Logits (B, L, padded_vocab) for a block of L tokens (some [MASK]) that sees the cache's
-        clean blocks and itself whole, as training's noisy copy does. Its keys and values pass
-        cache.pos, kept only when forward() runs the finished block again."""
+        clean blocks and itself whole, as training's noisy copy does; its keys and values stay in
+        the cache only when forward() runs the finished block."""
         return self.head(self.blocks(self.embed_tokens(block), cache, False), None)[0]
 
     def cross_entropy_sum(self, logits, targets, weights=None):
         """GPT's, with [MASK] never predicted (BD3-LM's SUBS parameterization: logit -inf)."""
-        logits = logits.float().view(targets.numel(), -1)
         mask_id = torch.tensor([self.config.mask_id], device=logits.device)
-        logits = logits.index_fill(-1, mask_id, float("-inf"))
+        logits = logits.float().view(targets.numel(), -1).index_fill(-1, mask_id, float("-inf"))
         return super().cross_entropy_sum(logits, targets, weights)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                  generator=None, steps=None, unmask="schedule"):
-        """Yields the next token of each row, shape (B,), a block at a time. The prompt's whole
-        blocks go into the KV cache; each later block starts all-[MASK] (the prompt's last around
-        its tokens) and is unmasked in `steps` passes (None: one token per pass; unmask()). HDP:
-        the prompt is the question, padded with BOS as prepare.py pads it. Ends after
-        max_new_tokens, at block_size (a block's tokens are drawn for their positions: no sliding
-        window), or once every row has made BOS (HDP: in the execution; the plan pads with BOS)."""
+        """Yields the next token of each row, shape (B,), a block at a time: each block after the
+        prompt's starts [MASK] and is unmasked in `steps` passes (None: a token a pass). HDP: the
+        prompt is the question, padded with BOS as prepare.py pads it. Ends after max_new_tokens,
+        at block_size (no sliding window), or once every row has made BOS (HDP: in the
+        execution)."""
         c = self.config
         if unmask not in UNMASKING:
             raise ValueError(f"unmask={unmask!r}: choose one of {', '.join(UNMASKING)}")
@@ -242,25 +231,23 @@ class BlockDiffusionLM(GPT):
 
     def unmask(self, x, cache, steps, how, temperature, top_k, top_p, generator):
         """generate's denoising of one block x (B, L), [MASK] where still open: each pass draws
-        tokens at temperature / top_k / top_p and fills some. how="schedule", BD3-LM's: t falls
-        from 1 to 0 in even steps, and from t to s each masked token is filled with probability
-        (t - s) / t, in random order as training masks; "confidence": the most probable, an even
-        share of the passes left (a small model's most probable token is often a space:
-        config/tiny_bd3lm.py's samples were all whitespace this way)."""
+        tokens and fills some. "schedule", BD3-LM's: t falls from 1 to 0 in even steps, each masked
+        token filled with probability (t - s) / t; "confidence": the most probable, an even share
+        per pass (a small model's most probable token is often a space: all whitespace)."""
         c = self.config
         for step in range(steps):
             masked = x == c.mask_id
             if not masked.any():
                 break
             logits = self.denoise(x, cache)[..., :c.mask_id]  # never [MASK], never a padded id
-            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p, generator)
-            drawn = drawn.view_as(x)
+            drawn = sample_next(logits.flatten(0, 1), temperature, top_k, top_p,
+                                generator).view_as(x)
             if how == "confidence":
                 p = logits.float().softmax(-1).gather(-1, drawn[..., None])[..., 0]
-                confidence = p.masked_fill(~masked, -1.0)
                 left = steps - step
                 share = (masked.sum(1, keepdim=True) + left - 1) // left  # ceil: none left over
-                fill = masked & (confidence.argsort(1, descending=True).argsort(1) < share)
+                rank = p.masked_fill(~masked, -1.0).argsort(1, descending=True).argsort(1)
+                fill = masked & (rank < share)
             else:
                 t, s = 1 - step / steps, 1 - (step + 1) / steps
                 draw = torch.rand(x.shape, generator=generator, device=x.device)

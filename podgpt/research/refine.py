@@ -1,9 +1,8 @@
 """
-Deep-supervision refinement (objective=refine): the same weights, each block applied many times. The
-embedding x stays; an answer y (from x) and a latent z (from zeros) pass through every layer: the
-block updates z n_loops times reading x + y + z, then y once reading y + z, all T_recursion times.
-One pass through every layer is a supervision step, after which the head reads y and the step's
-cross-entropy is taken. The KV cache has an entry per block application.
+Deep-supervision refinement (objective=refine): each block applied many times. The embedding x
+stays; an answer y (from x) and a latent z (from zeros) pass through every layer: the block updates
+z n_loops times reading x + y + z, then y once reading y + z, all T_recursion times. One pass
+through every layer is a supervision step, after which the head reads y and takes a cross-entropy.
 """
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -50,11 +49,10 @@ class Config(GPTConfig):
                            ("n_sup_inference", 1), ("detach_threshold", 0)):
             if getattr(self, key) < least:
                 raise ValueError(f"{key}={getattr(self, key)} must be at least {least}")
-        base, reward = PRESETS[preset]
-        if self.supervision_weight_base is None:
-            self.supervision_weight_base = base
-        if self.improvement_reward_scale is None:
-            self.improvement_reward_scale = reward
+        for key, default in zip(("supervision_weight_base", "improvement_reward_scale"),
+                                PRESETS[preset], strict=True):
+            if getattr(self, key) is None:
+                setattr(self, key, default)
         if self.supervision_weight_base <= 0:
             raise ValueError(f"supervision_weight_base={self.supervision_weight_base} "
                              f"must be positive")
@@ -79,8 +77,8 @@ def check_config(cfg):
 
 def refine_objective(losses, base, reward):
     """The training loss of the steps' cross-entropies (0-d, first to last): step i weighs base^i /
-    sum_j base^j; from step 2 on, reward * (prev - cur) / prev is subtracted, prev detached, so a
-    step gains by improving on the one before and that one is not pushed to be worse."""
+    sum_j base^j, less reward * (prev - cur) / prev from step 2 on, prev detached (so that the step
+    before is not pushed to be worse)."""
     weights = [base ** i for i in range(len(losses))]
     objective = sum(w / sum(weights) * loss for w, loss in zip(weights, losses, strict=True))
     for prev, cur in zip(losses, losses[1:]):
@@ -92,9 +90,8 @@ class Refine(GPT):
     """The model (the module's docstring). Its stats: each supervision step's cross-entropy."""
 
     def predict(self, x, targets, cache, mask):
-        """(the last step's logits, the loss, the steps' cross-entropies (detached, (steps,))); the
-        last two None without targets. The loss: refine_objective() in training, the last step's
-        cross-entropy in eval mode. With one step, n_loops=0 and T_recursion=1 it is GPT's."""
+        """(the last step's logits, the loss, the steps' cross-entropies (detached)); the last two
+        None without targets. The loss: refine_objective() in training, else the last step's."""
         c = self.config
         n_sup = c.n_sup_train if self.training else c.n_sup_inference
         y, z, slot, losses, logits = x, None if c.n_loops == 0 else torch.zeros_like(x), 0, [], None
@@ -125,8 +122,8 @@ class Refine(GPT):
 
     @staticmethod
     def metrics(losses, prefix=""):
-        """The losses per step as sup_loss_0, sup_loss_1, ... (numbers of their own, as metrics.csv
-        and the plots take them), and the refinement: the % of step 0's loss the last removes."""
+        """The losses per step as sup_loss_0, sup_loss_1, ..., and the refinement: the % of step 0's
+        loss the last removes."""
         return {**{f"{prefix}sup_loss_{i}": v for i, v in enumerate(losses)},
                 f"{prefix}refinement": 100 * (losses[0] - losses[-1]) / losses[0]}
 
