@@ -34,7 +34,8 @@ from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
 from podgpt.pod.checkpoints import Checkpoints, run_record
 from podgpt.pod.dryrun import dryrun
 from podgpt.pod.gates import long_run_gate
-from podgpt.pod.guards import LOSS_EMA_DECAY, BadSteps, Clock, Drills, agree, restore_clock
+from podgpt.pod.guards import (LOSS_EMA_DECAY, BadSteps, Clock, Drills, Floor, agree,
+                               restore_clock)
 from podgpt.pod.launch import (build_model, check_config, check_writable, open_data, read_manifest,
                                set_up, wrap_model)
 from podgpt.pod.postmortem import PostMortem, bad_batch
@@ -115,6 +116,14 @@ budget_usd = 0.0                # spending cap in dollars; 0: none
 usd_per_gpu_hour = 0.0          # price of one GPU-hour; spend = wall clock x GPUs x this
 budget_file = ""                # JSON kept current outside: {"spent_usd", "projected_total_usd"}
 budget_check_minutes = 30.0     # how often budget_file is read
+budget_warn_usd = 0.0           # a budget_warning once the spend passes this; 0: 85% of the cap
+usd_fixed = 0.0                 # dollars counted from the start beside GPU-hours (egress, say)
+storage_gb = 0.0                # a disk billed while the run lasts (at usd_per_gb_month)
+usd_per_gb_month = 0.0          # the disk's price per GB-month, billed by the hour (1/730)
+max_usd_per_gpu_hour = 0.0      # spot ceiling: a usd_per_gpu_hour above it refuses; 0: none
+dry_run_budget = False          # print the spend line by line, and budget_file's verdict; no run
+min_tokens_per_sec = 0.0        # throughput floor: a slower first window stops the run; 0: none
+floor_window_minutes = 60.0     # the floor's window, from the first step of each start
 fit_budget = True               # the horizon is what the budget pays for; False: it blocks
 # loss spikes and non-finite steps
 spike_factor = 2.5              # a loss above this x the EMA of recent losses is a spike (logged)
@@ -178,8 +187,10 @@ class Trainer:
         self.bpb_scale = bpb_scale(self.manifest["splits"]["val"])
         # until a save is measured: the fsyncs, and weights + AdamW's 2 moments at 200 MB/s
         save_s = 0.5 + 3 * tensor_bytes(raw_model.state_dict()) / 200e6
-        usd_per_s = proc.world * cfg.usd_per_gpu_hour / 3600
-        self.clock = Clock(state, t_start, Budget.of(cfg), self.schedule, usd_per_s, save_s)
+        budget = Budget.of(cfg)
+        self.clock = Clock(state, t_start, budget, self.schedule, budget.usd_per_s(proc.world),
+                           save_s, Floor(cfg.min_tokens_per_sec, cfg.floor_window_minutes,
+                                         cfg.total_batch_tokens))
         self.drills = Drills(cfg.inject_spike_at_step, cfg.inject_nan_at_step,
                              cfg.inject_slow_at_step, cfg.inject_slow_seconds)
         counts, master = os.path.join(cfg.data_dir, self.manifest["token_counts"]), proc.rank == 0
@@ -480,7 +491,8 @@ def configure(argv):
 
 def new_state(cfg):
     """The loop's state at the start: all of it goes into every checkpoint."""
-    return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=0.0, best_val_loss=float("inf"),
+    return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=cfg.usd_fixed,
+                           best_val_loss=float("inf"),
                            best_step=-1, evals_since_best=0, loss_ema=None, spikes=0,
                            nonfinite_steps=0, bad_in_a_row=0, rollbacks=0, lr_scale=1.0,
                            injected=[], order_broken=0, horizon=cfg.max_steps,
@@ -575,6 +587,7 @@ def main(argv):
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir,
                       lambda args: train(configure(args), keep_group=True))
     Schedule.of(cfg).check_warmup(cfg.max_steps)  # not for a dry run: a long run's config, briefly
+    cfg.preflight_only = cfg.preflight_only or cfg.dry_run_budget  # its plan, then no step
     return train(cfg)[0]
 
 

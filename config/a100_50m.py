@@ -54,14 +54,27 @@ log_every = 10
 seed = 42
 dtype = "bfloat16"
 compile = True
-# the $35 hard cap: the rate guard stops the run, checkpointed, before the
-# spend (wall clock x 1 GPU x $1.10/h) would pass $35. With the recipe's sidecar
-# writing /workspace/budget.json, add --budget_file=/workspace/budget.json: it is read
-# every 30 minutes, warns above 85% ($29.75), checkpoints and exits when the projected
-# total passes $35, and exits without writing when $35 is already spent.
+# the $35 hard cap, counted as the recipe counts it: GPU-hours at $1.10, the 200 GB disk ($2 for
+# 24 h: $0.30/GB-month) and $1 of egress for the data. The rate guard stops the run, checkpointed,
+# before the spend would pass $35; with the recipe's sidecar writing /workspace/budget.json, add
+# --budget_file=/workspace/budget.json: read every 30 minutes, it warns past $30, checkpoints and
+# exits when the projected total passes $35, and exits without writing when $35 is already spent.
+# --dry_run_budget=True prints the spend line by line (and budget.json's verdict) without training.
 budget_usd = 35.0
 usd_per_gpu_hour = 1.10
+max_usd_per_gpu_hour = 1.40     # the recipe's launch rule: a higher spot price refuses the run
+usd_fixed = 1.0
+storage_gb = 200.0
+usd_per_gb_month = 0.30
+budget_warn_usd = 30.0
 budget_check_minutes = 30.0
-# preflight: one GPU; GPT-2's vocabulary, for planning before the data is downloaded
+# the recipe's stop at hour 1 below MFU 0.30, by the corrected count (0.609 GFLOP/token on the
+# A100's 312 TFLOP/s; its "300k tokens/s" counted 6N with N = 50M)
+min_tokens_per_sec = 153600
+floor_window_minutes = 60.0
+# preflight: one GPU; GPT-2's vocabulary, for planning before the data is downloaded; time and cost
+# at the MFU this shape measured on an H100 (docs/LOG.md: no A100 was lent)
 expect_world_size = 1
 plan_vocab_size = 50257
+plan_gpu = "A100"
+planned_mfu = 0.41

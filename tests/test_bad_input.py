@@ -326,6 +326,9 @@ ROWS = [
      "(or allow_unsafe=True to train anyway)"),
     ("block-longer-than-val", block_longer_than_val, 1,
      "the val split of {tmp}/data has fewer than block_size+1 = {val1} tokens: lower block_size or prepare more data"),
+    ("spot-price-over-the-ceiling", plain("--usd_per_gpu_hour=1.5", "--max_usd_per_gpu_hour=1.4"), 1,
+     "usd_per_gpu_hour=1.5 is above max_usd_per_gpu_hour=1.4, the run's spot ceiling: wait for a lower price or "
+     "another provider, or raise the ceiling if the budget allows"),
     ("no-checkpoint-to-resume", plain("--resume=/nonexistent"), 1,
      "resume=/nonexistent: no checkpoint there (give a checkpoint folder or an out_dir with ckpt/latest)"),
     ("corrupt-checkpoint", damaged_checkpoint("--resume={tmp}/out/" + CKPT), 1,

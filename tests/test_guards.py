@@ -245,6 +245,63 @@ def test_budget_file_missing_at_start(tmp_path, stdlib_data, capfd):
     assert not (tmp_path / "out" / "ckpt").exists()
 
 
+def test_the_throughput_floor_is_judged_once_over_the_first_window_from_the_second_step():
+    """guards.Floor on its own: the window starts at the second step of a start (the first compiles), the
+    rate is the steps since then over the time since then, judged once when the window has passed."""
+    from podgpt.pod.guards import Floor
+    floor = Floor(1000.0, 1.0, batch_tokens=100)  # 1,000 tokens/s over 60 s
+    assert floor.judge(7, 0.0) is None and floor.judge(7, 30.0) is None  # before the loop, the first step
+    assert floor.judge(8, 40.0) is None  # the second step: the window opens here
+    assert floor.judge(400, 99.0) is None  # 59 s in: not yet
+    rate, why = floor.judge(500, 100.0)  # 492 steps x 100 tokens in 60 s
+    assert rate == pytest.approx(492 * 100 / 60) and "under min_tokens_per_sec=1,000" in why
+    assert floor.judge(900, 500.0) is None  # judged once
+    fast = Floor(1000.0, 1.0, batch_tokens=100)
+    assert [fast.judge(s, t) for s, t in ((0, 0.0), (1, 5.0), (700, 65.0), (701, 66.0))] == [None] * 4
+    assert Floor(0.0, 1.0, 100).judge(1, 1e9) is None  # no floor
+
+
+def test_a_slow_first_window_stops_with_a_checkpoint_and_a_lowered_floor_resumes_bit_identically(
+        tmp_path, stdlib_data, capfd):
+    """min_tokens_per_sec far above what this CPU does, over a window of 12 ms: the run stops after that
+    window with a checkpoint, the reason in summary.json and a throughput_floor event with the measured rate;
+    the same command with the floor lowered goes on to max_steps, and its weights are bit-identical to a run
+    never stopped."""
+    steps = ["--max_steps=12", "--eval_every=6", "--ckpt_every=6", "--log_every=1", "--planned_tokens_per_sec=1e12"]
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    r = train(capfd, out, stdlib_data, *FAST, *steps, "--min_tokens_per_sec=1e12", "--floor_window_minutes=0.0002")
+    summary = assert_stopped_with_checkpoint(out, "throughput_floor")
+    assert summary["steps"] < 12 and "(throughput_floor)" in r.stdout
+    (event,) = events(out, "throughput_floor")
+    assert 0 < event["tokens_per_sec"] < 1e12 and "under min_tokens_per_sec=1,000,000,000,000" in r.stderr
+    train(capfd, out, stdlib_data, *FAST, *steps, "--min_tokens_per_sec=0")
+    train(capfd, ref, stdlib_data, *FAST, *steps)
+    assert summary_of(out)["steps"] == summary_of(ref)["steps"] == 12
+    a, b = load_weights(out / "ckpt" / "step_0000012"), load_weights(ref / "ckpt" / "step_0000012")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_spend_counts_the_disk_and_fixed_charges_and_warns_once_past_budget_warn_usd():
+    """Budget counts the disk by the hour (1/730 of its GB-month price) and usd_fixed from the start; the
+    rate guard warns once when the run's own count passes budget_warn_usd (85% of the cap when unset)."""
+    from podgpt.core.schedule import Budget
+    from podgpt.pod.guards import Clock
+    budget = Budget(budget_usd=35.0, usd_per_gpu_hour=1.10, usd_fixed=1.0, storage_gb=200.0,
+                    usd_per_gb_month=0.30, warn_usd=30.0)
+    assert budget.usd_per_s(1) * 3600 == pytest.approx(1.10 + 200 * 0.30 / 730)
+    rows = {line: usd for line, _, usd in budget.lines(24.0, 1, "A100")}
+    assert rows == pytest.approx(dict(GPU=26.4, storage=200 * 0.30 * 24 / 730, fixed=1.0,
+                                      total=27.4 + 200 * 0.30 * 24 / 730))
+    assert Budget(budget_usd=35.0).warn_at() == pytest.approx(29.75)
+    state, seen = SimpleNamespace(elapsed=0.0, cost_usd=29.0, step=0), []
+    clock = Clock(state, time.time(), budget, None, budget.usd_per_s(1), save_seconds=0.1)
+    assert clock.stop_reason(False, lambda *a, **k: seen.append(k)) is None and seen == []
+    state.cost_usd = 30.5
+    for _ in range(3):
+        assert clock.stop_reason(False, lambda *a, **k: seen.append(k)) is None
+    assert seen == [dict(spent_usd=30.5)]
+
+
 # -----------------------------------------------------------------------------
 # 2. loss spikes
 

@@ -84,6 +84,32 @@ def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
 
 
+def test_a100_50m_dry_run_budget_prints_its_spend_within_the_cap_and_a_high_spot_price_refuses(tmp_path, capfd):
+    """--dry_run_budget on the 50M A100 run: the spend of the horizon $35 pays for, line by line (GPU-hours, the
+    200 GB disk, the egress), summing to at most $35, and budget_file's verdict, with no step trained; a spot
+    price above max_usd_per_gpu_hour refuses the run in one line before anything is written."""
+    budget = tmp_path / "budget.json"
+    budget.write_text(json.dumps(dict(spent_usd=31.0, projected_total_usd=34.0)))
+    out = tmp_path / "out"
+    r = train_py(capfd, "config/a100_50m.py", NO_DATA, "--device=cpu", "--dry_run_budget=True",
+                 f"--out_dir={out}", f"--budget_file={budget}")
+    spend = {line.split()[1]: float(line.split("$")[1].split()[0].replace(",", ""))
+             for line in r.stdout.splitlines() if line.startswith("spend ")}
+    horizon = json.load(open(out / "preflight.json"))["plan"]["horizon"]
+    assert horizon["by"] == "budget_usd" and horizon["steps"] < 84_000 and not (out / "ckpt").exists()
+    assert spend["GPU"] == pytest.approx(horizon["hours"] * 1.10, abs=0.01)
+    assert spend["storage"] == pytest.approx(200 * horizon["hours"] * 0.30 / 730, abs=0.01)
+    assert spend["fixed"] == 1.0
+    assert spend["total"] == pytest.approx(spend["GPU"] + spend["storage"] + spend["fixed"], abs=0.02)
+    assert 34.0 < spend["total"] <= 35.0  # the horizon spends the cap, and no more
+    assert "spent $31.00, projected $34.00 of budget_usd=$35.00: the run would warn and go on" in r.stdout
+    r = train_py(capfd, "config/a100_50m.py", NO_DATA, "--device=cpu", "--dry_run_budget=True",
+                 f"--out_dir={tmp_path / 'spot'}", "--usd_per_gpu_hour=1.50", check=False)
+    assert r.returncode == 1 and not (tmp_path / "spot").exists()
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert "usd_per_gpu_hour=1.5 is above max_usd_per_gpu_hour=1.4" in line
+
+
 def test_predicted_loss_is_chinchillas_fit_against_the_target(tmp_path, capfd):
     """predicted_loss: Hoffmann et al. 2022's approach-3 fit at the plan's parameters (all of them, embeddings
     included) and the horizon's tokens, named with its constants and said to be indicative, in preflight.json and .md. A

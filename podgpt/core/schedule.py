@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from podgpt.core.util import first_line, warn
 
-BUDGET_WARN = 0.85              # warn when budget_file's spend passes this fraction of budget_usd
+BUDGET_WARN = 0.85              # warn past this fraction of budget_usd (budget_warn_usd: 0)
+HOURS_PER_MONTH = 730           # a disk's price per GB-month is billed by the hour at 1/730 of it
 
 
 @dataclass
@@ -53,17 +54,42 @@ class Schedule:
 @dataclass
 class Budget:
     """What a run may spend (train.py's keys; 0 or "": no limit); budget_file is kept current from
-    outside and read every check_minutes."""
+    outside and read every check_minutes. The spend is GPU-hours, the disk while the run lasts and
+    usd_fixed (the data's egress, say), counted from the start."""
     max_hours: float = 0.0
     budget_usd: float = 0.0
     usd_per_gpu_hour: float = 0.0
     budget_file: str = ""
     check_minutes: float = 30.0
+    usd_fixed: float = 0.0
+    storage_gb: float = 0.0
+    usd_per_gb_month: float = 0.0
+    warn_usd: float = 0.0
 
     @classmethod
     def of(cls, cfg):
         return cls(cfg.max_hours, cfg.budget_usd, cfg.usd_per_gpu_hour, cfg.budget_file,
-                   cfg.budget_check_minutes)
+                   cfg.budget_check_minutes, cfg.usd_fixed, cfg.storage_gb, cfg.usd_per_gb_month,
+                   cfg.budget_warn_usd)
+
+    def usd_per_s(self, world):
+        """Dollars a second of the run costs on `world` GPUs, its disk included."""
+        return (world * self.usd_per_gpu_hour
+                + self.storage_gb * self.usd_per_gb_month / HOURS_PER_MONTH) / 3600
+
+    def warn_at(self):
+        return self.warn_usd or BUDGET_WARN * self.budget_usd
+
+    def lines(self, hours, world, gpu):
+        """What `hours` on `world` GPUs spend, by line: [(line, how, dollars)], the total last."""
+        rows = [("GPU", f"{world} x {gpu} x {hours:.2f} h x ${self.usd_per_gpu_hour:.2f}/h",
+                 world * self.usd_per_gpu_hour * hours),
+                ("storage", f"{self.storage_gb:g} GB x {hours:.2f} h x ${self.usd_per_gb_month:.2f}"
+                 f"/GB-month", self.storage_gb * self.usd_per_gb_month / HOURS_PER_MONTH * hours),
+                ("fixed", "usd_fixed: egress, one-off charges", self.usd_fixed)]
+        total = sum(usd for *_, usd in rows)
+        cap = f"budget_usd=${self.budget_usd:.2f}" if self.budget_usd else "no budget_usd"
+        return rows + [("total", f"{cap}, a warning past ${self.warn_at():.2f}", total)]
 
     def seconds_left(self, elapsed, cost_usd, reserve, usd_per_s):
         """{limit: seconds}: what max_hours and budget_usd (where set) leave after `elapsed` seconds
@@ -71,7 +97,7 @@ class Budget:
         left = {}
         if self.max_hours:
             left["max_hours"] = self.max_hours * 3600 - elapsed - reserve
-        if self.budget_usd and self.usd_per_gpu_hour:
+        if self.budget_usd and usd_per_s:
             left["budget_usd"] = (self.budget_usd - cost_usd) / usd_per_s - reserve
         return left
 
@@ -81,8 +107,8 @@ class Budget:
         return next((limit for limit, s in left.items() if s < 0), None)
 
     def file_verdict(self):
-        """budget_file, read now: (the guard that must stop the run, or None; (spent, projected)
-        to warn about past BUDGET_WARN of budget_usd, or None). Unreadable: a warning."""
+        """budget_file, read now: (the guard that must stop the run or None, spent, projected);
+        None when unreadable (a warning)."""
         try:
             with open(self.budget_file) as f:
                 b = json.load(f)
@@ -91,12 +117,10 @@ class Budget:
         except (OSError, ValueError, KeyError, TypeError) as e:
             warn(f"budget_file {self.budget_file} unreadable ({first_line(e)}); retrying in "
                  f"{self.check_minutes} min")
-            return None, None
-        if spent > self.budget_usd:
-            return "budget_file_spent", None
-        if projected > self.budget_usd:
-            return "budget_file_projected", None
-        return None, (spent, projected) if spent > BUDGET_WARN * self.budget_usd else None
+            return None
+        limit = ("budget_file_spent" if spent > self.budget_usd else
+                 "budget_file_projected" if projected > self.budget_usd else None)
+        return limit, spent, projected
 
 
 def step_seconds(tokens_per_sec, batch_tokens, accum, eval_steps, eval_every):

@@ -21,7 +21,8 @@ GUARD_STEPS = 20
 # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 INJECT_STEPS = 5
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
+STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent",
+                "throughput_floor")
 
 
 def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,
@@ -50,8 +51,9 @@ class Clock:
     a stop keeps back: one more step (as slow as the slowest recent one), an evaluation and the
     final save."""
 
-    def __init__(self, state, t_start, budget, schedule, usd_per_s, save_seconds):
+    def __init__(self, state, t_start, budget, schedule, usd_per_s, save_seconds, floor=None):
         self.state, self.budget, self.schedule, self.usd_per_s = state, budget, schedule, usd_per_s
+        self.floor, self.warned = floor, False
         # save_seconds: the slowest save's write, estimated until measured
         self.t_last, self.save_seconds = t_start, save_seconds
         self.eval_seconds, self.next_budget_check = 0.0, 0.0
@@ -74,21 +76,57 @@ class Clock:
         st, budget = self.state, self.budget
         if limit := budget.crossed(st.elapsed, st.cost_usd, self.reserve(writing), self.usd_per_s):
             return limit
+        # the run's own count of the spend warns once a start
+        own = self.usd_per_s and budget.budget_usd and not self.warned
+        if own and st.cost_usd > budget.warn_at():
+            self.warned = True
+            event("budget_warning", f"spent ${st.cost_usd:.2f} of budget_usd="
+                  f"${budget.budget_usd:.2f}", spent_usd=st.cost_usd)
+        if self.floor and (slow := self.floor.judge(st.step, st.elapsed)):
+            event("throughput_floor", slow[1], tokens_per_sec=slow[0])
+            return "throughput_floor"
         if not budget.budget_file or time.time() < self.next_budget_check:
             return None
         self.next_budget_check = time.time() + budget.check_minutes * 60
-        limit, spend = budget.file_verdict()
-        if spend:
-            spent, projected = spend
-            event("budget_warning", f"spent ${spent:.2f} of budget_usd=${budget.budget_usd:.2f} "
-                  f"(projected ${projected:.2f})", spent_usd=spent, projected_total_usd=projected)
-        return limit
+        verdict = budget.file_verdict()
+        if verdict and not verdict[0] and verdict[1] > budget.warn_at():
+            event("budget_warning", f"spent ${verdict[1]:.2f} of budget_usd="
+                  f"${budget.budget_usd:.2f} (projected ${verdict[2]:.2f})", spent_usd=verdict[1],
+                  projected_total_usd=verdict[2])
+        return verdict and verdict[0]
 
     def decay_to(self, writing):
         """wsd, rank 0: the horizon to decay to from the next step on, or 0 (decay_horizon)."""
         self.pace.append((self.state.step + 1, self.state.elapsed))  # as the next tick counts it
         return decay_horizon(self.schedule, self.budget, self.state, self.pace,
                              self.reserve(writing), self.usd_per_s)
+
+
+class Floor:
+    """min_tokens_per_sec over the first window_minutes of each start, judged once, timed from its
+    second step (the first compiles): a pod slower than the plan burns the budget."""
+
+    def __init__(self, min_tokens_per_sec, window_minutes, batch_tokens):
+        self.min, self.window_s, self.batch = min_tokens_per_sec, window_minutes * 60, batch_tokens
+        self.marks = []  # (step, elapsed) at the first two steps this start
+
+    def judge(self, step, elapsed):
+        """(tokens/s, a message) when the window's rate is under the floor, else None."""
+        if not self.min:
+            return None
+        if len(self.marks) < 2 or step == self.marks[-1][0]:
+            if not self.marks or step > self.marks[-1][0]:
+                self.marks.append((step, elapsed))
+            return None
+        (s0, t0), floor = self.marks[-1], self.min
+        if elapsed - t0 < self.window_s:
+            return None
+        self.min = 0  # judged: the rest of the run is the budget's to watch
+        rate = (step - s0) * self.batch / (elapsed - t0)
+        return None if rate >= floor else (rate, (
+            f"{rate:,.0f} tokens/s over steps {s0}..{step} ({elapsed - t0:.0f} s), under "
+            f"min_tokens_per_sec={floor:,.0f}: stopped with a checkpoint, to resume on a faster "
+            f"pod or with the floor lowered"))
 
 
 def restore_clock(path, state):

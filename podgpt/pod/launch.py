@@ -43,7 +43,9 @@ def check_config(cfg):
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks",
                 "early_stop_patience", "max_hours", "budget_usd", "usd_per_gpu_hour",
                 "ckpt_min_free_gb", "max_epochs", "lr_base", "eval_gsm8k_samples",
-                "ckpt_every_minutes", "stop_at_step"):
+                "ckpt_every_minutes", "stop_at_step", "budget_warn_usd", "usd_fixed", "storage_gb",
+                "usd_per_gb_month", "max_usd_per_gpu_hour", "min_tokens_per_sec",
+                "floor_window_minutes"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be >= 0")
     for key, choices in (("compile_mode", ("default", "reduce-overhead", "max-autotune",
@@ -61,6 +63,10 @@ def check_config(cfg):
     if cfg.budget_usd and not (cfg.usd_per_gpu_hour or cfg.budget_file):
         fail(f"budget_usd={cfg.budget_usd} needs a way to measure spend: set usd_per_gpu_hour or "
              f"budget_file")
+    if cfg.max_usd_per_gpu_hour and cfg.usd_per_gpu_hour > cfg.max_usd_per_gpu_hour:
+        fail(f"usd_per_gpu_hour={cfg.usd_per_gpu_hour:g} is above max_usd_per_gpu_hour="
+             f"{cfg.max_usd_per_gpu_hour:g}, the run's spot ceiling: wait for a lower price or "
+             f"another provider, or raise the ceiling if the budget allows")
     if not 0 < cfg.decay_frac <= 1:
         fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
     if cfg.budget_file and not cfg.budget_usd:

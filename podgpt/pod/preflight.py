@@ -23,6 +23,7 @@ from podgpt.pod.gates import (check_profile, gate, limits, no_pack_gates, releas
                               verdict_of)
 from podgpt.pod.objectives import config_class, config_fields, make_config
 from podgpt.pod.report import target_text
+from podgpt.pod.spend import print_spend, spend_lines
 
 LR_SLACK = 1.5  # lr_scaling warns when learning_rate is off its rule by more than this, either way
 LONG_RUN_TOKENS = 1e9  # the horizon's upper block applies to runs at least this long
@@ -317,14 +318,20 @@ def attention_gate(cfg, mconfig, runtime):
         return gate(name, "block", cfg.attn_backend, None, first_line(e))
 
 
-def planned_horizon(cfg, tokens_per_sec, world, spent_s=0.0, reserve_s=0.0):
-    """schedule.fit_horizon of this run at tokens_per_sec on `world` ranks, after spent_s."""
+def step_time(cfg, tokens_per_sec, world):
+    """A step's seconds at tokens_per_sec on `world` ranks, its share of evaluations included."""
     batch = cfg.total_batch_tokens
     accum = batch / (cfg.micro_batch_size * cfg.block_size * world)
-    step_s = step_seconds(tokens_per_sec, batch, accum, cfg.eval_steps, cfg.eval_every)
-    usd_per_s = world * cfg.usd_per_gpu_hour / 3600
-    return fit_horizon(cfg.max_steps, Budget.of(cfg), step_s, usd_per_s, spent_s,
-                       spent_s * usd_per_s, reserve_s)
+    return step_seconds(tokens_per_sec, batch, accum, cfg.eval_steps, cfg.eval_every)
+
+
+def planned_horizon(cfg, tokens_per_sec, world, spent_s=0.0, reserve_s=0.0):
+    """schedule.fit_horizon of this run at tokens_per_sec on `world` ranks, after spent_s."""
+    step_s = step_time(cfg, tokens_per_sec, world)
+    budget = Budget.of(cfg)
+    usd_per_s = budget.usd_per_s(world)
+    return fit_horizon(cfg.max_steps, budget, step_s, usd_per_s, spent_s,
+                       budget.usd_fixed + spent_s * usd_per_s, reserve_s)
 
 
 def start_horizon(cfg, proc, tokens_per_sec, spent_s, reserve_s):
@@ -460,12 +467,13 @@ def plan_time(cfg, proc, report, tokens_per_sec, source):
         return
     world = plan_world(cfg, proc)
     hours = cfg.max_steps * cfg.total_batch_tokens / tokens_per_sec / 3600
-    usd = hours * world * cfg.usd_per_gpu_hour
+    usd = Budget.of(cfg).lines(hours, world, "")[-1][2]
     detail = (f"{tokens_per_sec:,.0f} tokens/s ({source}): {hours:.2f} h"
               + (f", ${usd:,.0f}" if cfg.usd_per_gpu_hour else ""))
     steps, by = planned_horizon(cfg, tokens_per_sec, world)
     report["plan"]["horizon"] = dict(steps=steps, by=by, tokens_per_sec=tokens_per_sec,
-                                     source=source)
+                                     source=source, world=world,
+                                     hours=steps * step_time(cfg, tokens_per_sec, world) / 3600)
     limit = cfg.max_hours or cfg.budget_usd
     if by == "max_steps":
         verdict, limit = "pass", cfg.max_hours or None
@@ -574,9 +582,11 @@ def finish_preflight(cfg, report, master):
     """--preflight_only: write and print the report; exit status 1 when a gate blocks, else 0."""
     if master:
         os.makedirs(cfg.out_dir, exist_ok=True)
+        report["plan"]["spend"] = spend_lines(cfg, report["plan"].get("horizon"))
         write_preflight(cfg.out_dir, report)
         for g in report["gates"]:
             print(f"{g['verdict']:>5}  {g['name']}: {g['detail']}")
+        print_spend(cfg, report["plan"])
         print(f"preflight: {report['verdict']} ({cfg.gate_profile} profile), report in "
               f"{cfg.out_dir}/preflight.md")
     else:
