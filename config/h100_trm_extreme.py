@@ -14,7 +14,8 @@ data_dir = "data/fineweb_edu_gpt2"
 val_fraction = 0.001       # not in the recipe: 0.1% of FineWeb-EDU is ~10M tokens, ample for eval_steps
 
 # model: the recipe's depth 12; the width nanochat gives depth 12 (64 x depth = 768) with its
-# 128-wide heads; the recipe's n_loops=2, n_sup_train=4, T_recursion=1 and detach_threshold=2
+# 128-wide heads; n_sup_train=4 for the recipe's step_0..step_3. The recipe gives no n_loops,
+# T_recursion or detach_threshold: 2, 1 and 2 are podgpt's choices (refine.py's defaults)
 block_size = 1024           # the recipe's "standard" sequence length (it suggests 2048 as 2x)
 n_layer = 12
 n_head = 6
@@ -25,21 +26,16 @@ n_loops = 2
 T_recursion = 1
 n_sup_train = 4
 n_sup_inference = 4
-refine_preset = "extreme"      # the recipe's phase 2: supervision_weight_base 10, improvement_reward_scale 2
 detach_threshold = 2
 
-# training: the recipe's 8 GPUs x 16 sequences x accumulation 2 = 256 sequences per step, 5000 steps,
-# compile, bf16, matrix LR 5e-4 (Muon) and embedding LR 5e-3 (AdamW: embedding, head, norms)
+# training: the recipe's phase 2 is refine_phase="extreme" (podgpt/research/refine.py: PRESETS; train.py
+# --help lists it): 8 GPUs x 16 sequences x accumulation 2 = 256 sequences per step, 5000 steps, Muon at
+# matrix LR 5e-4 and AdamW at embedding LR 5e-3 (embedding, head, norms), the extreme refine_preset
+# (supervision_weight_base 10, improvement_reward_scale 2); a key set here wins. Compile and bf16: below
 out_dir = "out/h100_trm_extreme"
-micro_batch_size = 16
-total_batch_tokens = 262144    # 8 x 16 x 2 x 1024
-max_steps = 5000
-optimizer = "muon"
-matrix_lr = 5e-4
-embedding_lr = 5e-3
-learning_rate = 5e-4           # the schedule's peak: each group's own LR follows it (train.py: optimizer)
-min_lr = 5e-5                  # not in the recipe: a tenth of the peak, as the other configs
-warmup_steps = 200             # the recipe's quick-start: 150-200 for extreme
+refine_phase = "extreme"
+min_lr = 5e-5                  # not in the recipe: a tenth of the phase's peak, as the other configs
+warmup_steps = 200             # podgpt's: the recipe gives no warmup ("check warmup is working")
 grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
 # 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
 # micro-batch 16 (train.py --preflight_only=True --gpu_mem_gb=80): 97.3 GB per GPU without activation

@@ -15,7 +15,8 @@ data_dir = "data/fineweb_edu_gpt2"
 val_fraction = 0.001       # not in the recipe: 0.1% of FineWeb-EDU is ~10M tokens, ample for eval_steps
 
 # model: the recipe's depth 12; the width nanochat gives depth 12 (64 x depth = 768) with its
-# 128-wide heads; the recipe's n_loops=2, n_sup_train=4, T_recursion=1 and detach_threshold=2
+# 128-wide heads; n_sup_train=4 for the recipe's step_0..step_3. The recipe gives no n_loops,
+# T_recursion or detach_threshold: 2, 1 and 2 are podgpt's choices (refine.py's defaults)
 block_size = 1024           # the recipe's "standard" sequence length (it suggests 2048 as 2x)
 n_layer = 12
 n_head = 6
@@ -26,21 +27,16 @@ n_loops = 2
 T_recursion = 1
 n_sup_train = 4
 n_sup_inference = 4
-refine_preset = "aggressive"   # the recipe's phase 1: supervision_weight_base 5, improvement_reward_scale 1
 detach_threshold = 2
 
-# training: the recipe's 8 GPUs x 32 sequences x accumulation 2 = 512 sequences per step, 1000 steps,
-# compile, bf16, matrix LR 1e-3 (Muon) and embedding LR 1e-2 (AdamW: embedding, head, norms)
+# training: the recipe's phase 1 is refine_phase="fast" (podgpt/research/refine.py: PRESETS; train.py
+# --help lists it): 8 GPUs x 32 sequences x accumulation 2 = 512 sequences per step, 1000 steps, Muon at
+# matrix LR 1e-3 and AdamW at embedding LR 1e-2 (embedding, head, norms), the aggressive refine_preset
+# (supervision_weight_base 5, improvement_reward_scale 1); a key set here wins. Compile and bf16: below
 out_dir = "out/h100_trm_fast"
-micro_batch_size = 32
-total_batch_tokens = 524288    # 8 x 32 x 2 x 1024
-max_steps = 1000
-optimizer = "muon"
-matrix_lr = 1e-3
-embedding_lr = 1e-2
-learning_rate = 1e-3           # the schedule's peak: each group's own LR follows it (train.py: optimizer)
-min_lr = 1e-4                  # not in the recipe: a tenth of the peak, as the other configs
-warmup_steps = 100             # the recipe's quick-start: 100 for aggressive
+refine_phase = "fast"
+min_lr = 1e-4                  # not in the recipe: a tenth of the phase's peak, as the other configs
+warmup_steps = 100             # podgpt's: the recipe gives no warmup ("check warmup is working")
 grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
 # 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
 # micro-batch 32 (train.py --preflight_only=True --gpu_mem_gb=80): 187.3 GB per GPU without activation

@@ -9,11 +9,14 @@
 # tied GPT-2 embedding of 50,257 tokens + [MASK]), micro-batch 128, global batch 512 (accumulation 4),
 # LR 5e-4, 50K steps, bf16, compile, FlashAttention where it applies (bd3lm's mask: FlexAttention, which
 # auto picks on a GPU), gradient checkpointing only when memory runs short.
-# preflight.memory_estimate per H200 at each of the recipe's batch presets (bf16, no checkpointing; the recipe's
-# expectation in brackets): conservative 64: 37.0 GB [40-50] | recommended 128: 67.2 GB [60-80] |
-# aggressive 192: 97.4 GB [90-110] | extreme 256: 127.6 GB [110-130], 98% of the usable 0.92 x 141 GB:
-# there take grad_ckpt="selective" (72.6 GB). The recipe's LR per global batch: 256: 4e-4, 512: 5e-4,
-# 768: none given (its square-root rule: 7.3e-4), 1024: 7e-4; preflight's lr_scaling checks the rule.
+# The recipe's four batch presets are batch_preset's (podgpt/research/bd3lm.py: PRESETS; train.py --help
+# lists them): each sets the micro-batch, the global batch at accumulation 4, the recipe's LR for it and its
+# rule lr_base x sqrt(batch / lr_base_batch), which preflight's lr_scaling checks; a key set here wins.
+# preflight.memory_estimate per H200 at each (bf16, no checkpointing; the recipe's expectation in
+# brackets): conservative 64: 37.0 GB [40-50] | recommended 128: 67.2 GB [60-80] | aggressive 192: 97.4 GB
+# [90-110] | extreme 256: 127.6 GB [110-130], 98% of the usable 0.92 x 141 GB: there take
+# grad_ckpt="selective" (72.6 GB). The recipe's LR per global batch: 256: 4e-4, 512: 5e-4, 768: none given
+# (the preset takes its square-root rule: 7.3e-4), 1024: 7e-4.
 # The recipe's num_workers=16 has no counterpart: podgpt's loader reads memory-mapped shards in the
 # training process (bench/loader.py measures its rate against the GPU's).
 # Not in the recipe, chosen here: the tokenizer (GPT-2's), the block length, the warmup (the recipe's
@@ -38,16 +41,12 @@ objective = "bd3lm"
 diffusion_block = 16        # BD3-LM's paper trains blocks of 4, 8 and 16; 16 denoises 16 tokens per pass
 noise_schedule = "loglinear"
 
-# training: 512 problems per step = 128 x 512 tokens x accumulation 4 on one GPU
+# training: 512 problems per step = 128 x 512 tokens x accumulation 4 on one GPU, LR 5e-4
 out_dir = "out/h200_gsm8k_bd3lm"
-micro_batch_size = 128
-total_batch_tokens = 262144
+batch_preset = "recommended"
 max_steps = 50000
-learning_rate = 5e-4
 min_lr = 5e-5
 warmup_steps = 5000
-lr_base = 3e-4              # the recipe's rule: 3e-4 at a batch of 128, times sqrt(batch / 128)
-lr_base_batch = 128
 # 50K steps of 512 problems are 3,425 passes over GSM8K's 7,473: the recipe's plan, which preflight's
 # corpus_model_fit gate would block (above 100 passes) unless it is said here. The early stop ends the run
 # once the validation loss has not improved for 10 evaluations (10,000 steps)

@@ -9,7 +9,8 @@
 # The recipe's settings are config/h200_gsm8k_bd3lm.py's (micro-batch 128, global 512, LR 5e-4, 50K steps,
 # bf16, compile); its memory expectation here is 70-90 GB at micro-batch 128, and preflight.memory_estimate
 # gives 67.2 GB, as for the baseline: the plan's mask changes which tiles attention skips, not what it keeps.
-# The batch presets, the LR table and what is not in the recipe: see config/h200_gsm8k_bd3lm.py.
+# The batch presets (batch_preset), the LR table and what is not in the recipe: see
+# config/h200_gsm8k_bd3lm.py.
 
 # data: a GSM8K problem as three segments, each BOS-padded or cut to its length (prepare.py prints the share
 # of problems cut): the question; the plan, the answer's reasoning without its <<calculator>> annotations;
@@ -34,14 +35,10 @@ noise_schedule = "loglinear"
 
 # training: as config/h200_gsm8k_bd3lm.py
 out_dir = "out/h200_hdp_diffusion"
-micro_batch_size = 128
-total_batch_tokens = 262144
+batch_preset = "recommended"   # micro-batch 128, global 512 (accumulation 4), LR 5e-4
 max_steps = 50000
-learning_rate = 5e-4
 min_lr = 5e-5
 warmup_steps = 5000
-lr_base = 3e-4
-lr_base_batch = 128
 max_epochs = 3500           # 50K steps are 3,425 passes over the 7,473 training problems (the recipe's plan)
 eval_every = 1000
 eval_steps = 4

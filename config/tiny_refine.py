@@ -15,7 +15,8 @@ min_val_tokens = 500_000
 # model: one layer, 64 wide, applied n_sup_train = 3 times per forward (n_loops=0: no latent updates). One
 # layer, so that each supervision step adds depth the first one lacks (a second layer's attention composes
 # with the first's: copying a name seen earlier in the file needs both). At this size the latent loops
-# cost twice the time and refine less, so n_loops=0 here; the H100 configs keep the recipe's 2 (docs/LOG.md).
+# cost twice the time and refine less, so n_loops=0 here (docs/LOG.md); the H100 configs keep refine.py's
+# 2, podgpt's choice (the recipe gives no n_loops).
 block_size = 128
 n_layer = 1
 n_head = 4

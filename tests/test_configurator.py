@@ -47,6 +47,12 @@ def test_defaults_and_overrides(tmp_path):
                                 "hdp_segments out"),
     (["--objective=refine", "--diffusion_block=8"], "diffusion_block=8 is for objective=bd3lm"),
     (["--objective=diffusion"], "objective='diffusion' is not one of ar, bd3lm, refine"),
+    (["--objective=bd3lm", "--batch_preset=huge"], "batch_preset='huge' is not a preset: choose one of "
+                                                   'conservative, recommended, aggressive, extreme (or "" for none)'),
+    (["--objective=refine", "--refine_phase=1"], "refine_phase='1' is not a preset: choose one of fast, extreme"),
+    (["--objective=refine", "--refine_preset=wild"], "refine_preset='wild' is not a preset: choose one of moderate, "
+                                                     "aggressive, extreme"),
+    (["--batch_preset=recommended"], "batch_preset='recommended' is for objective=bd3lm"),
 ])
 def test_mistakes_give_one_line_and_exit_2(args, message, capfd):
     if args == ["--max_step=5"]:  # one as a new `python train.py`: its imports add nothing to the one line either
@@ -135,3 +141,50 @@ def test_every_script_refuses_an_int_past_64_bits(script):
     with pytest.raises(configurator.ConfigError, match=rf"^{key} is 9223372036854775808, which does not fit in 64"):
         configurator.configure(os.path.join(ROOT, script), [f"--{key}={2**63}"])
     assert configurator.configure(os.path.join(ROOT, script), [f"--{key}={2**63 - 1}"])[key] == 2**63 - 1
+
+
+def test_a_preset_fills_what_no_file_or_key_set_and_the_start_line_shows_it(tmp_path):
+    """An objective's preset key fills its values after every file and --key, but not a key a file assigned
+    (even to its default) or a --key gave; a preset may set a later one (a phase its refine_preset); the
+    start's config line names each preset with the values it filled, and not the explicit ones."""
+    cfg = parse("--objective=bd3lm", "--batch_preset=aggressive", "--block_size=512")
+    assert (cfg.micro_batch_size, cfg.total_batch_tokens, cfg.learning_rate) == (192, 768 * 512, 7.3e-4)
+    assert (cfg.lr_base, cfg.lr_base_batch) == (3e-4, 128)
+    (tmp_path / "mine.py").write_text("micro_batch_size = 8\nlearning_rate = 1e-4\n")  # 8: train.py's default
+    cfg = parse("--objective=bd3lm", "--batch_preset=extreme", str(tmp_path / "mine.py"), "--block_size=64",
+                "--lr_base=2e-4")
+    assert (cfg.micro_batch_size, cfg.learning_rate, cfg.lr_base) == (8, 1e-4, 2e-4)
+    assert cfg.total_batch_tokens == 1024 * 64 and cfg.presets == {
+        "batch_preset": {"total_batch_tokens": 65536, "lr_base_batch": 128}}
+    line = configurator.changed(cfg, TRAIN)
+    assert "batch_preset=extreme (total_batch_tokens=65536 lr_base_batch=128)" in line  # 128: at its default
+    assert "micro_batch_size" not in line and "learning_rate=0.0001" in line and "lr_base=0.0002" in line
+    cfg = parse("--objective=refine", "--refine_phase=extreme")
+    assert (cfg.micro_batch_size, cfg.total_batch_tokens, cfg.max_steps, cfg.optimizer) == (16, 256 * 1024, 5000,
+                                                                                             "muon")
+    assert (cfg.matrix_lr, cfg.embedding_lr, cfg.learning_rate) == (5e-4, 5e-3, 5e-4)
+    assert (cfg.refine_preset, cfg.supervision_weight_base, cfg.improvement_reward_scale) == ("extreme", 10.0, 2.0)
+    (tmp_path / "mine.py").write_text("refine_preset = 'moderate'\n")
+    cfg = parse("--objective=refine", "--refine_phase=fast", str(tmp_path / "mine.py"),
+                "--improvement_reward_scale=0")
+    assert (cfg.refine_preset, cfg.supervision_weight_base, cfg.improvement_reward_scale) == ("moderate", 3.0, 0.0)
+    assert (cfg.micro_batch_size, cfg.matrix_lr) == (32, 1e-3)
+    assert parse("--objective=bd3lm").presets == {} and parse().presets == {}  # "": none; ar: no preset
+    assert configurator.changed(parse(), TRAIN) == "the defaults"
+
+
+def test_help_lists_each_preset_s_values_and_that_an_explicit_key_wins(capfd):
+    r = run_script(["train.py", "--help"], capfd)
+    assert r.returncode == 0
+    assert ("  --batch_preset=extreme: micro_batch_size=256 total_batch_tokens=1024*block_size learning_rate=0.0007 "
+            "lr_base=0.0003 lr_base_batch=128") in r.stdout
+    assert "  --refine_phase=fast: refine_preset='aggressive' micro_batch_size=32" in r.stdout
+    assert "no --key gave, so an explicit key wins" in r.stdout
+
+
+@pytest.mark.parametrize("name", ["conservative", "recommended", "aggressive", "extreme"])
+def test_each_batch_preset_is_the_recipe_s_batch_at_accumulation_4_and_passes_its_lr_rule(name):
+    from podgpt.pod.preflight import lr_scaling_gate
+    cfg = parse("--objective=bd3lm", f"--batch_preset={name}", "--block_size=512")
+    assert cfg.total_batch_tokens == 4 * cfg.micro_batch_size * 512
+    assert lr_scaling_gate(cfg)["verdict"] == "pass"

@@ -459,3 +459,21 @@ def test_sanity_plans_hdp_on_an_h200_and_checks_its_mask(tmp_path, capfd):
     run_layout = cap["layouts"]["run"]
     assert run_layout["fits"] and round(run_layout["bytes"]["total"] / 1e9, 1) == 67.2
     assert checks["attention:diffusion"]["status"] == "pass" and "auto: math" in checks["attention:diffusion"]["detail"]
+
+
+def test_a_batch_preset_reaches_the_run_and_its_start_line_and_an_explicit_key_wins(tmp_path, stdlib_data, capfd):
+    """batch_preset=conservative on a real (one-step) run: its global batch of 256 rows and its LR reach the
+    loop and the optimizer, and the config line says what it filled; --micro_batch_size beats its 64."""
+    out = tmp_path / "run"
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *DIFFUSION, "--block_size=64",
+                    "--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=16", "--device=cpu", "--dtype=float32",
+                    "--eval_steps=1", "--plots=False", "--max_steps=1", "--warmup_steps=0",
+                    "--batch_preset=conservative", "--micro_batch_size=32"], capfd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("batch_preset=conservative (total_batch_tokens=16384 learning_rate=0.0004 lr_base=0.0003 "
+            "lr_base_batch=128)") in r.stdout and "micro_batch_size=32" in r.stdout
+    assert "world 1 x micro 32 x accum 8 = 16384 tokens/step" in r.stdout
+    step = next(m for m in read_metrics(out) if "loss" in m)
+    assert step["lr"] == pytest.approx(4e-4) and step["tokens"] == 256 * 64
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["batch_preset"], saved["learning_rate"], saved["lr_base"]) == ("conservative", 4e-4, 3e-4)

@@ -264,3 +264,28 @@ def test_sanity_capacity_plans_the_recursion(tmp_path, capfd):
     assert not cap["layouts"]["ddp"]["fits"]
     assert run_layout["bytes"] == {k: v for k, v in memory_estimate(config, 32, 8, False, "full").items()
                                    if k != "params"}
+
+
+def test_a_phase_reaches_the_model_the_optimizer_and_the_start_line(tmp_path, stdlib_data, capfd):
+    """refine_phase=extreme on a real (one-step) run: the recipe's phase-2 batch (256 rows of 16), Muon at matrix
+    LR 5e-4 beside AdamW at 5e-3, and the extreme refine_preset's base 10 reach the loop, the optimizer and the
+    checkpoint's model; the config line says what the phase and its refine_preset filled; --max_steps=1 and
+    --improvement_reward_scale=0.5 beat the phase's 5000 and the preset's 2."""
+    out = tmp_path / "run"
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", "--objective=refine",
+                    "--block_size=32", "--n_layer=1", "--n_head=2", "--n_kv_head=2", "--n_embd=16", "--n_loops=0",
+                    "--n_sup_train=2", "--n_sup_inference=2", "--device=cpu", "--dtype=float32", "--eval_steps=1",
+                    "--plots=False", "--max_steps=1", "--refine_phase=extreme", "--improvement_reward_scale=0.5"],
+                   capfd)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert ("refine_phase=extreme (refine_preset=extreme micro_batch_size=16 total_batch_tokens=8192 optimizer=muon "
+            "matrix_lr=0.0005 embedding_lr=0.005 learning_rate=0.0005) refine_preset=extreme "
+            "(supervision_weight_base=10.0) improvement_reward_scale=0.5") in r.stdout
+    assert "world 1 x micro 16 x accum 16 = 8192 tokens/step" in r.stdout and "done (max_steps): 1 steps" in r.stdout
+    ckpt = find_checkpoint(str(out))
+    groups = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False)
+    peaks = {kind: {g["peak_lr"] for g in groups[kind]["param_groups"]} for kind in ("muon", "adamw")}
+    assert peaks == {"muon": {5e-4}, "adamw": {5e-3}}
+    model = json.loads(open(os.path.join(ckpt, "config.json")).read())["model"]
+    assert (model["refine_preset"], model["supervision_weight_base"], model["improvement_reward_scale"]) == (
+        "extreme", 10.0, 0.5)

@@ -9,6 +9,9 @@ assignments between `# --- config` and `# --- end config` (a key's comment on it
   and checked against the default's type: an int passes for a float (nan and inf do not),
   true/false for a bool, anything for a None default; `--flag` alone is `--flag=True`.
 
+Then the chosen objective's presets: a preset key (its module's PRESETS) names a set of values that
+fill the keys no config file assigned and no --key gave; a key set explicitly wins.
+
 Any mistake is a ConfigError: one line naming the problem and the fix, and exit status 2.
 """
 
@@ -36,7 +39,10 @@ class ConfigError(Error):
 
 
 class Config(dict):
-    """The resolved config: config["key"] or config.key."""
+    """The resolved config: config["key"] or config.key; its presets attribute: {preset key: {key:
+    the value it filled}} (apply_presets)."""
+
+    presets = {}
 
     def __getattr__(self, key):
         try:
@@ -66,6 +72,17 @@ def block_defaults(path):
     return defaults
 
 
+def block_presets(path):
+    """{preset key: {name: {key: value}}}: the literal PRESETS of an objective's module, or {}."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == [
+                "PRESETS"]:
+            return ast.literal_eval(node.value)
+    return {}
+
+
 def research_modules():
     """{objective: its module's path} of the objectives beyond next-token prediction."""
     return {f[:-3]: os.path.join(RESEARCH, f) for f in sorted(os.listdir(RESEARCH))
@@ -89,7 +106,10 @@ def read_defaults(path):
 
 def shown(value):
     """repr(value) for a message, a huge int by its size: one of over 4300 digits has no repr in
-    Python 3.11+, and asking would turn the message into a traceback."""
+    Python 3.11+, and asking would turn the message into a traceback. A preset's (n, "key") is
+    n*key."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
+        return f"{value[0]}*{value[1]}"
     if is_int(value) and value.bit_length() > 128:
         return f"an integer of {value.bit_length():,} bits"
     try:
@@ -157,10 +177,23 @@ def foreign_keys(script_path):
     return {key for path in others for key in read_defaults(path)}
 
 
+class Scope(dict):
+    """A config file's namespace: it records the names the file assigns (its explicit keys)."""
+
+    def __init__(self, values):
+        super().__init__(values)
+        self.assigned = set()
+
+    def __setitem__(self, key, value):
+        self.assigned.add(key)
+        super().__setitem__(key, value)
+
+
 def apply_file(path, config, defaults, foreign):
+    """Run a config file against config: the keys it assigned."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file '{path}' not found (give a path such as config/tiny.py)")
-    scope = dict(config)
+    scope = Scope(config)
     try:
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), {}, scope)
@@ -174,13 +207,19 @@ def apply_file(path, config, defaults, foreign):
         elif key not in foreign:
             known = list(defaults) + sorted(foreign)
             raise ConfigError(f"{path} sets unknown key '{key}'{suggest(key, known)}")
+    return scope.assigned & set(defaults)
 
 
 def apply_arg(arg, config, defaults):
+    """Apply one --key=val: its key."""
     key, eq, text = arg[2:].partition("=")
     if key not in defaults:
         raise ConfigError(f"unknown key '{key}'{suggest(key, list(defaults))}; see --help")
-    default = defaults[key][0]
+    apply_value(arg, key, eq, text, config, defaults[key][0])
+    return key
+
+
+def apply_value(arg, key, eq, text, config, default):
     if not eq:
         if isinstance(default, bool):
             config[key] = True
@@ -203,13 +242,55 @@ def help_text(prog, defaults):
     width = max(len(k) for k in defaults)
     rows = [f"usage: {prog} [config/x.py ...] [--key=value ...]", "", "keys (default  # comment):"]
     rows += [f"  --{k:<{width}} = {d!r:<16} # {c}" for k, (d, c) in defaults.items()]
+    presets = research_presets() if "objective" in defaults else {}
+    if presets:
+        rows += ["", "presets (the objective's, in this order, after every file and --key): each "
+                 "fills the keys", "no config file assigned and no --key gave, so an explicit key "
+                 "wins"]
+    for key, table in presets.items():
+        rows += [f"  --{key}={name}: " + " ".join(f"{k}={shown(v)}" for k, v in values.items())
+                 for name, values in table.items()]
     return "\n".join(rows)
 
 
+def research_presets():
+    """{preset key: {name: {key: value}}} of every research objective."""
+    return {k: v for path in research_modules().values() for k, v in block_presets(path).items()}
+
+
+def apply_presets(config, defaults, explicit):
+    """Fill the keys of the objective's presets not in explicit, in their module's order: {preset
+    key: {key: the value it filled}}. A value (n, "key") is n x that key's value (a global
+    batch of n sequences: (n, "block_size") tokens); a key this script lacks is skipped."""
+    module, filled = research_modules().get(config["objective"]), {}
+    for key, table in (block_presets(module) if module else {}).items():
+        name = config[key]
+        if name == defaults[key][0] == "":  # "": no preset
+            continue
+        if name not in table:
+            none = ' (or "" for none)' if defaults[key][0] == "" else ""
+            raise ConfigError(f"{key}={shown(name)} is not a preset: choose one of "
+                              f"{', '.join(table)}{none}")
+        filled[key] = {}
+        for k, value in table[name].items():
+            if k in defaults and k not in explicit:
+                value = value[0] * config[value[1]] if isinstance(value, tuple) else value
+                config[k] = filled[key][k] = coerce(k, value, defaults[k][0])
+    return filled
+
+
 def changed(config, script_path):
-    """`key=value` of each key off the script's default: what a start prints (not a screenful)."""
-    defaults = read_defaults(script_path)
-    return " ".join(f"{k}={v}" for k, v in config.items() if v != defaults[k][0]) or "the defaults"
+    """`key=value` of each key off the script's default, a preset's followed by the values it filled
+    (even those at their default): what a start prints (not a screenful)."""
+    defaults, presets = read_defaults(script_path), getattr(config, "presets", {})
+    filled = {k for values in presets.values() for k in values}
+    words = []
+    for k, v in config.items():
+        if presets.get(k):
+            words.append(f"{k}={v} ({' '.join(f'{f}={x}' for f, x in presets[k].items())})")
+        elif k not in filled and v != defaults[k][0]:
+            words.append(f"{k}={v}")
+    return " ".join(words) or "the defaults"
 
 
 def configure(script_path, argv):
@@ -219,19 +300,22 @@ def configure(script_path, argv):
         print(help_text(os.path.basename(script_path), defaults))
         raise SystemExit(0)
     config = {k: d for k, (d, _) in defaults.items()}
-    foreign = None
+    foreign, explicit, presets = None, set(), {}
     for arg in argv:
         if arg.startswith("--"):
-            apply_arg(arg, config, defaults)
+            explicit.add(apply_arg(arg, config, defaults))
         elif arg.startswith("-"):
             raise ConfigError(f"cannot read argument {arg!r}: use --key=value or a config file "
                               "path")
         else:
             foreign = foreign_keys(script_path) if foreign is None else foreign
-            apply_file(arg, config, defaults, foreign)
+            explicit |= apply_file(arg, config, defaults, foreign)
     if "objective" in config:
         check_objective(config, defaults)
-    return Config(config)
+        presets = apply_presets(config, defaults, explicit)
+    config = Config(config)
+    config.presets = presets
+    return config
 
 
 def check_objective(config, defaults):

@@ -21,7 +21,21 @@ noise_schedule = "loglinear"    # bd3lm: loglinear (t ~ U[1e-3, 1]) | clipped (t
 clip_low = 0.3                  # bd3lm, clipped: lowest mask rate drawn in training (BD3-LM's beta)
 clip_high = 0.8                 # bd3lm, clipped: highest (BD3-LM's omega); validation: loglinear
 hdp_segments = ""               # bd3lm: "128,128,256": HDP (question, plan, execution); "": plain
+batch_preset = ""               # bd3lm: conservative | recommended | aggressive | extreme; "": none
 # --- end config
+
+# what each batch preset fills unless set (configurator.apply_presets): the recipe's micro-batch,
+# its global batch (accumulation 4 on one GPU), its LR for that batch (768: none given, so its rule
+# lr_base x sqrt(batch / lr_base_batch), 3e-4 x sqrt(6)), and that rule for preflight's lr_scaling
+PRESETS = {"batch_preset": {
+    "conservative": {"micro_batch_size": 64, "total_batch_tokens": (256, "block_size"),
+                     "learning_rate": 4e-4, "lr_base": 3e-4, "lr_base_batch": 128},
+    "recommended": {"micro_batch_size": 128, "total_batch_tokens": (512, "block_size"),
+                    "learning_rate": 5e-4, "lr_base": 3e-4, "lr_base_batch": 128},
+    "aggressive": {"micro_batch_size": 192, "total_batch_tokens": (768, "block_size"),
+                   "learning_rate": 7.3e-4, "lr_base": 3e-4, "lr_base_batch": 128},
+    "extreme": {"micro_batch_size": 256, "total_batch_tokens": (1024, "block_size"),
+                "learning_rate": 7e-4, "lr_base": 3e-4, "lr_base_batch": 128}}}
 
 NOISE_SCHEDULES = ("loglinear", "clipped")
 UNMASKING = ("schedule", "confidence")  # how generate picks the tokens a denoising pass fills

@@ -16,6 +16,7 @@ n_loops = 2                     # refine: latent (z) updates per layer and repet
 T_recursion = 1                 # refine: repetitions per layer; training: the earlier without grad
 n_sup_train = 4                 # refine: supervision steps (all layers, then a loss) in training
 n_sup_inference = 4             # refine: supervision steps in evaluation and generation
+refine_phase = ""               # refine: the recipe's phase: fast (1) | extreme (2) | "": none
 refine_preset = "aggressive"    # refine: moderate (3, .5) | aggressive (5, 1) | extreme (10, 2)
 supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j base^j; None: preset
 improvement_reward_scale = None  # refine: minus this x (prev-cur)/prev from step 2 on; None: preset
@@ -23,13 +24,28 @@ detach_threshold = 2            # refine: y, z detached after each step >= this,
 refine_order_patience = 3       # refine: warn at this many evals in a row of val steps out of order
 # --- end config
 
-# (supervision_weight_base, improvement_reward_scale) of each preset
-PRESETS = dict(moderate=(3.0, 0.5), aggressive=(5.0, 1.0), extreme=(10.0, 2.0))
+# what each preset fills unless set (configurator.apply_presets; a phase's refine_preset then fills
+# its own). The phases: the recipe's two tables (8 GPUs: 32 x 2 x 8, then 16 x 2 x 8 sequences)
+PRESETS = {
+    "refine_phase": {
+        "fast": {"refine_preset": "aggressive", "micro_batch_size": 32,
+                 "total_batch_tokens": (512, "block_size"), "max_steps": 1000, "optimizer": "muon",
+                 "matrix_lr": 1e-3, "embedding_lr": 1e-2, "learning_rate": 1e-3},
+        "extreme": {"refine_preset": "extreme", "micro_batch_size": 16,
+                    "total_batch_tokens": (256, "block_size"), "max_steps": 5000,
+                    "optimizer": "muon", "matrix_lr": 5e-4, "embedding_lr": 5e-3,
+                    "learning_rate": 5e-4}},
+    "refine_preset": {
+        "moderate": {"supervision_weight_base": 3.0, "improvement_reward_scale": 0.5},
+        "aggressive": {"supervision_weight_base": 5.0, "improvement_reward_scale": 1.0},
+        "extreme": {"supervision_weight_base": 10.0, "improvement_reward_scale": 2.0}},
+}
 
 
 @dataclass
 class Config(GPTConfig):
-    """GPTConfig and the keys above, but refine_order_patience (the loop's, not the model's)."""
+    """GPTConfig and the keys above, but refine_phase (the run's keys) and refine_order_patience
+    (the loop's), not the model's."""
     objective: str = "refine"
     n_loops: int = n_loops
     T_recursion: int = T_recursion
@@ -42,17 +58,17 @@ class Config(GPTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        preset = self.refine_preset
-        if preset not in PRESETS:
-            raise ValueError(f"refine_preset={preset!r}: choose one of {', '.join(PRESETS)}")
+        presets = PRESETS["refine_preset"]
+        if self.refine_preset not in presets:
+            raise ValueError(f"refine_preset={self.refine_preset!r}: choose one of "
+                             f"{', '.join(presets)}")
         for key, least in (("n_loops", 0), ("T_recursion", 1), ("n_sup_train", 1),
                            ("n_sup_inference", 1), ("detach_threshold", 0)):
             if getattr(self, key) < least:
                 raise ValueError(f"{key}={getattr(self, key)} must be at least {least}")
-        for key, default in zip(("supervision_weight_base", "improvement_reward_scale"),
-                                PRESETS[preset], strict=True):
+        for key, value in presets[self.refine_preset].items():
             if getattr(self, key) is None:
-                setattr(self, key, default)
+                setattr(self, key, value)
         if self.supervision_weight_base <= 0:
             raise ValueError(f"supervision_weight_base={self.supervision_weight_base} "
                              f"must be positive")
