@@ -206,7 +206,7 @@ def readme(name, h, why, tmp, data, shown, base):
         "measured |",
         "| `limitations.md` | the known limitations, derived from the numbers |",
         "| `recipe.json` | the exact training data |",
-        f"| `{CHECKSUMS}` | the sha256 of every file (`{BASE}/`'s too): "
+        f"| `{CHECKSUMS}` | the sha256 of every file{' (of `base/` too)' * bool(base)}: "
         f"`sha256sum -c {CHECKSUMS}` |"]) + "\n"
 
 
