@@ -4,14 +4,19 @@ checksum for every file, made only when the run's release gate is acceptable.
 
     python handoff.py --run=out/tiny_skills/sft --out=handoff/tiny_skills
     python handoff.py --run=out/tiny_skills/sft --out=handoff/tiny_skills --override_gate=True
+    python handoff.py --run=out/tiny_skills/sft --out=handoff/tiny_skills-base --base_only=True
 
-The gate is summary.json's "long_run_gate" (train.py, eval.py): pass or warn goes on; block, or
-none recorded, stops in one line unless override_gate=True, and then README.md's first line says so.
+A fine-tuned run's bundle holds its base model too (base/: the checkpoint its init_from names, as
+train.py read it), and stops in one line when that base run is gone or its checkpoint unusable.
+The gate is summary.json's "long_run_gate" (train.py, eval.py), of each model bundled: pass or warn
+goes on; block, or none recorded, stops in one line unless override_gate=True, and then README.md's
+first line says so.
 README.md's table lists what the bundle holds; podgpt-handoff.json records its files. It is built
 beside out and renamed into place; an earlier bundle there is replaced only when it holds nothing
 but the files its podgpt-handoff.json lists.
 """
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -37,16 +42,34 @@ out = ""                        # the bundle's folder (required); replaces an ea
 weights_dtype = "float32"       # the exported weights: float32 | bfloat16
 override_gate = False           # bundle despite a block or no gate; README's first line says so
 examples = 4                    # eval.json's recorded replies quoted in README.md
+base_only = False               # the base model alone: an SFT run's base run, or the run itself
 # --- end config
 
 RUN_FILES = ("config.json", "summary.json", "metrics.jsonl", "preflight.md", "preflight.json",
              "eval.json", "eval.md")
 CHECKSUMS = "checksums.sha256"
 BUNDLE_MARK = "podgpt-handoff.json"  # what the bundle holds: a later bundle replaces only that
+BASE = "base"  # a fine-tuned model's base model in its bundle: its export and its reports
 
 
-def gate_check(folder, status, override):
-    """None when the release gate lets the run go; else why not (util.Error unless override)."""
+def models(run, folder, cfg):
+    """What the bundle holds, the handed-off model first: [(prefix of its lines, its run, its
+    checkpoint's source, which)]; a fine-tuned run's base, from the checkpoint train.py started
+    from (init_from: an out_dir's latest); base_only: the base alone."""
+    init_from = run["config"].get("init_from")
+    given = ("", run, folder, cfg.which)
+    if not init_from:
+        return [given]  # a pretraining run: its model is the base
+    if run["base"] is None:
+        fail(f"run={folder}: its base run {run['base_dir']} (init_from={init_from}) has no "
+             "readable summary.json: not handing it off; put the base run's folder back there")
+    base = (f"the base run {run['base_dir']}: ", run["base"], init_from, "latest")
+    return [base] if cfg.base_only else [given, base]
+
+
+def gate_check(folder, status, override, prefix=""):
+    """None when the release gate lets the run go; else why not (util.Error unless override).
+    prefix: whose gate it is when not the run's own (its base run's)."""
     if not status["recorded"]:
         why = "no release gate recorded (summary.json has no long_run_gate)"
         fix = "train it with this podgpt"
@@ -56,6 +79,7 @@ def gate_check(folder, status, override):
         fix = "fix what blocks"
     else:
         return None
+    why = prefix + why
     if not override:
         fail(f"run={folder}: {why}: not handing it off; {fix}, or give --override_gate=True to "
              "bundle it anyway (README.md's first line then says so)")
@@ -129,7 +153,7 @@ def recipe(run):
            for name, r in parts.items()}
     out["eval_pack"] = None if not eval_pack else {
         "folder": eval_pack, "manifest": read_json(os.path.join(eval_pack, "manifest.json"))}
-    out["init_from"] = run["base_dir"] or None
+    out["init_from"] = run["config"].get("init_from") or None
     return out
 
 
@@ -140,14 +164,17 @@ def copy_run(folder, dest):
             shutil.copyfile(os.path.join(folder, name), os.path.join(dest, name))
 
 
-def readme(name, h, why, model, data, shown):
-    """README.md: its first line says when the bundle was made against its release gate; its Use,
-    the export's own code (hf.card_usage) for `model`, run from the bundle."""
+def usage(model, where):
+    """The export's own code (hf.card_usage) that loads `model` from `where` in the bundle."""
     # tokenizer_config.json is written with tokenizer.json, or neither is
     hf_tokenizer = read_json(os.path.join(model, "tokenizer_config.json"))
     bos = (read_json(os.path.join(model, "config.json")) or {}).get("bos_token_id")
-    usage = card_usage(os.path.basename(model), bos, hf_tokenizer is not None,
-                       "chat_template" in (hf_tokenizer or {}))
+    return card_usage(where, bos, hf_tokenizer is not None, "chat_template" in (hf_tokenizer or {}))
+
+
+def readme(name, h, why, tmp, data, shown, base):
+    """README.md: its first line says when the bundle was made against its release gate; its Use,
+    the export's own code for model/, run from the bundle; base: the base model's record, if any."""
     head = [f"**NOT ACCEPTABLE FOR RELEASE: {why}; this bundle was made anyway (handoff.py "
             "--override_gate=True).**", ""] if why else []
     examples = [f"- ({e['category']}) {e['prompt']!r} -> {e['final_answer']!r} "
@@ -156,52 +183,72 @@ def readme(name, h, why, model, data, shown):
                f"{r.get('tokenizer')} (fingerprint {r.get('tokenizer_fingerprint')}), data "
                f"fingerprint {r.get('fingerprint')}"
                for part, r in data.items() if part in ("base", "sft") and r]
+    based = [] if not base else [
+        "## The base model", "", f"`{BASE}/`: the model this one was fine-tuned from "
+        f"({base['run']}), its release gate {honesty.gate_line(base['release_gate'])}; its own "
+        f"reports in `{BASE}/`, its model card `{BASE}/model/README.md`.", "", "```python",
+        *usage(os.path.join(tmp, BASE, "model"), f"{BASE}/model"), "```", ""]
     return "\n".join([
         *head, f"# {name}: hand-off bundle", "",
         *honesty.first_screen(h)[2:], "",  # the honesty report's essentials, less its title
         "## What the model wrote (eval.json's recorded replies)", "",
         *(examples or ["- none recorded"]), "",
-        "## Use", "", "```python", *usage, "```", "",
-        "## The data", "", *recipes, "", "Every source with its sha256, the shards' sha256s and "
-        "the skills packs' manifests: `recipe.json`.", "",
+        "## Use", "", "```python", *usage(os.path.join(tmp, "model"), "model"), "```", "",
+        *based, "## The data", "", *recipes, "", "Every source with its sha256, the shards' "
+        "sha256s and the skills packs' manifests: `recipe.json`.", "",
         "## Contents", "", "| file | what it is |", "|---|---|",
         "| `model/` | the Hugging Face LlamaForCausalLM folder (`model/README.md`: its model card)"
-        " |", "| `run/`, `base_run/` | the run's config, summary, metrics, preflight report and "
-        "evaluation (and its base run's) |",
+        " |", "| `run/` | the run's config, summary, metrics, preflight report and evaluation |",
+        *[f"| `{BASE}/` | the base model: its `model/`, `run/`, release gate, honesty report and "
+          "limitations, as this folder's own |"] * bool(base),
         "| `release_gate.json` | the release gate as summary.json recorded it |",
         "| `honesty.md`, `honesty.json` | every claim with its measurement; what was never "
         "measured |",
         "| `limitations.md` | the known limitations, derived from the numbers |",
         "| `recipe.json` | the exact training data |",
-        f"| `{CHECKSUMS}` | the sha256 of every file: `sha256sum -c {CHECKSUMS}` |"]) + "\n"
+        f"| `{CHECKSUMS}` | the sha256 of every file{' (of `base/` too)' * bool(base)}: "
+        f"`sha256sum -c {CHECKSUMS}` |"]) + "\n"
 
 
-def bundle(run, path, cfg, why):
-    """The bundle of checkpoint `path` of a run (honesty.read_run's) into cfg.out, atomically: built
-    in a scratch folder beside it, the record and the checksums last."""
+def write_model(run, path, dest, weights_dtype):
+    """A model's part of the bundle into dest: its export (model/), its run's files (run/), its
+    release gate, honesty report and limitations; the honesty report."""
+    export(path, os.path.join(dest, "model"), weights_dtype, chat_template=True)
+    copy_run(run["folder"], os.path.join(dest, "run"))
+    gate = run["summary"].get("long_run_gate")
+    write_json(os.path.join(dest, "release_gate.json"), gate if isinstance(gate, dict) else
+               {"recorded": False, "detail": "summary.json has no long_run_gate"})
+    h = honesty.write(run, dest)
+    write_atomic(os.path.join(dest, "limitations.md"), "# Known limitations\n\n" + "".join(
+        f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
+    return h
+
+
+def bundle(held, cfg, why):
+    """The bundle of held, [(run (honesty.read_run's), checkpoint path)]: the first model at its
+    top, its base in base/; into cfg.out atomically: built in a scratch folder beside it, the
+    record and the checksums last."""
     out = os.path.normpath(cfg.out)
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
+    (run, path), *base = held
     with scratch_beside(out, "podgpt-handoff") as tmp:
-        export(path, os.path.join(tmp, "model"), cfg.weights_dtype, chat_template=True)
-        copy_run(run["folder"], os.path.join(tmp, "run"))
-        if run["base_data"]:  # the base run's folder is there
-            copy_run(run["base_dir"], os.path.join(tmp, "base_run"))
-        gate = run["summary"].get("long_run_gate")
-        write_json(os.path.join(tmp, "release_gate.json"), gate if isinstance(gate, dict) else
-                   {"recorded": False, "detail": "summary.json has no long_run_gate"})
-        h = honesty.write(run, tmp)
-        write_atomic(os.path.join(tmp, "limitations.md"), "# Known limitations\n\n" + "".join(
-            f"- {x}\n" for x in h["limitations"] or ["none the numbers show"]))
+        h = write_model(run, path, tmp, cfg.weights_dtype)
+        for base_run, base_path in base:  # at most one
+            b = write_model(base_run, base_path, os.path.join(tmp, BASE), cfg.weights_dtype)
+            b = {"run": b["run"], "checkpoint": os.path.relpath(base_path, base_run["folder"]),
+                 "release_gate": b["release_gate"]}
         data = recipe(run)
         write_json(os.path.join(tmp, "recipe.json"), data)
         pack = (run["eval"] or {}).get("pack") or {}
         shown = [dict(some[0], category=c) for c, some in pack.get("examples", {}).items() if some]
         write_atomic(os.path.join(tmp, "README.md"), readme(
-            h["run"], h, why, os.path.join(tmp, "model"), data, shown[:cfg.examples]))
+            h["run"], h, why, tmp, data, shown[:cfg.examples], b if base else None))
         files = [f for f in files_under(tmp) if f != SCRATCH_MARK] + [BUNDLE_MARK, CHECKSUMS]
-        write_json(os.path.join(tmp, BUNDLE_MARK),
-                   {"run": h["run"], "checkpoint": os.path.relpath(path, run["folder"]),
-                    "release_gate": h["release_gate"], "override_gate": why, "files": files})
+        write_json(os.path.join(tmp, BUNDLE_MARK), {
+            "run": h["run"], "checkpoint": os.path.relpath(path, run["folder"]),
+            "release_gate": h["release_gate"], "override_gate": why, "base_only": cfg.base_only,
+            "base": b if base else None,
+            "files": files})
         # every other file's sha256 in sha256sum's format, relative to the bundle
         write_atomic(os.path.join(tmp, CHECKSUMS), "".join(
             f"{file_sha256(os.path.join(tmp, f))}  {f}\n" for f in files_under(tmp)
@@ -220,16 +267,30 @@ def main(argv):
         fail(f"run={folder}: no checkpoints there: give a train.py out_dir", code=2)
     check_apart(out=cfg.out, run=folder)
     run = honesty.read_run(folder)  # every file of the run (its base run, its data) read once, here
-    why = gate_check(folder, honesty.gate_status(run["summary"]), cfg.override_gate)
+    parts = models(run, folder, cfg)
+    why = "; ".join(w for prefix, r, _, _ in parts if (w := gate_check(
+        folder, honesty.gate_status(r["summary"]), cfg.override_gate, prefix))) or None
     try:
-        with reading(folder, cfg.which) as path:  # held against a training run's rotation
-            bundle(run, path, cfg, why)
+        with contextlib.ExitStack() as stack:
+            held = [(r, checkpoint(stack, folder, prefix, src, which))
+                    for prefix, r, src, which in parts]
+            bundle(held, cfg, why)
     except ValueError as e:
         fail(f"run={folder}: its checkpoint cannot be used: {e}")
     except OSError as e:
         fail(f"cannot write out={cfg.out} ({first_line(e)}): "
              + (MAKE_ROOM if disk_full(e) else "choose another --out"))
-    print(f"handed off {path} to {cfg.out}" + (f" against its release gate ({why})" if why else ""))
+    print(f"handed off {', '.join(p for _, p in held)} to {cfg.out}"
+          + (f" against its release gate ({why})" if why else ""))
+
+
+def checkpoint(stack, folder, prefix, src, which):
+    """The checkpoint `src` names, verified and held (against a training run's rotation) until
+    stack closes; util.Error when it cannot be used."""
+    try:
+        return stack.enter_context(reading(src, which))
+    except ValueError as e:
+        fail(f"run={folder}: {prefix}its checkpoint cannot be used: {e}")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def read_run(folder):
         fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has "
              "ended")
     recorded = run_data(folder)
-    base_dir = recorded["config"].get("init_from") or ""
+    base_dir = run_folder(recorded["config"].get("init_from") or "")
     ended = base_dir and os.path.isfile(os.path.join(base_dir, "summary.json"))
     base = read_run(base_dir) if ended else None
     return dict(recorded, folder=folder, summary=summary,
@@ -56,6 +56,12 @@ def read_run(folder):
                 manifest=read_json(os.path.join(folder, "manifest.json")) or {}, base=base,
                 base_dir=base_dir, base_data=base or (run_data(base_dir) if base_dir
                                                       and os.path.isdir(base_dir) else None))
+
+
+def run_folder(init_from):
+    """The run folder of init_from: itself (an out_dir), or a checkpoint folder's out_dir."""
+    ckpt = os.path.dirname(os.path.normpath(init_from)) if init_from else ""
+    return (os.path.dirname(ckpt) or ".") if os.path.basename(ckpt) == "ckpt" else init_from
 
 
 def run_data(folder):

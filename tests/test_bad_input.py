@@ -246,6 +246,13 @@ def handoff_to(out, *args):
     return setup
 
 
+def handoff_base_gone(ctx):
+    """handoff.py on a copy of the finished run (its gate kept) as a fine-tuned one whose base run is not there."""
+    config = json.loads((finished(ctx) / "config.json").read_text())
+    (ctx.tmp / "out" / "config.json").write_text(json.dumps(dict(config, init_from=str(ctx.tmp / "gone"))))
+    return ["handoff.py", f"--run={ctx.tmp / 'out'}", f"--out={ctx.tmp / 'bundle'}"]
+
+
 def honesty_on(folder):
     def setup(ctx):
         (ctx.tmp / folder).mkdir()
@@ -434,6 +441,9 @@ ROWS = [
      "--out or move those away"),
     ("handoff-into-the-run", handoff_to("out/bundle"), 1,
      "out={tmp}/out/bundle lies inside run={tmp}/out: give each its own folder, side by side"),
+    ("handoff-base-gone", handoff_base_gone, 1,
+     "run={tmp}/out: its base run {tmp}/gone (init_from={tmp}/gone) has no readable summary.json: not handing it "
+     "off; put the base run's folder back there"),
     ("handoff-no-out", handoff_to(None), 2, "no --out: give the bundle's folder, e.g. --out=handoff/tiny_skills"),
     ("honesty-not-a-run", honesty_on("empty"), 1,
      "run={tmp}/empty: no readable summary.json there: give a train.py out_dir whose run has ended"),

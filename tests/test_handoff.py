@@ -1,7 +1,8 @@
 """The honesty report (honesty.py) and the hand-off bundle (handoff.py): a category at chance is flagged and what was
 never measured is said; the bundle refuses a run whose release gate blocks or was never recorded unless told to go
-on (and then its README's first line says so), holds what the receiving team needs with a checksum for every file,
-and its model folder, loaded by transformers with its chat template, answers as podgpt's own sampler does."""
+on (and then its README's first line says so), holds what the receiving team needs with a checksum for every file
+(a fine-tuned model's base model too, or that alone), and its model folder, loaded by transformers with its chat
+template, answers as podgpt's own sampler does."""
 import contextlib
 import hashlib
 import io
@@ -10,6 +11,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -214,7 +216,7 @@ def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft
     for name in ("README.md", "honesty.md", "honesty.json", "limitations.md", "recipe.json", "release_gate.json",
                  "podgpt-handoff.json", "model/model.safetensors", "model/config.json", "model/generation_config.json",
                  "model/tokenizer.json", "model/tokenizer_config.json", "run/config.json", "run/preflight.md",
-                 "run/preflight.json", "run/eval.json", "run/eval.md", "run/summary.json", "base_run/preflight.json"):
+                 "run/preflight.json", "run/eval.json", "run/eval.md", "run/summary.json", "base/run/preflight.json"):
         assert name in files, name
     listed = dict(reversed(line.split("  ", 1)) for line in (bundle / "checksums.sha256").read_text().splitlines())
     assert sorted(listed) == [f for f in files if f != "checksums.sha256"]
@@ -266,3 +268,117 @@ def test_the_bundle_holds_every_part_with_its_checksum_and_answers_as_podgpt(sft
         reply.append(t.item())
     text = tok.decode([t for t in reply if t not in tok.chat.values()])  # as skip_special_tokens=True
     assert printed.getvalue() == text + "\n"
+
+
+def with_base(run, tmp_path, init_from):
+    """A copy of the run (its own gate) whose config.json names `init_from` as the base it started from."""
+    copy = tmp_path / "sft"
+    shutil.copytree(run, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, init_from=str(init_from))))
+    return copy
+
+
+def checked(bundle):
+    """The bundle's files, after `sha256sum -c` and a sha256 of our own have verified every one its checksum file
+    lists, which must be all of them."""
+    files = sorted(str(p.relative_to(bundle)) for p in bundle.rglob("*") if p.is_file())
+    listed = dict(reversed(line.split("  ", 1)) for line in (bundle / "checksums.sha256").read_text().splitlines())
+    assert sorted(listed) == [f for f in files if f != "checksums.sha256"]
+    assert all(sha256(bundle / name) == digest for name, digest in listed.items())
+    if shutil.which("sha256sum"):  # as the receiving team checks it
+        subprocess.run(["sha256sum", "--quiet", "-c", "checksums.sha256"], cwd=bundle, check=True)
+    return files
+
+
+def test_the_bundle_holds_the_base_model_too_and_transformers_loads_both(sft_run, finished_run, tmp_path,  # noqa: F811
+                                                                         capfd):
+    """A fine-tuned run's bundle holds, in base/, the base checkpoint it started from (its base run's latest) exported
+    with its own run files, release gate, honesty report and limitations; the checksums cover both models;
+    transformers loads each folder, and each gives its own checkpoint's logits. --base_only writes the base alone,
+    file for file the full bundle's base/, for an SFT run and for a pretraining run (whose model is its base)."""
+    bundle = tmp_path / "bundle"
+    assert handoff(capfd, sft_run, bundle).returncode == 0
+    files = checked(bundle)
+    for name in ("model/model.safetensors", "run/summary.json", "base/model/model.safetensors",
+                 "base/model/config.json", "base/model/tokenizer.json", "base/run/config.json", "base/run/summary.json",
+                 "base/run/preflight.md", "base/release_gate.json", "base/honesty.md", "base/honesty.json",
+                 "base/limitations.md"):
+        assert name in files, name
+    assert not [f for f in files if f.startswith("base_run/")]
+    record = json.loads((bundle / "podgpt-handoff.json").read_text())
+    assert record["base"]["checkpoint"] == os.path.relpath(find_checkpoint(str(finished_run)), finished_run)
+    assert record["base"]["release_gate"]["verdict"] == "pass" and record["base_only"] is False
+    assert (bundle / "base" / "run" / "summary.json").read_bytes() == (finished_run / "summary.json").read_bytes()
+    readme = (bundle / "README.md").read_text()
+    assert "## The base model" in readme and 'AutoModelForCausalLM.from_pretrained("base/model")' in readme
+    assert "| `base/` | the base model:" in readme
+
+    ids = torch.tensor([[1, 72, 105, 33]])
+    for folder, run in (("model", sft_run), ("base/model", finished_run)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(bundle / folder), dtype=torch.float32).eval()
+        ours, _ = load_model(find_checkpoint(str(run), "best" if run == sft_run else "latest"))
+        with torch.no_grad():
+            assert (hf(ids).logits - ours.eval()(ids)[0]).abs().max() < 1e-4, folder
+    chat = {f: "chat_template" in json.loads((bundle / f / "tokenizer_config.json").read_text())
+            for f in ("model", "base/model")}
+    assert chat == {"model": True, "base/model": False}  # the fine-tuned one has the chat tokens; its base, not
+
+    # --base_only: the base alone, as the full bundle's base/ holds it
+    for run, only in ((sft_run, tmp_path / "only"), (finished_run, tmp_path / "plain")):
+        assert handoff(capfd, run, only, "--base_only=True").returncode == 0
+        files = checked(only)
+        assert not [f for f in files if f.startswith("base/")] and json.loads(
+            (only / "podgpt-handoff.json").read_text())["base"] is None
+        for name in ("model/model.safetensors", "model/config.json", "model/tokenizer_config.json",
+                     "run/config.json", "run/summary.json", "honesty.json", "release_gate.json", "limitations.md"):
+            assert sha256(only / name) == sha256(bundle / "base" / name), (only, name)
+        assert "## The base model" not in (only / "README.md").read_text()
+    assert json.loads((tmp_path / "only" / "recipe.json").read_text())["init_from"] is None  # the base's recipe
+
+
+def test_a_base_run_gone_or_unusable_stops_the_bundle_in_one_line(sft_run, finished_run, tmp_path, capfd):  # noqa: F811
+    """No base run where init_from says, a base checkpoint that fails its check, or a base whose release gate blocks:
+    one line, exit 1, nothing written (the last unless --override_gate=True, and README's first line then says
+    so). A checkpoint folder as init_from finds its run."""
+    gone = with_base(sft_run, tmp_path / "gone", tmp_path / "nowhere")
+    before = tree(tmp_path)
+    for args in ((), ("--base_only=True",)):
+        r = handoff(capfd, gone, tmp_path / "bundle", *args)
+        assert r.returncode == 1 and r.stderr.splitlines() == [
+            f"error: run={gone}: its base run {tmp_path / 'nowhere'} (init_from={tmp_path / 'nowhere'}) has no "
+            "readable summary.json: not handing it off; put the base run's folder back there"]
+        assert tree(tmp_path) == before
+
+    base = tmp_path / "base"
+    shutil.copytree(finished_run, base)
+    damaged = with_base(sft_run, tmp_path / "damaged", base)
+    weights = pathlib.Path(find_checkpoint(str(base))) / "model.pt"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    before = tree(tmp_path)
+    r = handoff(capfd, damaged, tmp_path / "bundle")
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and r.stderr.startswith(
+        f"error: run={damaged}: the base run {base}: its checkpoint cannot be used: model.pt is corrupt (CRC32 ")
+    assert tree(tmp_path) == before
+
+    blocked = tmp_path / "blocked"
+    shutil.copytree(finished_run, blocked)
+    summary = json.loads((blocked / "summary.json").read_text())
+    (blocked / "summary.json").write_text(json.dumps(dict(summary, long_run_gate=GATE_BLOCK)))
+    step = pathlib.Path(find_checkpoint(str(blocked))).name
+    sft = with_base(sft_run, tmp_path / "on_blocked", blocked / "ckpt" / step)  # a checkpoint folder
+    before = tree(tmp_path)
+    r = handoff(capfd, sft, tmp_path / "bundle")
+    assert r.returncode == 1 and r.stderr.splitlines() == [
+        f"error: run={sft}: the base run {blocked}: the release gate (skill_release) is block: "
+        "release_token_budget: not handing it off; fix what blocks, or give --override_gate=True to bundle it "
+        "anyway (README.md's first line then says so)"]
+    assert tree(tmp_path) == before
+    assert handoff(capfd, sft, tmp_path / "bundle", "--override_gate=True").returncode == 0
+    assert (tmp_path / "bundle" / "README.md").read_text().splitlines()[0] == (
+        f"**NOT ACCEPTABLE FOR RELEASE: the base run {blocked}: the release gate (skill_release) is block: "
+        "release_token_budget; this bundle was made anyway (handoff.py --override_gate=True).**")
+    record = json.loads((tmp_path / "bundle" / "podgpt-handoff.json").read_text())
+    assert record["base"]["checkpoint"] == f"ckpt/{step}"

@@ -75,7 +75,7 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
     """After the train stage: skills writes the pack, sft fine-tunes the train stage's checkpoint on its SFT rows
     (the base run untouched), eval writes eval.json and the honesty report for the base model and the fine-tuned
     one, each over every eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout;
-    handoff bundles the fine-tuned one, its release gate (research) letting it go."""
+    handoff bundles the fine-tuned one with its base, their release gates (research) letting them go."""
     tmp, _ = pipeline
     out, pack, bundle = tmp / "out", tmp_path / "pack", tmp_path / "bundle"
     before = (out / "ckpt" / "latest").read_text()
@@ -90,6 +90,7 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
     assert all((run_dir / "honesty.md").is_file() for run_dir in (out, tmp_path / "sft"))
     record = json.loads((bundle / "podgpt-handoff.json").read_text())
     assert record["run"] == f"{tmp_path.name}/sft" and (bundle / "model" / "model.safetensors").is_file()
+    assert record["base"]["run"].endswith("/out") and (bundle / "base" / "model" / "model.safetensors").is_file()
     assert record["release_gate"]["verdict"] in ("pass", "warn")  # research: it goes on, no override needed
     assert (bundle / "README.md").read_text().startswith("# ")
     for line in (bundle / "checksums.sha256").read_text().splitlines():
