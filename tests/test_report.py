@@ -10,7 +10,8 @@ import pytest
 
 from conftest import ROOT, Captured, read_metrics, run, shared, train_tiny
 
-PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png"]
+PNGS = ["loss_steps.png", "loss_tokens.png", "grad_norm.png", "tokens_per_sec.png", "lr.png", "memory.png",
+        "norms.png", "tokens_per_sec_hours.png"]
 RUN = ["--max_steps=20", "--log_every=2", "--eval_every=10", "--total_batch_tokens=256", "--micro_batch_size=4"]
 
 
@@ -58,7 +59,36 @@ def test_metrics_csv_round_trips_metrics_jsonl(reported):
         got = [(int(s), n, float(v)) for s, n, v in reader]
     assert len(got) == len(set(got))
     assert set(got) == expected
-    assert {n for _, n, _ in got} >= {"loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mem_gb"}
+    assert {n for _, n, _ in got} >= {"loss", "val_loss", "lr", "grad_norm", "tokens_per_sec", "mem_gb", "param_norm"}
+
+
+def test_param_norm_is_the_checkpointed_models(trained):
+    """metrics.jsonl's param_norm at a checkpointed step is the L2 norm of that checkpoint's parameters."""
+    import torch
+    from podgpt.pod.checkpoints import load_model
+    rows = {r["step"]: r for r in read_metrics(trained) if "event" not in r and "loss" in r}
+    ckpts = sorted(d for d in os.listdir(os.path.join(trained, "ckpt")) if d.startswith("step_"))
+    assert ckpts
+    for name in ckpts:
+        model, _ = load_model(os.path.join(trained, "ckpt", name))
+        norm = torch.sqrt(sum(p.double().square().sum() for p in model.parameters())).item()
+        assert rows[int(name.split("_")[1])]["param_norm"] == pytest.approx(norm, rel=1e-5), name
+
+
+def test_norm_and_throughput_plots_draw_the_metrics(reported):
+    """norms.png: grad and param norm against steps; tokens_per_sec_hours.png: tokens/s against elapsed hours."""
+    sys.path.insert(0, ROOT)
+    from podgpt.pod import report
+    rows = [r for r in read_metrics(reported) if "event" not in r and "loss" in r]
+    figures = {f[0]: f for f in report.figures(rows)}
+    steps = [r["step"] for r in rows]
+    _, _, x, ys, _ = figures["norms.png"]
+    assert report.figure_lines(rows, x, ys) == [(steps, [r["grad_norm"] for r in rows], "grad norm"),
+                                                (steps, [r["param_norm"] for r in rows], "param norm")]
+    _, _, x, ys, _ = figures["tokens_per_sec_hours.png"]
+    ((hours, tok_s, _),) = report.figure_lines(rows, x, ys)
+    assert hours == [r["elapsed"] / 3600 for r in rows] and tok_s == [r["tokens_per_sec"] for r in rows]
+    assert "norms.png" in report.LOG_Y
 
 
 def test_manifest(reported):

@@ -196,9 +196,22 @@ def manifest(config, summary, clock):
 
 # --- plots
 
+def field(row, name):
+    """A row's field; "hours": its elapsed seconds (resumed time included) in wall-clock hours."""
+    if name == "hours":
+        return row["elapsed"] / 3600 if is_number(row.get("elapsed")) else None
+    return row.get(name)
+
+
 def series(rows, x, y):
-    pts = [(r[x], r[y]) for r in rows if is_number(r.get(x)) and is_number(r.get(y))]
+    pts = [(field(r, x), field(r, y)) for r in rows]
+    pts = [p for p in pts if is_number(p[0]) and is_number(p[1])]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def figure_lines(rows, x, ys):
+    """[(xs, ys, label)] of a figure's lines that have points: what write_plots draws."""
+    return [(xs, vs, label) for y, label in ys for xs, vs in [series(rows, x, y)] if xs]
 
 
 LOSSES = [("loss", "train"), ("val_loss", "validation")]
@@ -209,9 +222,16 @@ FIGURES = [
     ("grad_norm.png", "gradient norm (before clipping)", "step", [("grad_norm", "grad norm")],
      "norm"),
     ("tokens_per_sec.png", "throughput", "step", [("tokens_per_sec", "tokens/s")], "tokens/s"),
+    # the 50M A100 recipe's gradnorm-curve.png and throughput.png
+    ("norms.png", "gradient norm (before clipping) and parameter norm", "step",
+     [("grad_norm", "grad norm"), ("param_norm", "param norm")], "norm (log scale)"),
+    ("tokens_per_sec_hours.png", "throughput against wall-clock time", "hours",
+     [("tokens_per_sec", "tokens/s")], "tokens/s"),
     ("lr.png", "learning rate", "step", [("lr", "lr")], "lr"),
     ("memory.png", "peak device memory", "step", [("mem_gb", "memory")], "GB"),
 ]
+LOG_Y = {"norms.png"}  # a grad norm near 1 beside a parameter norm in the hundreds
+XLABELS = {"hours": "wall-clock hours (elapsed, resumed time included)"}
 
 
 def figures(rows):
@@ -239,7 +259,7 @@ def write_plots(out_dir, rows):
     folder = os.path.join(out_dir, PLOTS)
     written = []
     for name, title, x, ys, ylabel in figures(rows):
-        lines = [(xs, vs, label) for y, label in ys for xs, vs in [series(rows, x, y)] if xs]
+        lines = figure_lines(rows, x, ys)
         if not lines:
             continue
         # fixed margins, not tight_layout, which measures every label's text at every evaluation
@@ -248,7 +268,9 @@ def write_plots(out_dir, rows):
         try:
             for xs, vs, label in lines:
                 ax.plot(xs, vs, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-            ax.set(title=title, xlabel=x, ylabel=ylabel)
+            ax.set(title=title, xlabel=XLABELS.get(x, x), ylabel=ylabel)
+            if name in LOG_Y:
+                ax.set_yscale("log")
             ax.grid(alpha=0.3)
             if len(ys) > 1:
                 ax.legend()

@@ -1,13 +1,24 @@
 """
-What a run says as it trains: the console's lines, and rank 0's files: metrics.jsonl, each line
-mirrored to the trackers; clock.json, the guards' time and spend, which a resume reads back; the
-spike post-mortem. A write the disk refuses stops the run in one line saying where it resumes.
+What a run says as it trains: the console's lines, and rank 0's files: metrics.jsonl (the parameter
+norm measured at log steps only), each line mirrored to the trackers; clock.json, the guards' time
+and spend, which a resume reads back; the spike post-mortem. A write the disk refuses stops the
+run in one line saying where it resumes.
 """
 import os
 import time
 
+import torch
+
 from podgpt.core.util import MAKE_ROOM, disk_full, fail, first_line, format_seconds, log, write_json
 from podgpt.pod.report import MetricsFile
+
+
+def param_norm(model):
+    """The L2 norm of all the model's parameters, as clip_gradients takes the gradients': under
+    FSDP2 each is a DTensor shard, and full_tensor() all-reduces the squared norms of the shards
+    (a collective: every rank calls this, at the same steps). One process and DDP: no collective."""
+    norm = torch.nn.utils.get_total_norm([p.detach() for p in model.parameters()])
+    return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()
 
 
 class RunLog:
@@ -33,15 +44,17 @@ class RunLog:
         return {} if stats is None else self.model.metrics(stats, prefix)
 
     def step(self, st, loss, lr, grad_norm, stats, mem_gb):
-        """A step's metrics line, clock.json and console line, with the speed since the last."""
+        """A step's metrics line, clock.json and console line, with the speed since the last. Called
+        on every rank: the parameter norm may take a collective (rank 0 alone writes)."""
         now, steps = time.time(), st.step - self.step_at_log
         tok_s = steps * self.batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / self.peak if self.peak else None
         eta = (st.horizon - st.step) * (now - self.t_log) / steps
         self.restart(st.step)
         self.write(dict(step=st.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                        tokens=st.step * self.batch_tokens, tokens_per_sec=tok_s, mfu=mfu,
-                        mem_gb=mem_gb, elapsed=st.elapsed, cost_usd=st.cost_usd,
+                        param_norm=param_norm(self.model), tokens=st.step * self.batch_tokens,
+                        tokens_per_sec=tok_s, mfu=mfu, mem_gb=mem_gb, elapsed=st.elapsed,
+                        cost_usd=st.cost_usd,
                         **self.objective(stats)))
         self.clock(st)
         log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} "
