@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import run, shared, train_losses
+from conftest import read_metrics, run, shared, train_losses
 from test_resume import ARGS, CKPT_EVERY, MAX_STEPS, assert_identical, ckpt_steps, load, train, wrapper
 from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint
 from podgpt.pod.checkpoints import load_model
@@ -50,6 +50,20 @@ def test_fsdp_ddp_and_one_process_compute_the_same_steps(runs):
     single_model, _ = load_model(find_checkpoint(str(runs["single"])))
     for (name, a), b in zip(fsdp_model.state_dict().items(), single_model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_param_norm_is_the_whole_models_on_every_layout(runs):
+    """metrics.jsonl's param_norm: under FSDP the shards' squares summed over the ranks, so each step's equals
+    one process's and DDP's, and the last equals the norm of the final checkpoint's parameters."""
+    norms = {name: {r["step"]: r["param_norm"] for r in read_metrics(out) if "param_norm" in r}
+             for name, out in runs.items()}
+    assert sorted(norms["fsdp"]) == list(range(1, MAX_STEPS + 1))
+    for name in ("ddp", "fsdp"):
+        for step, norm in norms["single"].items():
+            assert norms[name][step] == pytest.approx(norm, rel=1e-5), (name, step)
+    model, _ = load_model(str(runs["fsdp"] / f"ckpt/step_{MAX_STEPS:07d}"))
+    whole = torch.sqrt(sum(p.double().square().sum() for p in model.parameters())).item()
+    assert norms["fsdp"][MAX_STEPS] == pytest.approx(whole, rel=1e-5)
 
 
 @pytest.mark.parametrize("grad_ckpt", ["full", "selective"])
