@@ -3,16 +3,21 @@ from this CPU, no data) and on real data that is contaminated or mismatched."""
 import json
 import os
 import shutil
+import sys
 
 import numpy as np
 import pytest
 
 from podgpt.pod import preflight as preflight_module
-from conftest import TINY_MODEL, run_script
+from conftest import ROOT, TINY_MODEL, run_script
+from podgpt.core import configurator
 from podgpt.core.data import docs_file, document_hashes, load_manifest, open_shard, shared_documents
 from podgpt.corpus.shards import write_shard
 
 NO_DATA = "--data_dir=/nonexistent/podgpt-data"  # planned before the data exists (and not inside out_dir)
+# the 50M A100 run logs to MLflow, which these tests need not have installed: without it train.py refuses in
+# one line (test_a100_50m_is_the_recipes_compile_tracker_and_drill), so they plan it without a tracker
+A100_50M = ["config/a100_50m.py", "--log_to="]
 
 
 def train_py(capfd, *args, check=True):
@@ -68,18 +73,18 @@ def test_h200_1b_is_its_planned_tokens_and_fits(tmp_path, capfd):
 def test_a100_50m_non_embedding_and_the_budget_cut(tmp_path, capfd):
     """The 50M A100 run: ~50M non-embedding parameters; at 48% MFU its 84,000 steps overrun the $35 cap, so the
     horizon is what $35 pays for and the schedule ends there; without fit_budget the plan is a block."""
-    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+    r, report, gates = preflight(capfd, tmp_path, *A100_50M, "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100")
     assert report["plan"]["params"]["non_embedding"] == pytest.approx(50.3e6, rel=1e-2)
     horizon = report["plan"]["horizon"]
     assert horizon["by"] == "budget_usd" and 40_000 < horizon["steps"] < 84_000
     assert gates["time_and_cost"]["verdict"] == "pass" and \
         f"budget_usd pays for {horizon['steps']:,} of max_steps=84,000: the horizon" in gates["time_and_cost"]["detail"]
-    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+    r, report, gates = preflight(capfd, tmp_path, *A100_50M, "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100", "--fit_budget=False")
     assert r.returncode == 1 and gates["time_and_cost"]["verdict"] == "block"
     assert f"budget_usd stops it near step {horizon['steps']:,} of 84,000" in gates["time_and_cost"]["detail"]
-    r, report, gates = preflight(capfd, tmp_path, "config/a100_50m.py", "--gpu_mem_gb=80", NO_DATA,
+    r, report, gates = preflight(capfd, tmp_path, *A100_50M, "--gpu_mem_gb=80", NO_DATA,
                                  "--planned_mfu=0.48", "--plan_gpu=A100", "--gate_profile=release")
     assert r.returncode == 1 and gates["compute_optimal_horizon"]["verdict"] == "block"  # 44x Chinchilla
 
@@ -91,7 +96,7 @@ def test_a100_50m_dry_run_budget_prints_its_spend_within_the_cap_and_a_high_spot
     budget = tmp_path / "budget.json"
     budget.write_text(json.dumps(dict(spent_usd=31.0, projected_total_usd=34.0)))
     out = tmp_path / "out"
-    r = train_py(capfd, "config/a100_50m.py", NO_DATA, "--device=cpu", "--dry_run_budget=True",
+    r = train_py(capfd, *A100_50M, NO_DATA, "--device=cpu", "--dry_run_budget=True",
                  f"--out_dir={out}", f"--budget_file={budget}")
     spend = {line.split()[1]: float(line.split("$")[1].split()[0].replace(",", ""))
              for line in r.stdout.splitlines() if line.startswith("spend ")}
@@ -103,18 +108,32 @@ def test_a100_50m_dry_run_budget_prints_its_spend_within_the_cap_and_a_high_spot
     assert spend["total"] == pytest.approx(spend["GPU"] + spend["storage"] + spend["fixed"], abs=0.02)
     assert 34.0 < spend["total"] <= 35.0  # the horizon spends the cap, and no more
     assert "spent $31.00, projected $34.00 of budget_usd=$35.00: the run would warn and go on" in r.stdout
-    r = train_py(capfd, "config/a100_50m.py", NO_DATA, "--device=cpu", "--dry_run_budget=True",
+    r = train_py(capfd, *A100_50M, NO_DATA, "--device=cpu", "--dry_run_budget=True",
                  f"--out_dir={tmp_path / 'spot'}", "--usd_per_gpu_hour=1.50", check=False)
     assert r.returncode == 1 and not (tmp_path / "spot").exists()
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("error:")]
     assert "usd_per_gpu_hour=1.5 is above max_usd_per_gpu_hour=1.4" in line
 
 
+def test_a100_50m_is_the_recipes_compile_tracker_and_drill(tmp_path, capfd, monkeypatch):
+    """The recipe's max-autotune, MLflow and spike drill at step 12,000; without mlflow installed, its preflight is
+    one line naming the install, before anything is written."""
+    cfg = configurator.configure(os.path.join(ROOT, "train.py"), [os.path.join(ROOT, "config", "a100_50m.py")])
+    assert (cfg.compile, cfg.compile_mode, cfg.log_to, cfg.inject_spike_at_step) == (True, "max-autotune", "mlflow",
+                                                                                      12000)
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # what an import of an absent package finds
+    r = train_py(capfd, "config/a100_50m.py", NO_DATA, "--device=cpu", "--preflight_only=True",
+                 f"--out_dir={tmp_path / 'out'}", check=False)
+    assert r.returncode == 2 and not (tmp_path / "out").exists()
+    assert r.stderr == ("error: log_to=mlflow needs the mlflow package, which is not installed: pip install mlflow "
+                        "(or leave mlflow out of log_to)\n")
+
+
 def test_predicted_loss_is_chinchillas_fit_against_the_target(tmp_path, capfd):
     """predicted_loss: Hoffmann et al. 2022's approach-3 fit at the plan's parameters (all of them, embeddings
     included) and the horizon's tokens, named with its constants and said to be indicative, in preflight.json and .md. A
     target_val_loss it falls outside of is a warning (the run may start), one it meets passes, none is a skip."""
-    plan = ["config/a100_50m.py", NO_DATA, "--plan_gpu=A100-SXM4-80GB", "--planned_mfu=0.48"]
+    plan = [*A100_50M, NO_DATA, "--plan_gpu=A100-SXM4-80GB", "--planned_mfu=0.48"]
 
     def fit(report):  # at the horizon's tokens: what $35 pays for, or max_steps
         n, d = report["plan"]["params"]["total"], report["plan"]["horizon"]["steps"] * 524288
