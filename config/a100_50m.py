@@ -60,8 +60,8 @@ compile_mode = "max-autotune"
 # line naming that install; --log_to= runs without a tracker). The recipe's store:
 # MLFLOW_TRACKING_URI=file:///workspace/mlruns (unset: ./mlflow.db). metrics.jsonl has every line.
 log_to = "mlflow"
-# the recipe's spike drill: steps 12,000-12,004 train on the rarest 1% of the tokens (~7 h in at
-# ~246k tokens/s), a spike for spike-postmortem.md. After a real one: --inject_spike_at_step=-1.
+# the recipe's spike drill: steps 12,000-12,004 train on the rarest 1% of the tokens (~8 h in at
+# the planned 210k tokens/s), for spike-postmortem.md. After a real spike: --inject_spike_at_step=-1
 inject_spike_at_step = 12000
 # the $35 hard cap, counted as the recipe counts it: GPU-hours at $1.10, the 200 GB disk ($2 for
 # 24 h: $0.30/GB-month) and $1 of egress for the data. The rate guard stops the run, checkpointed,
