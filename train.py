@@ -301,7 +301,8 @@ class Trainer:
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
         batch = self.batches.micro(self.state, 0, spike_drill)
         # the drill's batches count every target: equal micro-batches, as unmasked data's
-        weights = self.batches.weights(self.state) if self.train_data.masked and not spike_drill else None
+        masked = self.train_data.masked and not spike_drill
+        weights = self.batches.weights(self.state) if masked else None
         for micro in range(self.grad_accum):
             x, y = batch
             last = micro == self.grad_accum - 1

@@ -10,7 +10,7 @@ from podgpt.core.data import rare_token_batch
 
 
 class Batches:
-    """train_data's batches for proc's rank; rare: the rarest tokens (the spike drill's), or None."""
+    """train_data's batches for proc's rank; rare: the spike drill's rarest tokens, or None."""
 
     def __init__(self, cfg, proc, train_data, rare, grad_accum):
         self.cfg, self.proc, self.train_data = cfg, proc, train_data

@@ -56,7 +56,7 @@ def verdict(band, value):
 
 
 class Alarm:
-    """A condition held for `minutes` on end by the run's clock fires once; it re-arms once clear."""
+    """A condition held `minutes` on end by the run's clock fires once; it re-arms once clear."""
 
     def __init__(self, minutes):
         self.seconds, self.since, self.fired = minutes * 60, None, False
@@ -97,7 +97,7 @@ class Checks:
         self.missed, self.windows = set(), 0  # missed at the last evaluation; log windows seen
 
     def step(self, st, grad_norm):
-        """After each step: the grad norm's alarm, and its stop band (stop_reason's from the next)."""
+        """After each step: the grad norm's alarm, and its stop band (stop_reason() from then)."""
         if "grad_norm" not in self.bands or not math.isfinite(grad_norm):
             return
         self.grads.append(grad_norm)
@@ -141,8 +141,8 @@ class Checks:
         return found
 
     def judge(self, val_loss, spikes, metrics):
-        """At an evaluation: [{name, band, value, verdict}] of the values now, a console line, and an
-        event for each check missed that was not at the evaluation before."""
+        """At an evaluation: [{name, band, value, verdict}] of the values now, a console line, and
+        an event for each check missed that was not at the evaluation before."""
         judged = self.judged(self.values(val_loss, spikes, metrics), completed=True)
         if not judged:
             return judged

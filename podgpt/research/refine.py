@@ -93,8 +93,8 @@ def check_config(cfg):
 
 
 def checks(cfg):
-    """The run's own checks this objective adds (podgpt/pod/checks.py judges them, at each evaluation
-    and the end): the refinement of Refine.metrics within refine_band."""
+    """The run's own checks this objective adds (podgpt/pod/checks.py judges them at each
+    evaluation and the end): the refinement of Refine.metrics within refine_band."""
     return [("refinement", cfg.refine_band, "refinement")] if cfg.refine_band else []
 
 
