@@ -297,8 +297,10 @@ def band_text(band):
         f"{lo:g} to {hi:g}"
 
 
-def checks_text(checks):
-    """The done line's part: " | checks: target_val_loss met, spikes missed"; "" without."""
+def checks_text(checks, said=()):
+    """The done line's part: " | checks: spikes met, mfu missed"; "" without. said: the names the
+    line says already."""
+    checks = [c for c in checks or () if c["name"] not in said]
     return " | checks: " + ", ".join(f"{c['name']} {c['verdict']}" for c in checks) if checks \
         else ""
 
@@ -312,8 +314,9 @@ def outcome(summary, max_steps, out_dir):
         target = f" | target_val_loss {target_text(band)}: {s['target']}" if band else ""
         return (f"done ({why}): {s['steps']} steps in {format_seconds(s['elapsed_s'])} | "
                 f"final val loss {s['final_val_loss']:.4f} (best {fmt(s['best_val_loss'])} at step "
-                f"{s['best_step']}, unigram baseline {s['unigram_val_loss']:.4f}){target}"
-                f"{checks_text(s.get('checks'))} | summary in {out_dir}/summary.json")
+                f"{s['best_step']}, unigram baseline {s['unigram_val_loss']:.4f})"
+                f"{checks_text(s.get('checks'), ['target_val_loss'])}{target} | "
+                f"summary in {out_dir}/summary.json")
     if s["status"] == "stopped":
         signal_name = f" {s['signal']}" if s["stop_reason"] == "signal" else ""
         resume = f"checkpoint {s['checkpoint']}: the same command resumes"
