@@ -16,7 +16,6 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -24,14 +23,16 @@ import torch.distributed as dist
 
 from podgpt.core import configurator
 from podgpt.core.checkpoint import find_checkpoint, tensor_bytes
-from podgpt.core.data import bpb_scale, rare_token_batch, rarest_tokens, unigram_baseline
+from podgpt.core.data import bpb_scale, rarest_tokens, unigram_baseline
 from podgpt.core.optim import make_optimizer
 from podgpt.core.schedule import Budget, Schedule
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import (Folder, autocast, catch_signals, dtype_name, fail, format_seconds,
                               log, on_rank0, peak_memory_gb, run_main, warn, write_json)
 from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
-from podgpt.pod.checkpoints import Checkpoints, run_record
+from podgpt.pod.batches import Batches
+from podgpt.pod.checkpoints import Checkpoints, new_state, run_record
+from podgpt.pod.checks import Checks
 from podgpt.pod.dryrun import dryrun
 from podgpt.pod.gates import long_run_gate
 from podgpt.pod.guards import (LOSS_EMA_DECAY, BadSteps, Clock, Drills, Floor, agree,
@@ -134,6 +135,14 @@ inject_nan_at_step = -1         # fire drill: steps N..N+4 get a NaN loss on the
 inject_slow_at_step = -1        # fire drill: from step N each step sleeps (below); -1: off
 inject_slow_seconds = 0.0       # the sleep of inject_slow_at_step
 stop_at_step = 0                # stop (checkpoint, exit 0) after this step (replays); 0: off
+# the run's own checks (pod/checks.py): what its recipe calls done, with target_val_loss, judged at
+# every evaluation and at the end (summary.json's checks: met, missed or not reached)
+max_spikes = -1                 # done: at most this many loss spikes in the run; -1: not judged
+warn_tokens_per_sec = 0.0       # tokens/s floor: an alarm event under it for alarm_minutes; 0: none
+min_mfu = 0.0                   # MFU floor (a fraction), as warn_tokens_per_sec; 0: none
+grad_norm_band = ""             # healthy grad norm "lo,hi" (median of 20 steps): an alarm outside
+grad_norm_stop = 0.0            # that median over this stops the run, with a checkpoint; 0: none
+alarm_minutes = 10.0            # how long a floor or band stays crossed before its alarm event
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps, the last N/2 again from a resume; dryrun.json
@@ -195,6 +204,7 @@ class Trainer:
                              cfg.inject_slow_at_step, cfg.inject_slow_seconds)
         counts, master = os.path.join(cfg.data_dir, self.manifest["token_counts"]), proc.rank == 0
         self.rare = rarest_tokens(np.load(counts)) if cfg.inject_spike_at_step >= 0 else None
+        self.batches = Batches(cfg, proc, self.train_data, self.rare, grad_accum)
         trackers = Trackers(cfg, state.step) if master and tracker_names(cfg.log_to) else None
         gpu = torch.cuda.get_device_name(proc.dev) if proc.dev.type == "cuda" else None
         self.log = RunLog(cfg.out_dir, state.step, master, trackers,
@@ -206,6 +216,7 @@ class Trainer:
                             self.postmortem, lambda: self.log.postmortem(self.postmortem))
         self.problems = gsm8k_problems(cfg.data_dir, self.manifest, cfg.eval_gsm8k_samples) \
             if cfg.eval_gsm8k_samples else None
+        self.checks = Checks(cfg, self.event)
         self.diverged, self.last_loss = None, None
         self.val_stats = None  # the objective's numbers of the last evaluation, if it has any
         self.save_due = False  # the ranks agreed: ckpt_every_minutes have passed
@@ -268,8 +279,9 @@ class Trainer:
         st.samples += cfg.total_batch_tokens // cfg.block_size
         self.after_step(loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill)
         self.clock.step_times.append(time.time() - t_step)
-        if st.step % cfg.log_every == 0 or st.step == st.horizon:
-            self.log.step(st, loss, lr, grad_norm.item(), stats, peak_memory_gb(proc.dev))
+        if st.step % cfg.log_every == 0 or st.step == st.horizon:  # the speed's floors watched
+            self.checks.speed(st, *self.log.step(st, loss, lr, grad_norm.item(), stats,
+                                                 peak_memory_gb(proc.dev)))
         self.last_loss = loss
         return reason
 
@@ -287,9 +299,10 @@ class Trainer:
         """This rank's micro-steps: (their summed loss, the objective's summed stats or None)."""
         proc = self.proc
         loss_sum, stats_sum = torch.zeros((), device=proc.dev), None
-        batch = self.micro_batch(0, spike_drill)
+        batch = self.batches.micro(self.state, 0, spike_drill)
         # the drill's batches count every target: equal micro-batches, as unmasked data's
-        weights = self.target_weights() if self.train_data.masked and not spike_drill else None
+        masked = self.train_data.masked and not spike_drill
+        weights = self.batches.weights(self.state) if masked else None
         for micro in range(self.grad_accum):
             x, y = batch
             last = micro == self.grad_accum - 1
@@ -311,7 +324,7 @@ class Trainer:
             if stats:
                 stats_sum = stats[0] if stats_sum is None else stats_sum + stats[0]
             if not last:  # read and copy the next one while the GPU still works on this one
-                batch = self.micro_batch(micro + 1, spike_drill)
+                batch = self.batches.micro(self.state, micro + 1, spike_drill)
         return loss_sum, stats_sum
 
     def clip_gradients(self, loss_sum):
@@ -345,33 +358,10 @@ class Trainer:
                        drill="spike" if spike_drill else "nan")
         self.bad.account(st, loss, finite, grad_norm, lr, lambda: bad_batch(
             cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir)), self.ckpts.on_disk)
+        self.checks.step(st, grad_norm.item())
 
-    def micro_batch(self, micro, spike_drill):
-        cfg, first = self.cfg, self.first_sample(micro)
-        if spike_drill:
-            return rare_token_batch(self.rare, cfg.micro_batch_size, cfg.block_size,
-                                    [cfg.seed, self.state.step, first], self.proc.dev,
-                                    self.train_data.draws)
-        return self.train_data.train_batch(first, cfg.micro_batch_size, self.proc.dev)
-
-    def first_sample(self, micro):
-        """The first sample of this rank's slice of micro-batch `micro`: disjoint across ranks."""
-        world, rank = self.proc.world, self.proc.rank
-        return self.state.samples + (micro * world + rank) * self.cfg.micro_batch_size
-
-    def target_weights(self):
-        """SFT data: each micro-batch's share of the step's targets (every rank's) x the step's
-        micro-batches, so that the mean over them is over every target, not of unequal means."""
-        counts = [self.train_data.train_targets(self.first_sample(micro), self.cfg.micro_batch_size)
-                  for micro in range(self.grad_accum)]
-        counts = torch.tensor(counts, device=self.proc.dev).float()
-        total = counts.sum()
-        if self.proc.distributed:
-            dist.all_reduce(total)
-        return counts * (self.grad_accum * self.proc.world) / total.clamp(min=1)
-
-    def guard(self):  # rank 0's: a stop reason, or None
-        return self.clock.stop_reason(self.ckpts.writing, self.event)
+    def guard(self):  # rank 0's: a stop reason (a guard's, or a check's stop band), or None
+        return self.clock.stop_reason(self.ckpts.writing, self.event) or self.checks.stop_reason()
 
     # evaluation, checkpoints, events
 
@@ -407,6 +397,7 @@ class Trainer:
                             accuracy, len(self.problems or ()))
         if warning := self.val_stats and self.raw_model.check_validation(self.val_stats, st, cfg):
             self.event(warning[0], warning[1], **warning[2])
+        self.checks.judge(val_loss, st.spikes, self.log.objective(self.val_stats))
         if self.proc.rank == 0:  # the live report: summary.md and plots/ as of this evaluation
             write_report(cfg.out_dir, cfg.plots, live=True)
         return val_loss, new_best
@@ -476,6 +467,8 @@ class Trainer:
             world_size=self.proc.world, checkpoint=find_checkpoint(cfg.out_dir),
             best_checkpoint=find_checkpoint(cfg.out_dir, "best"), error=lost,
             **self.log.objective(self.val_stats if val_loss is not None else None, "final_val_"))
+        summary["checks"] = self.checks.final(status, val_loss, st.spikes, self.log.objective(
+            self.val_stats if val_loss is not None else None))
         summary["long_run_gate"] = long_run_gate(cfg, summary, release_gates(cfg.pack_dir))
         return summary
 
@@ -487,16 +480,6 @@ def configure(argv):
     cfg = configurator.configure(__file__, argv)
     check_config(cfg)
     return cfg
-
-
-def new_state(cfg):
-    """The loop's state at the start: all of it goes into every checkpoint."""
-    return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=cfg.usd_fixed,
-                           best_val_loss=float("inf"),
-                           best_step=-1, evals_since_best=0, loss_ema=None, spikes=0,
-                           nonfinite_steps=0, bad_in_a_row=0, rollbacks=0, lr_scale=1.0,
-                           injected=[], order_broken=0, horizon=cfg.max_steps,
-                           horizon_by="max_steps", decay_start=-1, decay_lr=None)
 
 
 def start(cfg, proc, dt, grad_accum, folder):

@@ -81,6 +81,11 @@ budget_check_minutes = 30.0
 # A100's 312 TFLOP/s; its "300k tokens/s" counted 6N with N = 50M)
 min_tokens_per_sec = 153600
 floor_window_minutes = 60.0
+# done (DoD check 1): the final val loss in [3.20, 3.50]; the spike drill's 5 batches (DoD check 3)
+# or one real spike of that length, as the $5 buffer pays one restart; MFU 0.30 watched all run
+target_val_loss = "3.20,3.50"
+max_spikes = 5
+min_mfu = 0.30
 # preflight: one GPU; GPT-2's vocabulary, for planning before the data is downloaded; time and cost
 # at the MFU this shape measured on an H100 (docs/LOG.md: no A100 was lent)
 expect_world_size = 1

@@ -37,6 +37,11 @@ refine_phase = "extreme"
 min_lr = 5e-5                  # not in the recipe: a tenth of the phase's peak, as the other configs
 warmup_steps = 200             # podgpt's: the recipe gives no warmup ("check warmup is working")
 grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
+# done (the recipe's phase 2): 50-97% refinement, gradient norms 2-15 ("higher but stable"); over 20
+# it says reduce LR: stop there with a checkpoint
+refine_band = "50,97"
+grad_norm_band = "2,15"
+grad_norm_stop = 20.0
 # 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
 # micro-batch 16 (train.py --preflight_only=True --gpu_mem_gb=80): 97.3 GB per GPU without activation
 # checkpointing, 58.4 GB with selective (of 73.6 usable), 17.3 GB with full. Selective recomputes

@@ -38,6 +38,11 @@ refine_phase = "fast"
 min_lr = 1e-4                  # not in the recipe: a tenth of the phase's peak, as the other configs
 warmup_steps = 100             # podgpt's: the recipe gives no warmup ("check warmup is working")
 grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
+# done (the recipe's success criteria for the aggressive preset): 15-25% refinement, gradient norms
+# 0.5-1.5; over 20 it says reduce LR: stop there with a checkpoint
+refine_band = "15,25"
+grad_norm_band = "0.5,1.5"
+grad_norm_stop = 20.0
 # 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
 # micro-batch 32 (train.py --preflight_only=True --gpu_mem_gb=80): 187.3 GB per GPU without activation
 # checkpointing, 109.7 GB with selective, 27.5 GB with full (of 73.6 usable): full, as the recipe's

@@ -61,3 +61,5 @@ pack_dir = "data/skills_1b"
 sft_rows = 1600
 eval_rows = 320
 answer_style = "scratchpad"
+# the recipe's dry run watches for "no repeated spike warnings above the threshold": one at most
+max_spikes = 1

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from dataclasses import asdict
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,16 @@ def load_model(ckpt, device="cpu", verify=True):
         model.load_state_dict(torch.load(os.path.join(ckpt, "model.pt"), map_location=device,
                                          weights_only=True))
     return model.to(device).eval(), config
+
+
+def new_state(cfg):
+    """The loop's state at the start: all of it goes into every checkpoint."""
+    return SimpleNamespace(step=0, samples=0, elapsed=0.0, cost_usd=cfg.usd_fixed,
+                           best_val_loss=float("inf"),
+                           best_step=-1, evals_since_best=0, loss_ema=None, spikes=0,
+                           nonfinite_steps=0, bad_in_a_row=0, rollbacks=0, lr_scale=1.0,
+                           injected=[], order_broken=0, horizon=cfg.max_steps,
+                           horizon_by="max_steps", decay_start=-1, decay_lr=None)
 
 
 def run_record(cfg, mconfig, world, grad_accum, manifest):

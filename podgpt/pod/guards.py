@@ -22,7 +22,7 @@ GUARD_STEPS = 20
 INJECT_STEPS = 5
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
 STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent",
-                "throughput_floor")
+                "throughput_floor", "grad_norm_stop")  # the last: podgpt/pod/checks.py's
 
 
 def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,

@@ -18,6 +18,7 @@ from podgpt.core.tokenizer import check_tokenizer_loads
 from podgpt.core.optim import check_optimizer
 from podgpt.core.util import (MAKE_ROOM, check_apart, compute_dtype, disk_full, fail, first_line,
                               log, on_rank0, remove, setup, write_json)
+from podgpt.pod.checks import check_settings
 from podgpt.pod.objectives import make_model, objective as research_objective
 from podgpt.pod.preflight import check_gate_settings, write_preflight
 from podgpt.pod.trackers import tracker_names
@@ -56,6 +57,7 @@ def check_config(cfg):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
     check_gate_settings(cfg)
+    check_settings(cfg)
     check_optimizer(cfg)
     if cfg.spike_factor <= 1:
         fail(f"spike_factor={cfg.spike_factor} must be above 1 (a spike is a loss this many times "

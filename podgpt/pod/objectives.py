@@ -2,7 +2,8 @@
 The model a run trains: next-token prediction ("ar": model.py's GPT), or an objective of
 podgpt/research/, a module each, imported only when a config or checkpoint names it. A research
 module gives Config (a GPTConfig with its fields; its config block's keys join train.py's and
-sanity.py's), Model (a GPT) and maybe check_config(cfg) for its training keys.
+sanity.py's), Model (a GPT), maybe check_config(cfg) for its training keys and checks(cfg), the
+run's own checks it adds (podgpt/pod/checks.py judges them).
 """
 import importlib
 from dataclasses import fields
@@ -19,6 +20,11 @@ def objective(name):
         raise ValueError(f"objective={name!r}: choose one of "
                          f"{', '.join(('ar', *research_modules()))}")
     return importlib.import_module(f"podgpt.research.{name}")
+
+
+def objective_checks(cfg):
+    """[(name, its "lo,hi" band, the metric of Model.metrics judged)] that cfg's objective adds."""
+    return getattr(objective(cfg.objective), "checks", lambda cfg: [])(cfg)
 
 
 def config_class(name):

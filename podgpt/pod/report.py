@@ -312,6 +312,21 @@ def target_text(band):
     return f"at most {high:g}" if low is None else f"{low:g} to {high:g}"
 
 
+def band_text(band):
+    """A check's [lo, hi] as a reader says it: "at most hi", "at least lo", "lo to hi"."""
+    lo, hi = band
+    return f"at most {hi:g}" if lo is None else f"at least {lo:g}" if hi is None else \
+        f"{lo:g} to {hi:g}"
+
+
+def checks_text(checks, said=()):
+    """The done line's part: " | checks: spikes met, mfu missed"; "" without. said: the names the
+    line says already."""
+    checks = [c for c in checks or () if c["name"] not in said]
+    return " | checks: " + ", ".join(f"{c['name']} {c['verdict']}" for c in checks) if checks \
+        else ""
+
+
 def outcome(summary, max_steps, out_dir):
     """train.py's last console line, from summary.json; "" for a failed run: its error says it."""
     s, band = summary, summary["target_val_loss"]
@@ -321,7 +336,8 @@ def outcome(summary, max_steps, out_dir):
         target = f" | target_val_loss {target_text(band)}: {s['target']}" if band else ""
         return (f"done ({why}): {s['steps']} steps in {format_seconds(s['elapsed_s'])} | "
                 f"final val loss {s['final_val_loss']:.4f} (best {fmt(s['best_val_loss'])} at step "
-                f"{s['best_step']}, unigram baseline {s['unigram_val_loss']:.4f}){target} | "
+                f"{s['best_step']}, unigram baseline {s['unigram_val_loss']:.4f})"
+                f"{checks_text(s.get('checks'), ['target_val_loss'])}{target} | "
                 f"summary in {out_dir}/summary.json")
     if s["status"] == "stopped":
         signal_name = f" {s['signal']}" if s["stop_reason"] == "signal" else ""
@@ -329,7 +345,8 @@ def outcome(summary, max_steps, out_dir):
         if s["stop_reason"] == "budget_file_spent":
             resume = "no checkpoint written: already over budget_usd"
         return (f"stopped at step {s['steps']} ({s['stop_reason']}{signal_name}) after "
-                f"{format_seconds(s['elapsed_s'])}, ${s['cost_usd']:.2f} | {resume}")
+                f"{format_seconds(s['elapsed_s'])}, ${s['cost_usd']:.2f}"
+                f"{checks_text(s.get('checks'))} | {resume}")
     return ""
 
 
@@ -356,6 +373,15 @@ def gate_section(record):
     lines += [f"| {g.get('name')} | {g.get('verdict')} | {g.get('detail')} |"
               for g in record.get("post_run") or []]
     return lines + [""]
+
+
+def checks_section(checks):
+    """The run's own checks (summary.json's `checks`): each band, value and verdict."""
+    if not checks:
+        return []
+    return ["## checks", "", "| check | band | value | verdict |", "|---|---|---|---|",
+            *(f"| {c.get('name')} | {band_text(c.get('band'))} | {fmt(c.get('value'), '.4g')} | "
+              f"**{c.get('verdict')}** |" for c in checks), ""]
 
 
 def plots_section(plots):
@@ -410,6 +436,7 @@ def summary_md(out_dir, summary, clock, preflight, rows, plots):
         f"{s.get('best_checkpoint', '-')} |",
         "",
     ]
+    lines += checks_section(s.get("checks"))
     lines += preflight_section(preflight)
     lines += gate_section(s.get("long_run_gate")) if summary is not None else []
     return "\n".join(lines + plots_section(plots))

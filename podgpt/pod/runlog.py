@@ -44,8 +44,8 @@ class RunLog:
         return {} if stats is None else self.model.metrics(stats, prefix)
 
     def step(self, st, loss, lr, grad_norm, stats, mem_gb):
-        """A step's metrics line, clock.json and console line, with the speed since the last. Called
-        on every rank: the parameter norm may take a collective (rank 0 alone writes)."""
+        """A step's metrics line, clock.json and console line: (tokens/s, MFU or None) since the
+        last. Called on every rank: the parameter norm may take a collective (rank 0 writes)."""
         now, steps = time.time(), st.step - self.step_at_log
         tok_s = steps * self.batch_tokens / (now - self.t_log)
         mfu = self.flops_tok * tok_s / self.peak if self.peak else None
@@ -60,6 +60,7 @@ class RunLog:
         log(f"step {st.step}/{st.horizon} | loss {loss:.4f} | lr {lr:.2e} | gnorm {grad_norm:.2f} "
             f"| {tok_s:,.0f} tok/s | mfu {'-' if mfu is None else f'{100 * mfu:.1f}%'} | mem "
             f"{mem_gb:.2f} GB | eta {format_seconds(eta)}{self.console(stats)}", flush=True)
+        return tok_s, mfu
 
     def validation(self, step, val_loss, val_bpb, best, stats, accuracy=None, problems=0):
         """An evaluation's metrics and console lines; accuracy: of `problems` GSM8K answers."""

@@ -22,6 +22,7 @@ supervision_weight_base = None  # refine: step i's loss weighs base^i / sum_j ba
 improvement_reward_scale = None  # refine: minus this x (prev-cur)/prev from step 2 on; None: preset
 detach_threshold = 2            # refine: y, z detached after each step >= this, but the last
 refine_order_patience = 3       # refine: warn at this many evals in a row of val steps out of order
+refine_band = ""                # refine: done is a val refinement of "lo,hi" % (recipe's); "": none
 # --- end config
 
 # what each preset fills unless set (configurator.apply_presets; a phase's refine_preset then fills
@@ -44,8 +45,8 @@ PRESETS = {
 
 @dataclass
 class Config(GPTConfig):
-    """GPTConfig and the keys above, but refine_phase (the run's keys) and refine_order_patience
-    (the loop's), not the model's."""
+    """GPTConfig and the keys above, but refine_phase (the run's keys), refine_order_patience and
+    refine_band (the loop's), not the model's."""
     objective: str = "refine"
     n_loops: int = n_loops
     T_recursion: int = T_recursion
@@ -89,6 +90,12 @@ def check_config(cfg):
     """Refuse the training keys the model's config does not check."""
     if cfg.refine_order_patience <= 0:
         raise ValueError(f"refine_order_patience={cfg.refine_order_patience} must be positive")
+
+
+def checks(cfg):
+    """The run's own checks this objective adds (podgpt/pod/checks.py judges them at each
+    evaluation and the end): the refinement of Refine.metrics within refine_band."""
+    return [("refinement", cfg.refine_band, "refinement")] if cfg.refine_band else []
 
 
 def refine_objective(losses, base, reward):
