@@ -87,13 +87,45 @@ def pack_1b(tmp_path_factory):
     return pack
 
 
+def readme_1b():
+    """README's commands for the 1B config, as written in its bash blocks: {script: its arguments}."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    lines = [line for block in text.split("```bash\n")[1:] for line in block.split("```")[0].splitlines()
+             if "config/h200_1b_ddp8.py" in line and not line.startswith("#")]
+    found = {}
+    for line in lines:
+        words = line.split()
+        at = next(i for i, w in enumerate(words) if w.endswith((".py", ".sh")) and not w.startswith("CONFIG="))
+        found.setdefault(words[at], []).append((words[:at], words[at + 1:]))
+    return found
+
+
+def test_readme_s_1b_commands_run_as_written(tmp_path, stdlib_data):
+    """Each of README's commands for the 1B config takes its arguments as written; its plan runs under 8-GPU
+    torchrun's arguments on 2 CPU ranks at a tiny shape (the dry run's command: the test below)."""
+    commands = readme_1b()
+    assert set(commands) == {"run.sh", "skills.py", "prepare.py", "train.py"}
+    for script, runs in commands.items():
+        for launch, args in runs:
+            if script != "run.sh":
+                configurator.configure(script, args)  # a key the script lacks would exit here
+            if script == "train.py":
+                assert launch == ["torchrun", "--standalone", "--nproc_per_node=8"]
+    plan, = [args for _, args in commands["train.py"] if "--preflight_only=True" in args]
+    run([*TORCHRUN, "train.py", *plan, *TINY_1B[1:], f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}",
+         "--gate_profile=research"])
+    assert json.load(open(tmp_path / "preflight.json"))["verdict"] != "block"
+
+
 def test_the_1b_dry_run_is_its_recipe_s_and_a_spike_fails_it(tmp_path, stdlib_data, pack_1b):
     """The recipe's dry run: 100 steps on every rank under the research gates, a kill and resume at 50 that
     reproduces 51..100, one SFT step from that checkpoint on the pack's rows; its DDP timeout is 120 minutes.
     The same run with a planted spike (the fire drill at step 60) fails, in one line."""
     cfg = configurator.configure("train.py", ["config/h200_1b_ddp8.py"])
     assert (cfg.dryrun_stage_steps, cfg.dryrun_sft, cfg.ddp_timeout_minutes) == (100, "config/h200_1b_ddp8_sft.py", 120)
-    args = [*TORCHRUN, "train.py", *TINY_1B, f"--data_dir={stdlib_data}", f"--pack_dir={pack_1b}", "--dryrun_steps=100"]
+    dry, = [args for _, args in readme_1b()["train.py"] if any(a.startswith("--dryrun_steps=") for a in args)]
+    assert dry == ["config/h200_1b_ddp8.py", "--dryrun_steps=100"]  # README's, run as written
+    args = [*TORCHRUN, "train.py", *dry, *TINY_1B[1:], f"--data_dir={stdlib_data}", f"--pack_dir={pack_1b}"]
     r = run([*args, f"--out_dir={tmp_path}/ok"])
     report = json.load(open(tmp_path / "ok" / "dryrun.json"))
     assert report["ok"] and [x["steps"] for x in report["ranks"]] == [100, 100]
