@@ -138,7 +138,7 @@ stop_at_step = 0                # stop (checkpoint, exit 0) after this step (rep
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps, the last N/2 again from a resume; dryrun.json
 dryrun_stage_steps = 20         # run.sh's dryrun stage: its dryrun_steps unless DRYRUN_STEPS is set
-dryrun_sft = ""                 # dry run: then one SFT step with this config on pack_dir's sft.jsonl
+dryrun_sft = ""                 # dry run: then one SFT step, this config, on pack_dir's sft.jsonl
 gate_profile = "research"       # research | release | skill_release: what the gates demand
 pack_dir = ""                   # the skills pack the run is judged with (SFT rows, eval rows)
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
@@ -153,7 +153,7 @@ planned_tokens_per_sec = 0.0    # or at this throughput; both 0: measured by a f
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 # system; dist_mode: parallelism under torchrun (fsdp also runs as one process)
 dist_mode = "ddp"               # ddp: each GPU holds the model and AdamW | fsdp: FSDP2 shards them
-ddp_timeout_minutes = 30.0      # a hung rank fails the others' collectives after this (env overrides)
+ddp_timeout_minutes = 30.0      # a hung rank fails the others' collectives after this (env wins)
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N
 dtype = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32

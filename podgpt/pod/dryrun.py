@@ -78,8 +78,8 @@ def check_sft(sft):
         fail(f"dryrun_sft={config}: no such file (the SFT stage's config, e.g. "
              f"config/h200_1b_ddp8_sft.py; '' for no SFT step)")
     if not os.path.isfile(os.path.join(pack_dir or ".", "sft.jsonl")):
-        fail(f"dryrun_sft needs the skills pack's SFT rows, {pack_dir}/sft.jsonl: none there; make "
-             f"it first (python skills.py with this config, run.sh's skills stage), or set pack_dir")
+        fail(f"dryrun_sft needs the skills pack's SFT rows, {pack_dir}/sft.jsonl: none there; "
+             f"make it first (python skills.py with this config, run.sh's skills stage)")
 
 
 def sft_step(argv, sft, root, train, master, ddp):

@@ -68,8 +68,8 @@ def check_config(cfg):
              f"{cfg.max_usd_per_gpu_hour:g}, the run's spot ceiling: wait for a lower price or "
              f"another provider, or raise the ceiling if the budget allows")
     if cfg.dryrun_stage_steps < 2:
-        fail(f"dryrun_stage_steps={cfg.dryrun_stage_steps} must be at least 2 (a checkpoint at half, "
-             f"then the resume from it)")
+        fail(f"dryrun_stage_steps={cfg.dryrun_stage_steps} must be at least 2 (a checkpoint at "
+             f"half, then the resume from it)")
     if not 0 < cfg.decay_frac <= 1:
         fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
     if cfg.budget_file and not cfg.budget_usd:
