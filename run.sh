@@ -25,7 +25,8 @@
 #                 pack_dir, "sanity skills prepare dryrun train sft eval handoff sample")
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
-#   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default 20)
+#   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default: the config's dryrun_stage_steps, 20 unless
+#                 it sets them; the 1B config's 100)
 #   SFT_CONFIG    the sft stage's config file, read after CONFIG: its data_dir and out_dir, steps, learning rate
 #                 (default CONFIG's name + _sft, e.g. config/tiny_skills_sft.py). The stage makes the chat data
 #                 of PACK_DIR/sft.jsonl in the tokenizer of the train stage's checkpoint (prepare.py --chat=True),
@@ -85,7 +86,7 @@ STAGE_NAMES="sanity skills prepare dryrun train sft eval handoff sample"
 CONFIG=${CONFIG:-config/tiny.py}
 NPROC=${NPROC:-1}
 SFT_CONFIG=${SFT_CONFIG:-${CONFIG%.py}_sft.py}
-DRYRUN_STEPS=${DRYRUN_STEPS:-20}
+DRYRUN_STEPS=${DRYRUN_STEPS:-}
 PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -97,7 +98,11 @@ refuse() { echo "run.sh: $*" >&2; exit 2; }
 [[ -f $CONFIG ]] || refuse "CONFIG=$CONFIG: no such file (give a config file, e.g. CONFIG=config/tiny.py)"
 command -v "${PYTHON%% *}" >/dev/null ||
     refuse "PYTHON=$PYTHON: no such command (give the interpreter, e.g. PYTHON=python3)"
-for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS DRYRUN_STEPS; do
+[[ -n $DRYRUN_STEPS || " ${STAGES:-dryrun} " != *" dryrun "* ]] || DRYRUN_STEPS=$($PYTHON -c 'import sys
+from podgpt.core import configurator, util
+util.run_main(lambda argv: print(configurator.configure("train.py", argv).dryrun_stage_steps), sys.argv[1:])' \
+    "$CONFIG" "$@")
+for v in NPROC NNODES NODE_RANK MASTER_PORT MAX_RESTARTS ${DRYRUN_STEPS:+DRYRUN_STEPS}; do
     [[ ${!v} =~ ^0*([0-9]{1,18})$ ]] || refuse "$v=${!v} is not a whole number: write it in digits (0-9)"
     printf -v "$v" %d "$((10#${BASH_REMATCH[1]}))"  # in decimal: bash reads 08 as a bad octal number
 done
@@ -106,7 +111,7 @@ done
 [[ $NPROC -ge 1 && $NNODES -ge 1 && $NODE_RANK -lt $NNODES ]] ||
     refuse "need NPROC >= 1, NNODES >= 1 and NODE_RANK < NNODES (got $NPROC, $NNODES, $NODE_RANK)"
 [[ $MASTER_PORT -ge 1 && $MASTER_PORT -le 65535 ]] || refuse "MASTER_PORT=$MASTER_PORT is not a TCP port (1 to 65535)"
-[[ $DRYRUN_STEPS -ge 2 ]] || refuse "DRYRUN_STEPS=$DRYRUN_STEPS: the dry run needs at least 2 steps (a checkpoint at" \
+[[ -z $DRYRUN_STEPS || $DRYRUN_STEPS -ge 2 ]] || refuse "DRYRUN_STEPS=$DRYRUN_STEPS: the dry run needs at least 2 steps (a checkpoint at" \
     "half, then the resume from it); to skip it, leave dryrun out of STAGES"
 # the config's pack_dir (skills.py's), read once: its first lines are the folder (PACK_DIR's default), the last says
 # whether the config sets its own, other than skills.py's default (then the skills path runs by default)

@@ -146,6 +146,8 @@ alarm_minutes = 10.0            # how long a floor or band stays crossed before 
 # preflight: gates checked before any step is paid for (out_dir/preflight.json and .md)
 preflight_only = False          # write the preflight report and exit: 1 if a gate blocks, else 0
 dryrun_steps = 0                # dry run: N steps, the last N/2 again from a resume; dryrun.json
+dryrun_stage_steps = 20         # run.sh's dryrun stage: its dryrun_steps unless DRYRUN_STEPS is set
+dryrun_sft = ""                 # dry run: then one SFT step, this config, on pack_dir's sft.jsonl
 gate_profile = "research"       # research | release | skill_release: what the gates demand
 pack_dir = ""                   # the skills pack the run is judged with (SFT rows, eval rows)
 allow_unsafe = False            # train even when a gate blocks (each block becomes a warning)
@@ -160,6 +162,7 @@ planned_tokens_per_sec = 0.0    # or at this throughput; both 0: measured by a f
 plan_vocab_size = 0             # vocabulary to plan with before data_dir is prepared
 # system; dist_mode: parallelism under torchrun (fsdp also runs as one process)
 dist_mode = "ddp"               # ddp: each GPU holds the model and AdamW | fsdp: FSDP2 shards them
+ddp_timeout_minutes = 30.0      # a hung rank fails the others' collectives after this (env wins)
 seed = 1337                     # model init and data order
 device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu | cuda | cuda:N
 dtype = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | float16 | float32
@@ -533,7 +536,7 @@ def train(cfg, keep_group=False):
     stop_signal = catch_signals()
     proc, dt, grad_accum = set_up(cfg.device, cfg.dist_mode == "fsdp", cfg.matmul_precision,
                                   cfg.dtype, cfg.micro_batch_size, cfg.block_size,
-                                  cfg.total_batch_tokens)
+                                  cfg.total_batch_tokens, cfg.ddp_timeout_minutes)
     # out_dir is this run's alone: held before anything reads what an earlier run left
     with Folder(cfg.out_dir, "out_dir", legacy=("ckpt/latest",)) as folder:
         on_rank0(proc.distributed, folder.hold)
@@ -568,7 +571,8 @@ def main(argv):
     cfg = configure(argv)
     if cfg.dryrun_steps:
         return dryrun(argv, cfg.dryrun_steps, cfg.out_dir,
-                      lambda args: train(configure(args), keep_group=True))
+                      lambda args: train(configure(args), keep_group=True),
+                      (cfg.dryrun_sft, cfg.pack_dir) if cfg.dryrun_sft else None)
     Schedule.of(cfg).check_warmup(cfg.max_steps)  # not for a dry run: a long run's config, briefly
     cfg.preflight_only = cfg.preflight_only or cfg.dry_run_budget  # its plan, then no step
     return train(cfg)[0]

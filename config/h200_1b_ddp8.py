@@ -55,6 +55,13 @@ plan_vocab_size = 32768
 # below, made before the data so that prepare.py counts the eval rows the corpus holds (run.sh: STAGES="skills
 # prepare dryrun train"); the dry run (dryrun_steps) always runs under research, where 100 steps are no release
 gate_profile = "skill_release"
+# the recipe's dry run (run.sh's dryrun stage, or train.py --dryrun_steps=100): 100 steps on the 8 ranks, a kill
+# and resume at step 50, then one step of the SFT stage on the skills pack's rows; it fails on a spike, a
+# non-finite step, a rank that did not run every step or a loss that rose
+dryrun_stage_steps = 100
+dryrun_sft = "config/h200_1b_ddp8_sft.py"
+# the recipe's DDP timeout: a rank left waiting on a hung one fails after 120 minutes (the default, 30)
+ddp_timeout_minutes = 120
 # the release skills pack (skills.py, run.sh's skills stage): the recipe's 1,600 SFT rows and 320 eval rows,
 # answered with worked steps; the eval stage asks the eval rows of the base (and a fine-tuned) checkpoint
 pack_dir = "data/skills_1b"

@@ -450,9 +450,10 @@ def resolve_device(name, local_rank=None, cuda_count=None):
     return torch.device("cuda", index)
 
 
-def setup(device, group=False):
+def setup(device, group=False, timeout_minutes=30.0):
     """This process's dev, rank, world, torchrun and distributed. Under torchrun, or group=True (a
-    group of one, as fsdp needs), joins the process group: NCCL on GPUs, gloo on the CPU. Sets
+    group of one, as fsdp needs), joins the process group: NCCL on GPUs, gloo on the CPU, its
+    collectives failing after timeout_minutes (env PODGPT_DDP_TIMEOUT_MINUTES overrides). Sets
     PYTORCH_ALLOC_CONF first, unless it or PYTORCH_CUDA_ALLOC_CONF (it would override) is set."""
     import torch
     import torch.distributed as dist
@@ -471,7 +472,8 @@ def setup(device, group=False):
     distributed = torchrun or group
     if distributed and not dist.is_initialized():
         # a rank that dies or hangs fails the others' collectives after this, not never
-        timeout = timedelta(minutes=float(env.get("PODGPT_DDP_TIMEOUT_MINUTES", 30)))
+        minutes = float(env.get("PODGPT_DDP_TIMEOUT_MINUTES", timeout_minutes))
+        timeout = timedelta(minutes=minutes)
         options = {} if torchrun else dict(store=dist.HashStore(), rank=0, world_size=1)
         if dev.type == "cuda":  # binds the group to this rank's GPU (barrier() would guess it)
             options["device_id"] = dev

@@ -38,7 +38,7 @@ def check_config(cfg):
     tracker_names(cfg.log_to)
     for key in ("block_size", "n_layer", "micro_batch_size", "total_batch_tokens", "max_steps",
                 "learning_rate", "eval_every", "eval_steps", "log_every", "ckpt_every", "keep_last",
-                "max_bad_steps", "budget_check_minutes", "lr_base_batch"):
+                "max_bad_steps", "budget_check_minutes", "lr_base_batch", "ddp_timeout_minutes"):
         if cfg[key] <= 0:
             fail(f"{key}={cfg[key]} must be positive")
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_rollbacks",
@@ -69,6 +69,9 @@ def check_config(cfg):
         fail(f"usd_per_gpu_hour={cfg.usd_per_gpu_hour:g} is above max_usd_per_gpu_hour="
              f"{cfg.max_usd_per_gpu_hour:g}, the run's spot ceiling: wait for a lower price or "
              f"another provider, or raise the ceiling if the budget allows")
+    if cfg.dryrun_stage_steps < 2:
+        fail(f"dryrun_stage_steps={cfg.dryrun_stage_steps} must be at least 2 (a checkpoint at "
+             f"half, then the resume from it)")
     if not 0 < cfg.decay_frac <= 1:
         fail(f"decay_frac={cfg.decay_frac} must be in (0, 1]: the decay's share of the horizon")
     if cfg.budget_file and not cfg.budget_usd:
@@ -84,10 +87,10 @@ def check_config(cfg):
 
 
 def set_up(device, sharded, matmul_precision, dtype, micro_batch_size, block_size,
-           total_batch_tokens):
+           total_batch_tokens, timeout_minutes):
     """(process, compute dtype, gradient accumulation): torchrun's ranks each on its own GPU; a
     sharded run without torchrun is a group of one."""
-    proc = setup(device, group=sharded)
+    proc = setup(device, group=sharded, timeout_minutes=timeout_minutes)
     if proc.dev.type == "cuda":  # not on CPU: it changes fp32 results there
         torch.set_float32_matmul_precision(matmul_precision)
     per_micro = micro_batch_size * block_size * proc.world
