@@ -55,6 +55,9 @@ eval_every = 1000
 eval_steps = 4              # x 128 = 512 of the 1,319 test problems per evaluation
 eval_gsm8k_samples = 64     # and the accuracy of greedy answers to the first 64 of them (each a few hundred passes)
 early_stop_patience = 10
+# the recipe's expectation, 50K steps in 12-18 h: slower than its 18 h (50,000 x 262,144 tokens in
+# 64,800 s) for alarm_minutes is an alarm event
+warn_tokens_per_sec = 202272
 ckpt_every = 1000
 compile = True
 dtype = "bfloat16"

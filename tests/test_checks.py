@@ -143,6 +143,8 @@ CONFIG_CHECKS = {  # each shipped config's checks, as its recipe gives them (the
     "h100_trm_extreme": dict(refine_band="50,97", grad_norm_band="2,15", grad_norm_stop=20.0),
     "h100_d64": dict(warn_tokens_per_sec=10800.0, min_mfu=0.15),
     "h200_1b_ddp8": dict(max_spikes=1),
+    "h200_gsm8k_bd3lm": dict(warn_tokens_per_sec=202272.0),
+    "h200_hdp_diffusion": dict(warn_tokens_per_sec=202272.0),
 }
 
 
