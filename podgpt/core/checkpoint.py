@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 import zlib
@@ -29,6 +30,9 @@ CKPT_FORMAT = 2
 MARKER = "complete.json"  # written last into a checkpoint folder: file sizes and CRC32s
 STATE_DIR = "state"  # a sharded checkpoint's model and optimizer, as DCP writes them
 PREEMPT_SAVE_SECONDS = 25  # a save slower than this would not fit between SIGTERM and SIGKILL
+# the names podgpt gives its checkpoint folders: a user's step_0000010.bak or notes beside them
+# are never read, rotated or removed
+STEP_NAME, TMP_NAME = re.compile(r"step_\d{7}"), re.compile(r"\.tmp-step_\d{7}")
 
 
 # -----------------------------------------------------------------------------
@@ -186,7 +190,7 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
     if best:
         write_pointer(ckpt_root, "best", name)
     keep = read_pointer(ckpt_root, "best")
-    for old in sorted(d for d in os.listdir(ckpt_root) if d.startswith("step_"))[:-keep_last]:
+    for old in step_folders(ckpt_root)[keep_last:]:  # newest first
         if old != keep:
             remove_unread(os.path.join(ckpt_root, old))
     return final
@@ -226,7 +230,7 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     go = [True]
     if master:
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
-            if leftover.startswith(".tmp-step_"):
+            if TMP_NAME.fullmatch(leftover):
                 remove(os.path.join(ckpt_root, leftover))
         # the whole checkpoint, as on a shared disk: a DTensor's numel is the global one, a ddp
         # share ~1/world of it
@@ -402,8 +406,9 @@ def load_checkpoint(path, device, verify=True):
 
 
 def step_folders(ckpt_root):
-    """The checkpoint folders' names, newest first."""
-    return sorted((d for d in os.listdir(ckpt_root) if d.startswith("step_")), reverse=True)
+    """The checkpoint folders' names, newest first: step_NNNNNNN folders alone."""
+    return sorted((d for d in os.listdir(ckpt_root) if STEP_NAME.fullmatch(d)
+                   and os.path.isdir(os.path.join(ckpt_root, d))), reverse=True)
 
 
 def newest_good_checkpoint(ckpt_root, device):
