@@ -31,7 +31,7 @@ from podgpt.core.util import (Folder, autocast, catch_signals, dtype_name, fail,
                               log, on_rank0, peak_memory_gb, run_main, warn, write_json)
 from podgpt.corpus.tasks import gsm8k_accuracy, gsm8k_problems
 from podgpt.pod.batches import Batches
-from podgpt.pod.checkpoints import Checkpoints, new_state, run_record
+from podgpt.pod.checkpoints import Checkpoints, check_init_from, new_state, run_record
 from podgpt.pod.checks import Checks
 from podgpt.pod.dryrun import dryrun
 from podgpt.pod.gates import long_run_gate
@@ -488,6 +488,7 @@ def configure(argv):
 def start(cfg, proc, dt, grad_accum, folder):
     """Everything before the first step: the data, the plan and gates (preflight), the model, the
     optimizer, a resume, out_dir claimed: (the preflight report, unless preflight_only the rest)."""
+    check_init_from(cfg)  # before the gates, which would count a base that is not there
     manifest = read_manifest(cfg.data_dir, cfg.vocab_size, planning=cfg.preflight_only)
     mconfig = model_config(cfg, manifest)
     data = open_data(cfg.data_dir, manifest, mconfig, cfg.seed)

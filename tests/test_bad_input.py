@@ -186,6 +186,29 @@ def other_tokenizer(ctx):
     return train_args(ctx, "--max_steps=2")
 
 
+def init_from(target, make=None):
+    """Good data, a fresh out_dir, and --init_from=ctx.tmp/target, after make(ctx)."""
+    def setup(ctx):
+        data(ctx)
+        if make:
+            make(ctx)
+        return train_args(ctx, f"--init_from={ctx.tmp / target}")
+    return setup
+
+
+def fake_export(ctx):
+    """A folder holding what export.py writes (the files alone matter here)."""
+    (ctx.tmp / "hf").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (ctx.tmp / "hf" / name).write_text("{}")
+
+
+def resume_with_init_from(ctx):
+    """The finished run (a base run, no init_from) resumed as if fine-tuned from a copy of itself."""
+    shutil.copytree(finished(ctx), ctx.tmp / "base")
+    return train_args(ctx, "--max_steps=2", f"--init_from={ctx.tmp / 'base'}")
+
+
 def out_dir_under_a_file(ctx):
     """Tests run as root, where no permission stops a write: a path under a regular file does."""
     data(ctx)
@@ -356,6 +379,21 @@ ROWS = [
     ("checkpoint-of-another-tokenizer", other_tokenizer, 1,
      "checkpoint {tmp}/out/" + CKPT + " was trained with another tokenizer (byte:…) than {tmp}/data (byte:…): "
      "point data_dir at its data, or --allow_resume_mismatch=True"),
+    ("resume-with-another-init-from", resume_with_init_from, 1,
+     "checkpoint {tmp}/out/" + CKPT + " records init_from=(none), and this resume gives init_from={tmp}/base: "
+     "resume with no --init_from (the recorded value), or use a new out_dir to fine-tune from {tmp}/base"),
+    ("init-from-nothing", init_from("bsae"), 1,
+     "init_from={tmp}/bsae holds no checkpoint: it is nothing: no such file or folder; give the base run's "
+     "out_dir or one of its ckpt/step_NNNNNNN folders"),
+    ("init-from-an-export", init_from("hf", fake_export), 1,
+     "init_from={tmp}/hf holds no checkpoint: it is an export (export.py's); give the base run's out_dir or one "
+     "of its ckpt/step_NNNNNNN folders"),
+    ("init-from-its-own-out-dir", init_from("out"), 1,
+     "init_from={tmp}/out holds no checkpoint: it is this run's own out_dir; give the base run's out_dir or one "
+     "of its ckpt/step_NNNNNNN folders"),
+    ("init-from-a-data-dir", init_from("data"), 1,
+     "init_from={tmp}/data holds no checkpoint: it is a data_dir (prepare.py's); give the base run's out_dir or "
+     "one of its ckpt/step_NNNNNNN folders"),
     ("out-dir-is-data-dir", plain_dirs("data", "data"), 1,
      "out_dir={tmp}/data and data_dir={tmp}/data are the same folder: give each its own folder, side by side"),
     ("out-dir-inside-data-dir", plain_dirs("data", "data/run"), 1,

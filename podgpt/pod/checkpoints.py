@@ -17,7 +17,9 @@ from podgpt.core import checkpoint  # its functions called through it: a test ma
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.core.tokenizer import with_chat_tokens
 from podgpt.core.util import CutShortThread, fail, first_line, log, warn
+from podgpt.pod.gates import base_checkpoint, same_place
 from podgpt.pod.objectives import make_config, make_model
+from podgpt.pod.report import read_json
 
 
 def load_model(ckpt, device="cpu", verify=True):
@@ -63,6 +65,8 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
     saved = dict(cfg, model=model, world_size=world, grad_accum=grad_accum,
                  data_fingerprint=manifest["fingerprint"],
                  tokenizer_fingerprint=tokenizer_fingerprint(cfg.data_dir, manifest))
+    if cfg.init_from:  # the base's tokens, folder and data_dir: its gates on a resume without it
+        saved["base"] = base_checkpoint(cfg)
     files = {"config.json": json.dumps(saved, indent=1).encode()}
     for f in manifest["tokenizer_files"]:
         with open(os.path.join(cfg.data_dir, f), "rb") as fh:
@@ -70,15 +74,73 @@ def run_record(cfg, mconfig, world, grad_accum, manifest):
     return saved, files
 
 
+# what a folder holds that is no run, by a file its maker writes (the first that is there)
+NOT_A_RUN = (("recipe.json", "a hand-off bundle (handoff.py's)"),
+             ("model.safetensors", "an export (export.py's)"),
+             ("model.safetensors.index.json", "an export (export.py's)"),
+             ("eval.jsonl", "a skills pack (skills.py's)"),
+             ("manifest.json", "a data_dir (prepare.py's)"))
+
+
+def what_is(folder, out_dir):
+    """What init_from=folder, which holds no checkpoint, is instead."""
+    if same_place(folder, out_dir):
+        return "this run's own out_dir"
+    if not os.path.exists(folder):
+        return "nothing: no such file or folder"
+    if not os.path.isdir(folder):
+        return "a file"
+    return next((kind for name, kind in NOT_A_RUN if os.path.isfile(os.path.join(folder, name))),
+                "a folder with neither complete.json nor ckpt/step_NNNNNNN in it")
+
+
+def own_checkpoints(out_dir):
+    """This run's newest checkpoint folder (ckpt/latest's, else the newest), or None."""
+    root = os.path.join(out_dir, "ckpt")
+    names = checkpoint.step_folders(root) if os.path.isdir(root) else []
+    return (checkpoint.find_checkpoint(out_dir) or os.path.join(root, names[0])) if names else None
+
+
+def check_init_from(cfg):
+    """Before the gates: stop with one line when init_from names no checkpoint and this run has none
+    of its own to resume, or when its own were fine-tuned from another base (a resume needs no base:
+    its weights are in its checkpoints)."""
+    own = own_checkpoints(cfg.out_dir) if cfg.init_from and cfg.resume == "auto" else None
+    record = read_json(os.path.join(own, "config.json")) if own else None
+    if isinstance(record, dict):  # an unreadable one: the resume says so
+        check_provenance(own, record, cfg.init_from)
+    if not cfg.init_from or own is not None or cfg.resume not in ("auto", "never"):
+        return  # resume= a folder: check_compatible compares its init_from
+    src, root = checkpoint.find_checkpoint(cfg.init_from), os.path.join(cfg.init_from, "ckpt")
+    if not (src and os.path.isdir(src)) and not (
+            os.path.isdir(root) and checkpoint.step_folders(root)):
+        fail(f"init_from={cfg.init_from} holds no checkpoint: it is "
+             f"{what_is(cfg.init_from, cfg.out_dir)}; give the base run's out_dir or one of its "
+             f"ckpt/step_NNNNNNN folders")
+
+
+def check_provenance(path, old, init_from):
+    """Stop with one line when checkpoint `path` (config.json: old) was fine-tuned from another base
+    than init_from, or from none: the run's record would name a base its weights never saw."""
+    recorded = old.get("init_from") or ""
+    if not same_place(recorded, init_from):
+        fix = f"--init_from={recorded}" if recorded else "no --init_from"
+        fail(f"checkpoint {path} records init_from={recorded or '(none)'}, and this resume gives "
+             f"init_from={init_from or '(none)'}: resume with {fix} (the recorded value), or use a "
+             f"new out_dir to fine-tune from {init_from or 'no base'}")
+
+
 def check_compatible(path, old, new, allow_mismatch, data_dir):
     """Stop with one line when checkpoint `path` (config.json: old) cannot continue this run (new):
-    another model shape always; another tokenizer or other data unless allow_mismatch."""
+    another model shape or base (init_from) always; another tokenizer or other data unless
+    allow_mismatch."""
     shape = {k: v for k, v in new["model"].items() if k not in RUNTIME_FIELDS}  # the rest may vary
     diff = ", ".join(f"{k} {old['model'].get(k)} -> {v}" for k, v in shape.items()
                      if old["model"].get(k) != v)
     if diff:
         fail(f"checkpoint {path} has another model shape ({diff}): use a new out_dir, or the "
              f"checkpoint's shape")
+    check_provenance(path, old, new.get("init_from") or "")
     trained_with = old.get("optimizer", "adamw")  # checkpoints from before optimizer=muon
     if trained_with != new["optimizer"]:
         fail(f"checkpoint {path} holds optimizer={trained_with}'s state, which "

@@ -99,15 +99,24 @@ def said(profile, **rules):
 # -----------------------------------------------------------------------------
 # the base model's tokens
 
-def base_checkpoint(init_from):
-    """(tokens the base checkpoint of init_from trained on, its folder, its data_dir) or None."""
+def same_place(a, b):
+    """Whether two paths as given name one place (init_from, recorded and given)."""
+    return a == b or bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def base_checkpoint(cfg):
+    """(tokens the base checkpoint of cfg.init_from trained on, its folder, its data_dir) or None;
+    once this run has checkpoints, what they recorded of it (a resume needs no base: run_record)."""
     from podgpt.core.checkpoint import MARKER, find_checkpoint  # only an SFT run asks
-    path = find_checkpoint(init_from)
+    path = find_checkpoint(cfg.init_from)
     marker, config = (read_json(os.path.join(path, name)) if path else None
                       for name in (MARKER, "config.json"))
-    if not marker or not config:
-        return None
-    return marker["step"] * config["total_batch_tokens"], path, config.get("data_dir")
+    if marker and config:
+        return marker["step"] * config["total_batch_tokens"], path, config.get("data_dir")
+    own = find_checkpoint(cfg.out_dir)
+    record = (read_json(os.path.join(own, "config.json")) if own else None) or {}
+    base = record.get("base") if same_place(record.get("init_from"), cfg.init_from) else None
+    return tuple(base) if isinstance(base, list) and len(base) == 3 else None
 
 
 def release_token_budget(cfg, params):
@@ -115,7 +124,7 @@ def release_token_budget(cfg, params):
     (init_from) those its base checkpoint trained on."""
     lim = limits(cfg.gate_profile)
     warn_below, block_below = lim["budget_warn_below"], lim["budget_block_below"]
-    base = base_checkpoint(cfg.init_from) if cfg.init_from else None
+    base = base_checkpoint(cfg) if cfg.init_from else None
     if cfg.init_from and base is None:
         return gate("release_token_budget", "block", None, block_below,
                     f"init_from={cfg.init_from} holds no checkpoint to count the base tokens of: "
@@ -174,7 +183,7 @@ def base_exposure(cfg, params, manifest):
     threshold = dict(base_tokens_per_param=base_below, sft_share=share_block)
     planned = cfg.max_steps * cfg.total_batch_tokens
     if cfg.init_from:
-        base = base_checkpoint(cfg.init_from)
+        base = base_checkpoint(cfg)
         if base is None:
             return gate("base_exposure", "block", None, threshold, f"init_from={cfg.init_from} "
                         f"holds no checkpoint: train the base model first")

@@ -75,7 +75,7 @@ def eval_contamination(cfg, pack, name="eval_contamination"):
         eval_sha = file_sha256(os.path.join(cfg.pack_dir, "eval.jsonl"))
     except OSError as e:
         return gate(name, lim["pack_missing"], None, 0, f"no eval rows to check ({first_line(e)})")
-    base = base_checkpoint(cfg.init_from) if cfg.init_from else None
+    base = base_checkpoint(cfg) if cfg.init_from else None
     corpora = [cfg.data_dir] + ([base[2]] if base and base[2] and base[2] != cfg.data_dir else [])
     found, details = 0, []
     for data_dir in corpora:
