@@ -105,18 +105,22 @@ def same_place(a, b):
 
 
 def base_checkpoint(cfg):
-    """(tokens the base checkpoint of cfg.init_from trained on, its folder, its data_dir) or None;
-    once this run has checkpoints, what they recorded of it (a resume needs no base: run_record)."""
+    """(tokens the base checkpoint of cfg.init_from trained on, its folder, its data_dir) or None:
+    once this run has checkpoints, what they recorded of the base its weights came from (a resume
+    needs no base, and the base run may have gone on since: run_record), else the base's."""
     from podgpt.core.checkpoint import MARKER, find_checkpoint  # only an SFT run asks
+    own = find_checkpoint(cfg.out_dir)
+    record = read_json(os.path.join(own, "config.json")) if own else None
+    record = record if isinstance(record, dict) else {}
+    base = record.get("base") if same_place(record.get("init_from"), cfg.init_from) else None
+    if isinstance(base, list) and len(base) == 3:
+        return tuple(base)
     path = find_checkpoint(cfg.init_from)
     marker, config = (read_json(os.path.join(path, name)) if path else None
                       for name in (MARKER, "config.json"))
-    if marker and config:
-        return marker["step"] * config["total_batch_tokens"], path, config.get("data_dir")
-    own = find_checkpoint(cfg.out_dir)
-    record = (read_json(os.path.join(own, "config.json")) if own else None) or {}
-    base = record.get("base") if same_place(record.get("init_from"), cfg.init_from) else None
-    return tuple(base) if isinstance(base, list) and len(base) == 3 else None
+    if not marker or not config:
+        return None
+    return marker["step"] * config["total_batch_tokens"], path, config.get("data_dir")
 
 
 def release_token_budget(cfg, params):
