@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from podgpt.core import inputs
-from podgpt.core.util import (CutShortThread, Error, fail, first_line, format_bytes, lock_file, remove,
-                              warn)
+from podgpt.core.util import (CutShortThread, Error, fail, first_line, format_bytes, lock_file,
+                              remove, warn)
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"  # written last into a checkpoint folder: file sizes and CRC32s
