@@ -24,14 +24,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from podgpt.core import configurator
+from podgpt.core.inputs import read_json
 from podgpt.core.data import Loader, bpb_scale, load_manifest
 from podgpt.pod.gates import wilson
 from podgpt.release.gates import record_eval_floors
 from podgpt.release.loading import load_trained, locate
 from podgpt.corpus.tasks import HUB_MC, hub_questions, read_rows
 from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
-from podgpt.core.util import (Error, autocast, compute_dtype, dtype_name, fail, first_line,
-                              is_master, log, percent, run_main, setup, write_atomic, write_json)
+from podgpt.core.util import (MAKE_ROOM, Error, autocast, compute_dtype, disk_full, dtype_name,
+                              fail, first_line, is_master, log, percent, run_main, setup,
+                              write_atomic, write_json)
 
 # --- config
 ckpt = ""                       # a checkpoint or export folder, or an out_dir (see which)
@@ -51,6 +53,7 @@ device = "auto"                 # auto (this rank's GPU if any, else cpu) | cpu 
 dtype = "auto"                  # auto (bfloat16 if the GPU has it) | float32 | bfloat16 | float16
 # --- end config
 
+MAX_NEW_TOKENS = 1024  # sample.py's serve_max_tokens: a pack's reply never needs more
 EXAMPLES = 2  # replies kept per category (rank 0's): what a model writes shows why it scores so
 
 
@@ -160,12 +163,7 @@ def read_mc(path):
 
 def read_attach(path):
     """{"file": path, "results": {task: {metric: value}}} of lm-evaluation-harness's results."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"attach={path} cannot be read ({first_line(e)}): give the results JSON lm_eval wrote",
-             code=2)
+    saved = read_json(path, "give the results JSON lm_eval wrote", f"attach={path}", code=2)
     results = saved.get("results") if isinstance(saved, dict) else None
     if not isinstance(results, dict) or not all(isinstance(m, dict) for m in results.values()):
         fail(f"attach={path} is not an lm-evaluation-harness results JSON (no \"results\" object "
@@ -344,6 +342,9 @@ def check_config(config):
                        ("mc_limit", 0)):
         if not isinstance(config[key], int) or config[key] < least:
             fail(f"{key}={config[key]!r} is out of range: use an integer >= {least}", code=2)
+    if config.max_new_tokens > MAX_NEW_TOKENS:  # each row would generate for minutes
+        fail(f"max_new_tokens={config.max_new_tokens} is out of range: use an integer from 1 to "
+             f"{MAX_NEW_TOKENS} (as sample.py's server caps a request)", code=2)
     if not (config.pack_dir or config.data_dir or config.mc or config.attach):
         fail("nothing to evaluate: give --pack_dir=FOLDER, --data_dir=FOLDER, --mc=FILE and/or "
              "--attach=FILE", code=2)
@@ -431,7 +432,8 @@ def main(argv):
         write_json(os.path.join(out, "eval.json"), report)
         write_atomic(os.path.join(out, "eval.md"), markdown(report))
     except OSError as e:
-        fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): give --out=FOLDER")
+        fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "give --out=FOLDER"))
     log(markdown(report))
     log(f"wrote {os.path.join(out, 'eval.json')} and eval.md")
     # the run's long-run gate (summary.json) gains the profile's floors on what the pack measured

@@ -16,7 +16,8 @@ import sys
 
 from podgpt.core import configurator
 from podgpt.pod.report import read_json, read_metrics
-from podgpt.core.util import fail, percent, run_main, write_atomic, write_json
+from podgpt.core.util import (MAKE_ROOM, disk_full, fail, first_line, percent, run_main,
+                              write_atomic, write_json)
 
 # --- config
 run = ""                        # the run folder (a train.py out_dir); "": out_dir
@@ -39,20 +40,30 @@ UNEVALUATED = (  # eval.json's parts, and what their absence leaves unmeasured
     ("bpb", "no validation bits per byte (eval.py --data_dir)"))
 
 
-def read_run(folder):
+def read_run(folder, seen=()):
     """What the run (and a fine-tuned run's base run) recorded; util.Error without a summary.json.
-    base: the base run's read_run, if it ended; base_data: its config and data, if it is there."""
+    base: the base run's read_run, if it ended; base_data: its config and data, if it is there.
+    seen: the runs whose base this one is (a chain that comes back is refused)."""
     summary = read_json(os.path.join(folder, "summary.json"))
     if not isinstance(summary, dict):
         fail(f"run={folder}: no readable summary.json there: give a train.py out_dir whose run has "
              "ended")
     recorded = run_data(folder)
     base_dir = run_folder(recorded["config"].get("init_from") or "")
+    seen = (*seen, os.path.realpath(folder))
+    if base_dir and os.path.realpath(base_dir) in seen:
+        fail(f"{folder}/config.json: init_from={base_dir} names the run itself (or a run based on "
+             "it): put back the config.json train.py wrote, then rerun")
     ended = base_dir and os.path.isfile(os.path.join(base_dir, "summary.json"))
-    base = read_run(base_dir) if ended else None
+    base = read_run(base_dir, seen) if ended else None
+    report = read_json(os.path.join(folder, "eval.json"))
+    cats = categories(report) if isinstance(report, dict) else {}
+    if not isinstance(cats, dict) or not all(isinstance(c, dict) for c in cats.values()):
+        fail(f"{folder}/eval.json: its pack categories are not as eval.py writes them (one is "
+             "null or not an object): run eval.py again, then honesty.py")
     return dict(recorded, folder=folder, summary=summary,
                 metrics=read_metrics(os.path.join(folder, "metrics.jsonl")),
-                eval=read_json(os.path.join(folder, "eval.json")),
+                eval=report if isinstance(report, dict) else None,
                 manifest=read_json(os.path.join(folder, "manifest.json")) or {}, base=base,
                 base_dir=base_dir, base_data=base or (run_data(base_dir) if base_dir
                                                       and os.path.isdir(base_dir) else None))
@@ -324,7 +335,12 @@ def main(argv):
     folder = config.run or config.out_dir
     if not os.path.isdir(folder):
         fail(f"run={folder}: no such folder: give a train.py out_dir", code=2)
-    print("\n".join(markdown(write(read_run(folder))).splitlines()[:FIRST_SCREEN]))
+    try:
+        h = write(read_run(folder))
+    except OSError as e:
+        fail(f"cannot write honesty.json and honesty.md into {folder} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "make the folder writable, then rerun"))
+    print("\n".join(markdown(h).splitlines()[:FIRST_SCREEN]))
     print(f"wrote {os.path.join(folder, 'honesty.md')} and honesty.json")
 
 

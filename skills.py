@@ -47,6 +47,7 @@ download_dir = "downloads"  # gsm8k: where a URL download goes (the hub's: its c
 VERSION = 1  # the generator's: a change to any template makes other rows from the same seed
 FILES = {"eval": "eval.jsonl", "sft": "sft.jsonl"}
 MANIFEST = "manifest.json"
+MAX_ROWS = 1_000_000  # rows a split: far above the templates' reach (a few thousand a category)
 
 WORDS = ("apple banana cherry garden window pencil rocket silver planet mirror castle forest "
          "bottle candle dragon button yellow orange purple marble pepper ladder tunnel rabbit "
@@ -518,6 +519,9 @@ def check_args(cfg):
     for key in ("sft_rows", "eval_rows"):
         if cfg[key] < 0:
             fail(f"{key}={cfg[key]} must be 0 or more")
+        if cfg[key] > MAX_ROWS:  # checked first: drawing that many would take hours
+            fail(f"{key}={cfg[key]} is more than a pack holds (at most {MAX_ROWS:,} rows a "
+                 "split): ask for fewer rows (--sft_rows / --eval_rows)", code=2)
     if cfg.max_draws < 1 or cfg.pack_workers < 1:
         fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1")
     if cfg.pack_source not in ("templates", "gsm8k") and not cfg.pack_source.endswith(".jsonl"):

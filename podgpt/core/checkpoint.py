@@ -23,8 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from podgpt.core.util import (CutShortThread, fail, first_line, format_bytes, lock_file, remove,
-                              warn)
+from podgpt.core import inputs
+from podgpt.core.util import (CutShortThread, Error, fail, first_line, format_bytes, lock_file,
+                              remove, warn)
 
 CKPT_FORMAT = 2
 MARKER = "complete.json"  # written last into a checkpoint folder: file sizes and CRC32s
@@ -82,10 +83,10 @@ def write_pointer(ckpt_root, which, name):
 
 
 def read_pointer(ckpt_root, which):
+    """The name a pointer holds, or None, also when damaged: a run goes on (it rewrites latest)."""
     try:
-        with open(os.path.join(ckpt_root, which)) as f:
-            return f.read().strip() or None
-    except OSError:
+        return inputs.read_pointer(os.path.join(ckpt_root, which))
+    except Error:
         return None
 
 
@@ -486,7 +487,8 @@ def find_checkpoint(path, which="latest"):
     if os.path.exists(os.path.join(path, MARKER)):
         return path
     ckpt_root = os.path.join(path, "ckpt")
-    name = read_pointer(ckpt_root, which) or read_pointer(ckpt_root, "latest")
+    name = (inputs.read_pointer(os.path.join(ckpt_root, which))
+            or inputs.read_pointer(os.path.join(ckpt_root, "latest")))
     return os.path.join(ckpt_root, name) if name else None
 
 

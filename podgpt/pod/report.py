@@ -17,7 +17,8 @@ import subprocess
 import sys
 
 from podgpt.core import configurator
-from podgpt.core.util import fail, format_seconds, run_main, warn, write_atomic
+from podgpt.core.inputs import read_pointer
+from podgpt.core.util import Error, fail, format_seconds, run_main, warn, write_atomic
 
 # --- config
 out_dir = "out"  # the run's folder: metrics.jsonl, summary.json, ckpt/ are read, the report written
@@ -32,7 +33,7 @@ def read_json(path):
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -91,6 +92,9 @@ class MetricsFile:
     """metrics.jsonl as rank 0 writes it, appended with os.write: no buffer holds half a line."""
 
     def __init__(self, path, step):
+        if os.path.isdir(path):
+            fail(f"{path} is a folder, not the run's metrics file: move it out of the way, then "
+                 "rerun")
         rewrite_metrics(path, step)
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
@@ -121,9 +125,8 @@ def run_config(out_dir):
     """The run's resolved config: config.json of the checkpoint ckpt/latest names, or None."""
     ckpt_root = os.path.join(out_dir, "ckpt")
     try:
-        with open(os.path.join(ckpt_root, "latest")) as f:
-            name = f.read().strip()
-    except OSError:
+        name = read_pointer(os.path.join(ckpt_root, "latest"))
+    except Error:  # damaged: the report leaves the part out
         return None
     return read_json(os.path.join(ckpt_root, name, "config.json")) if name else None
 

@@ -6,8 +6,8 @@ import os
 
 from podgpt.core.util import fail, first_line, write_json
 from podgpt.corpus.download import file_sha256
-from podgpt.pod.gates import (base_checkpoint, base_exposure, gate, judge, limits, no_pack,
-                              read_pack, said, verdict_of, wilson)
+from podgpt.pod.gates import (PROFILE_NAMES, base_checkpoint, base_exposure, gate, judge, limits,
+                              no_pack, read_pack, said, verdict_of, wilson)
 from podgpt.pod.report import read_json
 
 
@@ -146,6 +146,12 @@ def record_eval_floors(run_dir, pack_report):
     record = summary.get("long_run_gate") if isinstance(summary, dict) else None
     if not isinstance(record, dict):
         return None
+    if not (record.get("profile") in PROFILE_NAMES and isinstance(record.get("gates"), list)
+            and isinstance(record.get("post_run"), list)):
+        fail(f"{path}: its long_run_gate is not one train.py wrote (profile "
+             f"{record.get('profile')!r}; the profiles: {', '.join(PROFILE_NAMES)}), so the eval "
+             "floors are not added to it: put back the run's own summary.json, then run eval.py "
+             "again")
     floors = eval_floors(record["profile"], pack_report)
     record["post_run"] = [g for g in record["post_run"] if g["name"] != "eval_floors"] + [floors]
     record["verdict"] = verdict_of(record["gates"] + record["post_run"])

@@ -1,0 +1,117 @@
+"""Issue 44's damaged files and hangs: a pointer that is not UTF-8, metrics.jsonl that is a folder, a
+long_run_gate train.py did not write, honesty.py on a null category, a self-based run or a full disk, an
+--attach nested too deep, eval.py's and skills.py's unbounded arguments. Each is one line, no traceback."""
+import errno
+import json
+import os
+import shutil
+
+import pytest
+
+import honesty
+from conftest import run_script
+from test_bad_input import finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
+from test_damaged_inputs import refused
+
+DAMAGED = ("…/ckpt/best is damaged (not UTF-8 text): delete it (the newest intact checkpoint is then used) "
+           "or write a checkpoint folder's name into it, then rerun")
+
+
+def copy_run(finished_run, tmp_path):
+    shutil.copytree(finished_run, tmp_path / "out")
+    return tmp_path / "out"
+
+
+def edit_json(path, change):
+    obj = json.loads(path.read_text())
+    change(obj)
+    path.write_text(json.dumps(obj))
+
+
+@pytest.mark.parametrize("script", ["sample.py", "export.py", "eval.py"])
+def test_a_pointer_that_is_not_utf8_is_one_line(script, finished_run, tmp_path, capfd):
+    out = copy_run(finished_run, tmp_path)
+    (out / "ckpt" / "latest").write_bytes(b"\xff\xfe")
+    (out / "ckpt" / "best").write_bytes(b"\xff")
+    (tmp_path / "lm.json").write_text(json.dumps({"results": {"t": {"acc": 0.5}}}))
+    args = {"sample.py": [f"--out_dir={out}", "--max_new_tokens=2"],
+            "export.py": [f"--ckpt={out}", f"--out={tmp_path / 'dest'}"],
+            "eval.py": [f"--out_dir={out}", f"--attach={tmp_path / 'lm.json'}"]}[script]
+    refused(run_script([script, *args], capfd), DAMAGED)
+
+
+def test_metrics_jsonl_that_is_a_folder_is_one_line_on_resume(finished_run, stdlib_data, tmp_path, capfd):
+    from test_bad_input import TINY_RUN
+    out = copy_run(finished_run, tmp_path)
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").mkdir()
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_RUN, "--max_steps=2"], capfd)
+    refused(r, f"{out}/metrics.jsonl is a folder, not the run's metrics file: move it out of the way, then rerun")
+
+
+@pytest.mark.parametrize("gate", [{}, {"profile": "nope", "gates": [], "post_run": []}])
+def test_a_long_run_gate_train_py_did_not_write_is_one_line_in_eval_py(gate, finished_run, tmp_path, capfd):
+    out = copy_run(finished_run, tmp_path)
+    edit_json(out / "summary.json", lambda s: s.update(long_run_gate=gate))
+    pack = tmp_path / "pack"
+    assert run_script(["skills.py", f"--pack_dir={pack}", "--sft_rows=11", "--eval_rows=11"], capfd).returncode == 0
+    r = run_script(["eval.py", f"--out_dir={out}", f"--pack_dir={pack}", "--max_new_tokens=2"], capfd)
+    refused(r, f"{out}/summary.json: its long_run_gate is not one train.py wrote (profile {gate.get('profile')!r}; "
+               "the profiles: research, release, skill_release), so the eval floors are not added to it: put back "
+               "the run's own summary.json, then run eval.py again")
+
+
+def test_honesty_on_a_null_category_and_on_a_run_based_on_itself(finished_run, tmp_path, capfd):
+    out = copy_run(finished_run, tmp_path)
+    (out / "eval.json").write_text(json.dumps({"pack": {"categories": {"arithmetic": None}}}))
+    refused(run_script(["honesty.py", f"--run={out}"], capfd),
+            f"{out}/eval.json: its pack categories are not as eval.py writes them (one is null or not an object): "
+            "run eval.py again, then honesty.py")
+    (out / "eval.json").unlink()
+    edit_json(out / "config.json", lambda c: c.update(init_from=str(out)))
+    refused(run_script(["honesty.py", f"--run={out}"], capfd),
+            f"{out}/config.json: init_from={out} names the run itself (or a run based on it): put back the "
+            "config.json train.py wrote, then rerun")
+
+
+def test_honesty_on_a_full_disk_is_one_line(finished_run, tmp_path, monkeypatch, capfd):
+    out = copy_run(finished_run, tmp_path)
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(honesty, "write_json", full)
+    refused(run_script(["honesty.py", f"--run={out}"], capfd),
+            f"cannot write honesty.json and honesty.md into {out} (OSError: [Errno {errno.ENOSPC}] "
+            f"{os.strerror(errno.ENOSPC)}): free disk space (or raise the quota or file-size limit), then run the "
+            "same command again")
+
+
+def test_eval_on_a_full_disk_says_so(finished_run, tmp_path, monkeypatch, capfd):
+    import eval as eval_py
+    (tmp_path / "lm.json").write_text(json.dumps({"results": {"t": {"acc": 0.5}}}))
+
+    def full(path, obj):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(eval_py, "write_json", full)
+    r = run_script(["eval.py", f"--out_dir={finished_run}", f"--attach={tmp_path / 'lm.json'}",
+                    f"--out={tmp_path / 'e'}"], capfd)
+    refused(r, f"cannot write eval.json and eval.md into {tmp_path / 'e'} (OSError: [Errno {errno.ENOSPC}] "
+               f"{os.strerror(errno.ENOSPC)}): free disk space (or raise the quota or file-size limit), then run the "
+               "same command again")
+
+
+def test_an_attach_nested_too_deep_is_one_line(finished_run, tmp_path, capfd):
+    (tmp_path / "deep.json").write_text("[" * 100000 + "]" * 100000)
+    r = run_script(["eval.py", f"--out_dir={finished_run}", f"--attach={tmp_path / 'deep.json'}"], capfd)
+    refused(r, f"attach={tmp_path / 'deep.json'} cannot be read (nested too deeply): give the results JSON lm_eval "
+               "wrote", status=2)
+
+
+def test_huge_counts_are_refused_before_any_work(finished_run, tmp_path, capfd):
+    r = run_script(["eval.py", f"--out_dir={finished_run}", "--attach=x.json", "--max_new_tokens=1000000000"], capfd)
+    refused(r, "max_new_tokens=1000000000 is out of range: use an integer from 1 to 1024 (as sample.py's server caps "
+               "a request)", status=2)
+    r = run_script(["skills.py", f"--pack_dir={tmp_path / 'pack'}", "--sft_rows=1000000000"], capfd)
+    refused(r, "sft_rows=1000000000 is more than a pack holds (at most 1,000,000 rows a split): ask for fewer rows "
+               "(--sft_rows / --eval_rows)", status=2)
+    assert not (tmp_path / "pack").exists()
