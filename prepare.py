@@ -302,10 +302,19 @@ def check_own(data_dir):
     # files named as prepare.py names its own are its own only beside its record (its mark)
     with os.scandir(data_dir) as entries:
         named = sorted((e.name != MANIFEST, e.name) for e in entries if own_file(e))
-    if named and not os.path.isfile(os.path.join(data_dir, RECORD)):
+    if named and not os.path.isfile(os.path.join(data_dir, RECORD)) and not earlier(data_dir):
         fail(f"{os.path.join(data_dir, named[0][1])} is not as podgpt wrote it (no {RECORD} of "
              "prepare.py's beside it): not replacing it; move it away, or choose another "
              "--data_dir")
+
+
+def earlier(data_dir):
+    """Whether data_dir holds a podgpt manifest that reads: a folder prepared before the record."""
+    try:
+        load_manifest(data_dir)
+        return True
+    except ValueError:
+        return False
 
 
 def swap_into_place(scratch, data_dir, manifest):

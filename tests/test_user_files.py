@@ -3,6 +3,7 @@ record's sha256, or its mark on the folder); a user's file, or one edited since,
 naming it, and nothing changes. Each case here overwrote the user's file before (exit 0)."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -54,6 +55,17 @@ def test_prepare_refuses_a_data_dir_holding_a_users_manifest(chat, stdlib_data, 
         f"error: {tmp_path / 'd' / 'manifest.json'} is not as podgpt wrote it (no .podgpt-files.json of "
         "prepare.py's beside it): not replacing it; move it away, or choose another --data_dir")
     assert tree(tmp_path / "d") == before
+
+
+def test_prepare_rebuilds_a_folder_it_prepared_before_it_kept_a_record(stdlib_data, tmp_path, capfd):
+    """A data_dir prepared before .podgpt-files.json existed (its manifest a podgpt manifest that reads) is
+    still prepare.py's to rebuild with --force; the rebuild leaves the record."""
+    data = tmp_path / "d"
+    shutil.copytree(stdlib_data, data)
+    (data / ".podgpt-files.json").unlink()
+    r = run_script(["prepare.py", f"--data_dir={data}", "--max_docs=20", "--val_fraction=0", "--force"], capfd)
+    assert r.returncode == 0, r.stderr
+    assert (data / ".podgpt-files.json").is_file() and json.load(open(data / "manifest.json"))["vocab_size"] == 257
 
 
 def test_eval_replaces_only_its_own_report(finished_run, stdlib_data, tmp_path, capfd):  # noqa: F811
