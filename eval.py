@@ -31,9 +31,9 @@ from podgpt.release.gates import record_eval_floors
 from podgpt.release.loading import load_trained, locate
 from podgpt.corpus.tasks import HUB_MC, hub_questions, read_rows
 from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
+from podgpt.core.owned import replace_files
 from podgpt.core.util import (MAKE_ROOM, Error, autocast, compute_dtype, disk_full, dtype_name,
-                              fail, first_line, is_master, log, percent, run_main, setup,
-                              write_atomic, write_json)
+                              fail, first_line, is_master, log, percent, run_main, setup)
 
 # --- config
 ckpt = ""                       # a checkpoint or export folder, or an out_dir (see which)
@@ -428,9 +428,8 @@ def main(argv):
     run = os.path.dirname(parent) if in_run else None
     out = config.out or run or os.path.join(parent, f"eval-{os.path.basename(path)}")
     try:
-        os.makedirs(out, exist_ok=True)
-        write_json(os.path.join(out, "eval.json"), report)
-        write_atomic(os.path.join(out, "eval.md"), markdown(report))
+        replace_files(out, {"eval.json": json.dumps(report, indent=1),
+                            "eval.md": markdown(report)}, "give another --out=FOLDER")
     except OSError as e:
         fail(f"cannot write eval.json and eval.md into {out} ({first_line(e)}): "
              + (MAKE_ROOM if disk_full(e) else "give --out=FOLDER"))

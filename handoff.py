@@ -27,6 +27,7 @@ from podgpt.core import configurator
 import honesty
 from podgpt.core.checkpoint import reading
 from podgpt.core.data import tokenizer_fingerprint
+from podgpt.core.owned import shas
 from podgpt.corpus.download import file_sha256
 from podgpt.release.hf import card_usage, check_replaceable, export, put_in_place, scratch_beside
 from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
@@ -248,7 +249,7 @@ def bundle(held, cfg, why):
             "run": h["run"], "checkpoint": os.path.relpath(path, run["folder"]),
             "release_gate": h["release_gate"], "override_gate": why, "base_only": cfg.base_only,
             "base": b if base else None,
-            "files": files})
+            "files": files, "sha256": shas(tmp, files[:-2])})  # edits are refused
         # every other file's sha256 in sha256sum's format, relative to the bundle
         write_atomic(os.path.join(tmp, CHECKSUMS), "".join(
             f"{file_sha256(os.path.join(tmp, f))}  {f}\n" for f in files_under(tmp)

@@ -11,13 +11,14 @@ It only reads the files a run and eval.py leave (and a fine-tuned run's base run
 loaded, no gate judged again. run.sh runs it after eval.py; handoff.py, into the bundle.
 """
 
+import json
 import os
 import sys
 
 from podgpt.core import configurator
 from podgpt.pod.report import read_json, read_metrics
-from podgpt.core.util import (MAKE_ROOM, disk_full, fail, first_line, percent, run_main,
-                              write_atomic, write_json)
+from podgpt.core.owned import replace_files
+from podgpt.core.util import MAKE_ROOM, disk_full, fail, first_line, percent, run_main
 
 # --- config
 run = ""                        # the run folder (a train.py out_dir); "": out_dir
@@ -325,8 +326,8 @@ def write(run, dest=None):
     """honesty.md and honesty.json of a run (read_run's) into dest (default: the run folder)."""
     h = build(run)
     dest = dest or run["folder"]
-    write_json(os.path.join(dest, "honesty.json"), h)
-    write_atomic(os.path.join(dest, "honesty.md"), markdown(h))
+    replace_files(dest, {"honesty.json": json.dumps(h, indent=1), "honesty.md": markdown(h)},
+                  "give another --run")
     return h
 
 

@@ -514,6 +514,8 @@ def write_pack(cfg, splits, description):
 
 
 def check_args(cfg):
+    if not cfg.pack_dir:  # "" would be the current folder, and the user's files in it
+        fail("pack_dir is empty: give the pack's folder, e.g. --pack_dir=data/skills", code=2)
     if cfg.answer_style not in ANSWER_STYLES + ("mixed",):
         fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed")
     for key in ("sft_rows", "eval_rows"):

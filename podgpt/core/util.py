@@ -235,6 +235,8 @@ class Folder(AbstractContextManager):
     must be empty or podgpt's: its mark, or `legacy` entries an earlier podgpt made."""
 
     def __init__(self, path, setting, legacy=()):
+        if not path:  # "" would be the current folder, over the user's files in it
+            fail(f"{setting} is empty: give a folder, e.g. --{setting}=FOLDER", code=2)
         self.path, self.setting, self.legacy = path, setting, legacy
         self.mark = os.path.join(path, MARK)
         self.fd, self.made, self.marked = None, [], False  # locked mark; what claim() made

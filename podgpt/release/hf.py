@@ -19,6 +19,7 @@ from podgpt.pod.objectives import make_config, make_model
 from podgpt.pod.preflight import param_counts
 from podgpt.pod.report import read_json, read_metrics
 from podgpt.core.tokenizer import read_ranks
+from podgpt.core.owned import edited, shas
 from podgpt.core.util import (SCRATCH_MARK, fail, files_under, finish_scratch, first_line,
                               make_scratch, remove_scratch, write_atomic, write_json)
 
@@ -361,7 +362,8 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
                    {"model": run_cfg["model"], "source": source, "step": trainer.get("step"),
                     "val_loss": finite(trainer.get("val_loss")),
                     "best_val_loss": finite(trainer.get("best_val_loss")),
-                    "weights_dtype": weight_dtype, "files": files})
+                    "weights_dtype": weight_dtype, "files": files,
+                    "sha256": shas(tmp, files[:-1])})  # what the files were: edits are refused
         put_in_place(tmp, out)
 
 
@@ -435,6 +437,10 @@ def check_replaceable(out, record=PODGPT_FILE, script="export.py", kind="export"
     foreign = [f for f in present if f not in listed and f != SCRATCH_MARK
                and not (by_entry and f.split("/")[0] in listed)]
     if not foreign:
+        recorded = saved.get("sha256") if isinstance(saved, dict) else None
+        if isinstance(recorded, dict) and (name := edited(out, recorded)):
+            fail(f"out={out}: {name} was changed since {script} wrote it: not replacing this "
+                 f"earlier {kind}; move {name} (or the {kind}) away, or choose another --out")
         return
     what = f"earlier {kind}" if os.path.isfile(os.path.join(out, record)) else "folder"
     some = ", ".join(foreign[:3]) + " ..." * (len(foreign) > 3)
