@@ -37,8 +37,7 @@ from podgpt.core.tokenizer import (SEGMENT, chat_row, chat_tokenizer, load_token
                                    save_tokenizer, train_tokenizer)
 from podgpt.core.util import (check_apart, disk_full, fail, first_line, in_use, make_folders,
                               make_scratch, remove_empty, remove_scratch, run_main, signals_held,
-                              write_atomic, write_json)
-from podgpt.core.owned import RECORD, shas
+                              write_atomic)
 from podgpt.corpus.download import local_copy
 from podgpt.corpus.holdout import (Ledger, SmallestHashes, bpe_reserve, bpe_training_texts,
                                    doc_hash, least_tokens)
@@ -282,7 +281,7 @@ def own_file(entry):
     """Whether an entry of data_dir is a file prepare.py writes there, by its name: a damaged
     manifest cannot tell, and a hand-edited one could name a user's file."""
     return (entry.is_file(follow_symlinks=False)
-            and (entry.name in (MANIFEST, RECORD) or OWN_FILE.fullmatch(entry.name)))
+            and (entry.name == MANIFEST or OWN_FILE.fullmatch(entry.name)))
 
 
 def check_own(data_dir):
@@ -299,22 +298,6 @@ def check_own(data_dir):
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         fail(f"{data_dir} holds what prepare.py did not write ({', '.join(foreign[:3])}{more}): "
              "move that out of it, or choose another --data_dir")
-    # files named as prepare.py names its own are its own only beside its record (its mark)
-    with os.scandir(data_dir) as entries:
-        named = sorted((e.name != MANIFEST, e.name) for e in entries if own_file(e))
-    if named and not os.path.isfile(os.path.join(data_dir, RECORD)) and not earlier(data_dir):
-        fail(f"{os.path.join(data_dir, named[0][1])} is not as podgpt wrote it (no {RECORD} of "
-             "prepare.py's beside it): not replacing it; move it away, or choose another "
-             "--data_dir")
-
-
-def earlier(data_dir):
-    """Whether data_dir holds a podgpt manifest that reads: a folder prepared before the record."""
-    try:
-        load_manifest(data_dir)
-        return True
-    except ValueError:
-        return False
 
 
 def swap_into_place(scratch, data_dir, manifest):
@@ -323,15 +306,12 @@ def swap_into_place(scratch, data_dir, manifest):
     (rebuilt), never one beside files not its own. A Ctrl-C waits for the renames (milliseconds)."""
     keep = listed_files(manifest) + [MANIFEST]
     with signals_held(signal.SIGINT, signal.SIGTERM):
-        # the record first: every file prepare.py moves in lands beside it
-        write_json(os.path.join(data_dir, RECORD),
-                   {n: [sha] for n, sha in shas(scratch, [MANIFEST]).items()})
         if os.path.lexists(os.path.join(data_dir, MANIFEST)):
             os.remove(os.path.join(data_dir, MANIFEST))
         for name in keep:
             os.replace(os.path.join(scratch, name), os.path.join(data_dir, name))
         with os.scandir(data_dir) as entries:
-            old = [e.name for e in entries if own_file(e) and e.name not in keep + [RECORD]]
+            old = [e.name for e in entries if own_file(e) and e.name not in keep]
         for name in old:
             os.remove(os.path.join(data_dir, name))
 

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 
-import honesty
 from conftest import run_script
+from podgpt.core import owned
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
 from test_damaged_inputs import refused
 
@@ -79,7 +79,7 @@ def test_honesty_on_a_full_disk_is_one_line(finished_run, tmp_path, monkeypatch,
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(honesty, "write_json", full)
+    monkeypatch.setattr(owned, "write_atomic", full)  # every replace_files write
     refused(run_script(["honesty.py", f"--run={out}"], capfd),
             f"cannot write honesty.json and honesty.md into {out} (OSError: [Errno {errno.ENOSPC}] "
             f"{os.strerror(errno.ENOSPC)}): free disk space (or raise the quota or file-size limit), then run the "
@@ -87,12 +87,11 @@ def test_honesty_on_a_full_disk_is_one_line(finished_run, tmp_path, monkeypatch,
 
 
 def test_eval_on_a_full_disk_says_so(finished_run, tmp_path, monkeypatch, capfd):
-    import eval as eval_py
     (tmp_path / "lm.json").write_text(json.dumps({"results": {"t": {"acc": 0.5}}}))
 
     def full(path, obj):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    monkeypatch.setattr(eval_py, "write_json", full)
+    monkeypatch.setattr(owned, "write_atomic", full)
     r = run_script(["eval.py", f"--out_dir={finished_run}", f"--attach={tmp_path / 'lm.json'}",
                     f"--out={tmp_path / 'e'}"], capfd)
     refused(r, f"cannot write eval.json and eval.md into {tmp_path / 'e'} (OSError: [Errno {errno.ENOSPC}] "

@@ -1,9 +1,7 @@
 """Issue 44, family 1: podgpt replaces a file only when it can prove it wrote that exact content (its
 record's sha256, or its mark on the folder); a user's file, or one edited since, is refused in one line
 naming it, and nothing changes. Each case here overwrote the user's file before (exit 0)."""
-import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -40,32 +38,6 @@ def test_skills_refuses_an_empty_pack_dir_and_writes_nothing(how, tmp_path):
     assert r.returncode == 2 and error_line(r.stderr) == (
         "error: pack_dir is empty: give the pack's folder, e.g. --pack_dir=data/skills")
     assert tree(tmp_path) == before
-
-
-@pytest.mark.parametrize("chat", [False, True])
-def test_prepare_refuses_a_data_dir_holding_a_users_manifest(chat, stdlib_data, tmp_path, capfd):
-    """Before: the user's manifest.json and tokenizer.json replaced by a build, exit 0."""
-    before = users_folder(tmp_path / "d", MINE)
-    args = ["prepare.py", f"--data_dir={tmp_path / 'd'}", "--max_docs=20", "--val_fraction=0"]
-    if chat:
-        (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1+1?", "reply": "2"}) + "\n")
-        args += [f"--source={tmp_path / 'sft.jsonl'}", "--chat=True", f"--chat_base={stdlib_data}"]
-    r = run_script(args, capfd)
-    assert r.returncode == 1 and error_line(r.stderr) == (
-        f"error: {tmp_path / 'd' / 'manifest.json'} is not as podgpt wrote it (no .podgpt-files.json of "
-        "prepare.py's beside it): not replacing it; move it away, or choose another --data_dir")
-    assert tree(tmp_path / "d") == before
-
-
-def test_prepare_rebuilds_a_folder_it_prepared_before_it_kept_a_record(stdlib_data, tmp_path, capfd):
-    """A data_dir prepared before .podgpt-files.json existed (its manifest a podgpt manifest that reads) is
-    still prepare.py's to rebuild with --force; the rebuild leaves the record."""
-    data = tmp_path / "d"
-    shutil.copytree(stdlib_data, data)
-    (data / ".podgpt-files.json").unlink()
-    r = run_script(["prepare.py", f"--data_dir={data}", "--max_docs=20", "--val_fraction=0", "--force"], capfd)
-    assert r.returncode == 0, r.stderr
-    assert (data / ".podgpt-files.json").is_file() and json.load(open(data / "manifest.json"))["vocab_size"] == 257
 
 
 def test_eval_replaces_only_its_own_report(finished_run, stdlib_data, tmp_path, capfd):  # noqa: F811
