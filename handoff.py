@@ -28,7 +28,7 @@ import honesty
 from podgpt.core.checkpoint import reading
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.core.owned import shas
-from podgpt.corpus.download import file_sha256
+from podgpt.core.owned import file_sha256
 from podgpt.release.hf import card_usage, check_replaceable, export, put_in_place, scratch_beside
 from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
 from podgpt.pod.report import read_json

@@ -361,7 +361,7 @@ class Trainer:
                        drill="spike" if spike_drill else "nan")
         self.bad.account(st, loss, finite, grad_norm, lr, lambda: bad_batch(
             cfg, st, self.train_data, self.rare, load_tokenizer(cfg.data_dir)), self.ckpts.on_disk)
-        self.checks.step(st, grad_norm.item())
+        self.checks.step(st, grad_norm)
 
     def guard(self):  # rank 0's: a stop reason (a guard's, or a check's stop band), or None
         return self.clock.stop_reason(self.ckpts.writing, self.event) or self.checks.stop_reason()

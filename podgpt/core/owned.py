@@ -13,10 +13,10 @@ from podgpt.core.util import MARK, SCRATCH_MARK, fail, write_atomic, write_json
 RECORD = ".podgpt-files.json"  # in a folder podgpt writes files into: {name: [sha256 as written]}
 
 
-def sha256_file(path):
+def file_sha256(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while block := f.read(1 << 20):
+        for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
             digest.update(block)
     return digest.hexdigest()
 
@@ -24,7 +24,7 @@ def sha256_file(path):
 def shas(folder, names):
     """{name: sha256} of the files `names` in folder (an empty folder's entry has none): the
     record a later replace checks."""
-    return {name: sha256_file(os.path.join(folder, name)) for name in names
+    return {name: file_sha256(os.path.join(folder, name)) for name in names
             if os.path.isfile(os.path.join(folder, name))}
 
 
@@ -34,7 +34,7 @@ def edited(folder, recorded):
     for name, sha in sorted(recorded.items()):
         path = os.path.join(folder, name)
         if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)
-                                      or sha256_file(path) not in accepted(sha)):
+                                      or file_sha256(path) not in accepted(sha)):
             return name
     return None
 

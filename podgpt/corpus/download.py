@@ -4,7 +4,6 @@ HF_HUB_OFFLINE, retries and rate limits; any other URL through requests into dow
 resumable and retried. A copy already in download_dir/host/path or the hub's cache is read there."""
 
 import errno
-import hashlib
 import http.client
 import os
 import re
@@ -13,6 +12,7 @@ import sys
 import time
 import urllib.parse
 
+from podgpt.core.owned import file_sha256
 from podgpt.core.util import disk_full, fail, first_line, make_folders, remove_empty
 
 RETRIES = 5  # download attempts per file
@@ -196,14 +196,6 @@ def kept_note(part):
     kept = os.path.getsize(part) if os.path.isfile(part) else 0
     return (f"; the {kept:,} bytes so far are kept in {part}, and the rerun resumes them"
             if kept else "")
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):  # hashlib.file_digest needs Python 3.11
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def download(url, download_dir, sha256=""):

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-from podgpt.corpus.download import file_sha256
+from podgpt.core.owned import file_sha256
 from podgpt.corpus.tasks import read_rows
 from podgpt.core.tokenizer import reply_text
 

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from podgpt.core.data import open_shard
-from podgpt.corpus.download import download, file_sha256
+from podgpt.core.owned import file_sha256
+from podgpt.corpus.download import download
 from podgpt.core.tokenizer import SEGMENT, load_tokenizer, reply_text
 from podgpt.core.util import fail, first_line
 

@@ -87,8 +87,9 @@ class Checks:
                      grad_norm=parse_band("grad_norm_band", cfg.grad_norm_band) or (
                          (None, cfg.grad_norm_stop) if cfg.grad_norm_stop else None))
         # an objective's own: (name, its "lo,hi", the metric of its validation stats judged)
-        self.metric = {name: key for name, _, key in objective_checks(cfg)}
-        bands.update((name, parse_band(name, band)) for name, band, _ in objective_checks(cfg))
+        own = objective_checks(cfg)
+        self.metric = {name: key for name, _, key in own}
+        bands.update((name, parse_band(name, band)) for name, band, _ in own)
         self.bands = {name: band for name, band in bands.items() if band}
         self.grad_stop, self.grads = cfg.grad_norm_stop, deque(maxlen=GRAD_STEPS)
         self.alarms = {name: Alarm(cfg.alarm_minutes) for name in ("tokens_per_sec", "mfu",
@@ -97,8 +98,9 @@ class Checks:
         self.missed, self.windows = set(), 0  # missed at the last evaluation; log windows seen
 
     def step(self, st, grad_norm):
-        """After each step: the grad norm's alarm, and its stop band (stop_reason() from then)."""
-        if "grad_norm" not in self.bands or not math.isfinite(grad_norm):
+        """After each step: the grad norm's alarm, and its stop band (stop_reason() from then).
+        grad_norm: a number or tensor, read (a device sync) only when a grad-norm check is set."""
+        if "grad_norm" not in self.bands or not math.isfinite(grad_norm := float(grad_norm)):
             return
         self.grads.append(grad_norm)
         median = statistics.median(self.grads)
@@ -169,7 +171,6 @@ class Checks:
                 v = "not reached"
             found.append(dict(name=name, band=list(band), value=value, verdict=v))
         return found
-
 
 
 def shown(value):

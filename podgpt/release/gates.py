@@ -5,7 +5,7 @@ the accuracy; thresholds in podgpt/pod/gates.py's PROFILES. A run without a pack
 import os
 
 from podgpt.core.util import fail, first_line, write_json
-from podgpt.corpus.download import file_sha256
+from podgpt.core.owned import file_sha256
 from podgpt.pod.gates import (PROFILE_NAMES, base_checkpoint, base_exposure, gate, judge, limits,
                               no_pack, read_pack, said, verdict_of, wilson)
 from podgpt.pod.report import read_json
