@@ -80,6 +80,9 @@ BATCH_CHARS = 1 << 20  # characters of text sent to a tokenizer process at once
 
 SCRATCH = ".podgpt-prepare"  # the build's folder inside data_dir: a name no user picks, renames
 MANIFEST = "manifest.json"
+# prepare.py's mark on a data_dir it built (fixed text: identical builds stay identical): files
+# named as its own below are its own to replace only beside it (or a podgpt manifest that reads)
+DATA_MARK = ".podgpt-data"
 # the other files prepare.py writes into data_dir, and write_shard's temporary ones (a crash may
 # leave one): with manifest.json and SCRATCH, all a data_dir may hold for prepare.py to rebuild it
 OWN_FILE = re.compile(r"(train|val)_\d{6,}\.(bin|docs\.npy|mask\.npy|bin\.tmp|bin\.(docs|mask)"
@@ -281,7 +284,7 @@ def own_file(entry):
     """Whether an entry of data_dir is a file prepare.py writes there, by its name: a damaged
     manifest cannot tell, and a hand-edited one could name a user's file."""
     return (entry.is_file(follow_symlinks=False)
-            and (entry.name == MANIFEST or OWN_FILE.fullmatch(entry.name)))
+            and (entry.name in (MANIFEST, DATA_MARK, DATA_MARK + ".tmp") or OWN_FILE.fullmatch(entry.name)))
 
 
 def check_own(data_dir):
@@ -298,6 +301,21 @@ def check_own(data_dir):
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         fail(f"{data_dir} holds what prepare.py did not write ({', '.join(foreign[:3])}{more}): "
              "move that out of it, or choose another --data_dir")
+    with os.scandir(data_dir) as entries:
+        named = sorted((e.name != MANIFEST, e.name) for e in entries if own_file(e))
+    if named and not os.path.isfile(os.path.join(data_dir, DATA_MARK)) and not earlier(data_dir):
+        fail(f"{os.path.join(data_dir, named[0][1])} is not as podgpt wrote it (no {DATA_MARK} "
+             "of prepare.py's beside it, and no podgpt manifest.json): not replacing it; move it "
+             "away, or choose another --data_dir")
+
+
+def earlier(data_dir):
+    """Whether data_dir holds a podgpt manifest that reads: a folder prepared before DATA_MARK."""
+    try:
+        load_manifest(data_dir)
+        return True
+    except ValueError:
+        return False
 
 
 def swap_into_place(scratch, data_dir, manifest):
@@ -306,12 +324,16 @@ def swap_into_place(scratch, data_dir, manifest):
     (rebuilt), never one beside files not its own. A Ctrl-C waits for the renames (milliseconds)."""
     keep = listed_files(manifest) + [MANIFEST]
     with signals_held(signal.SIGINT, signal.SIGTERM):
+        # the mark first: every file prepare.py moves in lands beside it
+        write_atomic(os.path.join(data_dir, DATA_MARK), "prepare.py's data: rebuild it with "
+                     "prepare.py --force, or delete this folder whole\n")
         if os.path.lexists(os.path.join(data_dir, MANIFEST)):
             os.remove(os.path.join(data_dir, MANIFEST))
         for name in keep:
             os.replace(os.path.join(scratch, name), os.path.join(data_dir, name))
         with os.scandir(data_dir) as entries:
-            old = [e.name for e in entries if own_file(e) and e.name not in keep]
+            old = [e.name for e in entries
+                   if own_file(e) and e.name not in keep and e.name != DATA_MARK]
         for name in old:
             os.remove(os.path.join(data_dir, name))
 

@@ -1124,7 +1124,7 @@ def test_a_rebuild_leaves_only_its_own_new_files(corpus, tmp_path):
     assert len(list(out.glob("train_*.bin"))) > 1 and (out / "tokenizer.tiktoken").exists()
     assert prepared(corpus, out) == 0
     manifest = data.load_manifest(out)
-    assert sorted(os.listdir(out)) == sorted(prepare.listed_files(manifest) + ["manifest.json"])
+    assert sorted(os.listdir(out)) == sorted(prepare.listed_files(manifest) + ["manifest.json", ".podgpt-data"])
     assert len(manifest["splits"]["train"]["shards"]) == 1 and manifest["tokenizer"] == "byte"
 
 

@@ -1,7 +1,9 @@
 """Issue 44, family 1: podgpt replaces a file only when it can prove it wrote that exact content (its
 record's sha256, or its mark on the folder); a user's file, or one edited since, is refused in one line
 naming it, and nothing changes. Each case here overwrote the user's file before (exit 0)."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -81,3 +83,32 @@ def test_an_edited_model_card_or_readme_is_not_replaced(script, finished_run, tm
         f"error: out={out}: README.md was changed since {script}.py wrote it: not replacing this earlier "
         f"{kind}; move README.md (or the {kind}) away, or choose another --out")
     assert tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_prepare_refuses_a_data_dir_holding_a_users_manifest(chat, stdlib_data, tmp_path, capfd):
+    """Before: the user's manifest.json and tokenizer.json replaced by a build, exit 0."""
+    before = users_folder(tmp_path / "d", MINE)
+    args = ["prepare.py", f"--data_dir={tmp_path / 'd'}", "--max_docs=20", "--val_fraction=0"]
+    if chat:
+        (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "1+1?", "reply": "2"}) + "\n")
+        args += [f"--source={tmp_path / 'sft.jsonl'}", "--chat=True", f"--chat_base={stdlib_data}"]
+    r = run_script(args, capfd)
+    assert r.returncode == 1 and error_line(r.stderr) == (
+        f"error: {tmp_path / 'd' / 'manifest.json'} is not as podgpt wrote it (no .podgpt-data of "
+        "prepare.py's beside it, and no podgpt manifest.json): not replacing it; move it away, or choose "
+        "another --data_dir")
+    assert tree(tmp_path / "d") == before
+
+
+def test_prepare_rebuilds_a_folder_it_prepared_before_it_kept_a_mark(stdlib_data, tmp_path, capfd):
+    """A data_dir prepared before .podgpt-data existed (its manifest a podgpt manifest that reads) is still
+    prepare.py's to rebuild with --force; the rebuild leaves the mark, and two builds leave the same bytes."""
+    data = tmp_path / "d"
+    shutil.copytree(stdlib_data, data)
+    mark = (data / ".podgpt-data").read_text()
+    (data / ".podgpt-data").unlink()
+    r = run_script(["prepare.py", f"--data_dir={data}", "--max_docs=20", "--val_fraction=0", "--force"], capfd)
+    assert r.returncode == 0, r.stderr
+    assert (data / ".podgpt-data").read_text() == mark
+    assert json.load(open(data / "manifest.json"))["vocab_size"] == 257
