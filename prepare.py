@@ -284,7 +284,8 @@ def own_file(entry):
     """Whether an entry of data_dir is a file prepare.py writes there, by its name: a damaged
     manifest cannot tell, and a hand-edited one could name a user's file."""
     return (entry.is_file(follow_symlinks=False)
-            and (entry.name in (MANIFEST, DATA_MARK, DATA_MARK + ".tmp") or OWN_FILE.fullmatch(entry.name)))
+            and (entry.name in (MANIFEST, DATA_MARK, DATA_MARK + ".tmp")
+                 or OWN_FILE.fullmatch(entry.name)))
 
 
 def check_own(data_dir):
