@@ -3,10 +3,11 @@ no base once it has checkpoints of its own, refuses an init_from that holds no c
 gate, and leaves a user's files beside its checkpoints alone (issue 44's families 2, 3 and 7)."""
 import json
 import shutil
+import sys
 
-from conftest import TINY_MODEL, train_tiny
+from conftest import TINY_MODEL, run, train_tiny
 from test_bad_input import CKPT, TINY_RUN, finished_run  # noqa: F401 -- a fixture: a 1-step base run
-from test_sft import SFT_ARGS, sft_data  # noqa: F401 -- a fixture: SFT data in the base's tokenizer
+from test_sft import SFT_ARGS, pack_rows, sft_data  # noqa: F401 -- a fixture: SFT data in the base's tokenizer
 
 RUN = TINY_RUN[len(TINY_MODEL):]  # train_tiny adds TINY_MODEL
 
@@ -66,3 +67,20 @@ def test_an_sft_run_resumes_without_its_base(finished_run, sft_data, tmp_path, c
     assert gates["base_exposure"]["verdict"] != "block" and f"{base}/{CKPT}" in gates["base_exposure"]["detail"]
     record = json.loads((tmp_path / "sft/ckpt/step_0000002/config.json").read_text())
     assert record["init_from"] == str(base) and record["base"][1] == f"{base}/{CKPT}"
+
+
+def test_a_byte_base_on_char_chat_data_names_the_tokenizer(finished_run, tmp_path, capfd):
+    """SFT data prepared in a char tokenizer under a base trained in bytes. Before: "has another model shape (a
+    larger vocabulary): give this run the base model's shape", a fix that cannot work; the fix is the data's."""
+    with open(tmp_path / "sft.jsonl", "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in pack_rows())
+    char = tmp_path / "char"
+    run([sys.executable, "prepare.py", "--source=stdlib", "--max_docs=50", "--tokenizer=char", f"--data_dir={char}"])
+    run([sys.executable, "prepare.py", f"--source={tmp_path / 'sft.jsonl'}", "--chat=True", f"--chat_base={char}",
+         f"--data_dir={tmp_path / 'chat'}", "--val_fraction=0.2", "--min_val_tokens=0"])
+    r = sft_run(capfd, tmp_path, tmp_path / "chat", finished_run, "--max_steps=1", check=False)
+    lines = r.stderr.strip().splitlines()
+    assert (r.returncode, "Traceback" in r.stderr, len(lines)) == (1, False, 1), r.stderr[-2000:]
+    assert lines[0] == (
+        f"error: init_from={finished_run} was trained with another tokenizer than {tmp_path / 'chat'}'s: prepare "
+        f"the SFT data with python prepare.py --chat=True --chat_base={finished_run}/{CKPT}")

@@ -192,15 +192,15 @@ def start_from(model, sharded, src, config, data_dir):
             same_vocabulary = same_base_vocabulary(path, data_dir)
     except ValueError as e:
         fail(f"init_from={src}: {e}: give the base model's checkpoint folder or out_dir")
+    if not same_vocabulary:  # first: another tokenizer's data makes another vocabulary size too
+        fail(f"init_from={src} was trained with another tokenizer than {data_dir}'s: prepare the "
+             f"SFT data with python prepare.py --chat=True --chat_base={path}")
     old, new = base_config["model"], config["model"]
     diff = [f"{k} {old.get(k)} -> {v}" for k, v in new.items()
             if k not in RUNTIME_FIELDS + ("vocab_size",) and old.get(k) != v]
     if diff or old["vocab_size"] > new["vocab_size"]:
         fail(f"init_from={src} has another model shape ({', '.join(diff) or 'a larger vocabulary'})"
              f": give this run the base model's shape")
-    if not same_vocabulary:
-        fail(f"init_from={src} was trained with another tokenizer than {data_dir}'s: prepare the "
-             f"SFT data with python prepare.py --chat=True --chat_base={path}")
     state = grown_state(base.state_dict(), model, old["vocab_size"])
     if sharded:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
