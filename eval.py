@@ -12,6 +12,7 @@ A run's checkpoint asked a pack's rows: its summary.json long_run_gate gains (or
 eval_floors, the gate profile's floors on those results (gates.py).
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import itertools
 import json
 import os

@@ -14,6 +14,7 @@ the files a later export to the same --out may replace) and README.md, a model c
 gets a new file's mode (0644 under umask 022). podgpt/release/hf.py builds it beside --out.
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import os
 import sys
 

@@ -16,6 +16,7 @@ beside out and renamed into place; an earlier bundle there is replaced only when
 but the files its podgpt-handoff.json lists.
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import contextlib
 import hashlib
 import os

@@ -11,6 +11,7 @@ It only reads the files a run and eval.py leave (and a fine-tuned run's base run
 loaded, no gate judged again. run.sh runs it after eval.py; handoff.py, into the bundle.
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import json
 import os
 import sys

@@ -13,6 +13,7 @@ those with the smallest hashes (holdout.py): the split depends on the set of doc
 same for any number of workers, and duplicate documents land in the same split.
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import array
 import collections
 import contextlib

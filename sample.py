@@ -12,6 +12,7 @@ Each sample starts with BOS, as every training document does, then the prompt. A
 model (objective=bd3lm) is not served. --serve=True needs FastAPI and uvicorn (docs/serving.md).
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import codecs
 import sys
 import threading

@@ -9,6 +9,7 @@ detail line, into out_dir/sanity.json and .md; exit status 1 when any check fail
     torchrun --standalone --nproc_per_node=8 sanity.py config/h200_1b_ddp8.py --capacity
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import gc
 import json
 import math

@@ -13,6 +13,7 @@ repeats and no SFT row holds a word run of an eval row (ngrams.py's, as prepare.
 corpus); a pack short of the rows asked is refused, and nothing is written.
 """
 
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import calendar
 import datetime
 import hashlib

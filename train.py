@@ -12,6 +12,7 @@ Config: the globals below, overridden by config files and --key=val (--help). A 
 out_dir only. Step s trains on the same sequences at any world size, so the same command resumes
 bit-identically; a signal or a guard stops every rank at one step boundary, with a checkpoint.
 """
+import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
 import os
 import sys
 import time

@@ -1,14 +1,19 @@
 """Issue 44's damaged files and hangs: a pointer that is not UTF-8, metrics.jsonl that is a folder, a
 long_run_gate train.py did not write, honesty.py on a null category, a self-based run or a full disk, an
 --attach nested too deep, eval.py's and skills.py's unbounded arguments. Each is one line, no traceback."""
+import contextlib
 import errno
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import run_script
+from conftest import ROOT, run_script
 from podgpt.core import owned
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: the shared finished 1-step run
 from test_damaged_inputs import refused
@@ -114,3 +119,36 @@ def test_huge_counts_are_refused_before_any_work(finished_run, tmp_path, capfd):
     refused(r, "sft_rows=1000000000 is more than a pack holds (at most 1,000,000 rows a split): ask for fewer rows "
                "(--sft_rows / --eval_rows)", status=2)
     assert not (tmp_path / "pack").exists()
+
+
+def interrupt_while_torch_loads(args, env=None):
+    """Start args, send SIGINT (to its process group) once torch's library is being mapped in, before any
+    script's main() runs: the moment a user's Ctrl-C lands in a script's first seconds. (exit status, stderr)."""
+    p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    deadline = time.time() + 60
+    while p.poll() is None and time.time() < deadline:
+        with contextlib.suppress(OSError):  # the maps of each python of its session: the script's
+            pids = subprocess.run(["pgrep", "-s", str(p.pid), "-f", "python"], capture_output=True,
+                                  text=True).stdout.split()
+            if any("libtorch" in open(f"/proc/{pid}/maps").read() for pid in pids):
+                break
+        time.sleep(0.002)
+    os.killpg(p.pid, signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    return p.returncode, err
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "export.py"])
+def test_ctrl_c_while_a_script_loads_is_one_line(script):
+    """Before: a KeyboardInterrupt traceback from inside `import torch` (exit -2)."""
+    code, err = interrupt_while_torch_loads([sys.executable, script, "--out_dir=nowhere"])
+    assert (code, err) == (130, "error: interrupted (Ctrl-C)\n")
+
+
+def test_ctrl_c_while_run_sh_s_sample_stage_loads_is_one_line(tmp_path):
+    """Through run.sh: its sample stage ends in one line, and run.sh stops by SIGINT."""
+    env = dict(os.environ, STAGES="sample", OUT_DIR=str(tmp_path / "out"), PYTHON=sys.executable)
+    code, err = interrupt_while_torch_loads(["bash", "run.sh"], env)
+    assert code == -signal.SIGINT and "Traceback" not in err, err
+    assert err.splitlines() == ["error: interrupted (Ctrl-C)", "run.sh: sample stopped by SIGINT; no later stage runs"]

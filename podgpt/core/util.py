@@ -41,6 +41,9 @@ def fail(message, code=1):
 
 def run_main(main, argv):
     """Exit with main(argv)'s status (None: 0), an Error's after its line, or 130 after Ctrl-C."""
+    # loaded: podgpt/__init__.py's Ctrl-C while the imports load gives way to the usual one
+    if getattr(signal.getsignal(signal.SIGINT), "__module__", None) == "podgpt":
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         code = main(argv)
     except Error as e:
