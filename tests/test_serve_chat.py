@@ -214,3 +214,112 @@ def test_chat_logprobs_are_the_models_log_softmax(client, model):
         top = want[j].topk(3)
         assert [x.logprob for x in e.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4), j
         assert [bytes(x.bytes) for x in e.top_logprobs] == [model.tok.decode_bytes([i]) for i in top.indices.tolist()]
+
+
+# -----------------------------------------------------------------------------
+# the hostile cases of test_serve.py, on both endpoints of the chat model's server
+
+PROMPTS = {COMPLETIONS: {"prompt": "x"}, CHAT: {"messages": [{"role": "user", "content": "x"}]}}
+BAD = [  # (body after the endpoint's prompt, param the error names)
+    (b"{not json", None),
+    (b"[1, 2]", None),
+    (b"[" * 100_000, None),  # nested too deeply for the JSON parser
+    ({"max_tokens": "8"}, "max_tokens"),
+    ({"max_tokens": LONG + 1}, "max_tokens"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"stop": ""}, "stop"),
+    ({"stop": "a" * 1_000_000}, "stop"),
+    ({"stream": "yes"}, "stream"),
+    ({"seed": -1}, "seed"),
+    ({"n": 0}, "n"),
+    ({"n": serve.MAX_N + 1}, "n"),
+    ({"n": True}, "n"),
+    ({"model": 3}, "model"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"min_p": 0.1}, "min_p"),
+]
+CHAT_BAD = [  # a chat request's own fields
+    ({"messages": None}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x" * 61}]}, "messages"),  # 65 ids with the template: past 64
+    ({"max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"logprobs": 1}, "logprobs"),  # chat's logprobs is true or false
+    ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs=true
+    ({"logprobs": True, "stream": True}, "logprobs"),
+    ({"echo": True}, "echo"),  # completions' alone
+    ({"stop_token_ids": []}, "stop_token_ids"),
+]
+COMPLETION_BAD = [({"stop_token_ids": [260]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids")]
+CASES = [(path, body, param) for path in (COMPLETIONS, CHAT) for body, param in BAD] + \
+        [(CHAT, body, param) for body, param in CHAT_BAD] + [(COMPLETIONS, body, param) for body, param in COMPLETION_BAD]
+
+
+@pytest.mark.parametrize("path,body,param", CASES, ids=[f"{i}-{p[4:]}-{q}" for i, (p, _, q) in enumerate(CASES)])
+def test_bad_request_gets_400_naming_the_field(chatty, path, body, param):
+    body = body if isinstance(body, bytes) else dict(PROMPTS[path], **body)
+    status, headers, data = call(chatty, "POST", path, body)
+    error = json.loads(data)["error"]
+    assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), error
+    assert headers["Content-Type"] == "application/json"
+    message = error["message"]
+    assert "\n" not in message and len(message) < 300, message  # one line, whatever the request held
+    assert param is None or message.startswith(param), message
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("request_,status,says", FRAMING, ids=[f"{i}-{s}" for i, (_, s, _) in enumerate(FRAMING)])
+def test_bad_framing_gets_its_status_and_one_line(chatty, path, request_, status, says):
+    got, error = raw_request(chatty, f"POST {path} HTTP/1.0\r\n".encode() + request_)
+    assert (got, error["type"]) == (status, "invalid_request_error") and says in error["message"], error
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_trickled_body_is_cut_off_with_408(chatty, path):
+    results = {}
+    trickle(chatty, f"POST {path} HTTP/1.0\r\nContent-Length: 1000\r\n\r\n".encode(), results, "body")
+    status, seconds = results["body"]
+    assert status == b"HTTP/1.0 408 Request Timeout" and READ_TIMEOUT - 0.5 < seconds < READ_TIMEOUT + 2, results
+    status, _, data = call(chatty, "GET", "/v1/chat/completions")
+    assert status == 405 and "use POST /v1/chat/completions" in json.loads(data)["error"]["message"]
+
+
+@pytest.mark.parametrize("held_by", [COMPLETIONS, CHAT])
+def test_a_full_line_gets_503_on_both_endpoints_and_the_model_frees(chatty, held_by):
+    """While a long stream (of either endpoint) holds the model: one request waits WAIT seconds for it and gets
+    503, one more is refused at once (serve_max_queue=1), each with a Retry-After; once the stream's client
+    leaves, a chat request is answered."""
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", chatty.port, timeout=60)
+    conn.request("POST", held_by, json.dumps(dict(PROMPTS[held_by], max_tokens=LONG, temperature=0, stream=True,
+                                                  **({"stop_token_ids": []} if held_by == COMPLETIONS else {}))))
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    results = []
+
+    def send(path):
+        start = time.monotonic()
+        status, headers, data = call(chatty, "POST", path, dict(PROMPTS[path], max_tokens=4))
+        results.append((path, status, headers.get("Retry-After"), json.loads(data), time.monotonic() - start))
+    try:
+        senders = [threading.Thread(target=send, args=(path,)) for path in (CHAT, COMPLETIONS)]
+        for t in senders:
+            t.start()
+            time.sleep(0.2)  # the first is in line before the second comes
+        for t in senders:
+            t.join(timeout=60)
+    finally:
+        r.close()
+        conn.close()
+    assert [(path, status) for path, status, *_ in results] == [(COMPLETIONS, 503), (CHAT, 503)], results
+    assert all(retry.isdigit() and "send it again in" in reply["error"]["message"]
+               for _, _, retry, reply, _ in results), results
+    assert results[0][4] < WAIT <= results[1][4] < WAIT + 2, results
+    assert post(chatty, CHAT, dict(PROMPTS[CHAT], max_tokens=4))["usage"]["completion_tokens"] <= 4

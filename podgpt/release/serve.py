@@ -154,7 +154,8 @@ def parse_chat(body, ctx):
                          f"use an integer from 0 to {MAX_LOGPROBS} (the tokens listed), or null")})
     p = parameters(req, rules, ("messages", chat.EXAMPLE[1:-1]))
     if req.get("max_tokens") is not None and req.get("max_completion_tokens") is not None:
-        raise RequestError("max_tokens and max_completion_tokens are both set: send one",
+        raise RequestError("max_completion_tokens and max_tokens (its older name) are both set: "
+                           "send one",
                            "max_completion_tokens")
     if p["top_logprobs"] is not None and not p["logprobs"]:
         raise RequestError("top_logprobs needs logprobs: send logprobs=true", "top_logprobs")
