@@ -176,7 +176,7 @@ def test_health_and_info(server, ckpt):
     assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": serve.MAX_BODY_BYTES,
                               "stop_strings": 4, "stop_chars": serve.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
                               "logprobs": 5, "queue": sample.serve_max_queue,
-                              "wait_seconds": sample.serve_max_wait}
+                              "wait_seconds": sample.serve_max_wait, "n": serve.MAX_N}
     assert info["device"] == "cpu"  # the one setup's device, as text
 
 
@@ -417,7 +417,7 @@ BAD = [  # (body, param the error names)
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -1}, "top_k"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": serve.MAX_N + 1}, "n"),  # past serve_max_n
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": ["ok", 3]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
@@ -468,7 +468,7 @@ def test_bad_request_gets_400_naming_the_field(server, body, param):
 
 
 def test_wrong_path_method_and_size(server):
-    status, _, data = call(server, "GET", "/v1/chat/completions")
+    status, _, data = call(server, "GET", "/v1/embeddings")
     assert status == 404 and "/v1/completions" in json.loads(data)["error"]["message"]
     status, headers, data = call(server, "GET", "/v1/completions")
     assert status == 405 and headers["Allow"] == "POST" and "use POST" in json.loads(data)["error"]["message"]

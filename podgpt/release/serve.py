@@ -1,18 +1,14 @@
-"""The OpenAI-style completions API of a checkpoint on FastAPI + uvicorn, as docs/serving.md has it:
-`python sample.py --ckpt=out --serve=True`. One generation at a time, on a thread of its own; every
-request bounded (stop strings, body, arrival time, wait), so that no client holds the model."""
+"""The OpenAI-style completions and chat completions API of a checkpoint on FastAPI + uvicorn, as
+docs/serving.md has it: `python sample.py --ckpt=out --serve=True`. One generation at a time, on a
+thread of its own; every request bounded (stop strings, body, arrival time, wait, choices), so that
+no client holds the model. bounds.py holds the bounds, chat.py the chat format."""
 
 import asyncio
 import codecs
-import collections
-import contextlib
 import functools
-import http
 import itertools
 import json
-import math
 import os
-import re
 import socket
 import sys
 import threading
@@ -31,40 +27,31 @@ try:  # sample.py imports this module only to serve: sampling needs neither libr
     from fastapi.responses import Response, StreamingResponse
     from starlette.exceptions import HTTPException
     from starlette.requests import ClientDisconnect
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-    from uvicorn.protocols.utils import get_path_with_query_string
 except ImportError as e:
     fail(f"the server needs FastAPI and uvicorn ({e.name} is not installed): "
          "pip install fastapi uvicorn")
 
-MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused unread
+from podgpt.release import chat  # noqa: E402 -- after the check above: both need FastAPI
+from podgpt.release.bounds import (MAX_BODY_BYTES, Connection, ModelQueue,  # noqa: E402
+                                   RequestError, error_reply, json_reply, length_error, log,
+                                   logged, shown)
+
 MAX_STOPS = 4             # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256      # far more than a stop string needs; bounds the text held back
 MAX_LOGPROBS = 5          # the most likely tokens listed per token, as OpenAI allows
+MAX_N = 4                 # choices per request (serve_max_n): each holds the model max_tokens more
 # OpenAI's parameters that this server does not implement: each is accepted only at the value (or
 # null) that changes nothing, so that no client gets an answer to a question it did not ask
-UNSUPPORTED = {"n": (1, "one completion per request"), "best_of": (1, "one completion per request"),
+UNSUPPORTED = {"best_of": (1, "each choice is one sample"),
                "presence_penalty": (0, "no penalties"), "frequency_penalty": (0, "no penalties"),
                "suffix": ("", "it continues the prompt"), "logit_bias": ({}, "no logit bias"),
                "stream_options": (None, "a stream's last chunk carries the usage")}
-ROUTES = {"/health": "GET", "/info": "GET", "/v1/models": "GET", "/v1/completions": "POST"}
+ROUTES = {"/health": "GET", "/info": "GET", "/v1/models": "GET", "/v1/completions": "POST",
+          "/v1/chat/completions": "POST"}
 STOP_SECONDS = 3  # at SIGTERM or Ctrl-C, the time the running generation has to reach a token
 
 
 # --- a request: its parameters, its prompt, its stop strings, its completion and log-probabilities
-
-class RequestError(Exception):
-    """A request refused: one line naming the problem and the fix; the field, status, headers."""
-
-    def __init__(self, message, param=None, status=400, headers=None):
-        super().__init__(message)
-        self.param, self.status, self.headers = param, status, headers
-
-
-def shown(value, width=40):
-    """A client's value as JSON, cut short: a request must not make the reply (or the log) huge."""
-    text = json.dumps(value)
-    return text if len(text) <= width else f"{text[:width]}... ({len(text)} characters)"
 
 
 def stops(value):
@@ -72,17 +59,22 @@ def stops(value):
     return [] if value is None else [value] if isinstance(value, str) else value
 
 
-def parse_completion(body, ctx):
-    """(sampling parameters, prompt token ids, prompt text) of a /v1/completions body."""
+def read_object(body, example):
+    """The JSON object a body holds."""
     try:
         req = json.loads(body)
     except (ValueError, RecursionError):  # RecursionError: nested 1000s deep
-        raise RequestError('the body is not JSON (or nests it too deeply): send an object such as '
-                           '{"prompt": "def main("}')
+        raise RequestError("the body is not JSON (or nests it too deeply): send an object such as "
+                           f"{example}")
     if not isinstance(req, dict):
-        raise RequestError(f'the body is a JSON {type(req).__name__}: send {{"prompt": "..."}}')
+        raise RequestError(f"the body is a JSON {type(req).__name__}: send {example}")
+    return req
+
+
+def sampling_rules(ctx):
+    """{name: (default, types, valid(value), the rule a bad value breaks)}: both endpoints'."""
     number, anything = (int, float), lambda v: True
-    rules = {  # name: (default, types, valid(value), the rule a bad value breaks)
+    return {
         "max_tokens": (16, (int,), lambda v: 0 <= v <= ctx.max_tokens,
                        f"use an integer from 0 to {ctx.max_tokens} (serve_max_tokens)"),
         "temperature": (1.0, number, lambda v: 0 <= v <= 2, "use a number from 0 (greedy) to 2"),
@@ -94,38 +86,90 @@ def parse_completion(body, ctx):
                  "characters"),
         "seed": (None, (int,), lambda v: 0 <= v < 2**63, "use an integer from 0 to 2**63 - 1"),
         "stream": (False, (bool,), anything, "use true or false"),
-        "echo": (False, (bool,), anything, "use true or false"),
-        "logprobs": (None, (int,), lambda v: 0 <= v <= MAX_LOGPROBS,
-                     f"use an integer from 0 to {MAX_LOGPROBS} (the tokens listed), or null"),
+        "n": (1, (int,), lambda v: 1 <= v <= ctx.max_n,
+              "use an integer from 1 to the server's serve_max_n (GET /info: limits.n)"),
         "model": (None, (str,), anything, "use a string (any: the reply names the one served)"),
         "user": (None, (str,), anything, "use a string")}  # model and user: only names
+
+
+def parameters(req, rules, needed):
+    """The parameters of a request by rules (null: the default); needed: (the field a request must
+    hold, what to send)."""
     for key, value in req.items():  # a parameter not read, or not at a value that changes nothing
         neutral, why = UNSUPPORTED.get(key, (None, ""))
         if why and value is not None and (isinstance(value, bool) or value != neutral):
             send = "" if neutral is None else f" or send {json.dumps(neutral)}"
             raise RequestError(f"{key}={shown(value)} is not supported: leave it out{send} (this "
                                f"server: {why})", key)
-        if not why and key != "prompt" and key not in rules:
+        if not why and key != needed[0] and key not in rules:
             name = key if len(key) <= 40 else f"{key[:40]}..."  # the reply must not grow with it
             raise RequestError(f"{name} is not a parameter this server knows: leave it out (it "
-                               f"reads prompt, {', '.join(rules)})", name)
-    if req.get("prompt") is None:
-        raise RequestError('prompt is missing: send "prompt": "text" (or token ids)', "prompt")
+                               f"reads {needed[0]}, {', '.join(rules)})", name)
+    if req.get(needed[0]) is None:
+        raise RequestError(f"{needed[0]} is missing: send {needed[1]}", needed[0])
     p = {}
-    for name, (default, kinds, valid, rule) in rules.items():  # null: the default
+    for name, (default, kinds, valid, rule) in rules.items():
         value = req.get(name)
         if value is not None and (not isinstance(value, kinds) or not valid(value)
                                   or isinstance(value, bool) and bool not in kinds):  # True is no 1
             raise RequestError(f"{name}={shown(value)} is invalid: {rule}", name)
         p[name] = default if value is None else value
     p["stop"] = stops(p["stop"])
+    return p
+
+
+def parse_completion(body, ctx):
+    """(sampling parameters, prompt token ids, prompt text) of a /v1/completions body. A chat
+    model's completion ends at <|end|> too, unless stop_token_ids says otherwise."""
+    req, vocab = read_object(body, '{"prompt": "def main("}'), ctx.tok.vocab_size
+    rules = dict(sampling_rules(ctx), **{
+        "echo": (False, (bool,), lambda v: True, "use true or false"),
+        "logprobs": (None, (int,), lambda v: 0 <= v <= MAX_LOGPROBS,
+                     f"use an integer from 0 to {MAX_LOGPROBS} (the tokens listed), or null"),
+        "stop_token_ids": (None, (list,), lambda v: len(v) <= MAX_STOPS and all(
+                               type(i) is int and 0 <= i < vocab for i in v),
+                           f"use a list of at most {MAX_STOPS} token ids from 0 to {vocab - 1} "
+                           "([]: none but BOS)")})
+    p = parameters(req, rules, ("prompt", '"prompt": "text" (or token ids)'))
     if p["stream"] and p["logprobs"] is not None:
         raise RequestError("logprobs cannot be streamed: send stream=false to get them", "logprobs")
+    ends = [ctx.tok.chat["<|end|>"]] if "<|end|>" in ctx.tok.chat else []
+    p["stop_ids"] = ends if p.pop("stop_token_ids") is None else req["stop_token_ids"]
     ids, text = prompt_ids(ctx, req["prompt"])
     if len(ids) > ctx.max_prompt:
         raise RequestError(f"prompt is {len(ids)} tokens, the model's context holds "
                            f"{ctx.max_prompt} after BOS: shorten it", "prompt")
     return p, ids, text
+
+
+def parse_chat(body, ctx):
+    """(sampling parameters, prompt token ids, "") of a /v1/chat/completions body: the prompt is
+    the chat template's, the reply ends at <|end|>; max_tokens defaults to the context's room."""
+    chat.check_chat_model(ctx.tok)
+    req = read_object(body, chat.EXAMPLE)
+    rules = dict(sampling_rules(ctx), **{
+        "max_completion_tokens": sampling_rules(ctx)["max_tokens"],
+        "logprobs": (False, (bool,), lambda v: True, "use true or false"),
+        "top_logprobs": (None, (int,), lambda v: 0 <= v <= MAX_LOGPROBS,
+                         f"use an integer from 0 to {MAX_LOGPROBS} (the tokens listed), or null")})
+    p = parameters(req, rules, ("messages", chat.EXAMPLE[1:-1]))
+    if req.get("max_tokens") is not None and req.get("max_completion_tokens") is not None:
+        raise RequestError("max_completion_tokens and max_tokens (its older name) are both set: "
+                           "send one",
+                           "max_completion_tokens")
+    if p["top_logprobs"] is not None and not p["logprobs"]:
+        raise RequestError("top_logprobs needs logprobs: send logprobs=true", "top_logprobs")
+    if p["stream"] and p["logprobs"]:
+        raise RequestError("logprobs cannot be streamed: send stream=false to get them", "logprobs")
+    ids = chat.prompt_ids(ctx.tok, req["messages"])
+    if len(ids) > ctx.max_prompt + 1:
+        raise RequestError(f"messages are {len(ids)} tokens in the chat template (BOS first), the "
+                           f"model's context holds {ctx.max_prompt + 1}: shorten them", "messages")
+    most = next((req[k] for k in ("max_completion_tokens", "max_tokens") if req.get(k) is not None),
+                min(ctx.max_tokens, ctx.max_prompt + 1 - len(ids)))
+    p.update(max_tokens=most, logprobs=(p["top_logprobs"] or 0) if p["logprobs"] else None,
+             echo=False, stop_ids=[ctx.tok.chat["<|end|>"]])
+    return p, ids, ""
 
 
 def prompt_ids(ctx, value):
@@ -217,11 +261,18 @@ def reply_logprobs(ctx, p, ids, prompt, scored):
     return {key: echoed[key] + generated[key] for key in echoed}
 
 
-def complete(ctx, p, ids, gone, scored=None):
+def seeded(ctx, seed):
+    """A generator at the request's seed, else a random one."""
+    generator = torch.Generator(device=ctx.dev)
+    return generator.manual_seed(generator.seed() if seed is None else seed)
+
+
+def complete(ctx, p, ids, gone, scored=None, generator=None):
     """Yields (new text, finish_reason or None, tokens so far); text that could begin a stop string
-    waits until it cannot. scored: None, or a list that gets (token id, score()) of each token."""
-    generator = torch.Generator(device=ctx.dev)  # the request's seed, else a random one
-    generator.manual_seed(generator.seed() if p["seed"] is None else p["seed"])
+    waits until it cannot. scored: None, or a list that gets (token id, score()) of each token;
+    generator: what draws the tokens (None: one at p["seed"]). BOS and p["stop_ids"] end it."""
+    generator = generator or seeded(ctx, p["seed"])
+    ends = {ctx.tok.bos_id, *p.get("stop_ids", ())}
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a token may end in a char
     held, n, finish = "", 0, "length"  # held: the text not yielded yet
     tokens = ctx.model.generate(model_input(ctx, ids), p["max_tokens"], generator=generator,
@@ -243,7 +294,7 @@ def complete(ctx, p, ids, gone, scored=None):
             n += 1
             if scored is not None:
                 scored.append((token, score(ctx, logits.pop()[None], [token], p["logprobs"])[0]))
-            if token == ctx.tok.bos_id:  # the model ended the document (BOS = EOS)
+            if token in ends:  # the model ended the document (BOS = EOS), or its reply
                 finish = "stop"
                 break
             # held holds no stop string, and is the longest end of the text that could begin one
@@ -262,154 +313,7 @@ def complete(ctx, p, ids, gone, scored=None):
     yield held + decoder.decode(b"", final=True), finish, n
 
 
-class ModelQueue:
-    """The model, for one generation at a time, first come first served; at most max_waiting wait,
-    each at most max_wait seconds, or get 503 with a Retry-After (limit_concurrency has none)."""
-
-    def __init__(self, max_waiting, max_wait):
-        self.max_waiting, self.max_wait = max_waiting, max_wait
-        self.cond = threading.Condition()
-        self.line = collections.deque()  # the waiting requests, first come first
-        self.started = None  # when the running generation took the model; None: the model is free
-        self.held = collections.deque(maxlen=16)  # seconds each of the last requests held it
-        self.closed = False  # the server is stopping: no generation starts
-
-    def free(self):
-        return self.started is None and not self.closed
-
-    @contextlib.contextmanager
-    def turn(self):
-        with self.cond:
-            if len(self.line) + (not self.free()) > self.max_waiting:
-                raise self.refusal(f"the model is busy and its line is full ({len(self.line)} "
-                                   "waiting: serve_max_queue)")
-            me = object()
-            self.line.append(me)
-            if not self.cond.wait_for(lambda: self.line[0] is me and self.free(), self.max_wait):
-                self.line.remove(me)
-                self.cond.notify_all()  # the next one may be first in line now
-                raise self.refusal(f"the model was not free within {self.max_wait} s "
-                                   "(serve_max_wait)")
-            self.line.popleft()
-            self.started = time.monotonic()
-        try:
-            yield
-        finally:
-            with self.cond:
-                self.held.append(time.monotonic() - self.started)
-                self.started = None
-                self.cond.notify_all()
-
-    def refusal(self, why):
-        """The 503; Retry-After: when the requests ahead would be done at the mean time the last
-        ones held the model (before any ended: the running one's time so far), at least 1 s."""
-        now = time.monotonic()
-        per_request = sum(self.held) / len(self.held) if self.held else now - (self.started or now)
-        seconds = max(1, math.ceil(per_request * (len(self.line) + (self.started is not None))))
-        return RequestError(f"{why}: send it again in {seconds} s", status=503,
-                            headers={"Retry-After": str(seconds)})
-
-    def close(self, timeout):
-        """Lets no generation start; waits up to timeout s for the running one: whether it ended."""
-        with self.cond:
-            self.closed = True
-            return self.cond.wait_for(lambda: self.started is None, timeout)
-
-
 # --- the HTTP layer: uvicorn's connection with the bounds it lacks, the FastAPI app, the thread
-
-def log(client, message):
-    """One write, so that threads' lines do not interleave; client: (host, port) or None."""
-    when, who = time.strftime("%d/%b/%Y %H:%M:%S"), client[0] if client else "-"
-    sys.stderr.write(f"{who} - - [{when}] {message}\n")  # stderr is line-buffered
-
-
-def json_reply(status, obj, headers=None):
-    """obj as json.dumps writes it (a log-probability of -inf too, as -Infinity)."""
-    return Response(json.dumps(obj), status, headers, media_type="application/json")
-
-
-def error_reply(e):
-    kind = "invalid_request_error" if e.status < 500 else "server_error"
-    return json_reply(e.status, {"error": {"message": str(e), "type": kind, "param": e.param}},
-                      e.headers)
-
-
-def length_error(size):
-    """RequestError for a Content-Length (text) that is not a size or is over MAX_BODY_BYTES."""
-    if not (size.isascii() and size.isdigit()):  # isdigit() alone passes "²", which int() refuses
-        return RequestError(f"Content-Length {shown(size)} is not a size in bytes: send its length")
-    if len(size) > 9 or int(size) > MAX_BODY_BYTES:  # int() refuses thousands of digits
-        return RequestError(f"Content-Length {shown(size)} is above this server's limit of "
-                            f"{MAX_BODY_BYTES} bytes: send a shorter prompt", status=413)
-    return None
-
-
-class Connection(H11Protocol):
-    """uvicorn's connection (h11), one request each, with what uvicorn lacks: a request arrives
-    within read_timeout seconds (uvicorn bounds a head's size, not its time); a head h11 refuses
-    gets the JSON error (not plain text); a body cut short by EOF gets 400 (not a dropped line)."""
-
-    def __init__(self, *args, read_timeout, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.read_timeout, self.head = read_timeout, b""  # head: the bytes before h11's request
-        self.timer = self.loop.call_later(read_timeout, self.too_slow)
-
-    def connection_lost(self, exc):
-        self.timer.cancel()
-        super().connection_lost(exc)
-
-    def data_received(self, data):
-        if self.cycle is None:
-            self.head += data
-        elif not self.cycle.more_body:
-            return  # bytes after the request, unread: h11 would pause reading, blind to a leaving
-        super().data_received(data)
-
-    def eof_received(self):
-        if self.cycle is None or not self.cycle.more_body:
-            return False  # the connection closes: its client has left, its generation stops
-        self.cycle.more_body = False  # a body cut short ends here, and gets the app's 400
-        self.cycle.message_event.set()
-        return True
-
-    def too_slow(self):
-        if self.cycle is None:
-            self.transport.close()  # its head never came whole: dropped unanswered
-        elif self.cycle.more_body:  # its body never did: 408, and its handler sees the client gone
-            self.refuse(RequestError(f"the request did not arrive within {self.read_timeout} s "
-                                     "(serve_read_timeout): send it at once", status=408))
-
-    def send_400_response(self, msg):
-        """h11 refused the request's head: the JSON error, naming the bad Content-Length or h11's
-        reason."""
-        size = re.search(rb"(?im)^content-length:(.*)$", self.head)
-        error = size and length_error(size[1].strip().decode("latin-1"))
-        reason = first_line(sys.exc_info()[1])[:80]  # h11's reason may quote the request at length
-        self.refuse(error or RequestError(f"the request is not HTTP that h11 reads ({reason}): "
-                                          "send a well-formed HTTP/1.1 request"))
-
-    def refuse(self, error):
-        """Answers error past h11, which writes HTTP/1.1 alone: in the client's version."""
-        line = self.head.split(b"\n", 1)[0].strip().decode("latin-1")
-        version, body = "1.0" if line.endswith("HTTP/1.0") else "1.1", error_reply(error).body
-        self.transport.write(f"HTTP/{version} {error.status} {http.HTTPStatus(error.status).phrase}"
-                             f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
-                             "\r\nConnection: close\r\n\r\n".encode() + body)
-        self.transport.close()
-        log(self.client, f'"{line}" {error.status} -')
-
-
-def logged(app):
-    """app, logging each reply's status (uvicorn's access log leaves out a client already gone)."""
-    async def app_logged(scope, receive, send):
-        async def send_logged(message):
-            if message["type"] == "http.response.start":
-                line = f'{scope["method"]} {get_path_with_query_string(scope)}'
-                log(scope["client"], f'"{line} HTTP/{scope["http_version"]}" {message["status"]} -')
-            await send(message)
-        await app(scope, receive, send_logged)
-    return app_logged
 
 
 def make_app(ctx):
@@ -419,17 +323,9 @@ def make_app(ctx):
     for path, obj in (("/health", {"status": "ok"}), ("/info", ctx.info), ("/v1/models", models)):
         app.add_route(path, json_reply(200, obj), methods=["GET"])  # an ASGI app: the same reply
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        try:
-            return await answer(ctx, request)
-        except RequestError as e:
-            return error_reply(e)
-        except (ClientDisconnect, ConnectionAbortedError):  # gone: uvicorn writes nothing, the log
-            return Response(status_code=499)  # says 499 (nginx's "client closed request")
-        except Exception as e:  # a bug, or out of memory: say so and keep serving
-            print(f"error: POST /v1/completions: {first_line(e)}", file=sys.stderr, flush=True)
-            return error_reply(RequestError(first_line(e), status=500))
+    for path, parse in (("/v1/completions", parse_completion),
+                        ("/v1/chat/completions", parse_chat)):
+        app.add_api_route(path, functools.partial(endpoint, ctx, parse), methods=["POST"])
 
     @app.exception_handler(HTTPException)  # FastAPI's 404 and 405
     async def unrouted(request, e):
@@ -441,7 +337,20 @@ def make_app(ctx):
     return logged(app)
 
 
-async def answer(ctx, request):
+async def endpoint(ctx, parse, request: Request):
+    """A POST's reply: its answer, or the JSON error."""
+    try:
+        return await answer(ctx, parse, request)
+    except RequestError as e:
+        return error_reply(e)
+    except (ClientDisconnect, ConnectionAbortedError):  # gone: uvicorn writes nothing, the log
+        return Response(status_code=499)  # says 499 (nginx's "client closed request")
+    except Exception as e:  # a bug, or out of memory: say so and keep serving
+        print(f"error: POST {request.url.path}: {first_line(e)}", file=sys.stderr, flush=True)
+        return error_reply(RequestError(first_line(e), status=500))
+
+
+async def answer(ctx, parse, request):
     size = request.headers.get("content-length")
     if size is None or "transfer-encoding" in request.headers:
         raise RequestError("the body has no Content-Length (a chunked body is not read): send it "
@@ -453,25 +362,27 @@ async def answer(ctx, request):
     if len(body) < int(size):
         raise RequestError(f"the body ended after {len(body)} of the {size} bytes its "
                            "Content-Length promised: send all of it")
-    p, ids, prompt = parse_completion(body, ctx)
+    p, ids, prompt = parse(body, ctx)
     # after the body, uvicorn's receive() returns once the client has left (or the reply is done)
     left = threading.Event()
     asyncio.ensure_future(request.receive()).add_done_callback(lambda _: left.set())
     loop, replies = asyncio.get_running_loop(), asyncio.Queue()
     say = functools.partial(log, request.scope["client"])
     put = functools.partial(loop.call_soon_threadsafe, replies.put_nowait)
-    threading.Thread(target=generate, args=(ctx, p, ids, prompt, left.is_set, say, put),
+    api = chat if parse is parse_chat else COMPLETIONS
+    threading.Thread(target=generate, args=(ctx, api, p, ids, prompt, left.is_set, say, put),
                      daemon=True).start()
     first = await replies.get()
     if isinstance(first, Exception):
         raise first
     if not p["stream"]:
         return json_reply(200, first)
-    return StreamingResponse(events(first, replies), headers={"Content-Type": "text/event-stream",
-                                                              "Cache-Control": "no-cache"})
+    return StreamingResponse(events(first, replies, request.url.path),
+                             headers={"Content-Type": "text/event-stream",
+                                      "Cache-Control": "no-cache"})
 
 
-async def events(reply, replies):
+async def events(reply, replies, path):
     """Server-sent events, then `data: [DONE]`, which a stream cut short (the client left, the
     server is stopping, a bug) leaves out: too late for an error's status."""
     while reply is not None and not isinstance(reply, Exception):
@@ -481,33 +392,54 @@ async def events(reply, replies):
     if reply is None:
         yield "data: [DONE]\n\n"
     elif not isinstance(reply, (RequestError, ConnectionAbortedError)):  # a bug: say so
-        print(f"error: POST /v1/completions: {first_line(reply)}", file=sys.stderr, flush=True)
+        print(f"error: POST {path}: {first_line(reply)}", file=sys.stderr, flush=True)
 
 
-def generate(ctx, p, ids, prompt, gone, say, put):
-    """Puts a completion's replies (the whole reply, or a stream's chunks) then None, or what ended
-    them; on a thread of its own, so that a client that stops reading does not hold the model."""
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": ctx.name}
+def completion_choice(index, text, finish, logprobs):
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
-    def reply(text, finish, n, logprobs=None):  # of a stream's chunks, the last alone has usage
-        choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
-        usage = {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-        return dict(head, choices=[choice], **({"usage": usage} if finish else {}))
+
+# the replies of /v1/completions; chat.py has /v1/chat/completions' of the same names
+COMPLETIONS = SimpleNamespace(OBJECT="text_completion", CHUNK="text_completion",
+                              choice=completion_choice, logprobs=reply_logprobs,
+                              delta=lambda index, text, finish, first: completion_choice(
+                                  index, text, finish, None))
+
+
+def generate(ctx, api, p, ids, prompt, gone, say, put):
+    """Puts the replies of a request's n choices (the whole reply, or a stream's chunks, choice
+    after choice) then None, or what ended them; on a thread of its own, so that a client that
+    stops reading does not hold the model. The choices draw in turn from one generator at the seed
+    (as sample.py's num_samples do)."""
+    head = {"id": f"{'chatcmpl' if api is chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": api.CHUNK if p["stream"] else api.OBJECT, "created": int(time.time()),
+            "model": ctx.name}
+
+    def usage(n):  # of a stream's chunks, the last alone has it; n: the tokens of all choices
+        return {"usage": {"prompt_tokens": len(ids), "completion_tokens": n,
+                          "total_tokens": len(ids) + n}}
 
     try:
         with ctx.queue.turn():
-            scored = None if p["logprobs"] is None else []
-            parts = complete(ctx, p, ids, gone, scored)
-            if p["echo"]:  # the prompt's text first, streamed or not
-                parts = itertools.chain([(prompt, None, 0)], parts)
-            if p["stream"]:
-                for text, finish, n in parts:
-                    put(reply(text, finish, n))
-            else:
-                parts = list(parts)
-                text, finish, n = "".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]
-                put(reply(text, finish, n, reply_logprobs(ctx, p, ids, prompt, scored)))
+            generator, used, choices = seeded(ctx, p["seed"]), 0, []
+            for i in range(p["n"]):
+                scored = None if p["logprobs"] is None else []
+                parts = complete(ctx, p, ids, gone, scored, generator)
+                if p["echo"]:  # the prompt's text first, streamed or not
+                    parts = itertools.chain([(prompt, None, 0)], parts)
+                if p["stream"]:
+                    for j, (text, finish, n) in enumerate(parts):
+                        last = finish and i == p["n"] - 1
+                        put(dict(head, choices=[api.delta(i, text, finish, j == 0)],
+                                 **(usage(used + n) if last else {})))
+                else:
+                    parts = list(parts)
+                    text, finish, n = "".join(t for t, _, _ in parts), parts[-1][1], parts[-1][2]
+                    choices.append(api.choice(i, text, finish,
+                                              api.logprobs(ctx, p, ids, prompt, scored)))
+                used += n
+            if not p["stream"]:
+                put(dict(head, choices=choices, **usage(used)))
         put(None)
     except Exception as e:  # the client left, a RequestError (503), or a bug: the reply says so
         put(e)
@@ -542,11 +474,13 @@ def serve_http(config, path, model, tok, info, dev):
                           created=int(os.path.getmtime(path)),  # when it was written: /v1/models
                           queue=ModelQueue(config.serve_max_queue, config.serve_max_wait),
                           stopping=threading.Event(), max_tokens=config.serve_max_tokens,
+                          max_n=config.get("serve_max_n", MAX_N),
                           max_prompt=cfg.block_size - 1)
     limits = {"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
               "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS, "stop_chars": MAX_STOP_CHARS,
               "read_seconds": config.serve_read_timeout, "logprobs": MAX_LOGPROBS,
-              "queue": config.serve_max_queue, "wait_seconds": config.serve_max_wait}
+              "queue": config.serve_max_queue, "wait_seconds": config.serve_max_wait,
+              "n": ctx.max_n}
     ctx.info = dict(info, parameters=param_counts(cfg)["total"], tokenizer=tok.spec,
                     block_size=cfg.block_size, device=str(dev), limits=limits)
     try:
