@@ -1,0 +1,60 @@
+"""Cases that left a user stuck or unsure: a hand-off cut short in its last cleanup refused every rerun; two
+skills.py on one pack_dir both said "wrote"; a download_dir that is a file ended in a bare errno; config mistakes
+of skills.py and handoff.py exited 1; torchrun's traceback followed podgpt's one line."""
+import os
+import shutil
+import sys
+
+from podgpt.core.util import SCRATCH_MARK
+from conftest import ROOT, run, run_script
+from test_bad_input import finished_run  # noqa: F401 -- a fixture: a finished 1-step run (stdlib)
+from test_handoff import checked
+
+# handoff.py as a process, its put_in_place dying (a SIGKILL's exit) where it removes the earlier bundle
+KILLED_IN_CLEANUP = """
+import os, sys
+import handoff
+from podgpt.core.util import run_main
+from podgpt.release import hf
+removed = hf.remove_scratch
+hf.remove_scratch = lambda path: os._exit(137) if path.endswith("podgpt-old") else removed(path)
+run_main(handoff.main, sys.argv[1:])
+"""
+
+
+def test_a_handoff_killed_in_its_last_cleanup_is_finished_by_the_rerun(finished_run, tmp_path, capfd):  # noqa: F811
+    """A kill between the new bundle's rename into place and the earlier one's removal left the earlier one in
+    .NAME.podgpt-old/old, and every rerun refused. The rerun removes it when the folder is podgpt's (marked, no
+    live holder) and the bundle in place is whole as handoff.py wrote it; cut between the two renames (no bundle
+    in place), the earlier bundle, whole, goes back. What podgpt cannot prove its own is refused as before."""
+    out, aside = tmp_path / "bundle", tmp_path / ".bundle.podgpt-old"
+    args = ["handoff.py", f"--run={finished_run}", f"--out={out}"]
+    assert run_script(args, capfd).returncode == 0
+    killed = run([sys.executable, "-c", KILLED_IN_CLEANUP, *args[1:]], check=False)
+    assert killed.returncode == 137, killed.stderr[-2000:]
+    assert sorted(os.listdir(aside)) == [SCRATCH_MARK, "old"] and (aside / "old" / "podgpt-handoff.json").is_file()
+    r = run_script(args, capfd)
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path) == ["bundle"] and checked(out)
+
+    # cut between the renames: the earlier bundle waits beside and none is in place; it goes back, then is replaced
+    shutil.copytree(out, aside / "old")
+    (aside / SCRATCH_MARK).write_text("")
+    shutil.rmtree(out)
+    assert run_script(args, capfd).returncode == 0
+    assert os.listdir(tmp_path) == ["bundle"] and checked(out)
+
+    waits = (f"error: out={out}: an earlier bundle waits in {aside}/old, left by a replace cut short: move it back "
+             f"to {out} (or away), then rerun")
+    shutil.copytree(out, aside / "old")
+    readme = (out / "README.md").read_text()
+    for unproven in ("no mark", "an edited bundle in place", "a file of yours beside"):
+        if unproven == "an edited bundle in place":
+            (aside / SCRATCH_MARK).write_text("")
+            (out / "README.md").write_text(readme + "mine\n")
+        elif unproven == "a file of yours beside":
+            (out / "README.md").write_text(readme)
+            (aside / "notes.txt").write_text("mine")
+        r = run_script(args, capfd)
+        assert (r.returncode, r.stderr.splitlines()) == (1, [waits]), unproven
+        assert (aside / "old" / "podgpt-handoff.json").is_file()
