@@ -487,29 +487,33 @@ def manifest_of(cfg, splits, texts, description):
     }
 
 
+def hold_pack(cfg, folder):
+    """pack_dir held from the start, so a second skills.py on it is refused while this one makes
+    its rows: empty, or a pack's files and the mark (else one line, nothing written)."""
+    folder.hold()
+    own = {MARK, MANIFEST, *FILES.values()}  # a pack's files, and the holding run's mark
+    if os.path.isdir(cfg.pack_dir) and (
+            foreign := sorted(n for n in os.listdir(cfg.pack_dir) if n not in own)):
+        fail(f"pack_dir {cfg.pack_dir} holds what skills.py did not write "
+             f"({', '.join(foreign[:3])}): move that out of it, or choose another --pack_dir")
+    folder.claim()
+
+
 def write_pack(cfg, splits, description):
-    """The pack into pack_dir, each file atomically; the old manifest goes first and the new one
-    comes last, so a manifest is only ever beside its own files."""
+    """The pack into pack_dir (held), each file atomically; the old manifest goes first and the
+    new one comes last, so a manifest is only ever beside its own files."""
     texts = {split: "".join(json.dumps({f: row[f] for f in PACK_FIELDS}, ensure_ascii=False)
                             + "\n" for row in rows) for split, rows in splits.items()}
     manifest = manifest_of(cfg, splits, texts, description)
-    with Folder(cfg.pack_dir, "pack_dir") as folder:
-        folder.hold()
-        own = {MARK, MANIFEST, *FILES.values()}  # a pack's files, and the holding run's mark
-        if os.path.isdir(cfg.pack_dir) and (
-                foreign := sorted(n for n in os.listdir(cfg.pack_dir) if n not in own)):
-            fail(f"pack_dir {cfg.pack_dir} holds what skills.py did not write "
-                 f"({', '.join(foreign[:3])}): move that out of it, or choose another --pack_dir")
-        folder.claim()
-        try:
-            if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):
-                os.remove(path)
-            for split, name in FILES.items():
-                write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
-            write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
-        except OSError as e:  # a full disk, a folder that cannot be written: one line
-            fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
-                 + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
+    try:
+        if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):
+            os.remove(path)
+        for split, name in FILES.items():
+            write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
+        write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
+    except OSError as e:  # a full disk, a folder that cannot be written: one line
+        fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
     return manifest
 
 
@@ -533,23 +537,29 @@ def check_args(cfg):
 def main(argv):
     cfg = configurator.configure(__file__, argv)
     check_args(cfg)
-    if cfg.pack_source == "templates":
-        splits = template_pack(cfg)
-        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))]
-                   for split, rows in splits.items()}
-        description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.pack_categories))})"
-    elif cfg.pack_source == "gsm8k":
-        splits, origins = gsm8k_pack(cfg)
-        description = "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
-    else:
-        (splits, origins), description = jsonl_pack(cfg), cfg.pack_source
-    check_pack(splits, origins)
-    manifest = write_pack(cfg, splits, description)
+    with Folder(cfg.pack_dir, "pack_dir") as folder:
+        hold_pack(cfg, folder)
+        splits, origins, description = make_pack(cfg)
+        check_pack(splits, origins)
+        manifest = write_pack(cfg, splits, description)
     for name, n in manifest["categories"].items():
         chance = "?" if n["chance"] is None else f"{n['chance']:.3g}"
         print(f"{name:>14}: {n['sft']:5d} sft {n['eval']:5d} eval, chance {chance}")
     print(f"wrote {cfg.pack_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows "
           f"from {description}")
+
+
+def make_pack(cfg):
+    """The pack's rows from its source: ({split: rows}, {split: each row's origin}, description)."""
+    if cfg.pack_source == "templates":
+        splits = template_pack(cfg)
+        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))]
+                   for split, rows in splits.items()}
+        return splits, origins, (f"templates v{VERSION} "
+                                 f"({', '.join(chosen_categories(cfg.pack_categories))})")
+    if cfg.pack_source == "gsm8k":
+        return *gsm8k_pack(cfg), "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
+    return *jsonl_pack(cfg), cfg.pack_source
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Cases that left a user stuck or unsure: a hand-off cut short in its last cleanup refused every rerun; two
 skills.py on one pack_dir both said "wrote"; a download_dir that is a file ended in a bare errno; config mistakes
 of skills.py and handoff.py exited 1; torchrun's traceback followed podgpt's one line."""
+import hashlib
 import os
 import shutil
+import subprocess
 import sys
 
 from podgpt.core.util import SCRATCH_MARK
@@ -58,3 +60,55 @@ def test_a_handoff_killed_in_its_last_cleanup_is_finished_by_the_rerun(finished_
         r = run_script(args, capfd)
         assert (r.returncode, r.stderr.splitlines()) == (1, [waits]), unproven
         assert (aside / "old" / "podgpt-handoff.json").is_file()
+
+
+# skills.py as a process that says when it has begun making its rows, then waits for the test's go
+PAUSED_SKILLS = """
+import os, sys, time
+import skills
+from podgpt.core.util import run_main
+made, began, go = skills.template_pack, sys.argv[1], sys.argv[2]
+
+def paused(cfg):
+    open(began, "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.05)
+    return made(cfg)
+skills.template_pack = paused
+run_main(skills.main, sys.argv[3:])
+"""
+
+
+def test_a_second_skills_py_on_a_pack_dir_being_made_is_refused_and_the_first_pack_stays(tmp_path, capfd):
+    """Two skills.py on one pack_dir both printed "wrote" and the later one's pack replaced the earlier's. The
+    first now holds pack_dir (its mark's lock) from its start: the second, started while the first makes its
+    rows, is refused in one line naming it and writes nothing; the first's pack is written whole."""
+    import json
+    import time
+    from conftest import popen
+    from podgpt.core.util import holder
+    pack, began, go = tmp_path / "pack", tmp_path / "began", tmp_path / "go"
+    small = ["--sft_rows=22", "--eval_rows=11"]
+    first = popen([sys.executable, "-c", PAUSED_SKILLS, began, go, f"--pack_dir={pack}", *small, "--pack_seed=1"],
+                  cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not began.exists():
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.05)
+        who = holder(str(pack / ".podgpt"))
+        assert who.startswith(f"pid {first.pid} on ")
+        r = run_script(["skills.py", f"--pack_dir={pack}", *small, "--pack_seed=2"], capfd)
+        assert (r.returncode, r.stderr.splitlines(), r.stdout) == (1, [
+            f"error: pack_dir {pack} is being written by another podgpt process ({who}): wait for it to end (or "
+            "stop it), or choose another pack_dir"], "")
+        assert os.listdir(pack) == [".podgpt"]
+    finally:
+        go.touch()
+        out, err = first.communicate(timeout=120)
+    assert first.returncode == 0 and out.splitlines()[-1].startswith(f"wrote {pack}: 22 SFT rows"), err
+    manifest = json.loads((pack / "manifest.json").read_text())
+    assert manifest["seed"] == 1 and sorted(os.listdir(pack)) == [".podgpt", "eval.jsonl", "manifest.json",
+                                                                   "sft.jsonl"]
+    for name, entry in manifest["files"].items():
+        assert hashlib.sha256((pack / name).read_bytes()).hexdigest() == entry["sha256"]
