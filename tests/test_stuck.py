@@ -7,8 +7,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from podgpt.core.util import SCRATCH_MARK
-from conftest import ROOT, run, run_script
+from conftest import ROOT, run, run_script, tree
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: a finished 1-step run (stdlib)
 from test_handoff import checked
 
@@ -112,3 +114,26 @@ def test_a_second_skills_py_on_a_pack_dir_being_made_is_refused_and_the_first_pa
                                                                    "sft.jsonl"]
     for name, entry in manifest["files"].items():
         assert hashlib.sha256((pack / name).read_bytes()).hexdigest() == entry["sha256"]
+
+
+def test_a_download_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
+    """prepare.py downloading a URL into --download_dir=<a file> ended in a bare "[Errno 20] Not a directory"; now
+    one line names download_dir (or the file standing where its folder must be) and the fix, before anything is
+    fetched or written."""
+    from podgpt.core import util
+    import prepare
+    (tmp_path / "afile").write_text("mine")
+    url = "http://127.0.0.1:9/doc.txt"  # nothing listens: the refusal comes before any request
+    for download_dir, message in {
+            "afile": "download_dir={d} is a file, not a folder: give the path of a folder for the downloads (it is "
+                     "created), e.g. --download_dir=downloads",
+            "afile/below": "download_dir={d}: {tmp}/afile is a file, not a folder: move it away, or choose another "
+                           "--download_dir"}.items():
+        before = tree(tmp_path)
+        d = tmp_path / download_dir
+        with pytest.raises(SystemExit) as stop:
+            util.run_main(prepare.main, [f"--source={url}", f"--data_dir={tmp_path / 'data'}", f"--download_dir={d}",
+                                         "--workers=1"])
+        assert (stop.value.code, capsys.readouterr().err) == (1, "error: " + message.format(d=d, tmp=tmp_path)
+                                                              + "\n")
+        assert tree(tmp_path) == before
