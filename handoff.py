@@ -28,8 +28,8 @@ import honesty
 from podgpt.core.checkpoint import reading
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.core.owned import edited, file_sha256, shas
-from podgpt.release.hf import (beside, card_usage, check_replaceable, export, put_in_place,
-                               scratch_beside)
+from podgpt.release.hf import (DTYPES, beside, card_usage, check_replaceable, export,
+                               put_in_place, scratch_beside)
 from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
 from podgpt.pod.report import read_json
 from podgpt.core.util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail,
@@ -301,6 +301,10 @@ def main(argv):
     cfg = configurator.configure(__file__, argv)
     if cfg.which not in ("best", "latest"):
         fail(f"which={cfg.which!r} is not one of best, latest", code=2)
+    if cfg.weights_dtype not in DTYPES:  # named as the user gives it (export.py's key is dtype)
+        fail(f"weights_dtype={cfg.weights_dtype!r} is not one of {', '.join(DTYPES)}", code=2)
+    if cfg.examples < 0:
+        fail(f"examples={cfg.examples} must be 0 or more", code=2)
     if not cfg.out:
         fail("no --out: give the bundle's folder, e.g. --out=handoff/tiny_skills", code=2)
     folder = cfg.run or cfg.out_dir

@@ -388,7 +388,7 @@ def chosen_categories(spec):
     unknown = [name for name in names if name not in CATEGORIES]
     if unknown:
         fail(f"pack_categories={spec!r}: no category {unknown[0]!r} (the categories: "
-             f"{', '.join(CATEGORIES)})")
+             f"{', '.join(CATEGORIES)})", code=2)
     return names
 
 
@@ -521,17 +521,21 @@ def check_args(cfg):
     if not cfg.pack_dir:  # "" would be the current folder, and the user's files in it
         fail("pack_dir is empty: give the pack's folder, e.g. --pack_dir=data/skills", code=2)
     if cfg.answer_style not in ANSWER_STYLES + ("mixed",):
-        fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed")
+        fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed", code=2)
     for key in ("sft_rows", "eval_rows"):
         if cfg[key] < 0:
-            fail(f"{key}={cfg[key]} must be 0 or more")
+            fail(f"{key}={cfg[key]} must be 0 or more", code=2)
         if cfg[key] > MAX_ROWS:  # checked first: drawing that many would take hours
             fail(f"{key}={cfg[key]} is more than a pack holds (at most {MAX_ROWS:,} rows a "
                  "split): ask for fewer rows (--sft_rows / --eval_rows)", code=2)
     if cfg.max_draws < 1 or cfg.pack_workers < 1:
-        fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1")
+        fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1",
+             code=2)
     if cfg.pack_source not in ("templates", "gsm8k") and not cfg.pack_source.endswith(".jsonl"):
-        fail(f"pack_source={cfg.pack_source!r} is not templates, gsm8k or a .jsonl file of rows")
+        fail(f"pack_source={cfg.pack_source!r} is not templates, gsm8k or a .jsonl file of rows",
+             code=2)
+    if cfg.pack_source == "templates":
+        chosen_categories(cfg.pack_categories)
 
 
 def main(argv):

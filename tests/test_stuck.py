@@ -137,3 +137,33 @@ def test_a_download_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
         assert (stop.value.code, capsys.readouterr().err) == (1, "error: " + message.format(d=d, tmp=tmp_path)
                                                               + "\n")
         assert tree(tmp_path) == before
+
+
+CATEGORY_LIST = "arithmetic, word_problem, counting, sorting, units, date_add, weekday, month_add, string_edit, yes_no, format"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["skills.py", "--pack_dir={tmp}/pack", "--answer_style=cot"],
+     "answer_style='cot' is not one of direct, scratchpad, mixed"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--sft_rows=-1"], "sft_rows=-1 must be 0 or more"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--eval_rows=-3"], "eval_rows=-3 must be 0 or more"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--max_draws=0"], "max_draws=0 and pack_workers=1 must be at least 1"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--pack_workers=0"],
+     "max_draws=100 and pack_workers=0 must be at least 1"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--pack_source=rows.csv"],
+     "pack_source='rows.csv' is not templates, gsm8k or a .jsonl file of rows"),
+    (["skills.py", "--pack_dir={tmp}/pack", "--pack_categories=units,poetry"],
+     f"pack_categories='units,poetry': no category 'poetry' (the categories: {CATEGORY_LIST})"),
+    (["handoff.py", "--run={run}", "--out={tmp}/bundle", "--weights_dtype=float16"],
+     "weights_dtype='float16' is not one of float32, bfloat16"),
+    (["handoff.py", "--run={run}", "--out={tmp}/bundle", "--examples=-1"], "examples=-1 must be 0 or more"),
+])
+def test_a_config_mistake_of_skills_or_handoff_exits_2_in_one_line_naming_the_key(args, message, finished_run,  # noqa: F811
+                                                                                   tmp_path, capfd):
+    """docs/refusals.md: a config mistake exits 2. These exited 1 (handoff's weights_dtype named as "dtype", and
+    only after the gate was read and a scratch folder made; examples=-1 dropped the last example silently); each is
+    now one line naming the key as given, exit 2, and nothing written."""
+    before = tree(tmp_path)
+    r = run_script([a.format(tmp=tmp_path, run=finished_run) for a in args], capfd)
+    assert (r.returncode, r.stderr, r.stdout) == (2, f"error: {message}\n", "")
+    assert tree(tmp_path) == before
