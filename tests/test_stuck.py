@@ -139,7 +139,8 @@ def test_a_download_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys):
         assert tree(tmp_path) == before
 
 
-CATEGORY_LIST = "arithmetic, word_problem, counting, sorting, units, date_add, weekday, month_add, string_edit, yes_no, format"
+CATEGORY_LIST = ("arithmetic, word_problem, counting, sorting, units, date_add, weekday, month_add, string_edit, "
+                 "yes_no, format")
 
 
 @pytest.mark.parametrize("args, message", [
@@ -158,8 +159,8 @@ CATEGORY_LIST = "arithmetic, word_problem, counting, sorting, units, date_add, w
      "weights_dtype='float16' is not one of float32, bfloat16"),
     (["handoff.py", "--run={run}", "--out={tmp}/bundle", "--examples=-1"], "examples=-1 must be 0 or more"),
 ])
-def test_a_config_mistake_of_skills_or_handoff_exits_2_in_one_line_naming_the_key(args, message, finished_run,  # noqa: F811
-                                                                                   tmp_path, capfd):
+def test_a_config_mistake_of_skills_or_handoff_exits_2_in_one_line(args, message, finished_run,  # noqa: F811
+                                                                    tmp_path, capfd):
     """docs/refusals.md: a config mistake exits 2. These exited 1 (handoff's weights_dtype named as "dtype", and
     only after the gate was read and a scratch folder made; examples=-1 dropped the last example silently); each is
     now one line naming the key as given, exit 2, and nothing written."""
@@ -167,3 +168,21 @@ def test_a_config_mistake_of_skills_or_handoff_exits_2_in_one_line_naming_the_ke
     r = run_script([a.format(tmp=tmp_path, run=finished_run) for a in args], capfd)
     assert (r.returncode, r.stderr, r.stdout) == (2, f"error: {message}\n", "")
     assert tree(tmp_path) == before
+
+
+def test_a_failed_worker_under_run_sh_s_torchrun_leaves_its_own_line_and_its_exit_status(tmp_path):
+    """run.sh launches torchrun through podgpt.pod.torchrun: a worker's `error:` line was followed by torchrun's
+    ChildFailedError traceback; now the line is the last word and the exit status is the worker's (a worker
+    killed by a signal: 128 + its number, as a shell reports it)."""
+    launch = [sys.executable, "-m", "podgpt.pod.torchrun", "--standalone", "--nproc_per_node=2"]
+    r = run([*launch, "train.py", f"--data_dir={tmp_path / 'nodata'}", f"--out_dir={tmp_path / 'out'}",
+             "--device=cpu"], check=False)
+    line = f"error: no manifest.json in {tmp_path / 'nodata'}: run python prepare.py --data_dir={tmp_path / 'nodata'}"
+    assert r.returncode == 1 and line in r.stderr.splitlines(), r.stderr
+    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
+    killed = tmp_path / "killed.py"
+    killed.write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    r = run([*launch, killed], check=False)
+    assert r.returncode == 128 + 9 and "Traceback" not in r.stderr, r.stderr
+    with open(os.path.join(ROOT, "run.sh")) as f:
+        assert "\nTORCHRUN=($PYTHON -m podgpt.pod.torchrun)" in f.read()  # each of run.sh's torchrun launches
