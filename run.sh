@@ -172,7 +172,8 @@ util.run_main(lambda argv: print(*(configurator.configure("train.py", argv)[k] f
 #   - the same happens on one node, where by default the workers share torchrun's own TCP store
 #     (measured; pytorch/pytorch#135712): TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each attempt
 #     a store of its own.
-TORCHRUN=($PYTHON -m torch.distributed.run)
+# podgpt.pod.torchrun is torchrun less the traceback it adds after a failed worker's own error line.
+TORCHRUN=($PYTHON -m podgpt.pod.torchrun)
 if [[ $NNODES -gt 1 ]]; then
     NODES=("--nnodes=$NNODES" "--nproc_per_node=$NPROC" "--rdzv_id=$RDZV_ID")
     LAUNCH=("${TORCHRUN[@]}" "${NODES[@]}" --rdzv_backend=static "--node_rank=$NODE_RANK"

@@ -389,7 +389,7 @@ def chosen_categories(spec):
     unknown = [name for name in names if name not in CATEGORIES]
     if unknown:
         fail(f"pack_categories={spec!r}: no category {unknown[0]!r} (the categories: "
-             f"{', '.join(CATEGORIES)})")
+             f"{', '.join(CATEGORIES)})", code=2)
     return names
 
 
@@ -488,29 +488,33 @@ def manifest_of(cfg, splits, texts, description):
     }
 
 
+def hold_pack(cfg, folder):
+    """pack_dir held from the start, so a second skills.py on it is refused while this one makes
+    its rows: empty, or a pack's files and the mark (else one line, nothing written)."""
+    folder.hold()
+    own = {MARK, MANIFEST, *FILES.values()}  # a pack's files, and the holding run's mark
+    if os.path.isdir(cfg.pack_dir) and (
+            foreign := sorted(n for n in os.listdir(cfg.pack_dir) if n not in own)):
+        fail(f"pack_dir {cfg.pack_dir} holds what skills.py did not write "
+             f"({', '.join(foreign[:3])}): move that out of it, or choose another --pack_dir")
+    folder.claim()
+
+
 def write_pack(cfg, splits, description):
-    """The pack into pack_dir, each file atomically; the old manifest goes first and the new one
-    comes last, so a manifest is only ever beside its own files."""
+    """The pack into pack_dir (held), each file atomically; the old manifest goes first and the
+    new one comes last, so a manifest is only ever beside its own files."""
     texts = {split: "".join(json.dumps({f: row[f] for f in PACK_FIELDS}, ensure_ascii=False)
                             + "\n" for row in rows) for split, rows in splits.items()}
     manifest = manifest_of(cfg, splits, texts, description)
-    with Folder(cfg.pack_dir, "pack_dir") as folder:
-        folder.hold()
-        own = {MARK, MANIFEST, *FILES.values()}  # a pack's files, and the holding run's mark
-        if os.path.isdir(cfg.pack_dir) and (
-                foreign := sorted(n for n in os.listdir(cfg.pack_dir) if n not in own)):
-            fail(f"pack_dir {cfg.pack_dir} holds what skills.py did not write "
-                 f"({', '.join(foreign[:3])}): move that out of it, or choose another --pack_dir")
-        folder.claim()
-        try:
-            if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):
-                os.remove(path)
-            for split, name in FILES.items():
-                write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
-            write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
-        except OSError as e:  # a full disk, a folder that cannot be written: one line
-            fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
-                 + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
+    try:
+        if os.path.exists(path := os.path.join(cfg.pack_dir, MANIFEST)):
+            os.remove(path)
+        for split, name in FILES.items():
+            write_atomic(os.path.join(cfg.pack_dir, name), texts[split])
+        write_json(os.path.join(cfg.pack_dir, MANIFEST), manifest)
+    except OSError as e:  # a full disk, a folder that cannot be written: one line
+        fail(f"cannot write the pack into pack_dir={cfg.pack_dir} ({first_line(e)}): "
+             + (MAKE_ROOM if disk_full(e) else "choose another --pack_dir"))
     return manifest
 
 
@@ -518,39 +522,49 @@ def check_args(cfg):
     if not cfg.pack_dir:  # "" would be the current folder, and the user's files in it
         fail("pack_dir is empty: give the pack's folder, e.g. --pack_dir=data/skills", code=2)
     if cfg.answer_style not in ANSWER_STYLES + ("mixed",):
-        fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed")
+        fail(f"answer_style={cfg.answer_style!r} is not one of direct, scratchpad, mixed", code=2)
     for key in ("sft_rows", "eval_rows"):
         if cfg[key] < 0:
-            fail(f"{key}={cfg[key]} must be 0 or more")
+            fail(f"{key}={cfg[key]} must be 0 or more", code=2)
         if cfg[key] > MAX_ROWS:  # checked first: drawing that many would take hours
             fail(f"{key}={cfg[key]} is more than a pack holds (at most {MAX_ROWS:,} rows a "
                  "split): ask for fewer rows (--sft_rows / --eval_rows)", code=2)
     if cfg.max_draws < 1 or cfg.pack_workers < 1:
-        fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1")
+        fail(f"max_draws={cfg.max_draws} and pack_workers={cfg.pack_workers} must be at least 1",
+             code=2)
     if cfg.pack_source not in ("templates", "gsm8k") and not cfg.pack_source.endswith(".jsonl"):
-        fail(f"pack_source={cfg.pack_source!r} is not templates, gsm8k or a .jsonl file of rows")
+        fail(f"pack_source={cfg.pack_source!r} is not templates, gsm8k or a .jsonl file of rows",
+             code=2)
+    if cfg.pack_source == "templates":
+        chosen_categories(cfg.pack_categories)
 
 
 def main(argv):
     cfg = configurator.configure(__file__, argv)
     check_args(cfg)
-    if cfg.pack_source == "templates":
-        splits = template_pack(cfg)
-        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))]
-                   for split, rows in splits.items()}
-        description = f"templates v{VERSION} ({', '.join(chosen_categories(cfg.pack_categories))})"
-    elif cfg.pack_source == "gsm8k":
-        splits, origins = gsm8k_pack(cfg)
-        description = "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
-    else:
-        (splits, origins), description = jsonl_pack(cfg), cfg.pack_source
-    check_pack(splits, origins)
-    manifest = write_pack(cfg, splits, description)
+    with Folder(cfg.pack_dir, "pack_dir") as folder:
+        hold_pack(cfg, folder)
+        splits, origins, description = make_pack(cfg)
+        check_pack(splits, origins)
+        manifest = write_pack(cfg, splits, description)
     for name, n in manifest["categories"].items():
         chance = "?" if n["chance"] is None else f"{n['chance']:.3g}"
         print(f"{name:>14}: {n['sft']:5d} sft {n['eval']:5d} eval, chance {chance}")
     print(f"wrote {cfg.pack_dir}: {len(splits['sft'])} SFT rows, {len(splits['eval'])} eval rows "
           f"from {description}")
+
+
+def make_pack(cfg):
+    """The pack's rows from its source: ({split: rows}, {split: each row's origin}, description)."""
+    if cfg.pack_source == "templates":
+        splits = template_pack(cfg)
+        origins = {split: [f"{FILES[split]}:{k + 1}" for k in range(len(rows))]
+                   for split, rows in splits.items()}
+        return splits, origins, (f"templates v{VERSION} "
+                                 f"({', '.join(chosen_categories(cfg.pack_categories))})")
+    if cfg.pack_source == "gsm8k":
+        return *gsm8k_pack(cfg), "gsm8k (openai/gsm8k main: train for SFT, test for eval)"
+    return *jsonl_pack(cfg), cfg.pack_source
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def local_copy(url, download_dir):
     if os.path.exists(path):
         return path
     if not hub:
+        check_folders(download_dir, os.path.dirname(path))  # before a download: it goes there
         return None
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -63,6 +64,19 @@ def local_copy(url, download_dir):
              f"({constants.HF_HUB_CACHE}): put the file there, or unset HF_HUB_OFFLINE to "
              "download it")
     return cached if isinstance(cached, str) else None
+
+
+def check_folders(download_dir, folder):
+    """Stop in one line when a file stands where download_dir or the folder under it must be."""
+    while folder and not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not folder or os.path.isdir(folder):
+        return
+    if os.path.normpath(folder) == os.path.normpath(download_dir):
+        fail(f"download_dir={download_dir} is a file, not a folder: give the path of a folder for "
+             "the downloads (it is created), e.g. --download_dir=downloads")
+    fail(f"download_dir={download_dir}: {folder} is a file, not a folder: move it away, or choose "
+         "another --download_dir")
 
 
 def hub_download(url, hub, path):
