@@ -318,9 +318,9 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
             "fine-tuned on chat rows (SFT): it answers in the chat layout above" if chat else
             "no instruction tuning: it continues text."),
         tokenizer_line,
-        *[f"- Trained with the vocabulary padded to {cfg.padded_vocab} rows; the padding rows "
+        *[f"- Trained with the vocabulary padded to {cfg.padded_vocab} rows: the padding rows "
           f"are not in the model (log-probabilities are over the {cfg.vocab_size} tokens alone) "
-          f"but in `{PADDING_FILE}`, for podgpt's own loader."] * (cfg.padded_vocab > cfg.vocab_size),
+          f"but in `{PADDING_FILE}`, for podgpt's own loader."][:cfg.padded_vocab > cfg.vocab_size],
         f"- Context is {cfg.block_size} tokens; RoPE was not trained beyond it.",
         "- Documents were separated by BOS only; the model emits BOS (= EOS) where a document "
         "ends.",
