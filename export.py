@@ -5,10 +5,12 @@ Export a podgpt checkpoint as a Hugging Face Llama folder (transformers, vLLM).
     python export.py --ckpt=out/tiny --which=latest --out=export/tiny --dtype=bfloat16
     python export.py config/tiny.py --out=export/tiny               # the run a config names
 
-The folder holds config.json (LlamaForCausalLM), model.safetensors (or shards and an index past
-max_shard_gb; a tied head stored once), generation_config.json (the padding ids suppressed),
-tokenizer.json and tokenizer_config.json for transformers (none for the char tokenizer),
-podgpt_tokenizer/ (the checkpoint's own tokenizer files, which sample.py reads), podgpt.json (the
+The folder holds config.json (LlamaForCausalLM; vocab_size the tokenizer's), model.safetensors (or
+shards and an index past max_shard_gb; a tied head stored once; one row per token, so no output
+takes probability from the padding rows training had), generation_config.json (a reply ends at
+EOS), tokenizer.json and tokenizer_config.json for transformers (none for the char tokenizer),
+podgpt_padding/ (those padding rows, which podgpt reads back), podgpt_tokenizer/ (the
+checkpoint's own tokenizer files, which sample.py reads), podgpt.json (the
 model config; where it came from, as run/ckpt/checkpoint, never a local path; its step and losses;
 the files a later export to the same --out may replace) and README.md, a model card. Every file
 gets a new file's mode (0644 under umask 022). podgpt/release/hf.py builds it beside --out.

@@ -6,10 +6,15 @@ Generate text from a trained checkpoint, streaming it as it comes, or serve it o
     python sample.py --ckpt=out/ckpt/step_0000600 --prompt="def main(" --temperature=0.8
     python sample.py config/tiny.py               # the run a config file describes (its out_dir)
     python sample.py --ckpt=out --serve=True --port=8000   # an OpenAI-style HTTP API: serve.py
+    python sample.py --ckpt=out_sft --prompt="What is 17 + 25?"   # an SFT model answers it
 
 A checkpoint folder (or an export) holds the model and its tokenizer: no data or network needed.
-Each sample starts with BOS, as every training document does, then the prompt. A block-diffusion
-model (objective=bd3lm) is not served. --serve=True needs FastAPI and uvicorn (docs/serving.md).
+Each sample starts with BOS, as every training document does, then the prompt. A chat model (its
+tokenizer has the chat tokens: SFT) takes the prompt as a user message, BOS <|user|> prompt <|end|>
+<|assistant|>, and prints its reply alone, which ends at <|end|> (or BOS), no marker printed, as
+transformers' decode(..., skip_special_tokens=True) of the export shows it; --chat=False continues
+the prompt as text instead. A block-diffusion model (objective=bd3lm) is not served. --serve=True
+needs FastAPI and uvicorn (docs/serving.md).
 """
 
 import podgpt  # noqa: F401 -- first: a Ctrl-C while the imports below load is one line
@@ -20,6 +25,7 @@ import threading
 import torch
 
 from podgpt.core import configurator
+from podgpt.core.tokenizer import CHAT_TOKENS, chat_prompt, has_chat
 from podgpt.release.loading import load_trained, locate
 from podgpt.research.bd3lm import UNMASKING
 from podgpt.core.util import fail, first_line, run_main, setup
@@ -30,6 +36,7 @@ which = "best"                  # for an out_dir: best (lowest val loss, else la
 out_dir = "out"                 # used when ckpt is empty (a run's config file finds its checkpoint)
 prompt = ""                     # text the samples continue
 prompt_file = ""                # read the prompt from this file instead
+chat = None                     # None (auto): a chat model answers the prompt | True | False: text
 num_samples = 1                 # samples to draw, one after the other
 max_new_tokens = 256            # tokens generated per sample
 temperature = 0.8               # 0: greedy; higher: more random
@@ -72,6 +79,8 @@ def main(argv):
                      diffusion_steps=(lambda v: v >= 0, "an integer >= 0 (0: one token per pass)"))
         if config.unmask not in UNMASKING:
             fail(f"unmask={config.unmask!r} is not one of {', '.join(UNMASKING)}", code=2)
+        if config.chat not in (None, "auto", True, False):
+            fail(f"chat={config.chat!r} is not one of True, False, auto", code=2)
     text = read_prompt(config.prompt, config.prompt_file)
     dev = setup(config.device).dev
     loaded = load_trained(found, dev, info=config.serve)
@@ -82,9 +91,16 @@ def main(argv):
                  "with autoregressive models' token log-probabilities, which it has none of; "
                  "sample.py without --serve prints its samples", code=2)
         return serve_http(config, path, model, tok, loaded.info, dev)
+    chat = has_chat(tok) if config.chat in (None, "auto") else config.chat
+    if chat and not has_chat(tok):
+        fail(f"chat=True: the {tok.spec} tokenizer of {path} has no chat tokens "
+             f"({', '.join(CHAT_TOKENS)}): a base model continues text; leave --chat out", code=2)
     ids = encode_prompt(tok, text)
     print(f"# {path}", file=sys.stderr)
-    print_samples(config, model, tok, text, ids, dev)
+    if chat:
+        print_samples(config, model, tok, "", chat_prompt(tok, text), dev, stop=tok.chat["<|end|>"])
+    else:
+        print_samples(config, model, tok, text, [tok.bos_id] + ids, dev)
 
 
 def check_ranges(config, **rules):
@@ -122,9 +138,12 @@ def encode_prompt(tok, text):
              code=2)
 
 
-def print_samples(config, model, tok, text, ids, dev):
-    """config.num_samples continuations of text (token ids: ids), each streamed to stdout."""
-    ids = torch.tensor([[tok.bos_id] + ids], device=dev)
+def print_samples(config, model, tok, text, ids, dev, stop=None):
+    """config.num_samples continuations of text (token ids: ids, BOS first), each streamed to
+    stdout. stop: a chat reply's end, at which (or at BOS) a sample ends; its special tokens are
+    not printed, as transformers' skip_special_tokens has them."""
+    ends, special = ({stop, tok.bos_id}, set(tok.chat.values())) if stop is not None else ((), ())
+    ids = torch.tensor([ids], device=dev)
     generator = torch.Generator(device=dev).manual_seed(config.seed)
     blocks = dict(steps=config.diffusion_steps or None, unmask=config.unmask) \
         if model.config.objective == "bd3lm" else {}
@@ -135,8 +154,11 @@ def print_samples(config, model, tok, text, ids, dev):
         for token in model.generate(ids, config.max_new_tokens, temperature=config.temperature,
                                     top_k=config.top_k or None, top_p=config.top_p,
                                     generator=generator, **blocks):
-            sys.stdout.write(decoder.decode(tok.decode_bytes([token.item()])))
-            sys.stdout.flush()
+            if token.item() in ends:
+                break
+            if token.item() not in special:
+                sys.stdout.write(decoder.decode(tok.decode_bytes([token.item()])))
+                sys.stdout.flush()
         sys.stdout.write(decoder.decode(b"", final=True) + "\n")
         if i < config.num_samples - 1:
             print("-" * 40)

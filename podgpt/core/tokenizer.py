@@ -214,6 +214,11 @@ def chat_ids(tok):
     return tok.chat
 
 
+def has_chat(tok):
+    """Whether tok is a chat tokenizer (an SFT model's): it has every one of CHAT_TOKENS."""
+    return set(tok.chat) == set(CHAT_TOKENS)
+
+
 def chat_prompt(tok, prompt):
     """A generation prompt: BOS <|user|> prompt <|end|> <|assistant|>."""
     ids = chat_ids(tok)

@@ -24,6 +24,9 @@ from podgpt.core.util import (SCRATCH_MARK, fail, files_under, finish_scratch, f
                               make_scratch, remove_scratch, write_atomic, write_json)
 
 TOKENIZER_DIR = "podgpt_tokenizer"
+# the padding rows past the vocabulary, which podgpt's model has and transformers' must not (no
+# probability mass on ids that are no tokens): beside the weights, in a folder no loader globs
+PADDING_FILE = os.path.join("podgpt_padding", "rows.safetensors")
 PODGPT_FILE = "podgpt.json"  # the export's record: what it holds, where it came from
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # the GPTConfig fields Llama expresses, and the runtime settings that leave the weights as they are
@@ -92,12 +95,13 @@ def special_tokens(path, cfg):
     return bos, chat.get("<|end|>", bos), chat
 
 
-def hf_config(cfg, torch_dtype, special=None):
-    """config.json; vocab_size the padded vocabulary, so the weights stay the checkpoint's bit for
-    bit. special: special_tokens' (BOS, EOS); None: both the last id."""
+def hf_config(cfg, torch_dtype, special=None, rows=None):
+    """config.json. special: special_tokens' (BOS, EOS); None: both the last id. rows: vocab_size,
+    the weights' rows (the export's: cfg.vocab_size, hf_tensors'); None: model.py's padded rows
+    (bench/vs_hf.py's model of model.py's shape)."""
     bos, eos = special[:2] if special else (cfg.vocab_size - 1,) * 2
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "vocab_size": cfg.padded_vocab, "hidden_size": cfg.n_embd,
+            "vocab_size": rows or cfg.padded_vocab, "hidden_size": cfg.n_embd,
             "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_kv_head,
             "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
@@ -109,21 +113,27 @@ def hf_config(cfg, torch_dtype, special=None):
             "use_cache": True, "dtype": torch_dtype, "torch_dtype": torch_dtype}
 
 
-def generation_config(cfg, bos, eos):
-    """generation_config.json: the padding ids suppressed (vLLM does not: the card says so); no
-    max_length, which generate(max_new_tokens=...) would warn of."""
-    gen = {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos],
-           "suppress_tokens": list(range(cfg.vocab_size, cfg.padded_vocab)) or None}
-    return {k: v for k, v in gen.items() if v is not None}
+def generation_config(bos, eos):
+    """generation_config.json: a reply ends at EOS or BOS; no max_length, which
+    generate(max_new_tokens=...) would warn of."""
+    return {"bos_token_id": bos, "eos_token_id": bos if eos == bos else [eos, bos]}
+
+
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")  # one row per id: the padding rows' tensors
 
 
 def hf_tensors(cfg, state_dict, dt):
-    """{HF name: tensor}, a tied head once (as the embedding); q and k unpermuted, as model.py's
+    """({HF name: tensor}, {podgpt name: padding rows}), a tied head once (as the embedding); the
+    vocabulary rows to transformers, the padding rows apart; q and k unpermuted, as model.py's
     RoPE rotates halves as transformers' rotate_half does (tests/test_export.py checks)."""
     # copies: safetensors refuses tensors that share memory; huggingface_hub sizes them by storage
+    state = {name: t.detach().to("cpu", dt, copy=True) for name, t in state_dict.items()
+             if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+    padding = {name: state[name][cfg.vocab_size:].contiguous() for name in VOCAB_ROWS
+               if name in state and cfg.padded_vocab > cfg.vocab_size}
     return {name if name == "lm_head.weight" else "model." + name:
-            t.detach().to("cpu", dt, copy=True).contiguous() for name, t in state_dict.items()
-            if not (name == "lm_head.weight" and cfg.tie_embeddings)}
+            (t[:cfg.vocab_size] if name in VOCAB_ROWS else t).contiguous()
+            for name, t in state.items()}, padding
 
 
 def write_weights(folder, tensors, max_shard_bytes):
@@ -296,7 +306,8 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
         f"{cfg.head_dim}), SwiGLU {cfg.ffn_hidden}, RoPE theta {cfg.rope_theta}, RMSNorm eps "
         f"{cfg.norm_eps}, {'tied' if cfg.tie_embeddings else 'untied'} embeddings, context "
         f"{cfg.block_size}",
-        f"- vocabulary: {cfg.vocab_size} tokens ({ids}), padded to {cfg.padded_vocab} rows", "",
+        f"- vocabulary: {cfg.vocab_size} tokens ({ids}), config.json's vocab_size: every output "
+        "is a token's", "",
         *card_training(path, run_cfg, trainer, out_dir),
         "", "## Use", "",
         "```python", *use, "```", "",
@@ -307,10 +318,9 @@ def model_card(path, source, run_cfg, cfg, trainer, out_dir, weight_dtype, token
             "fine-tuned on chat rows (SFT): it answers in the chat layout above" if chat else
             "no instruction tuning: it continues text."),
         tokenizer_line,
-        f"- vocab_size is the padded {cfg.padded_vocab}: ids {cfg.vocab_size}.."
-        f"{cfg.padded_vocab - 1} are padding, never trained as targets; transformers' generate "
-        "suppresses them (generation_config.json), vLLM does not (their logits are low after "
-        "training, but mask them if you sample at high temperature).",
+        *[f"- Trained with the vocabulary padded to {cfg.padded_vocab} rows: the padding rows "
+          f"are not in the model (log-probabilities are over the {cfg.vocab_size} tokens alone) "
+          f"but in `{PADDING_FILE}`, for podgpt's own loader."][:cfg.padded_vocab > cfg.vocab_size],
         f"- Context is {cfg.block_size} tokens; RoPE was not trained beyond it.",
         "- Documents were separated by BOS only; the model emits BOS (= EOS) where a document "
         "ends.",
@@ -337,11 +347,16 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
     cfg = check_llama(run_cfg["model"], state)
     out = os.path.normpath(out)
     with scratch_beside(out, "podgpt-export") as tmp:
-        write_weights(tmp, hf_tensors(cfg, state, DTYPES[weight_dtype]), int(max_shard_gb * 1e9))
+        tensors, padding = hf_tensors(cfg, state, DTYPES[weight_dtype])
+        write_weights(tmp, tensors, int(max_shard_gb * 1e9))
+        if padding:  # load_export puts them back: the checkpoint's weights, bit for bit
+            os.makedirs(os.path.dirname(os.path.join(tmp, PADDING_FILE)))
+            save_safetensors(padding, os.path.join(tmp, PADDING_FILE))
         special = special_tokens(path, cfg)
-        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype, special))
+        write_json(os.path.join(tmp, "config.json"), hf_config(cfg, weight_dtype, special,
+                                                                   rows=cfg.vocab_size))
         write_json(os.path.join(tmp, "generation_config.json"),
-                   generation_config(cfg, *special[:2]))
+                   generation_config(*special[:2]))
         os.makedirs(os.path.join(tmp, TOKENIZER_DIR))  # podgpt's own tokenizer, for sample.py
         for name in ("tokenizer.json", "tokenizer.tiktoken"):
             if os.path.exists(os.path.join(path, name)):  # copyfile: the bytes, not a private mode
@@ -461,14 +476,19 @@ def tokenizer_dir(path):
 
 
 def load_export_state(path):
-    """podgpt's state dict (model.py names) from an export's safetensors, as stored."""
+    """podgpt's state dict (model.py names) from an export's safetensors, as stored, with the
+    padding rows (PADDING_FILE) after the vocabulary's."""
     from safetensors.torch import load_file
     files = ["model.safetensors"]
     if os.path.exists(index := os.path.join(path, "model.safetensors.index.json")):
         with open(index) as f:
             files = sorted(set(json.load(f)["weight_map"].values()))
-    return {k.removeprefix("model."): v for name in files
-            for k, v in load_file(os.path.join(path, name)).items()}
+    state = {k.removeprefix("model."): v for name in files
+             for k, v in load_file(os.path.join(path, name)).items()}
+    if os.path.exists(os.path.join(path, PADDING_FILE)):  # none: no padding, or an earlier export
+        for name, rows in load_file(os.path.join(path, PADDING_FILE)).items():
+            state[name] = torch.cat([state[name], rows])
+    return state
 
 
 def load_export(path, device="cpu"):
