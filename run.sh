@@ -25,6 +25,7 @@
 #                 pack_dir, "sanity skills prepare dryrun train sft eval handoff sample")
 #   PREPARE_ARGS  extra --key=val for prepare.py, e.g. "--max_docs=1000 --workers=4"
 #   SAMPLE_ARGS   extra --key=val for sample.py, e.g. "--num_samples=3"
+#                 (the sample stage samples the bundle's model when STAGES holds handoff, else OUT_DIR's)
 #   DRYRUN_STEPS  optimizer steps of the dry run, at least 2 (default: the config's dryrun_stage_steps, 20 unless
 #                 it sets them; the 1B config's 100)
 #   SFT_CONFIG    the sft stage's config file, read after CONFIG: its data_dir and out_dir, steps, learning rate
@@ -271,7 +272,9 @@ for s in $STAGES; do
                  else
                      stage handoff $PYTHON handoff.py "$CONFIG" "--run=$OUT" "--out=$HANDOFF_DIR" ${HANDOFF_ARGS:-}
                  fi ;;
-        sample)  if [[ $NODE_RANK -eq 0 ]]; then
+        sample)  if [[ $NODE_RANK -eq 0 && " $STAGES " == *" handoff "* ]]; then  # the model handed off
+                     stage sample $PYTHON sample.py "$CONFIG" "--ckpt=$HANDOFF_DIR/model" ${SAMPLE_ARGS:-}
+                 elif [[ $NODE_RANK -eq 0 ]]; then
                      stage sample $PYTHON sample.py "$CONFIG" "--out_dir=$OUT" ${SAMPLE_ARGS:-}
                  else
                      echo "=== sample: skipped on node $NODE_RANK (node 0 holds the checkpoints and samples)"

@@ -53,6 +53,7 @@ serve_max_tokens = 1024         # the most max_tokens a request may ask: how lon
 serve_read_timeout = 30.0       # seconds a client has to send its whole request: then 408
 serve_max_queue = 8             # completions that may wait while one generates: one more gets 503
 serve_max_wait = 10.0           # seconds a completion may wait for the model: then 503
+serve_max_n = 4                 # choices (n) a request may ask: each holds the model max_tokens more
 # --- end config
 
 
@@ -66,6 +67,7 @@ def main(argv):
         most = threading.TIMEOUT_MAX
         check_ranges(config, port=(lambda v: 0 <= v <= 65535, "0 to 65535 (0: any free port)"),
                      serve_max_tokens=(lambda v: v >= 1, "an integer >= 1"),
+                     serve_max_n=(lambda v: v >= 1, "an integer >= 1"),
                      serve_read_timeout=(lambda v: v > 0, "a number of seconds above 0"),
                      serve_max_queue=(lambda v: v >= 0, "an integer >= 0 (0: none waits)"),
                      serve_max_wait=(lambda v: 0 < v <= most, "a number of seconds above 0, at "

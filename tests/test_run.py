@@ -75,18 +75,24 @@ def test_the_skills_sft_eval_and_handoff_stages_fine_tune_the_train_stage_s_mode
     """After the train stage: skills writes the pack, sft fine-tunes the train stage's checkpoint on its SFT rows
     (the base run untouched), eval writes eval.json and the honesty report for the base model and the fine-tuned
     one, each over every eval row of the pack, the base in its plain layout, the fine-tuned one in the chat layout;
-    handoff bundles the fine-tuned one with its base, their release gates (research) letting them go."""
+    handoff bundles the fine-tuned one with its base, their release gates (research) letting them go; sample
+    samples the bundle's model."""
     tmp, _ = pipeline
     out, pack, bundle = tmp / "out", tmp_path / "pack", tmp_path / "bundle"
     before = (out / "ckpt" / "latest").read_text()
     env = dict(DATA_DIR=str(tmp / "data"), OUT_DIR=str(out), PYTHON=sys.executable, PACK_DIR=str(pack),
-               STAGES="skills sft eval handoff", SFT_CONFIG="config/tiny_skills_sft.py",
+               STAGES="skills sft eval handoff sample", SFT_CONFIG="config/tiny_skills_sft.py",
+               SAMPLE_ARGS="--max_new_tokens=8",
                SFT_ARGS=f"--out_dir={tmp_path / 'sft'} --data_dir={tmp_path / 'sft_data'} --max_steps=4 "
                         "--eval_every=4 --ckpt_every=4 --log_every=2 --micro_batch_size=8 --total_batch_tokens=2048",
                EVAL_ARGS="--max_new_tokens=4 --eval_batches=2", HANDOFF_DIR=str(bundle))
     stdout = run(["bash", "run.sh"], env=env).stdout
     for stage in ("skills", "sft-data", "sft", "eval", "honesty", "eval-sft", "honesty-sft", "handoff"):
         assert f"=== {stage}:" in stdout
+    # the last stage samples the model handed off: the bundle's fine-tuned export, a chat model answering
+    sample = stdout.split("=== sample: ")[1].splitlines()
+    assert sample[0].split()[1] == "sample.py" and f"--ckpt={bundle}/model" in sample[0].split(), sample[0]
+    assert "".join(sample[1:]).strip() and "Traceback" not in stdout
     assert all((run_dir / "honesty.md").is_file() for run_dir in (out, tmp_path / "sft"))
     record = json.loads((bundle / "podgpt-handoff.json").read_text())
     assert record["run"] == f"{tmp_path.name}/sft" and (bundle / "model" / "model.safetensors").is_file()

@@ -176,7 +176,7 @@ def test_health_and_info(server, ckpt):
     assert info["limits"] == {"max_tokens": MAX_TOKENS, "prompt_tokens": 63, "body_bytes": serve.MAX_BODY_BYTES,
                               "stop_strings": 4, "stop_chars": serve.MAX_STOP_CHARS, "read_seconds": READ_TIMEOUT,
                               "logprobs": 5, "queue": sample.serve_max_queue,
-                              "wait_seconds": sample.serve_max_wait, "n": serve.MAX_N}
+                              "wait_seconds": sample.serve_max_wait, "n": sample.serve_max_n}
     assert info["device"] == "cpu"  # the one setup's device, as text
 
 
@@ -417,7 +417,7 @@ BAD = [  # (body, param the error names)
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
     ({"prompt": "x", "top_k": -1}, "top_k"),
-    ({"prompt": "x", "n": serve.MAX_N + 1}, "n"),  # past serve_max_n
+    ({"prompt": "x", "n": sample.serve_max_n + 1}, "n"),  # past serve_max_n
     ({"prompt": "x", "stop": ""}, "stop"),
     ({"prompt": "x", "stop": ["ok", 3]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),

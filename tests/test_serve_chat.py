@@ -13,6 +13,7 @@ import jinja2
 import pytest
 import torch
 
+import sample
 from conftest import Captured, shared, train_tiny
 from podgpt.core.checkpoint import find_checkpoint
 from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
@@ -233,7 +234,7 @@ BAD = [  # (body after the endpoint's prompt, param the error names)
     ({"stream": "yes"}, "stream"),
     ({"seed": -1}, "seed"),
     ({"n": 0}, "n"),
-    ({"n": serve.MAX_N + 1}, "n"),
+    ({"n": sample.serve_max_n + 1}, "n"),
     ({"n": True}, "n"),
     ({"model": 3}, "model"),
     ({"presence_penalty": 0.5}, "presence_penalty"),

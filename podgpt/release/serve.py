@@ -39,7 +39,6 @@ from podgpt.release.bounds import (MAX_BODY_BYTES, Connection, ModelQueue,  # no
 MAX_STOPS = 4             # stop strings per request, as OpenAI allows
 MAX_STOP_CHARS = 256      # far more than a stop string needs; bounds the text held back
 MAX_LOGPROBS = 5          # the most likely tokens listed per token, as OpenAI allows
-MAX_N = 4                 # choices per request (serve_max_n): each holds the model max_tokens more
 # OpenAI's parameters that this server does not implement: each is accepted only at the value (or
 # null) that changes nothing, so that no client gets an answer to a question it did not ask
 UNSUPPORTED = {"best_of": (1, "each choice is one sample"),
@@ -474,7 +473,7 @@ def serve_http(config, path, model, tok, info, dev):
                           created=int(os.path.getmtime(path)),  # when it was written: /v1/models
                           queue=ModelQueue(config.serve_max_queue, config.serve_max_wait),
                           stopping=threading.Event(), max_tokens=config.serve_max_tokens,
-                          max_n=config.get("serve_max_n", MAX_N),
+                          max_n=config.serve_max_n,
                           max_prompt=cfg.block_size - 1)
     limits = {"max_tokens": ctx.max_tokens, "prompt_tokens": ctx.max_prompt,
               "body_bytes": MAX_BODY_BYTES, "stop_strings": MAX_STOPS, "stop_chars": MAX_STOP_CHARS,
