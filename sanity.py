@@ -226,7 +226,7 @@ def check_checkpoint(cfg, dev):
     rank = int(os.environ.get("RANK", 0))
     scratch = make_scratch(os.path.join(cfg["out_dir"], f".sanity-ckpt-{rank}"))
     try:
-        path = save_checkpoint(scratch, 1, files, keep_last=1, best=False, min_free_gb=0)
+        path, _ = save_checkpoint(scratch, 1, files, keep_last=1, best=False, min_free_gb=0)
         if path is None:
             return "fail", f"save_checkpoint could not write to {scratch} (see the warning above)"
         size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))

@@ -36,7 +36,7 @@ from podgpt.pod.checkpoints import Checkpoints, check_init_from, new_state, run_
 from podgpt.pod.checks import Checks
 from podgpt.pod.dryrun import dryrun
 from podgpt.pod.gates import long_run_gate
-from podgpt.pod.guards import (LOSS_EMA_DECAY, BadSteps, Clock, Drills, Floor, agree,
+from podgpt.pod.guards import (LIMITS, LOSS_EMA_DECAY, BadSteps, Clock, Drills, Floor, agree,
                                restore_clock)
 from podgpt.pod.launch import (build_model, check_config, check_writable, open_data, read_manifest,
                                set_up, wrap_model)
@@ -230,8 +230,8 @@ class Trainer:
         cfg, st, proc = self.cfg, self.state, self.proc
         self.clock.tick()
         reason = self.guard() if proc.rank == 0 else None  # a resumed run may be past a limit
-        if proc.distributed:
-            reason = agree(proc, torch.zeros(1, device=proc.dev), True, self.stop_signal, reason)[2]
+        # a signal during the startup stops the run here, before a step it did not want
+        reason = agree(proc, torch.zeros(1, device=proc.dev), True, self.stop_signal, reason)[2]
         if not reason and cfg.stop_at_step and st.step >= cfg.stop_at_step:
             reason = "stop_at_step"
         if reason:
@@ -438,11 +438,19 @@ class Trainer:
         if self.proc.rank != 0:
             return None
         summary = self.summary(reason, val_loss)
-        write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
+        try:
+            write_json(os.path.join(cfg.out_dir, "summary.json"), summary)
+        except OSError as e:  # no report either: it would be read from a summary.json not there
+            self.log.close("failed", lambda: None)
+            fail(self.ckpts.unwritten(st.step, os.path.join(cfg.out_dir, "summary.json"), e))
         self.log.clock(st)
         # summary.md, plots, metrics.csv, manifest.json (never raises), before the trackers close
         self.log.close(summary["status"], lambda: write_report(cfg.out_dir, cfg.plots))
-        if line := outcome(summary, cfg.max_steps, cfg.out_dir):
+        line = outcome(summary, cfg.max_steps, cfg.out_dir)
+        if summary["status"] == "stopped" and self.ckpts.on_disk < 0:  # a signal before a step
+            line = (f"stopped at step 0 (signal {summary['signal']}) before the first step: "
+                    f"nothing was trained, so nothing is lost; the same command starts the run")
+        if line:
             log(line)
         return summary
 
@@ -450,6 +458,8 @@ class Trainer:
         """summary.json: how the run ended and what it measured, with its long-run gate."""
         st, cfg = self.state, self.cfg
         lost = self.ckpts.unsaved(st.step, reason)
+        if self.ckpts.on_disk < 0 and self.ckpts.missed is None and reason in ("signal", *LIMITS):
+            lost = self.clock.unsaved(reason)  # none tried: a stop before the first step or save
         status = ("failed" if lost or reason == "diverged" else
                   "completed" if reason in ("max_steps", "horizon", "early_stop") else "stopped")
         best, band = st.best_step >= 0, target_band(cfg.target_val_loss)

@@ -587,8 +587,9 @@ def test_a_run_whose_every_save_was_skipped_fails_at_its_end(tmp_path, stdlib_da
         assert "it needs" in w and "GB free" in w and "ckpt_min_free_gb=1000000000.0" in w
     assert r.returncode == 1 and "Traceback" not in r.stderr and "done (" not in r.stdout
     assert r.stderr.splitlines()[-1] == (
-        f"error: the run ended at step 10 with no checkpoint on disk (the saves failed: see the warnings): free "
-        f"disk space for {tmp_path}/ckpt, then run the same command again (it starts over)")
+        f"error: the run ended at step 10 with no checkpoint on disk (the saves were skipped to keep "
+        f"ckpt_min_free_gb=1000000000.0 GB free: see the warnings): lower ckpt_min_free_gb (or free disk space "
+        f"for {tmp_path}/ckpt), then run the same command again (it starts over)")
     summary = summary_of(tmp_path)
     assert summary["status"] == "failed" and summary["steps"] == 10 and summary["checkpoint"] is None
     assert os.listdir(tmp_path / "ckpt") == []

@@ -30,6 +30,8 @@ from podgpt.core.util import (CutShortThread, Error, fail, first_line, format_by
 CKPT_FORMAT = 2
 MARKER = "complete.json"  # written last into a checkpoint folder: file sizes and CRC32s
 STATE_DIR = "state"  # a sharded checkpoint's model and optimizer, as DCP writes them
+# why a save did not reach the disk: min_free_gb kept it off a disk that had room for it, or not
+SKIPPED, FAILED = "skipped", "failed"
 PREEMPT_SAVE_SECONDS = 25  # a save slower than this would not fit between SIGTERM and SIGKILL
 # the names podgpt gives its checkpoint folders: a user's step_0000010.bak or notes beside them
 # are never read, rotated or removed
@@ -117,14 +119,20 @@ def file_crc32(path):
 # writing
 
 def room_for(ckpt_root, step, need, min_free_gb):
-    """Whether the disk holds `need` more bytes and keeps min_free_gb free; else a warning."""
+    """None when the disk holds `need` more bytes and keeps min_free_gb free; else, with a warning,
+    SKIPPED (it has room for the checkpoint, not for min_free_gb beside it) or FAILED (no room)."""
     free = shutil.disk_usage(ckpt_root).free
-    room = free - need >= min_free_gb * 1e9
-    if not room:
-        warn(f"skipping the step {step} checkpoint: it needs {format_bytes(need)} and {ckpt_root} "
-             f"has {format_bytes(free)} free (ckpt_min_free_gb={min_free_gb}); training goes on: "
-             f"free disk space")
-    return room
+    if free - need >= min_free_gb * 1e9:
+        return None
+    where = f"it needs {format_bytes(need)} and {ckpt_root} has {format_bytes(free)} free"
+    if free < need:
+        warn(f"skipping the step {step} checkpoint: {where} (ckpt_min_free_gb={min_free_gb}); "
+             f"training goes on: free disk space")
+        return FAILED
+    warn(f"skipping the step {step} checkpoint: {where}, and saving it would leave less than "
+         f"ckpt_min_free_gb={min_free_gb} GB free; training goes on: lower ckpt_min_free_gb or "
+         f"free disk space")
+    return SKIPPED
 
 
 def write_shards(state_dir, sharded, group=None):
@@ -222,13 +230,14 @@ def abandon(ckpt_root, tmp, step, error):
 
 
 def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharded=None, group=None):
-    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN: the folder, or None
-    when the disk could not hold it and keep min_free_gb free. sharded: {"model", "optimizer"} of
-    DTensors (fsdp) or this rank's share_of (ddp): every rank calls this and writes its part with
-    DCP on `group`; rank 0 alone writes `files`, then the marker and the pointers."""
+    """Write `files` ({name: bytes or torch object}) as ckpt_root/step_NNNNNNN: (the folder, None),
+    or (None, SKIPPED or FAILED: see room_for) when it did not reach the disk, on every rank.
+    sharded: {"model", "optimizer"} of DTensors (fsdp) or this rank's share_of (ddp): every rank
+    calls this and writes its part with DCP on `group`; rank 0 alone writes `files`, then the
+    marker and the pointers."""
     tmp = os.path.join(ckpt_root, f".tmp-step_{step:07d}")
     master = sharded is None or dist.get_rank() == 0
-    go = [True]
+    go = [None]  # why the save does not start, or None
     if master:
         for leftover in os.listdir(ckpt_root):  # of a save that was killed
             if TMP_NAME.fullmatch(leftover):
@@ -242,8 +251,8 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
                        min_free_gb)]
     if sharded is not None:  # also keeps the other ranks out until the leftovers are gone
         dist.broadcast_object_list(go, group=group)
-    if not go[0]:
-        return None
+    if go[0]:
+        return None, go[0]
     marker, error = {}, None
     try:
         os.makedirs(tmp, exist_ok=True)
@@ -263,7 +272,7 @@ def save_checkpoint(ckpt_root, step, files, keep_last, best, min_free_gb, sharde
     if sharded is not None:
         dist.broadcast_object_list(result := [final], group=group)
         final = result[0]
-    return final
+    return final, None if final else FAILED
 
 
 def share_of(state, rank, world):

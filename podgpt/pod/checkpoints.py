@@ -16,7 +16,7 @@ from model import RUNTIME_FIELDS
 from podgpt.core import checkpoint  # its functions called through it: a test may replace one
 from podgpt.core.data import tokenizer_fingerprint
 from podgpt.core.tokenizer import with_chat_tokens
-from podgpt.core.util import CutShortThread, fail, first_line, log, warn
+from podgpt.core.util import CutShortThread, disk_full, fail, first_line, log, warn
 from podgpt.pod.gates import base_checkpoint, same_place
 from podgpt.pod.objectives import make_config, make_model
 from podgpt.pod.report import read_json
@@ -228,6 +228,9 @@ class Checkpoints:
         self.every_s, self.t_saved = every_minutes * 60, time.time()  # 0: no save by the clock
         self.pending = False  # a periodic save owed, held back while bad steps run in a row
         self.saved_step = self.on_disk = -1  # the newest save's step; the newest known on disk
+        # why the saves since the newest on disk missed it: checkpoint.SKIPPED while each was
+        # skipped for min_free_gb, checkpoint.FAILED once one failed; None: none missed
+        self.missed = None
         # the ranks that write each save: fsdp's all; ddp's those of rank 0's node, which see the
         # out_dir it writes (torchrun numbers node 0's ranks first); muon's MuonAdamW: rank 0 alone
         self.writers = proc.world if sharded else 1
@@ -369,14 +372,16 @@ class Checkpoints:
         return {}, None
 
     def write(self, step, best, files, sharded, t1, waited, blocked):
-        """Write what save() prepared: its record, None when the disk did not take it. blocked: the
-        seconds the loop waited for it (None: all of it)."""
-        path = checkpoint.save_checkpoint(self.root, step, files, self.keep_last, best,
-                                          self.min_free_gb, sharded, self.group)
+        """Write what save() prepared: its record, {step, missed} when the disk did not take it.
+        blocked: the seconds the loop waited for it (None: all of it)."""
+        path, missed = checkpoint.save_checkpoint(self.root, step, files, self.keep_last, best,
+                                                  self.min_free_gb, sharded, self.group)
+        if missed:
+            return dict(step=step, missed=missed)
         written = time.time() - t1
-        return path and dict(step=step, path=path, gb=checkpoint.checkpoint_bytes(path) / 1e9,
-                             blocked_s=waited + written if blocked is None else blocked,
-                             waited_s=waited, written_s=written)
+        return dict(step=step, path=path, gb=checkpoint.checkpoint_bytes(path) / 1e9,
+                    blocked_s=waited + written if blocked is None else blocked, waited_s=waited,
+                    written_s=written)
 
     @property
     def writing(self):  # this rank has a save being written in the background
@@ -408,7 +413,9 @@ class Checkpoints:
     def report(self, r):
         """Say on the loop's thread (a line from the writer's could land inside a step's) how long
         save record r took, and warn when it would not fit a preemption's window."""
-        if not r:  # the disk did not take it: a warning said so
+        if "missed" in r:  # the disk did not take it: a warning said so
+            self.missed = checkpoint.FAILED if checkpoint.FAILED in (self.missed, r["missed"]) \
+                else r["missed"]
             return
         waited = (f", {r['waited_s']:.2f}s of it waiting for the save before"
                   if r["waited_s"] >= 0.01 else "")
@@ -419,7 +426,7 @@ class Checkpoints:
             warn(f"the step {r['step']} checkpoint: " + checkpoint.too_slow_for_preemption(
                 r["gb"], r["written_s"], shared, self.proc.world))
         self.records.append(r)
-        self.on_disk = r["step"]
+        self.on_disk, self.missed = r["step"], None
 
     def finished(self):
         """The records {step, path, gb, blocked_s, waited_s, written_s} of the saves that reached
@@ -433,10 +440,26 @@ class Checkpoints:
         its step, but one over budget_file, which saves nothing and needs an earlier checkpoint)."""
         if self.on_disk == step or (reason == "budget_file_spent" and self.on_disk >= 0):
             return None
+        if self.missed == checkpoint.SKIPPED:  # the disk had room: ckpt_min_free_gb kept them off
+            why = f"were skipped to keep ckpt_min_free_gb={self.min_free_gb} GB free"
+            fix = f"lower ckpt_min_free_gb (or free disk space for {self.root})"
+        else:
+            why, fix = "failed", f"free disk space for {self.root}"
         if self.on_disk < 0:
-            return (f"the run ended at step {step} with no checkpoint on disk (the saves failed: "
-                    f"see the warnings): free disk space for {self.root}, then run the same "
-                    f"command again (it starts over)")
+            return (f"the run ended at step {step} with no checkpoint on disk (the saves {why}: "
+                    f"see the warnings): {fix}, then run the same command again (it starts over)")
         return (f"the run ended at step {step} but its newest checkpoint is step {self.on_disk} "
-                f"(the saves after it failed: see the warnings): free disk space for {self.root}, "
-                f"then run the same command again: it resumes from step {self.on_disk}")
+                f"(the saves after it {why}: see the warnings): {fix}, then run the same "
+                f"command again: it resumes from step {self.on_disk}")
+
+    def unwritten(self, step, path, e):
+        """Where a run that ended at `step` stands when the disk refused its file `path` (OSError e)
+        after the saves."""
+        folder, on_disk = os.path.dirname(path), self.on_disk
+        saved = ("with no checkpoint on disk" if on_disk < 0 else
+                 "with its checkpoint on disk" if on_disk == step else
+                 f"with its newest checkpoint on disk at step {on_disk}")
+        fix = f"free disk space for {folder}" if disk_full(e) else f"check {folder}'s disk"
+        return (f"the run ended at step {step} {saved}, but {path} could not be written "
+                f"({first_line(e)}): {fix}, then run the same command again: "
+                + (f"it resumes from step {on_disk}" if on_disk >= 0 else "it starts over"))

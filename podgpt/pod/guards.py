@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from podgpt.core.schedule import decay_horizon
-from podgpt.core.util import first_line, warn
+from podgpt.core.util import first_line, format_seconds, warn
 from podgpt.pod.postmortem import POSTMORTEM_STEPS
 
 # the guards keep back the slowest of this many recent steps (their mean let one overshoot)
@@ -21,8 +21,8 @@ GUARD_STEPS = 20
 # steps an injected spike or NaN lasts (the 50M A100 run's "next 5 batches")
 INJECT_STEPS = 5
 LOSS_EMA_DECAY = 0.9            # EMA of the loss that spikes are measured against
-STOP_REASONS = ("signal", "max_hours", "budget_usd", "budget_file_projected", "budget_file_spent",
-                "throughput_floor", "grad_norm_stop")  # the last: podgpt/pod/checks.py's
+LIMITS = ("max_hours", "budget_usd", "budget_file_projected", "budget_file_spent")
+STOP_REASONS = ("signal", *LIMITS, "throughput_floor", "grad_norm_stop")  # the last: checks.py's
 
 
 def agree(proc, loss_sum, finite, signal, guard_reason, decay_to=0, save_due=False, stats=None,
@@ -57,6 +57,7 @@ class Clock:
         # save_seconds: the slowest save's write, estimated until measured
         self.t_last, self.save_seconds = t_start, save_seconds
         self.eval_seconds, self.next_budget_check = 0.0, 0.0
+        self.verdict = None  # budget_file's last: (the guard it calls for, spent, projected)
         # pace: (steps done, elapsed) at the recent steps' ends, wsd's projection
         self.step_times, self.pace = deque(maxlen=GUARD_STEPS), deque(maxlen=GUARD_STEPS)
 
@@ -88,18 +89,59 @@ class Clock:
         if not budget.budget_file or time.time() < self.next_budget_check:
             return None
         self.next_budget_check = time.time() + budget.check_minutes * 60
-        verdict = budget.file_verdict()
+        verdict = self.verdict = budget.file_verdict()
         if verdict and not verdict[0] and verdict[1] > budget.warn_at():
             event("budget_warning", f"spent ${verdict[1]:.2f} of budget_usd="
                   f"${budget.budget_usd:.2f} (projected ${verdict[2]:.2f})", spent_usd=verdict[1],
                   projected_total_usd=verdict[2])
         return verdict and verdict[0]
 
+    def unsaved(self, reason):
+        """Why a run that `reason` stopped with no checkpoint, and none tried (before the first
+        step, or budget_file_spent before the first save), fails; None for a signal: it lost
+        nothing."""
+        st, budget, fix = self.state, self.budget, reason
+        if reason == "signal":
+            return None
+        ended = f"the run ended at step {st.step} with " + (
+            "nothing trained and no checkpoint" if st.step == 0 else "no checkpoint on disk")
+        kept = f"{seconds(self.reserve(False))} is kept back for the final save"
+        if reason == "max_hours":
+            why = (f"max_hours={budget.max_hours:g} ({seconds(budget.max_hours * 3600)}) left no "
+                   f"time for a step: {seconds(st.elapsed)} went before it, and {kept}")
+        elif reason == "budget_usd":
+            why = (f"budget_usd={budget.budget_usd:g} left no money for a step: "
+                   f"{dollars(st.cost_usd)} went in the {seconds(st.elapsed)} before it, and the "
+                   f"spend of {kept}")
+        else:
+            spent, projected = self.verdict[1:]
+            says = (f"says {dollars(spent)} is spent" if reason == "budget_file_spent" else
+                    f"projects {dollars(projected)} in all")
+            why = f"budget_file={budget.budget_file} {says}, over budget_usd={budget.budget_usd:g}"
+            if st.step:
+                why += ", and a run over its budget saves nothing (no checkpoint was due before)"
+            fix = "budget_usd (or correct budget_file)"
+        return (f"{ended}: {why}; raise {fix}, then run the same command again"
+                + " (it starts over)" * bool(st.step))
+
     def decay_to(self, writing):
         """wsd, rank 0: the horizon to decay to from the next step on, or 0 (decay_horizon)."""
         self.pace.append((self.state.step + 1, self.state.elapsed))  # as the next tick counts it
         return decay_horizon(self.schedule, self.budget, self.state, self.pace,
                              self.reserve(writing), self.usd_per_s)
+
+
+def two_digits(x):
+    """x to 2 significant digits, never in e-notation: 0.00036, 2.1, 1300."""
+    return f"{float(f'{x:.2g}'):f}".rstrip("0").rstrip(".")
+
+
+def seconds(s):
+    return f"{two_digits(s)} s" if s < 60 else format_seconds(s)
+
+
+def dollars(usd):
+    return f"${usd:.2f}" if usd >= 1 else f"${two_digits(usd)}"
 
 
 class Floor:
