@@ -12,19 +12,20 @@ from podgpt.core.util import IGNORE
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_i weights_i * CE(x_i @ weight^T, targets_i), targets IGNORE counting 0: as F.cross_entropy
-    over fp32 logits made in the autocast dtype (every column of weight, padded ids included)."""
+    """sum_i weights_i * CE(x_i @ weight^T, targets_i), a target IGNORE counting 0: as
+    F.cross_entropy over fp32 logits made in the autocast dtype (every column of weight: padded
+    ids included)."""
 
     @staticmethod
     def forward(ctx, x, weight, targets, weights, chunk, grads):
-        """x (N, C), weight (V, C), targets (N,), weights (N,) or None; grads: make the gradients."""
+        """x (N, C), weight (V, C), targets (N,), weights (N,) or None; grads: make gradients."""
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         w = weight.to(dtype)  # autocast's cast of the head, once for every chunk
         total = torch.zeros((), device=x.device, dtype=torch.float32)
         grad_x = torch.empty_like(x) if grads else None
         # fp32 whatever the compute dtype: a sum over every chunk, as autograd sums the weight's
-        grad_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if grads else None
         with torch.autocast(dev, enabled=False):
             for start in range(0, x.size(0), chunk):
                 rows = slice(start, start + chunk)
