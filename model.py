@@ -19,12 +19,13 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
 
 from podgpt.core.attention import (ATTENTION_BACKENDS, OPT_IN_BACKENDS, Documents, Mask, attention,
                                    resolve_backend)
+from podgpt.core.loss import linear_cross_entropy
 from podgpt.core.util import IGNORE, device_mesh, dtype_name, first_line
 
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
 # them, export has nothing to map them to, and a resumed run may change them
-RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk")
+RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss")
 
 
 @dataclass
@@ -50,6 +51,10 @@ class GPTConfig:
     # tokens per chunk of the LM head + loss (0: all at once, and the logits are returned): 8192
     # rows of 50k-vocabulary logits are ~4 GB, and the head's matmul stays efficient
     loss_chunk: int = 8192
+    # the chunked loss makes its gradients in its forward (podgpt/core/loss.py): the head's matmul
+    # runs once, not again in the backward as a checkpointed chunk's does. Off: preflight's memory
+    # plan counts the checkpointed chunks
+    fused_loss: bool = False
     padded_vocab: int = field(init=False)
     objective = "ar"              # not fields: a research objective's config has its own
     added_tokens = 0              # ids an objective adds past the data's vocabulary
@@ -329,9 +334,12 @@ class GPT(nn.Module):
         return logits, (per_target_outside if outside else per_target)(total, targets, weights)
 
     def chunked_loss(self, x, targets, weights=None):
-        """The summed cross-entropy, loss_chunk tokens at a time, each chunk under checkpoint: the
-        forward keeps no logits and the backward rebuilds them a chunk at a time."""
+        """The summed cross-entropy, loss_chunk tokens at a time: fused (fused_loss), or each chunk
+        under checkpoint: the forward keeps no logits and the backward rebuilds them a chunk at a
+        time. An objective that reshapes the logits (its own cross_entropy_sum) is never fused."""
         n = self.config.loss_chunk
+        if self.config.fused_loss and type(self).cross_entropy_sum is GPT.cross_entropy_sum:
+            return linear_cross_entropy(x, self.lm_head.weight, targets, weights, n)
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
         # one chunk would be rebuilt while every layer's activations are still held: only cost

@@ -14,6 +14,7 @@ import gzip
 import json
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -224,13 +225,21 @@ def measure_steps(model, optimizer, micro_batch, block_size, vocab, dev, dt, war
                 peak_mem_kind="max_memory_allocated" if dev.type == "cuda" else "process_peak_rss")
 
 
-# the GPU's kernels by what they do, by name (first match; "optimizer" holds the clipping's norm too): where a
-# step's time goes against the matmul ceiling
-KERNEL_KINDS = (("attention", ("flash", "fmha", "cudnn", "attn")),
-                ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "wgmma", "scaled_mm")),
-                ("optimizer", ("adam", "multi_tensor", "foreach")),
-                ("fused by torch.compile", ("triton",)),
-                ("copies", ("memcpy", "memset")))
+# the GPU's kernels by what they do: the first kind whose pattern starts the kernel's name (after "void "), so a kernel
+# is known by its family, never by a word inside its name: torch.compile's Triton kernels that cast and scale for
+# fp8 hold "scaled_mm" and are no matmul; cuDNN's attention kernels hold "wgmma". "optimizer" holds AdamW's
+# multi-tensor kernels (clipping's norm kernels are "other"). Where a step's time goes against the matmul ceiling.
+KERNEL_KINDS = (("matmul", r"(?!triton)(nvjet|cutlass|cublas|sm\d+_xmma|xmma|wgmma|\w*gemm)"),  # GEMM libraries
+                ("attention", r"(?!triton)(cudnn|\w*flash|\w*fmha|\w*attn|\w*attention)"),
+                ("fused by torch.compile", r"triton"),
+                ("optimizer", r".*(multi_tensor|adam|foreach)"),
+                ("copies", r"memcpy|memset"))
+
+
+def kernel_kind(name):
+    """The kind (KERNEL_KINDS, else "other") of the GPU kernel called name."""
+    name = name.lower().removeprefix("void ")
+    return next((kind for kind, pattern in KERNEL_KINDS if re.match(pattern, name)), "other")
 
 
 def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, step_time_s, steps=3, accum=1):
@@ -253,21 +262,28 @@ def trace_steps(model, optimizer, micro_batch, block_size, dev, dt, path, step_t
     return kernel_time(path, steps * step_time_s)
 
 
+def kernel_micros(path):
+    """{kind: microseconds} of the GPU's kernels in the Chrome trace at path (gzipped if it ends in .gz), every kind
+    of KERNEL_KINDS and "other". Only the GPU's own events count: the profiler's annotations of the GPU timeline (a
+    compiled graph's call, the optimizer step) span kernels and would count them twice."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        work = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    micros = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for e in work:
+        micros[kernel_kind(e["name"])] += e["dur"]
+    return micros
+
+
 def kernel_time(path, seconds=None):
     """The GPU's time in the Chrome trace at path (gzipped if it ends in .gz), shared out by kind of kernel
     (KERNEL_KINDS, the rest "other"), and, given the seconds the traced steps take unprofiled, the kernels' seconds
     over those ("busy": a share of the time when one stream runs at a time); None when the trace holds no GPU work
-    (a CPU's). Only the GPU's own events count: the profiler's annotations of the GPU timeline (a compiled graph's
-    call, the optimizer step) span kernels and would count them twice."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        work = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    total = sum(e["dur"] for e in work)  # microseconds
+    (a CPU's)."""
+    micros = kernel_micros(path)
+    total = sum(micros.values())
     if not total:
         return None
-    shares = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
-    for e in work:
-        name = e["name"].lower()
-        shares[next((k for k, words in KERNEL_KINDS if any(w in name for w in words)), "other")] += e["dur"] / total
+    shares = {kind: t / total for kind, t in micros.items()}
     if seconds:
         shares["busy"] = total / 1e6 / seconds
     print("GPU time by kind of kernel: " + ", ".join(f"{k} {v:.1%}" for k, v in shares.items()))
