@@ -28,14 +28,13 @@ from podgpt.core import configurator
 import honesty
 from podgpt.core.checkpoint import reading
 from podgpt.core.data import tokenizer_fingerprint
-from podgpt.core.owned import edited, file_sha256, shas
-from podgpt.release.hf import (DTYPES, beside, card_usage, check_replaceable, export,
-                               put_in_place, scratch_beside)
+from podgpt.core.owned import file_sha256, shas
+from podgpt.release.hf import (DTYPES, as_recorded, card_usage, check_replaceable, export,
+                               finish_replace, put_in_place, scratch_beside)
 from podgpt.corpus.sources import PRESETS, is_url, resolve_sources
 from podgpt.pod.report import read_json
 from podgpt.core.util import (MAKE_ROOM, SCRATCH_MARK, Error, check_apart, disk_full, fail,
-                              files_under, first_line, in_use, remove_scratch, run_main,
-                              write_atomic, write_json)
+                              files_under, first_line, run_main, write_atomic, write_json)
 
 # --- config
 run = ""                        # the run folder to hand off (a train.py out_dir); "": out_dir
@@ -228,41 +227,18 @@ def write_model(run, path, dest, weights_dtype):
 
 
 def whole(folder):
-    """Whether folder is a bundle as handoff.py wrote it: exactly the files its record lists, each
-    with the sha256 recorded, and its checksums file listing them all (a scratch mark aside)."""
+    """Whether folder is a bundle as handoff.py wrote it: as its record says, and its checksums
+    file listing them all."""
+    if not as_recorded(folder, BUNDLE_MARK, {CHECKSUMS}):
+        return False
     record = read_json(os.path.join(folder, BUNDLE_MARK))
     try:
-        present = [f for f in files_under(folder) if f != SCRATCH_MARK]
-        if not (isinstance(record, dict) and isinstance(record.get("sha256"), dict)
-                and sorted(record.get("files") or ()) == present
-                and sorted(record["sha256"]) == sorted(set(present) - {BUNDLE_MARK, CHECKSUMS})
-                and not edited(folder, record["sha256"])):
-            return False
         sums = record["sha256"] | {BUNDLE_MARK: file_sha256(os.path.join(folder, BUNDLE_MARK))}
         with open(os.path.join(folder, CHECKSUMS), encoding="utf-8", errors="replace") as f:
-            return f.read() == "".join(f"{sums[n]}  {n}\n" for n in present if n != CHECKSUMS)
+            return f.read() == "".join(f"{sums[n]}  {n}\n" for n in sorted(record["files"])
+                                       if n != CHECKSUMS)
     except (OSError, TypeError):  # unreadable, or a record of another shape: not proven
         return False
-
-
-def finish_replace(out):
-    """What a kill during put_in_place left beside out: the earlier bundle in the folder podgpt
-    named and marked to hold it. With the new bundle whole in out, that folder goes; with none
-    there, the earlier bundle goes back when it is whole as handoff.py wrote it (or the empty
-    folder it replaced). Anything else stays, for check_replaceable to refuse."""
-    aside = beside(out, "podgpt-old")
-    old = os.path.join(aside, "old")
-    if not (os.path.isdir(aside) and not os.path.islink(aside) and not in_use(aside)
-            and os.path.isfile(os.path.join(aside, SCRATCH_MARK))
-            and set(os.listdir(aside)) <= {"old", SCRATCH_MARK}):
-        return
-    if not os.path.lexists(out):  # cut between its two renames
-        if os.path.islink(old) or not os.path.isdir(old) or (os.listdir(old) and not whole(old)):
-            return
-        os.replace(old, out)
-    elif not whole(out):
-        return
-    remove_scratch(aside)
 
 
 def bundle(held, cfg, why):
@@ -270,7 +246,7 @@ def bundle(held, cfg, why):
     top, its base in base/; into cfg.out atomically: built in a scratch folder beside it, the
     record and the checksums last."""
     out = os.path.normpath(cfg.out)
-    finish_replace(out)
+    finish_replace(out, whole)
     check_replaceable(out, BUNDLE_MARK, "handoff.py", "bundle")
     (run, path), *base = held
     with scratch_beside(out, "podgpt-handoff") as tmp:

@@ -10,19 +10,19 @@ import sys
 import pytest
 
 from podgpt.core.util import SCRATCH_MARK
+from podgpt.release import hf
 from conftest import ROOT, run, run_script, tree
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: a finished 1-step run (stdlib)
 from test_handoff import checked
 
 # handoff.py as a process, its put_in_place dying (a SIGKILL's exit) where it removes the earlier bundle
 KILLED_IN_CLEANUP = """
-import os, sys
-import handoff
+import importlib, os, sys
 from podgpt.core.util import run_main
 from podgpt.release import hf
 removed = hf.remove_scratch
 hf.remove_scratch = lambda path: os._exit(137) if path.endswith("podgpt-old") else removed(path)
-run_main(handoff.main, sys.argv[1:])
+run_main(importlib.import_module(sys.argv[1]).main, sys.argv[2:])
 """
 
 
@@ -34,7 +34,7 @@ def test_a_handoff_killed_in_its_last_cleanup_is_finished_by_the_rerun(finished_
     out, aside = tmp_path / "bundle", tmp_path / ".bundle.podgpt-old"
     args = ["handoff.py", f"--run={finished_run}", f"--out={out}"]
     assert run_script(args, capfd).returncode == 0
-    killed = run([sys.executable, "-c", KILLED_IN_CLEANUP, *args[1:]], check=False)
+    killed = run([sys.executable, "-c", KILLED_IN_CLEANUP, "handoff", *args[1:]], check=False)
     assert killed.returncode == 137, killed.stderr[-2000:]
     assert sorted(os.listdir(aside)) == [SCRATCH_MARK, "old"] and (aside / "old" / "podgpt-handoff.json").is_file()
     r = run_script(args, capfd)
@@ -62,6 +62,19 @@ def test_a_handoff_killed_in_its_last_cleanup_is_finished_by_the_rerun(finished_
         r = run_script(args, capfd)
         assert (r.returncode, r.stderr.splitlines()) == (1, [waits]), unproven
         assert (aside / "old" / "podgpt-handoff.json").is_file()
+
+
+def test_an_export_killed_in_its_last_cleanup_is_finished_by_the_rerun(finished_run, tmp_path, capfd):  # noqa: F811
+    """export.py replaces through the same code as handoff.py: its rerun finishes the replace a kill cut short
+    (before: every rerun refused, an earlier export waiting in .NAME.podgpt-old/old)."""
+    out = tmp_path / "export"
+    args = ["export.py", f"--ckpt={finished_run}", f"--out={out}"]
+    assert run_script(args, capfd).returncode == 0
+    killed = run([sys.executable, "-c", KILLED_IN_CLEANUP, "export", *args[1:]], check=False)
+    assert killed.returncode == 137 and (tmp_path / ".export.podgpt-old" / "old" / "podgpt.json").is_file()
+    r = run_script(args, capfd)
+    assert r.returncode == 0, r.stderr
+    assert os.listdir(tmp_path) == ["export"] and hf.as_recorded(str(out))
 
 
 # skills.py as a process that says when it has begun making its rows, then waits for the test's go

@@ -20,7 +20,7 @@ from podgpt.pod.preflight import param_counts
 from podgpt.pod.report import read_json, read_metrics
 from podgpt.core.tokenizer import read_ranks
 from podgpt.core.owned import edited, shas
-from podgpt.core.util import (SCRATCH_MARK, fail, files_under, finish_scratch, first_line,
+from podgpt.core.util import (SCRATCH_MARK, fail, files_under, finish_scratch, first_line, in_use,
                               make_scratch, remove_scratch, write_atomic, write_json)
 
 TOKENIZER_DIR = "podgpt_tokenizer"
@@ -337,6 +337,7 @@ def export(path, out, weight_dtype="float32", max_shard_gb=5.0, chat_template=Fa
         fail(f"dtype={weight_dtype!r} is not one of float32, bfloat16")
     if max_shard_gb <= 0:
         fail(f"max_shard_gb={max_shard_gb} must be positive")
+    finish_replace(out)
     check_replaceable(out)
     try:  # verified, loaded into model.py as it is; a sharded (fsdp) checkpoint gathered whole
         model, run_cfg = load_model(path, "cpu")
@@ -424,6 +425,40 @@ def put_in_place(tmp, out, record=PODGPT_FILE, script="export.py", kind="export"
         remove_scratch(aside)
         raise
     finish_scratch(tmp, out)
+    remove_scratch(aside)
+
+
+def as_recorded(folder, record=PODGPT_FILE, unhashed=()):
+    """Whether folder holds exactly the files its `record` lists, each with the sha256 recorded
+    (all but the record and `unhashed`): as export.py (or handoff.py) wrote it."""
+    saved = read_json(os.path.join(folder, record))
+    try:
+        present = [f for f in files_under(folder) if f != SCRATCH_MARK]
+        return (isinstance(saved, dict) and isinstance(saved.get("sha256"), dict)
+                and sorted(saved.get("files") or ()) == present
+                and sorted(saved["sha256"]) == sorted(set(present) - {record, *unhashed})
+                and not edited(folder, saved["sha256"]))
+    except (OSError, TypeError):  # unreadable, or a record of another shape: not proven
+        return False
+
+
+def finish_replace(out, whole=as_recorded):
+    """What a kill during put_in_place left beside out: the earlier folder in the one podgpt named
+    and marked to hold it. With the new one whole in out, that folder goes; with none there, the
+    earlier one goes back when whole (or the empty folder it replaced). Anything else stays, for
+    check_replaceable to refuse."""
+    aside = beside(out, "podgpt-old")
+    old = os.path.join(aside, "old")
+    if not (os.path.isdir(aside) and not os.path.islink(aside) and not in_use(aside)
+            and os.path.isfile(os.path.join(aside, SCRATCH_MARK))
+            and set(os.listdir(aside)) <= {"old", SCRATCH_MARK}):
+        return
+    if not os.path.lexists(out):  # cut between its two renames
+        if os.path.islink(old) or not os.path.isdir(old) or (os.listdir(old) and not whole(old)):
+            return
+        os.replace(old, out)
+    elif not whole(out):
+        return
     remove_scratch(aside)
 
 
