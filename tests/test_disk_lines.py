@@ -208,3 +208,27 @@ def test_a_signal_before_the_first_step_loses_nothing(tmp_path, stdlib_data, cap
     assert (summary["status"], summary["stop_reason"], summary["steps"], summary["error"]) == (
         "stopped", "signal", 0, None)
     assert os.listdir(tmp_path / "ckpt") == []
+
+
+def test_a_pointer_the_full_disk_refuses_leaves_the_checkpoint_and_rotates_nothing(tmp_path, stdlib_data, capfd,
+                                                                                   monkeypatch):
+    """The step-10 save is whole on disk, then the 10-byte ckpt/latest.tmp is refused. Before: an OSError
+    traceback out of the save. Now a warning, every checkpoint kept (latest still names step 5, which the
+    rotation would have removed), no .tmp left, and the run ends as it would."""
+    write_pointer = checkpoint.write_pointer
+
+    def refused(ckpt_root, which, name):
+        if name == "step_0000010":
+            open(os.path.join(ckpt_root, f"{which}.tmp"), "wb").close()  # what a refused write leaves
+            no_space()
+        write_pointer(ckpt_root, which, name)
+    monkeypatch.setattr(checkpoint, "write_pointer", refused)
+    r = train(capfd, tmp_path, stdlib_data, *FAST, "--max_steps=10", "--ckpt_every=5", "--eval_every=1000",
+              "--save_best=False", "--keep_last=1", "--ckpt_async=False", check=False)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert warnings_of(r) == [
+        f"warning: the step 10 checkpoint is whole in {tmp_path}/ckpt/step_0000010, but ckpt/latest (or best) "
+        f"could not name it ({ENOSPC}), so none is rotated away; training goes on: free disk space for "
+        f"{tmp_path}/ckpt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step_0000005", "step_0000010"]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_0000005"

@@ -195,9 +195,19 @@ def commit(ckpt_root, tmp, step, marker, best, keep_last):
         remove_unread(final)
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
-    write_pointer(ckpt_root, "latest", name)
-    if best:
-        write_pointer(ckpt_root, "best", name)
+    try:
+        write_pointer(ckpt_root, "latest", name)
+        if best:
+            write_pointer(ckpt_root, "best", name)
+    except OSError as e:  # whole on disk, but a pointer still names an older one: keep them all
+        for left in (os.path.join(ckpt_root, w) for w in ("latest.tmp", "best.tmp")):
+            with suppress(OSError):
+                if os.path.lexists(left):
+                    remove(left)
+        warn(f"the step {step} checkpoint is whole in {final}, but ckpt/latest (or best) could not "
+             f"name it ({first_line(e)}), so none is rotated away; training goes on: free disk "
+             f"space for {ckpt_root}")
+        return final
     keep = read_pointer(ckpt_root, "best")
     for old in step_folders(ckpt_root)[keep_last:]:  # newest first
         if old != keep:
