@@ -53,7 +53,7 @@ serve_max_tokens = 1024         # the most max_tokens a request may ask: how lon
 serve_read_timeout = 30.0       # seconds a client has to send its whole request: then 408
 serve_max_queue = 8             # completions that may wait while one generates: one more gets 503
 serve_max_wait = 10.0           # seconds a completion may wait for the model: then 503
-serve_max_n = 4                 # choices (n) a request may ask: each holds the model max_tokens more
+serve_max_n = 4                 # choices (n) a request may ask: each holds the model that much more
 # --- end config
 
 
