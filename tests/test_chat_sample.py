@@ -108,3 +108,35 @@ def test_the_export_s_probabilities_are_over_the_true_vocabulary(sft_run):
     prompt = torch.tensor([chat_prompt(tok, QUESTION)])
     generated = model.generate(prompt, max_new_tokens=N, do_sample=False)[0, prompt.size(1):].tolist()
     assert generated == [t.item() for t in ours.generate(prompt, len(generated), temperature=0)]
+
+
+def test_the_server_answers_as_sample_py_and_transformers_from_the_checkpoint_and_its_export(sft_run, tmp_path,
+                                                                                           capfd):
+    """Issue 45's acceptance, end to end: OpenAI's client against sample.py --serve on the SFT checkpoint and on its
+    export, streamed and not, at temperature 0, gives the reply sample.py prints and transformers generates through
+    the export's chat template; the server's logprobs on the export are transformers' log-softmax over its whole
+    output (no padding row takes mass), within 1e-4 a token."""
+    openai = pytest.importorskip("openai")
+    from test_serve import start_server, stop_server
+    want, generated, prompt_ids = transformers_reply(sft_run["hf"])
+    assert sample(capfd, sft_run["run"]) == want + "\n"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(sft_run["hf"]), dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers' next-token log-probabilities along its own greedy reply
+        logits = hf(torch.tensor([prompt_ids + generated])).logits[0, len(prompt_ids) - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(generated)[:, None])[:, 0]
+    message = [{"role": "user", "content": QUESTION}]
+    for name, folder in (("run", find_checkpoint(str(sft_run["run"]), "best")), ("hf", sft_run["hf"])):
+        server = start_server(folder, tmp_path / f"{name}.log")
+        try:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+            r = client.chat.completions.create(model="x", messages=message, temperature=0, max_tokens=N,
+                                               logprobs=True)
+            assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop"), name
+            assert r.usage.completion_tokens == len(generated)  # the reply's tokens and its <|end|>
+            got = torch.tensor([t.logprob for t in r.choices[0].logprobs.content])
+            assert (got - expected[:-1]).abs().max() < 1e-4, name  # <|end|> ends it and is not content
+            chunks = client.chat.completions.create(model="x", messages=message, temperature=0, max_tokens=N,
+                                                    stream=True)
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want, name
+        finally:
+            stop_server(server)
