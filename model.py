@@ -25,7 +25,8 @@ from podgpt.core.util import IGNORE, device_mesh, dtype_name, first_line
 GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
 # them, export has nothing to map them to, and a resumed run may change them
-RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss")
+RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss",
+                  "fuse_projections", "fp8_head")
 
 
 @dataclass
@@ -55,6 +56,11 @@ class GPTConfig:
     # runs once, not again in the backward as a checkpointed chunk's does. Off: preflight's memory
     # plan counts the checkpointed chunks
     fused_loss: bool = False
+    # q/k/v and gate/up each as one matmul while training (their weights concatenated in forward,
+    # so checkpoints and export keep the separate ones): one read and, in fp8, one cast of the
+    # input instead of three and two
+    fuse_projections: bool = True
+    fp8_head: bool = False        # fp8=True: the LM head in float8 too (the loss reads its logits)
     padded_vocab: int = field(init=False)
     objective = "ar"              # not fields: a research objective's config has its own
     added_tokens = 0              # ids an objective adds past the data's vocabulary
@@ -154,7 +160,32 @@ class KVCache:
         return self.k[slot, :, :, :end], self.v[slot, :, :, :end]
 
 
+def fuses(config, linears):
+    """Whether linears run as one matmul: while training (without gradients, as in generation, the
+    concatenation would copy the weights at every token), and all of one kind, fp8 or not."""
+    return (config.fuse_projections and torch.is_grad_enabled()
+            and len({type(m) for m in linears}) == 1)
+
+
+def fused_linear(x, linears):
+    """Each of linears (bias-free, nn.Linear or torchao's Float8Linear) on x, from one matmul over
+    their concatenated weights; float8 as Float8Linear.forward computes it: one cast of x and of
+    the weights, one scale for them all (tensorwise), one cast of the gradient in the backward."""
+    weight, first = torch.cat([m.weight for m in linears]), linears[0]
+    if hasattr(first, "linear_mm_config"):
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        if torch.is_autocast_enabled("cuda"):
+            x = x.to(torch.get_autocast_dtype("cuda"))
+        y = matmul_with_hp_or_float8_args.apply(x, weight.t(), first.linear_mm_config,
+                                                 first.config)
+    else:
+        y = F.linear(x, weight)
+    return y.split([m.out_features for m in linears], dim=-1)
+
+
 class Attention(nn.Module):
+    FUSED = ("q_proj", "k_proj", "v_proj")  # one matmul under fuse_projections
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -176,8 +207,9 @@ class Attention(nn.Module):
         positions = mask.positions if isinstance(mask, Mask) else None  # a mask may move rows
         at = slice(start, start + T) if positions is None else positions
         cos, sin = self.rope_cos[at], self.rope_sin[at]
-        q, k, v = (proj(x).view(B, T, -1, hd).transpose(1, 2)
-                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        outs = fused_linear(x, projs) if fuses(self.config, projs) else (p(x) for p in projs)
+        q, k, v = (y.view(B, T, -1, hd).transpose(1, 2) for y in outs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # the queries follow the cached keys: causal aligns them bottom-right
             k, v = cache.update(slot, k, v)
@@ -186,14 +218,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    FUSED = ("gate_proj", "up_proj")
+
     def __init__(self, config):
         super().__init__()
+        self.config = config
         self.gate_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(config.n_embd, config.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        projs = (self.gate_proj, self.up_proj)
+        gate, up = fused_linear(x, projs) if fuses(self.config, projs) else (p(x) for p in projs)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -424,19 +461,43 @@ def fp8_unavailable(device, dtype, compiled):
     return None
 
 
+def fp8_filter(model):
+    """torchao's module_filter_fn for model: (module, fqn) -> whether that nn.Linear computes in
+    float8. Not the LM head (the loss reads its logits) unless fp8_head; not a layer with a
+    dimension not a multiple of 16 (float8 matmuls need it); not a matmul too small for float8 to
+    pay for its casts: torchao's rule for tensorwise scales, K <= 4096 and N <= 1024 (its
+    float8_linear_utils._auto_filter_for_tensorwise, from its H100 tables; bench/matmul.py --fp8
+    measures this GPU's). Under fuse_projections a fused group's matmul is judged whole, and its
+    members convert together (fused_linear runs them as one)."""
+    c = model.config
+
+    def converts(module, fqn):
+        if fqn == "lm_head":
+            return c.fp8_head and not (module.in_features % 16 or module.out_features % 16)
+        parent, _, name = fqn.rpartition(".")
+        names = getattr(model.get_submodule(parent), "FUSED", ())
+        group = ([model.get_submodule(f"{parent}.{n}") for n in names]
+                 if c.fuse_projections and name in names else [module])
+        k, n = module.in_features, sum(m.out_features for m in group)
+        if k % 16 or any(m.out_features % 16 for m in group):
+            return False
+        return not (k <= 4096 and n <= 1024)
+    return converts
+
+
 def float8_linears(model):
-    """fp8=True: (converted names, kept names). The nn.Linear layers become torchao's Float8Linear
-    (tensorwise), in place, their weights the same fp32 parameters; kept in bf16: lm_head (the loss
-    reads its logits) and layers with a dimension not a multiple of 16 (float8 matmuls need it)."""
+    """fp8=True: (converted names, kept names). The nn.Linear layers fp8_filter chooses become
+    torchao's Float8Linear (tensorwise), in place, their weights the same fp32 parameters."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    kept = [name for name, m in linears
-            if name == "lm_head" or m.in_features % 16 or m.out_features % 16]
+    converts = fp8_filter(model)
+    # decided before the conversion replaces any of a group's modules
+    chosen = {name: converts(m, name) for name, m in model.named_modules()
+              if isinstance(m, nn.Linear)}
     # no enable_fsdp_float8_all_gather: its float8 weight subclass would reach checkpoints, export
     # and sample.py; FSDP gathers bf16 weights, and the matmuls still run in float8
-    convert_to_float8_training(model, module_filter_fn=lambda module, name: name not in kept,
+    convert_to_float8_training(model, module_filter_fn=lambda module, name: chosen.get(name, False),
                                config=Float8LinearConfig.from_recipe_name("tensorwise"))
-    return [name for name, _ in linears if name not in kept], kept
+    return [n for n, yes in chosen.items() if yes], [n for n, yes in chosen.items() if not yes]
 
 
 def shard_model(model, dev, compute_dtype):

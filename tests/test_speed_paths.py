@@ -69,10 +69,11 @@ def test_train_py_refuses_fa4_where_it_cannot_run(capfd, tmp_path, stdlib_data):
 
 def test_float8_linears_converts_all_but_the_head_and_odd_sizes():
     """With torchao installed: every nn.Linear becomes a Float8Linear on the same weight, but lm_head (tied to the
-    embedding) and those with a dimension that is not a multiple of 16 (here the MLP's 40-wide hidden layer)."""
+    embedding) and those with a dimension that is not a multiple of 16 (here the MLP's 2056-wide hidden layer).
+    Wide enough that fp8_filter's size rule converts every attention layer (k and v with q, fused)."""
     pytest.importorskip("torchao.float8")
-    gpt = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                                    ffn_hidden=40))
+    gpt = model.GPT(model.GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=16, n_kv_head=4, n_embd=2048,
+                                    ffn_hidden=2056, fuse_projections=True))
     weights = dict(gpt.named_parameters())
     converted, kept = model.float8_linears(gpt)
     attn = [f"layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"]
