@@ -140,3 +140,63 @@ def test_master_weights_refuses_muon_and_a_dtype_without_bf16(tmp_path, stdlib_d
     assert r.stderr.strip().splitlines()[-1] == (
         "error: master_weights=True keeps bfloat16 parameters, and this run computes in float32: set "
         "dtype=bfloat16, or master_weights=False")
+
+
+# -----------------------------------------------------------------------------
+# train.py with master_weights=True: resumes, checkpoints
+
+@pytest.fixture(scope="module")
+def ref_master(tmp_path_factory, stdlib_data):
+    out = tmp_path_factory.mktemp("master") / "out"
+    train(out, stdlib_data, *ARGS, *MASTER)
+    assert ckpt_steps(out) == [5, 10, 15, 16]
+    return out
+
+
+def test_a_checkpoint_holds_the_fp32_masters(ref_master):
+    model, optim = load(ref_master / "ckpt/step_0000016", "model.pt"), load(ref_master / "ckpt/step_0000016",
+                                                                             "optimizer.pt")
+    assert {t.dtype for t in model.values() if t.is_floating_point()} == {torch.float32}
+    # not bf16 values stored as fp32: the master keeps what bf16 rounds away
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in model.values())
+    assert {t.dtype for s in optim["state"].values() for k, t in s.items() if k != "step"} == {torch.float32}
+
+
+def test_sigkill_then_resume_with_master_weights_is_bit_identical(tmp_path, stdlib_data, ref_master):
+    out, kill = tmp_path / "out", 9
+    r = train(out, stdlib_data, *ARGS, *MASTER, script=wrapper(tmp_path, KILL_AT_STEP, rank=0, step=kill, last=5),
+              check=False)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    r = train(out, stdlib_data, *ARGS, *MASTER)
+    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
+    assert_same_run(out, ref_master)
+
+
+def test_ddp_sigkill_then_resume_with_master_weights_is_bit_identical(tmp_path, stdlib_data):
+    """2 ranks (gloo): the fp32 buffers all-reduced by MasterAdamW, each checkpoint written by both ranks."""
+    ref, out, kill = tmp_path / "ref", tmp_path / "out", 9
+    r = train(ref, stdlib_data, *ARGS, *MASTER, nproc=2)
+    assert "world 2 x micro 4 x accum 1" in r.stdout
+    r = train(out, stdlib_data, *ARGS, *MASTER, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill, last=5),
+              nproc=2, check=False, torchrun=True)
+    assert r.returncode != 0 and max(train_losses(out)) == kill
+    r = train(out, stdlib_data, *ARGS, *MASTER, nproc=2, torchrun=True)
+    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
+    assert_same_run(out, ref)
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [(MASTER, ["--dtype=bfloat16"]),
+                                                    (["--dtype=bfloat16"], MASTER)], ids=["on_to_off", "off_to_on"])
+def test_a_checkpoint_loads_with_master_weights_on_or_off(tmp_path, stdlib_data, saved_with, resumed_with):
+    """Saved at step 5 with master_weights one way, resumed the other: the weights and AdamW moments go on, so
+    steps 6-8 follow the run that kept its setting (bf16 rounding apart), far closer than a fresh start."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    train(ref, stdlib_data, *ARGS, *CONSTANT_LR, *saved_with, "--max_steps=8")
+    r = train(out, stdlib_data, *ARGS, *CONSTANT_LR, *resumed_with, "--max_steps=8",
+              f"--resume={ref}/ckpt/step_0000005")
+    assert f"resumed from {ref}/ckpt/step_0000005 at step 5" in r.stdout
+    theirs, ours = train_losses(ref), train_losses(out)
+    assert sorted(ours) == [6, 7, 8]
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-2), (step, ours, theirs)
+    assert abs(ours[6] - theirs[1]) > 0.1  # a fresh model's loss is far from either
