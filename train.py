@@ -25,7 +25,7 @@ import torch.distributed as dist
 from podgpt.core import configurator
 from podgpt.core.checkpoint import find_checkpoint, tensor_bytes
 from podgpt.core.data import bpb_scale, rarest_tokens, unigram_baseline
-from podgpt.core.optim import make_optimizer
+from podgpt.core.optim import make_optimizer, master_weights_on
 from podgpt.core.schedule import Budget, Schedule
 from podgpt.core.tokenizer import load_tokenizer
 from podgpt.core.util import (Folder, autocast, catch_signals, dtype_name, fail, format_seconds,
@@ -45,6 +45,7 @@ from podgpt.pod.preflight import (finish_preflight, flops_per_token, model_confi
                                   peak_flops, plan_run, start_horizon, target_band)
 from podgpt.pod.report import outcome, target_verdict, write_report
 from podgpt.pod.runlog import RunLog
+from podgpt.pod.step import clip_gradients
 from podgpt.pod.trackers import Trackers, tracker_names
 
 # --- config
@@ -92,6 +93,7 @@ weight_decay = 0.1              # AdamW's, on matrices only (muon: only an untie
 beta1 = 0.9                     # AdamW beta1
 beta2 = 0.95                    # AdamW beta2
 grad_clip = 1.0                 # clip the global gradient norm to this; 0 disables
+master_weights = False          # bf16 parameters, AdamW on fp32 masters: True | auto (bf16 ddp)
 # evaluation, logging, checkpoints
 eval_every = 250                # steps between validation evaluations (and one at the end)
 eval_steps = 20                 # validation micro-batches per rank per evaluation
@@ -268,7 +270,8 @@ class Trainer:
         lr, base_lr = self.set_lr()
         spike_drill, nan_drill = self.drills.pick(st)
         loss_sum, stats = self.forward_backward(spike_drill, nan_drill)
-        grad_norm, finite = self.clip_gradients(loss_sum)
+        grad_norm, finite = clip_gradients(self.optimizer, self.scaler, self.raw_model,
+                                           cfg.grad_clip, self.sharded, loss_sum)
         self.drills.slow_down(st.step)
         self.clock.tick()
         verdicts = (self.guard(), self.clock.decay_to(self.ckpts.writing), self.ckpts.time_due()) \
@@ -313,7 +316,7 @@ class Trainer:
             # gradients are reduced across ranks once per step, after the last micro-step
             if self.sharded:
                 self.raw_model.set_requires_gradient_sync(last)
-            sync = self.sharded or not proc.distributed or last
+            sync = self.sharded or not hasattr(self.model, "no_sync") or last
             with nullcontext() if sync else self.model.no_sync():
                 with self.autocast:
                     # [1:] alone: with loss_chunk=0 a name for the logits would hold them through
@@ -330,18 +333,6 @@ class Trainer:
             if not last:  # read and copy the next one while the GPU still works on this one
                 batch = self.batches.micro(self.state, micro + 1, spike_drill)
         return loss_sum, stats_sum
-
-    def clip_gradients(self, loss_sum):
-        """Unscale and clip to grad_clip: (the norm before clipping, whether the step is finite)."""
-        self.scaler.unscale_(self.optimizer)
-        grad_clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), grad_clip)
-        if self.sharded:  # a DTensor: the norm over every rank's shards
-            grad_norm = grad_norm.full_tensor()
-        # fp16's scaler skips overflowing gradients itself; any other non-finite value skips it here
-        finite = bool(torch.isfinite(loss_sum)) and (self.scaler.is_enabled()
-                                                     or bool(torch.isfinite(grad_norm)))
-        return grad_norm, finite
 
     def after_step(self, loss, finite, grad_norm, lr, base_lr, decay_to, spike_drill, nan_drill):
         """wsd's decay from the next step (linear to min_lr at step decay_to), the fire drill, a
@@ -500,6 +491,7 @@ def start(cfg, proc, dt, grad_accum, folder):
     """Everything before the first step: the data, the plan and gates (preflight), the model, the
     optimizer, a resume, out_dir claimed: (the preflight report, unless preflight_only the rest)."""
     check_init_from(cfg)  # before the gates, which would count a base that is not there
+    master = master_weights_on(cfg, dt)  # then its optimizer all-reduces the gradients, not DDP
     manifest = read_manifest(cfg.data_dir, cfg.vocab_size, planning=cfg.preflight_only)
     mconfig = model_config(cfg, manifest)
     data = open_data(cfg.data_dir, manifest, mconfig, cfg.seed)
@@ -512,7 +504,8 @@ def start(cfg, proc, dt, grad_accum, folder):
     optimizer = make_optimizer(raw_model, cfg.learning_rate, (cfg.beta1, cfg.beta2),
                                cfg.weight_decay, fused=proc.dev.type == "cuda", kind=cfg.optimizer,
                                matrix_lr=cfg.matrix_lr, embedding_lr=cfg.embedding_lr,
-                               momentum=cfg.muon_momentum)
+                               momentum=cfg.muon_momentum, master=master,
+                               compiled=cfg.compile)
     saved, files = run_record(cfg, mconfig, proc.world, grad_accum, manifest)
     ckpts = Checkpoints(cfg.out_dir, raw_model, optimizer, proc, sharded,
                         files if proc.rank == 0 else {}, cfg.ckpt_every, cfg.keep_last,
@@ -523,7 +516,8 @@ def start(cfg, proc, dt, grad_accum, folder):
     if cfg.resume != "never":
         restore_clock(os.path.join(cfg.out_dir, "clock.json"), state)
     check_writable(cfg.out_dir, proc, folder, cfg, report)
-    model = wrap_model(raw_model, proc, cfg.compile_mode if cfg.compile else None, not sharded)
+    model = wrap_model(raw_model, proc, cfg.compile_mode if cfg.compile else None,
+                       not (sharded or master))
     counts, (_, train_data, val_data) = param_counts(mconfig), data
     log(f"config: {configurator.changed(cfg, __file__)} (every key: "
         f"{os.path.join(cfg.out_dir, 'config.json')})")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from model import RUNTIME_FIELDS
 from podgpt.core import checkpoint  # its functions called through it: a test may replace one
 from podgpt.core.data import tokenizer_fingerprint
+from podgpt.core.optim import MasterAdamW
 from podgpt.core.tokenizer import with_chat_tokens
 from podgpt.core.util import CutShortThread, disk_full, fail, first_line, log, warn
 from podgpt.pod.gates import base_checkpoint, same_place
@@ -185,7 +186,7 @@ def grown_state(base, model, base_vocab):
 def start_from(model, sharded, src, config, data_dir):
     """Load the weights of base checkpoint `src` (a checkpoint folder or an out_dir) into a fresh
     run's model (config: its config.json) of the same shape, its vocabulary maybe grown by the chat
-    tokens; the optimizer, the schedule and the step start anew."""
+    tokens; the optimizer, the schedule and the step start anew. Returns the weights loaded."""
     try:
         with checkpoint.reading(src) as path:
             base, base_config = load_model(path, verify=False)
@@ -209,6 +210,7 @@ def start_from(model, sharded, src, config, data_dir):
         model.load_state_dict(state)
     log(f"init_from: the weights of {path} (vocabulary {old['vocab_size']} -> "
         f"{new['vocab_size']}); a new optimizer state and schedule, from step 0")
+    return state
 
 
 # -----------------------------------------------------------------------------
@@ -278,7 +280,9 @@ class Checkpoints:
                      f"--resume=auto")
         if ckpt is None:
             if init_from:
-                start_from(self.model, self.sharded, init_from, config, data_dir)
+                weights = start_from(self.model, self.sharded, init_from, config, data_dir)
+                if isinstance(self.optimizer, MasterAdamW):
+                    self.optimizer.load_masters(weights)
             return None
         check_compatible(path, ckpt["config"], config, allow_mismatch, data_dir)
         self.restore(ckpt, state)
@@ -287,8 +291,12 @@ class Checkpoints:
     def state_dicts(self):
         """Model and optimizer as DCP saves and loads them: by name, sharded under fsdp."""
         from torch.distributed.checkpoint.state_dict import get_state_dict  # see model.shard_model
-        return dict(zip(("model", "optimizer"), get_state_dict(self.model, self.optimizer),
-                        strict=True))
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return dict(model=self.weights(model), optimizer=optimizer)
+
+    def weights(self, model):
+        """The weights a checkpoint holds: master_weights' fp32 masters, not the bf16 parameters."""
+        return self.optimizer.masters(model) if isinstance(self.optimizer, MasterAdamW) else model
 
     def restore(self, ckpt, state):
         """Model, optimizer, the loop's state and this rank's RNGs from a loaded checkpoint,
@@ -300,6 +308,7 @@ class Checkpoints:
             checkpoint.load_sharded(sd, ckpt["state"])
             set_state_dict(model, optimizer, model_state_dict=sd["model"],
                            optim_state_dict=sd["optimizer"])
+            weights = sd["model"]  # master_weights: the masters themselves, loaded in place
         elif self.sharded:  # a ddp checkpoint: every rank holds it whole and keeps its shard
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
@@ -310,6 +319,9 @@ class Checkpoints:
         else:
             model.load_state_dict(ckpt["model"])
             optimizer.load_state_dict(ckpt["optimizer"])
+            weights = ckpt["model"]
+        if isinstance(optimizer, MasterAdamW):
+            optimizer.load_masters(weights)
         trainer = ckpt["trainer"]
         for key in vars(state):  # a field the loop gained since keeps its start value
             setattr(state, key, trainer.get(key, getattr(state, key)))
@@ -367,7 +379,7 @@ class Checkpoints:
         if self.shared and self.proc.rank < self.writers:
             return {}, checkpoint.share_of(self.state_dicts(), self.proc.rank, self.writers)
         if self.proc.rank == 0:
-            return {"model.pt": self.model.state_dict(),
+            return {"model.pt": self.weights(self.model.state_dict()),
                     "optimizer.pt": self.optimizer.state_dict()}, None
         return {}, None
 
