@@ -227,6 +227,28 @@ def test_memory_phases_match_what_a_cpu_step_allocates(grad_ckpt, loss_chunk):
             memory_estimate(config, 4, compute_bytes=4, activation_checkpointing=same)
 
 
+@pytest.mark.parametrize("grad_ckpt, loss_chunk", [("none", 200), ("selective", 128)])
+def test_memory_phases_match_what_a_fused_loss_step_allocates(grad_ckpt, loss_chunk):
+    """fused_loss: the forward leaves for the backward what the plan's activations say, within 1% (its input's
+    gradient where the checkpointed loss keeps the input, and the head's fp32 gradient); the loss's chunk at its
+    peak in the forward (fp32 logits and logsumexp's temporaries, beside the final norm's output) is the plan's
+    logits, within 1%; and the backward rebuilds nothing."""
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+                       grad_ckpt=grad_ckpt, loss_chunk=loss_chunk, fused_loss=True)
+    torch.manual_seed(0)
+    model = make_model(config)
+    x, y = torch.randint(0, config.vocab_size, (2, 4, config.block_size))
+    with LiveBytes(model, x, y) as live:
+        loss = model(x, y)[1]
+        alive = live.alive()
+        live.phase = "backward"
+        loss.backward()
+    fwd = memory_phases(config, micro_batch_size=4, compute_bytes=4)["forward_end"]
+    assert fwd["activations"] == pytest.approx(sum(alive.values()), rel=0.01)
+    assert fwd["logits"] == pytest.approx(live.peak["forward", "head"] - alive["forward", "head"], rel=0.01)
+    assert live.peak.get(("rebuilt", "head"), 0) <= 16
+
+
 # the peak memory of one compiled training step, in bytes (the peak RSS of a fresh process, compiling included)
 LOSS_SHAPE = dict(vocab_size=32768, block_size=512, n_layer=1, n_head=2, n_kv_head=1, n_embd=64)
 COMPILED_STEP_PEAK = f"""

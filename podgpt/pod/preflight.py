@@ -136,9 +136,9 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     # each step's fp32 gradient of the head, made in the forward
     earlier = (n_sup - 1) * rows * V * 4 if rows == tokens and not fused else 0
     grad_head = n_sup * 4 * head if fused else 0
-    # the fused loss's chunk: fp32 logits, their gradient (and its cast), the head's product
-    cast = 0 if c == 4 else c
-    chunk = rows * V * (8 + cast) + (4 + cast) * head if fused else rows * V * 8 + earlier
+    # the fused loss's chunk: fp32 logits and logsumexp's two temporaries, beside the final norm's
+    # output, which it reads and does not keep
+    chunk = rows * V * 12 + tokens * norm_out * d if fused else rows * V * 8 + earlier
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
                 ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy
