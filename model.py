@@ -26,7 +26,8 @@ GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
 # them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss",
-                  "fuse_projections", "fp8_head")
+                  "fuse_projections", "fp8_head", "residual_dtype")
+RESIDUAL_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -44,7 +45,7 @@ class GPTConfig:
     tie_embeddings: bool = True
     vocab_multiple: int = 64      # pad the embedding rows to a multiple of this
     init_std: float = 0.02
-    # runtime settings (RUNTIME_FIELDS); the defaults are what older checkpoints ran with
+    # runtime settings (RUNTIME_FIELDS): a checkpoint of any of them resumes under any other
     attn_backend: str = "sdpa"    # auto | sdpa (PyTorch picks) | one of attention.py's backends
     doc_mask: bool = False        # attend only within the document (one starts at each bos_id)
     bos_id: int = None            # the BOS token id (prepare.py: vocab_size - 1); doc_mask needs it
@@ -53,14 +54,16 @@ class GPTConfig:
     # rows of 50k-vocabulary logits are ~4 GB, and the head's matmul stays efficient
     loss_chunk: int = 8192
     # the chunked loss makes its gradients in its forward (podgpt/core/loss.py): the head's matmul
-    # runs once, not again in the backward as a checkpointed chunk's does. Off: preflight's memory
-    # plan counts the checkpointed chunks
-    fused_loss: bool = False
+    # runs once, not again in the backward as a checkpointed chunk's does
+    fused_loss: bool = True
     # q/k/v and gate/up each as one matmul while training (their weights concatenated in forward,
     # so checkpoints and export keep the separate ones): one read and, in fp8, one cast of the
     # input instead of three and two
     fuse_projections: bool = True
     fp8_head: bool = False        # fp8=True: the LM head in float8 too (the loss reads its logits)
+    # the residual stream between blocks: bfloat16 halves the bytes its norms and adds move; auto:
+    # bfloat16 under bf16 autocast, else float32 (residual_stream_dtype)
+    residual_dtype: str = "auto"
     padded_vocab: int = field(init=False)
     objective = "ar"              # not fields: a research objective's config has its own
     added_tokens = 0              # ids an objective adds past the data's vocabulary
@@ -81,6 +84,9 @@ class GPTConfig:
         if self.doc_mask and self.bos_id is None:
             raise ValueError("doc_mask=True needs bos_id, the token that starts every document "
                              "(prepare.py's manifest: vocab_size - 1)")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"residual_dtype={self.residual_dtype!r}: choose one of "
+                             f"{', '.join(RESIDUAL_DTYPES)}")
         if self.loss_chunk < 0:
             raise ValueError(f"loss_chunk={self.loss_chunk}: "
                              f"tokens per loss chunk, or 0 for no chunking")
@@ -233,13 +239,57 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def residual_stream_dtype(setting, device):
+    """The residual stream's dtype under residual_dtype=setting here: auto is bfloat16 under bf16
+    autocast (fp16's range is too narrow for a stream of sums), else float32."""
+    if setting != "auto":
+        return getattr(torch, setting)
+    bf16 = torch.is_autocast_enabled(device.type) and \
+        torch.get_autocast_dtype(device.type) == torch.bfloat16
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+class RMSNormFp32(torch.autograd.Function):
+    """RMSNorm of a low-precision x computed in fp32, its output in dtype. It keeps x as it came and
+    each row's 1/rms for the backward, not an fp32 copy: half the bytes of an fp32 stream's norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, dtype):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd * weight.float()).to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed, grad = x.float() * rstd, grad.float()
+        grad_weight = (grad * normed).flatten(0, -2).sum(0)
+        grad_normed = grad * weight.float()
+        grad_x = rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))
+        return grad_x.to(x.dtype), grad_weight.to(weight.dtype), None, None
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, in fp32 whatever its input's dtype. A bf16 residual stream's norm returns the
+    compute dtype: autocast's, else the weight's (a stream stored in bf16, computed in fp32)."""
+
+    def forward(self, x):
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else \
+            self.weight.dtype
+        return RMSNormFp32.apply(x, self.weight, self.eps, dtype)
+
+
 class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.grad_ckpt = config.grad_ckpt
-        self.input_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.grad_ckpt, self.residual_dtype = config.grad_ckpt, config.residual_dtype
+        self.input_layernorm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.mlp = MLP(config)
 
     def forward(self, x, cache=None, mask=None, slot=None, context=None):
@@ -256,10 +306,11 @@ class Block(nn.Module):
     def body(self, x, cache, mask, slot, context):
         """x plus the block's two residual branches. context: the branches read x + context and add
         to x alone (a recurrent objective's state). slot: this application's KV-cache entry."""
+        stream = residual_stream_dtype(self.residual_dtype, x.device)  # each add's sum is cast
         h = x if context is None else x + context
-        x = x + self.self_attn(self.input_layernorm(h), cache, mask, slot)
+        x = (x + self.self_attn(self.input_layernorm(h), cache, mask, slot)).to(stream)
         h = x if context is None else x + context
-        return x + self.mlp(self.post_attention_layernorm(h))
+        return (x + self.mlp(self.post_attention_layernorm(h))).to(stream)
 
 
 # selective checkpointing saves what is costly to recompute, the matmuls' and the attention
@@ -301,7 +352,7 @@ class GPT(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.padded_vocab, config.n_embd)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        self.norm = RMSNorm(config.n_embd, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.padded_vocab, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -321,6 +372,7 @@ class GPT(nn.Module):
         a third item, its stats: a 1-D tensor train.py sums and the model's metrics() names."""
         T = self.check_length(idx, cache)
         x = self.embed_tokens(idx)
+        x = x.to(residual_stream_dtype(self.config.residual_dtype, x.device))
         doc_mask = self.config.doc_mask and cache is None  # generation reads one document
         documents = Documents(torch.cumsum(idx == self.config.bos_id, dim=1)) if doc_mask else None
         out = self.predict(x, targets, cache, self.ready(x, documents))
@@ -375,7 +427,7 @@ class GPT(nn.Module):
         under checkpoint: the forward keeps no logits and the backward rebuilds them a chunk at a
         time. An objective that reshapes the logits (its own cross_entropy_sum) is never fused."""
         n = self.config.loss_chunk
-        if self.config.fused_loss and type(self).cross_entropy_sum is GPT.cross_entropy_sum:
+        if self.fuses_loss(self.config):
             return linear_cross_entropy(x, self.lm_head.weight, targets, weights, n)
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
@@ -383,6 +435,12 @@ class GPT(nn.Module):
         rebuild = torch.is_grad_enabled() and x.size(0) > n
         return sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild
                    else self.loss_sum(xc, yc, wc) for xc, yc, wc in zip(xs, ys, ws, strict=True))
+
+    @classmethod
+    def fuses_loss(cls, config):
+        """Whether this model's loss runs fused: fused_loss, chunked, GPT's own cross-entropy."""
+        return bool(config.fused_loss and config.loss_chunk) and \
+            cls.cross_entropy_sum is GPT.cross_entropy_sum
 
     def loss_sum(self, x, targets, weights=None):
         return self.cross_entropy_sum(self.lm_head(x), targets, weights)

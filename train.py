@@ -75,6 +75,8 @@ attn_backend = "auto"           # auto | fa3 fa2 cudnn flash efficient flex math
 doc_mask = False                # attention stays inside each document (BOS starts one)
 grad_ckpt = "none"              # activation checkpointing: none | full | selective
 loss_chunk = 8192               # tokens per chunk of the loss (no batch-wide fp32 logits); 0: off
+fused_loss = True               # the loss chunks make the head's gradients in the forward: 1 matmul
+residual_dtype = "auto"         # the residual stream: auto (bf16 under bf16) | float32 | bfloat16
 # batch
 micro_batch_size = 8            # sequences per GPU per forward/backward
 total_batch_tokens = 524288     # tokens per optimizer step over all GPUs (sets accumulation)

@@ -199,7 +199,7 @@ def test_memory_phases_match_what_a_cpu_step_allocates(grad_ckpt, loss_chunk):
     at the end of the backward, one layer's activations: what the forward kept of it and what
     checkpointing rebuilds."""
     config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
-                       grad_ckpt=grad_ckpt, loss_chunk=loss_chunk)
+                       grad_ckpt=grad_ckpt, loss_chunk=loss_chunk, fused_loss=False)  # the checkpointed chunks
     kept, block, chunk, model, optimizer = measure_step(config, micro_batch=4)
     phases = memory_phases(config, micro_batch_size=4, compute_bytes=4)
     fwd, end = phases["forward_end"], phases["backward_end"]
@@ -225,6 +225,28 @@ def test_memory_phases_match_what_a_cpu_step_allocates(grad_ckpt, loss_chunk):
     for ckpt, same in ((None, grad_ckpt), (True, "full"), (False, "none")):
         assert memory_estimate(config, 4, compute_bytes=4, activation_checkpointing=ckpt) == \
             memory_estimate(config, 4, compute_bytes=4, activation_checkpointing=same)
+
+
+@pytest.mark.parametrize("grad_ckpt, loss_chunk", [("none", 200), ("selective", 128)])
+def test_memory_phases_match_what_a_fused_loss_step_allocates(grad_ckpt, loss_chunk):
+    """fused_loss: the forward leaves for the backward what the plan's activations say, within 1% (its input's
+    gradient where the checkpointed loss keeps the input, and the head's fp32 gradient); the loss's chunk at its
+    peak in the forward (fp32 logits and logsumexp's temporaries, beside the final norm's output) is the plan's
+    logits, within 1%; and the backward rebuilds nothing."""
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=3, n_head=4, n_kv_head=2, n_embd=64,
+                       grad_ckpt=grad_ckpt, loss_chunk=loss_chunk, fused_loss=True)
+    torch.manual_seed(0)
+    model = make_model(config)
+    x, y = torch.randint(0, config.vocab_size, (2, 4, config.block_size))
+    with LiveBytes(model, x, y) as live:
+        loss = model(x, y)[1]
+        alive = live.alive()
+        live.phase = "backward"
+        loss.backward()
+    fwd = memory_phases(config, micro_batch_size=4, compute_bytes=4)["forward_end"]
+    assert fwd["activations"] == pytest.approx(sum(alive.values()), rel=0.01)
+    assert fwd["logits"] == pytest.approx(live.peak["forward", "head"] - alive["forward", "head"], rel=0.01)
+    assert live.peak.get(("rebuilt", "head"), 0) <= 16
 
 
 # the peak memory of one compiled training step, in bytes (the peak RSS of a fresh process, compiling included)
@@ -281,7 +303,9 @@ def measured_memory_rows():
     """Every GPU-measured row of bench/results/memory.jsonl: (model config, micro-batch, grad_ckpt, peak bytes)."""
     with open(os.path.join(ROOT, "bench", "results", "memory.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    return [(GPTConfig(**{k: v for k, v in rec["model"].items() if k != "padded_vocab"}), r["micro_batch"],
+    # rows from before fused_loss and residual_dtype ran the checkpointed loss over an fp32 stream
+    before = dict(fused_loss=False, residual_dtype="float32")
+    return [(GPTConfig(**{**before, **{k: v for k, v in rec["model"].items() if k != "padded_vocab"}}), r["micro_batch"],
              r["grad_ckpt"], r["measured_gb"] * 1e9) for rec in records for r in rec["rows"] if r["measured_gb"]]
 
 
@@ -305,13 +329,14 @@ def test_capacity_predicts_the_largest_micro_batch_within_one(hidden, largest):
     micro-batch of the 1B shape that trained was 14 at hidden 5461 and 13 at 5632 (2026-11-22 and -23).
     The planner's prediction for the whole GPU, as sanity.py makes it, is within one."""
     config = GPTConfig(vocab_size=32768, block_size=2048, n_layer=24, n_head=16, n_kv_head=4, n_embd=2048,
-                       ffn_hidden=hidden)
+                       ffn_hidden=hidden, fused_loss=False, residual_dtype="float32")  # as it was measured
     predicted = plan_layout(config, 16, 1, False, "none", 2, 85_017_493_504)["largest_micro_batch"]
     assert abs(predicted - largest) <= 1, predicted
 
 
 def test_memory_estimate_orders_the_layouts():
-    config = GPTConfig(vocab_size=32768, block_size=2048, n_layer=24, n_head=16, n_kv_head=4, n_embd=2048)
+    config = GPTConfig(vocab_size=32768, block_size=2048, n_layer=24, n_head=16, n_kv_head=4, n_embd=2048,
+                       fused_loss=False)  # the checkpointed chunks hold their logits in the backward
     act = {mode: memory_estimate(config, 8, activation_checkpointing=mode)["activations"]
            for mode in ("none", "selective", "full")}
     assert act["none"] > act["selective"] > act["full"]

@@ -8,12 +8,13 @@ import math
 import os
 import shutil
 import time
+from dataclasses import replace
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from model import GRAD_CKPT
+from model import GPT, GRAD_CKPT
 from podgpt.core.attention import resolve_backend
 from podgpt.core.data import contamination, load_manifest
 from podgpt.core.schedule import Budget, fit_horizon, step_seconds
@@ -21,7 +22,8 @@ from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mea
                               write_atomic, write_json)
 from podgpt.pod.gates import (check_profile, gate, limits, no_pack_gates, release_token_budget,
                               verdict_of)
-from podgpt.pod.objectives import config_class, config_fields, make_config
+from podgpt.pod.layer_bytes import layer_bytes, outside_bytes, stream_bytes
+from podgpt.pod.objectives import config_class, config_fields, make_config, objective
 from podgpt.pod.report import target_text
 from podgpt.pod.spend import print_spend, spend_lines
 
@@ -108,10 +110,11 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
 def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
                   activation_checkpointing=None, compute_bytes=2):
     """{moment: {part: bytes, "total": sum}} where a step can peak: forward_end (autocast's cached
-    weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax), loss_backward
-    (less the casts checkpointed layers drop, plus the logits' and head's gradients), backward_end
-    (every gradient, the first layer's activations and casts). Held throughout: fp32 weights,
-    AdamW's two fp32 moments, DDP's fp32 gradient buckets; FSDP divides them, gathers two layers."""
+    weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax or, fused, their
+    gradient), loss_backward (less the casts checkpointed layers drop, plus the head's gradients and
+    the logits rebuilt, or the fused loss's input gradient scaled), backward_end (every gradient,
+    the first layer's activations and casts). Held throughout: fp32 weights, AdamW's two fp32
+    moments, DDP's fp32 gradient buckets; FSDP divides them, gathers two layers."""
     ckpt = activation_checkpointing
     mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(ckpt, ckpt)
     if mode not in GRAD_CKPT:
@@ -119,35 +122,34 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     counts = param_counts(config)
     n, V, S = counts["total"], config.padded_vocab, config.stream
     tokens = micro_batch_size * config.block_size
-    L, d, f, c = config.n_layer, config.n_embd, config.ffn_hidden, compute_bytes
-    dkv, head = config.n_kv_head * config.head_dim, V * d
+    L, d, c, s = config.n_layer, config.n_embd, compute_bytes, stream_bytes(config, compute_bytes)
+    head, fused = V * d, getattr(objective(config.objective), "Model", GPT).fuses_loss(config)
     layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
     gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
-    # per token, all a layer keeps: fp32 output, mid residual and RMSNorm x*rsqrt; in c bytes the
-    # norm outputs, q k v, attention output, SwiGLU's four; attention's log-sum-exp; norm scales
-    layer = 16 * d + c * (4 * d + 2 * dkv + 4 * f) + 4 * config.n_head + 8
-    # what a layer keeps for the backward, and what the backward rebuilds of it, a layer at a time
-    kept_layer, rebuilt = {"none": (layer, 0), "full": (4 * d, layer - 4 * d),
-                           "selective": (4 * d + c * (4 * d + 2 * dkv + 2 * f) + 4 * config.n_head,
-                                         12 * d + c * (3 * d + dkv + 2 * f) + 8)}[mode]
-    outside = 8 * d + c * d + 4  # the embedding's output, the final norm's
+    (kept_layer, rebuilt), (outside, norm_out) = layer_bytes(config, mode, c, s), \
+        outside_bytes(d, c, s)
     rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
     # per block application with gradients, and per supervision step its final norm and sums
-    n_sup, per_layer, _ = config.applications()
-    sums = config.sums_kept(mode)
+    (n_sup, per_layer, _), sums = config.applications(), config.sums_kept(mode)
     kept = S * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (S - 1) * 4 * d
-    # an unchunked loss keeps each earlier supervision step's fp32 log-softmax
-    earlier = (n_sup - 1) * rows * V * 4 if rows == tokens else 0
+    # an unchunked loss keeps each earlier supervision step's fp32 log-softmax; the fused loss
+    # each step's fp32 gradient of the head, made in the forward
+    earlier = (n_sup - 1) * rows * V * 4 if rows == tokens and not fused else 0
+    grad_head = n_sup * 4 * head if fused else 0
+    # the fused loss's chunk: fp32 logits and logsumexp's two temporaries, beside the final norm's
+    # output, which it reads and does not keep
+    chunk = rows * V * 12 + tokens * norm_out * d if fused else rows * V * 8 + earlier
     casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's copy of every matrix
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
                 ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy
     # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
-    loss_casts = casts if mode == "none" or c == 4 else c * head // shard
+    loss_casts = casts if mode == "none" or c == 4 else 0 if fused else c * head // shard
     phases = dict(
-        forward_end=dict(held, gradients=0, weight_casts=casts, activations=tokens * kept,
-                         logits=rows * V * 8 + earlier),
+        forward_end=dict(held, gradients=0, weight_casts=casts,
+                         activations=tokens * kept + grad_head, logits=chunk),
         loss_backward=dict(held, gradients=4 * head // shard, weight_casts=loss_casts,
-                           activations=tokens * kept, logits=rows * V * 12 + earlier),
+                           activations=tokens * kept + grad_head,
+                           logits=tokens * norm_out * d if fused else rows * V * 12 + earlier),
         backward_end=dict(held, gradients=4 * n // shard + 4 * gathered,
                           weight_casts=0 if c == 4 else c * layer_params,
                           activations=tokens * (S * (kept_layer + rebuilt + 2 * sums + 4 * d)
@@ -427,6 +429,8 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
         mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
                                     if proc.dev.type == "cuda" else 0)
         counts, dtype_bytes = param_counts(mconfig), dt.itemsize
+        if dt == torch.float16 and mconfig.residual_dtype == "auto":  # auto's stream: fp32
+            mconfig = replace(mconfig, residual_dtype="float32")
         pack_gates = release.pack_gates if release else no_pack_gates
         gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts),
                  *data_gates(cfg, manifest), *pack_gates(cfg, counts["total"], manifest),
