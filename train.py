@@ -77,6 +77,7 @@ grad_ckpt = "none"              # activation checkpointing: none | full | select
 loss_chunk = 8192               # tokens per chunk of the loss (no batch-wide fp32 logits); 0: off
 fused_loss = True               # the loss chunks make the head's gradients in the forward: 1 matmul
 residual_dtype = "auto"         # the residual stream: auto (bf16 under bf16) | float32 | bfloat16
+fuse_projections = False        # q/k/v and gate/up each one matmul in training (fp8: one cast)
 # batch
 micro_batch_size = 8            # sequences per GPU per forward/backward
 total_batch_tokens = 524288     # tokens per optimizer step over all GPUs (sets accumulation)
@@ -174,6 +175,7 @@ dtype = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | 
 compile = False                 # torch.compile the model
 compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune
 fp8 = False                     # float8 matmuls (torchao): capability 8.9+, compile, bfloat16
+fp8_head = False                # fp8: the LM head in float8 too
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest
 # --- end config
 

@@ -104,14 +104,14 @@ def runs(tmp_path_factory, stdlib_data):
 
 def test_checkpoint_from_before_loads_fused(runs, tmp_path):
     """A checkpoint whose config.json has no fuse_projections (as written before it existed)
-    loads with it on, and its logits are the unfused model's."""
+    loads (the key takes its default, as any runtime field), and run fused its logits are the unfused model's."""
     ckpt = tmp_path / "old"
     shutil.copytree(find_checkpoint(runs["gqa_tied"], "best"), ckpt)
     config = json.loads((ckpt / "config.json").read_text())
     config["model"] = {k: v for k, v in config["model"].items() if k != "fuse_projections"}
     (ckpt / "config.json").write_text(json.dumps(config))
     model, _ = load_model(str(ckpt), verify=False)
-    assert model.config.fuse_projections is True
+    assert model.config.fuse_projections is GPTConfig.fuse_projections
     ids = torch.randint(0, model.config.vocab_size, (2, 16))
     fused, _ = logits_and_grads(model, ids, True)
     separate, _ = logits_and_grads(model, ids, False)
@@ -128,8 +128,7 @@ def test_export_matches_the_fused_model(runs, tmp_path, capfd):
     ours, _ = load_model(find_checkpoint(runs["gqa_tied"], "best"))
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(dest), dtype=torch.float32).eval()
     ids = torch.randint(0, ours.config.vocab_size, (2, 16))
-    assert ours.config.fuse_projections
-    fused, _ = logits_and_grads(ours, ids, True)
+    fused, _ = logits_and_grads(ours, ids, True)  # run fused
     with torch.no_grad():
         hf = theirs(ids).logits
     assert (hf - fused[..., :ours.config.vocab_size]).abs().max().item() < 1e-4
