@@ -128,19 +128,15 @@ def test_a_tiny_models_loss_with_master_weights_stays_in_the_fp32_runs_noise(std
     assert min(worse) > 0 and sum(worse) > 3 * sum(off), (fp32, master, bf16)
 
 
-def test_master_weights_refuses_muon_and_a_dtype_without_bf16(tmp_path, stdlib_data, capfd):
-    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=cpu",
-                    "--optimizer=muon", "--master_weights=True"], capfd)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == (
-        "error: master_weights=True does not run with optimizer=muon (Muon has no fp32 master copy): use "
-        "optimizer=adamw, or master_weights=False")
-    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=cpu",
-                    "--dtype=float32", "--master_weights=True"], capfd)
-    assert r.returncode == 2
-    assert r.stderr.strip().splitlines()[-1] == (
-        "error: master_weights=True keeps bfloat16 parameters, and this run computes in float32: set "
-        "dtype=bfloat16, or master_weights=False")
+@pytest.mark.parametrize("args, message", [
+    ("--optimizer=muon", "master_weights=True does not run with optimizer=muon (Muon has no fp32 master copy): use "
+                         "optimizer=adamw, or master_weights=False"),
+    ("--dtype=float32", "master_weights=True keeps bfloat16 parameters, and this run computes in float32: set "
+                        "dtype=bfloat16, or master_weights=False")])
+def test_master_weights_refuses_muon_and_a_dtype_without_bf16(args, message, tmp_path, stdlib_data, capfd):
+    r = run_script(["train.py", f"--data_dir={stdlib_data}", f"--out_dir={tmp_path}", "--device=cpu", args,
+                    "--master_weights=True"], capfd)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {message}"
 
 
 # -----------------------------------------------------------------------------

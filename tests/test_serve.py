@@ -455,15 +455,20 @@ BAD = [  # (body, param the error names)
 ]
 
 
-@pytest.mark.parametrize("body,param", BAD, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD)])
-def test_bad_request_gets_400_naming_the_field(server, body, param):
-    status, headers, data = call(server, "POST", "/v1/completions", body)
+def refused_naming(server, path, body, param):
+    """body to path gets a 400 in OpenAI's error shape, one line naming param first."""
+    status, headers, data = call(server, "POST", path, body)
     error = json.loads(data)["error"]
     assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), error
     assert headers["Content-Type"] == "application/json"
     message = error["message"]
     assert "\n" not in message and len(message) < 300, message  # one line, whatever the request held
     assert param is None or message.startswith(param), message
+
+
+@pytest.mark.parametrize("body,param", BAD, ids=[f"{i}-{p}" for i, (_, p) in enumerate(BAD)])
+def test_bad_request_gets_400_naming_the_field(server, body, param):
+    refused_naming(server, "/v1/completions", body, param)
     assert call(server, "GET", "/health")[0] == 200
 
 
@@ -744,15 +749,20 @@ WAIT = 1.0  # the queued server's serve_max_wait
 LONG = 1_000_000  # a generation that holds the model until its client leaves (~0.8 ms a token on a 2-core CPU)
 
 
-@pytest.fixture(scope="module")
-def queued(ckpt, tmp_path_factory):
-    """A server where one request may wait for the model (serve_max_queue=1), for at most WAIT seconds."""
+def queued_server(ckpt, tmp_path_factory):
+    """A server where one request may wait for the model (serve_max_queue=1), for at most WAIT seconds; stopped
+    when the fixture that yields from this ends."""
     server = start_server(ckpt, tmp_path_factory.mktemp("queued_log") / "stderr.txt", "--serve_max_queue=1",
                           f"--serve_max_wait={WAIT}", f"--serve_max_tokens={LONG}")
     try:
         yield server
     finally:
         stop_server(server, within=5)
+
+
+@pytest.fixture(scope="module")
+def queued(ckpt, tmp_path_factory):
+    yield from queued_server(ckpt, tmp_path_factory)
 
 
 @contextlib.contextmanager

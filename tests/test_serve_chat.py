@@ -20,13 +20,11 @@ from podgpt.core.tokenizer import chat_ids, chat_prompt, load_tokenizer
 from podgpt.pod.checkpoints import load_model
 from podgpt.release import chat, hf, serve
 from test_bad_input import finished_run  # noqa: F401 -- a fixture: the base model (1 step, stdlib)
-from test_serve import (FRAMING, READ_TIMEOUT, call, ckpt, raw_request, server,  # noqa: F401 -- fixtures
-                        start_server, stop_server, trickle)
+from test_serve import (FRAMING, LONG, READ_TIMEOUT, WAIT, call, ckpt, queued_server, raw_request,  # noqa: F401
+                        refused_naming, server, trickle)
 from test_sft import SFT_ARGS, sft_data  # noqa: F401 -- a fixture: SFT data in the base model's byte tokenizer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-LONG = 1_000_000  # the chat server's serve_max_tokens: a generation that holds the model until its client leaves
-WAIT = 1.0  # the chat server's serve_max_wait; one request may wait (serve_max_queue=1)
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +39,7 @@ def sft_ckpt(tmp_path_factory, finished_run, sft_data):  # noqa: F811
 @pytest.fixture(scope="module")
 def chatty(sft_ckpt, tmp_path_factory):
     """The SFT checkpoint served, with a line of one request that waits at most WAIT seconds."""
-    server = start_server(sft_ckpt, tmp_path_factory.mktemp("chat_log") / "stderr.txt", "--serve_max_queue=1",
-                          f"--serve_max_wait={WAIT}", f"--serve_max_tokens={LONG}")
-    try:
-        yield server
-    finally:
-        stop_server(server, within=5)
+    yield from queued_server(sft_ckpt, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -265,14 +258,7 @@ CASES = [(path, body, param) for path in (COMPLETIONS, CHAT) for body, param in 
 
 @pytest.mark.parametrize("path,body,param", CASES, ids=[f"{i}-{p[4:]}-{q}" for i, (p, _, q) in enumerate(CASES)])
 def test_bad_request_gets_400_naming_the_field(chatty, path, body, param):
-    body = body if isinstance(body, bytes) else dict(PROMPTS[path], **body)
-    status, headers, data = call(chatty, "POST", path, body)
-    error = json.loads(data)["error"]
-    assert (status, error["type"], error["param"]) == (400, "invalid_request_error", param), error
-    assert headers["Content-Type"] == "application/json"
-    message = error["message"]
-    assert "\n" not in message and len(message) < 300, message  # one line, whatever the request held
-    assert param is None or message.startswith(param), message
+    refused_naming(chatty, path, body if isinstance(body, bytes) else dict(PROMPTS[path], **body), param)
 
 
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
