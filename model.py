@@ -240,13 +240,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def residual_stream_dtype(setting, device):
-    """The residual stream's dtype under residual_dtype=setting here: auto is bfloat16 under bf16
-    autocast (fp16's range is too narrow for a stream of sums), else float32."""
+def residual_stream_dtype(setting, x):
+    """The residual stream's dtype under residual_dtype=setting for x: auto is bfloat16 under bf16
+    autocast or where x already is (FSDP2's bf16 compute, bf16 weights), else float32 (fp16's range
+    is too narrow for a stream of sums)."""
     if setting != "auto":
         return getattr(torch, setting)
-    bf16 = torch.is_autocast_enabled(device.type) and \
-        torch.get_autocast_dtype(device.type) == torch.bfloat16
+    dev = x.device.type
+    bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled(dev)
+                                         and torch.get_autocast_dtype(dev) == torch.bfloat16)
     return torch.bfloat16 if bf16 else torch.float32
 
 
@@ -307,7 +309,7 @@ class Block(nn.Module):
     def body(self, x, cache, mask, slot, context):
         """x plus the block's two residual branches. context: the branches read x + context and add
         to x alone (a recurrent objective's state). slot: this application's KV-cache entry."""
-        stream = residual_stream_dtype(self.residual_dtype, x.device)  # each add's sum is cast
+        stream = residual_stream_dtype(self.residual_dtype, x)  # each add's sum is cast
         h = x if context is None else x + context
         x = (x + self.self_attn(self.input_layernorm(h), cache, mask, slot)).to(stream)
         h = x if context is None else x + context
@@ -373,7 +375,7 @@ class GPT(nn.Module):
         a third item, its stats: a 1-D tensor train.py sums and the model's metrics() names."""
         T = self.check_length(idx, cache)
         x = self.embed_tokens(idx)
-        x = x.to(residual_stream_dtype(self.config.residual_dtype, x.device))
+        x = x.to(residual_stream_dtype(self.config.residual_dtype, x))
         doc_mask = self.config.doc_mask and cache is None  # generation reads one document
         documents = Documents(torch.cumsum(idx == self.config.bos_id, dim=1)) if doc_mask else None
         out = self.predict(x, targets, cache, self.ready(x, documents))
