@@ -63,7 +63,7 @@ class GPTConfig:
     fuse_projections: bool = False
     fp8_head: bool = False        # fp8=True: the LM head in float8 too (the loss reads its logits)
     # the residual stream between blocks: bfloat16 halves the bytes its norms and adds move; auto:
-    # bfloat16 under bf16 autocast, else float32 (residual_stream_dtype)
+    # bfloat16 under bf16 autocast or bf16 compute, else float32 (residual_stream_dtype)
     residual_dtype: str = "auto"
     padded_vocab: int = field(init=False)
     objective = "ar"              # not fields: a research objective's config has its own
