@@ -441,8 +441,9 @@ class GPT(nn.Module):
 
     @classmethod
     def fuses_loss(cls, config):
-        """Whether this model's loss runs fused: fused_loss, chunked, GPT's own cross-entropy."""
-        return bool(config.fused_loss and config.loss_chunk) and \
+        """Whether this model's loss runs fused: fused_loss, chunked, GPT's own cross-entropy, and
+        the head not fp8_head's (the fused loss reads its weight, not its float8 module)."""
+        return bool(config.fused_loss and config.loss_chunk and not config.fp8_head) and \
             cls.cross_entropy_sum is GPT.cross_entropy_sum
 
     def loss_sum(self, x, targets, weights=None):

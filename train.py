@@ -175,7 +175,7 @@ dtype = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | bfloat16 | 
 compile = False                 # torch.compile the model
 compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune
 fp8 = False                     # float8 matmuls (torchao): capability 8.9+, compile, bfloat16
-fp8_head = False                # fp8: the LM head in float8 too
+fp8_head = False                # fp8: the LM head in float8 too (its loss then unfused)
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest
 # --- end config
 

@@ -135,6 +135,12 @@ def test_an_objective_with_its_own_logits_is_not_fused():
     assert torch.equal(*losses)
 
 
+def test_an_fp8_head_is_not_fused():
+    """fp8_head runs the head through its float8 module, which the fused loss (reading the weight) would skip."""
+    assert GPT.fuses_loss(GPTConfig(**SHAPE, loss_chunk=16)) and not GPT.fuses_loss(
+        GPTConfig(**SHAPE, loss_chunk=16, fp8_head=True))
+
+
 def test_the_fused_loss_compiles_forward_and_backward():
     x, y, _ = batch(ignore=True)
     eager = loss_and_grads(tiny(loss_chunk=50), x, y)
