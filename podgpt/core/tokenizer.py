@@ -206,17 +206,17 @@ def check_tokenizer_loads(data_dir, manifest):
              f"--data_dir={data_dir} --force")
 
 
-def chat_ids(tok):
-    """{name: id} of CHAT_TOKENS for a tokenizer that has them."""
-    if set(tok.chat) != set(CHAT_TOKENS):
-        raise ValueError(f"the {tok.spec} tokenizer has no chat tokens {', '.join(CHAT_TOKENS)}: "
-                         "make the SFT data with prepare.py --chat=True")
-    return tok.chat
-
-
 def has_chat(tok):
     """Whether tok is a chat tokenizer (an SFT model's): it has every one of CHAT_TOKENS."""
     return set(tok.chat) == set(CHAT_TOKENS)
+
+
+def chat_ids(tok):
+    """{name: id} of CHAT_TOKENS for a tokenizer that has them."""
+    if not has_chat(tok):
+        raise ValueError(f"the {tok.spec} tokenizer has no chat tokens {', '.join(CHAT_TOKENS)}: "
+                         "make the SFT data with prepare.py --chat=True")
+    return tok.chat
 
 
 def chat_prompt(tok, prompt):

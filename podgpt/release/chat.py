@@ -1,7 +1,7 @@
 """The chat side of the server (serve.py): POST /v1/chat/completions' messages as the prompt the
 export's chat template (hf.CHAT_TEMPLATE) makes of them, and its replies in OpenAI's chat format."""
 
-from podgpt.core.tokenizer import CHAT_TOKENS
+from podgpt.core.tokenizer import has_chat
 from podgpt.release.bounds import RequestError, shown
 
 ROLES = {"user": "<|user|>", "assistant": "<|assistant|>"}  # the only roles podgpt trains
@@ -11,7 +11,7 @@ EXAMPLE = '{"messages": [{"role": "user", "content": "Hi"}]}'
 
 def check_chat_model(tok):
     """A base model has no chat tokens: no prompt a chat request could be made into."""
-    if set(tok.chat) != set(CHAT_TOKENS):
+    if not has_chat(tok):
         raise RequestError("this model has no chat tokens (a base model, not fine-tuned for chat): "
                            "send its text to POST /v1/completions instead")
 
