@@ -428,10 +428,11 @@ class GPT(nn.Module):
     def chunked_loss(self, x, targets, weights=None):
         """The summed cross-entropy, loss_chunk tokens at a time: fused (fused_loss), or each chunk
         under checkpoint: the forward keeps no logits and the backward rebuilds them a chunk at a
-        time. An objective that reshapes the logits (its own cross_entropy_sum) is never fused."""
+        time."""
         n = self.config.loss_chunk
         if self.fuses_loss(self.config):
-            return linear_cross_entropy(x, self.lm_head.weight, targets, weights, n)
+            never = self.never_predicted(x.device)
+            return linear_cross_entropy(x, self.lm_head.weight, targets, weights, n, never)
         xs, ys = x.split(n), targets.split(n)
         ws = (None,) * len(xs) if weights is None else weights.split(n)
         # one chunk would be rebuilt while every layer's activations are still held: only cost
@@ -439,12 +440,15 @@ class GPT(nn.Module):
         return sum(checkpoint(self.loss_sum, xc, yc, wc, use_reentrant=False) if rebuild
                    else self.loss_sum(xc, yc, wc) for xc, yc, wc in zip(xs, ys, ws, strict=True))
 
-    @classmethod
-    def fuses_loss(cls, config):
-        """Whether this model's loss runs fused: fused_loss, chunked, GPT's own cross-entropy, and
-        the head not fp8_head's (the fused loss reads its weight, not its float8 module)."""
-        return bool(config.fused_loss and config.loss_chunk and not config.fp8_head) and \
-            cls.cross_entropy_sum is GPT.cross_entropy_sum
+    @staticmethod
+    def fuses_loss(config):
+        """Whether the loss runs fused: fused_loss, chunked, and the head not fp8_head's (the fused
+        loss reads its weight, not its float8 module)."""
+        return bool(config.fused_loss and config.loss_chunk and not config.fp8_head)
+
+    def never_predicted(self, device):
+        """The ids (a tensor) whose logit the loss sets to -inf, or None: an objective's own."""
+        return None
 
     def loss_sum(self, x, targets, weights=None):
         return self.cross_entropy_sum(self.lm_head(x), targets, weights)
@@ -452,6 +456,9 @@ class GPT(nn.Module):
     def cross_entropy_sum(self, logits, targets, weights=None):
         """The summed cross-entropy of logits against targets (N,), each weighed by weights (N,)."""
         logits = logits.float().view(targets.numel(), -1)
+        never = self.never_predicted(logits.device)
+        if never is not None:
+            logits = logits.index_fill(-1, never, float("-inf"))
         if weights is None:
             return F.cross_entropy(logits, targets, reduction="sum")
         return (F.cross_entropy(logits, targets, reduction="none") * weights).sum()

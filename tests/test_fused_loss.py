@@ -124,15 +124,23 @@ def test_thirty_training_steps_fused_or_not_trace_the_same_curve():
     torch.testing.assert_close(fused, plain, rtol=0, atol=1e-4)
 
 
-def test_an_objective_with_its_own_logits_is_not_fused():
-    """bd3lm never predicts [MASK] (its cross_entropy_sum sets that logit to -inf): fused_loss leaves it alone."""
+def test_block_diffusion_s_loss_runs_fused_and_never_predicts_mask():
+    """bd3lm sets [MASK]'s logit to -inf and weighs each noised token by 1/t: fused, the same loss and gradients
+    as the checkpointed chunks, with the head's matmul once per chunk, and no gradient for [MASK]'s head row."""
     from podgpt.pod.objectives import make_config, make_model
-    losses = []
+    x, draws = torch.randint(0, 96, (2, 48)), torch.rand(2, 2, 48)
+    results, matmuls = [], []
     for fused in (True, False):
         torch.manual_seed(0)
-        model = make_model(make_config(**SHAPE, loss_chunk=16, objective="bd3lm", fused_loss=fused))
-        losses.append(model(torch.randint(0, 96, (2, 48)), torch.rand(2, 2, 48))[1])
-    assert torch.equal(*losses)
+        model = make_model(make_config(**SHAPE, loss_chunk=16, objective="bd3lm", fused_loss=fused,
+                                       tie_embeddings=False))
+        loss = model(x, draws)[1]
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        matmuls.append(head_matmuls(model, x, draws))
+    torch.testing.assert_close(*results, **TOL)
+    assert matmuls == [6 * 3, 6 * 4]  # 96 noised positions in chunks of 16
+    assert torch.equal(results[0][1]["lm_head.weight"][model.config.mask_id], torch.zeros(32))
 
 
 def test_an_fp8_head_is_not_fused():

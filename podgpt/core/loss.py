@@ -14,11 +14,12 @@ from podgpt.core.util import IGNORE
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_i weights_i * CE(x_i @ weight^T, targets_i), a target IGNORE counting 0: as
     F.cross_entropy over fp32 logits made in the autocast dtype (every column of weight: padded
-    ids included)."""
+    ids included, but those in never, whose logits are -inf)."""
 
     @staticmethod
-    def forward(ctx, x, weight, targets, weights, chunk, grads):
-        """x (N, C), weight (V, C), targets (N,), weights (N,) or None; grads: make gradients."""
+    def forward(ctx, x, weight, targets, weights, chunk, grads, never):
+        """x (N, C), weight (V, C), targets (N,), weights (N,) or None; grads: make gradients;
+        never: the ids (a tensor) never predicted, or None."""
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         w = weight.to(dtype)  # autocast's cast of the head, once for every chunk
@@ -34,6 +35,8 @@ class LinearCrossEntropy(torch.autograd.Function):
                 if weights is not None:
                     scale = scale * weights[rows].float()
                 logits = (xc @ w.t()).float()
+                if never is not None:  # softmax 0 there: no gradient reaches their rows
+                    logits.index_fill_(1, never, float("-inf"))
                 lse = logits.logsumexp(dim=-1)
                 picked = yc.clamp(min=0).unsqueeze(1)  # IGNORE's row is scaled by 0
                 total += ((lse - logits.gather(1, picked).squeeze(1)) * scale).sum()
@@ -53,11 +56,12 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         grad_x, grad_w = ctx.saved_tensors
         grad_w = (grad_w * grad_total).to(ctx.weight_dtype)
-        return grad_x * grad_total, grad_w, None, None, None, None
+        return grad_x * grad_total, grad_w, None, None, None, None, None
 
 
-def linear_cross_entropy(x, weight, targets, weights=None, chunk=8192):
+def linear_cross_entropy(x, weight, targets, weights=None, chunk=8192, never=None):
     """The summed (weighted) cross-entropy of x @ weight^T against targets, chunk rows at a time,
-    its gradients made in the same pass when autograd will want them."""
+    its gradients made in the same pass when autograd will want them; the ids in never (a tensor)
+    are never predicted."""
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return LinearCrossEntropy.apply(x, weight, targets, weights, chunk or x.size(0), grads)
+    return LinearCrossEntropy.apply(x, weight, targets, weights, chunk or x.size(0), grads, never)

@@ -23,7 +23,7 @@ from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mea
 from podgpt.pod.gates import (check_profile, gate, limits, no_pack_gates, release_token_budget,
                               verdict_of)
 from podgpt.pod.layer_bytes import layer_bytes, outside_bytes, stream_bytes
-from podgpt.pod.objectives import config_class, config_fields, make_config, objective
+from podgpt.pod.objectives import config_class, config_fields, make_config
 from podgpt.pod.report import target_text
 from podgpt.pod.spend import print_spend, spend_lines
 
@@ -123,7 +123,7 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     n, V, S = counts["total"], config.padded_vocab, config.stream
     tokens = micro_batch_size * config.block_size
     L, d, c, s = config.n_layer, config.n_embd, compute_bytes, stream_bytes(config, compute_bytes)
-    head, fused = V * d, getattr(objective(config.objective), "Model", GPT).fuses_loss(config)
+    head, fused = V * d, GPT.fuses_loss(config)
     layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
     gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
     (kept_layer, rebuilt), (outside, norm_out) = layer_bytes(config, mode, c, s), \

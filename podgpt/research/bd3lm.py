@@ -198,11 +198,9 @@ class BlockDiffusionLM(GPT):
         the cache only when forward() runs the finished block."""
         return self.head(self.blocks(self.embed_tokens(block), cache, False), None)[0]
 
-    def cross_entropy_sum(self, logits, targets, weights=None):
-        """GPT's, with [MASK] never predicted (BD3-LM's SUBS parameterization: logit -inf)."""
-        mask_id = torch.tensor([self.config.mask_id], device=logits.device)
-        logits = logits.float().view(targets.numel(), -1).index_fill(-1, mask_id, float("-inf"))
-        return super().cross_entropy_sum(logits, targets, weights)
+    def never_predicted(self, device):
+        """[MASK] (BD3-LM's SUBS parameterization: its logit -inf)."""
+        return torch.tensor([self.config.mask_id], device=device)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
