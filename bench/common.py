@@ -28,12 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from podgpt.core import configurator
-from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, shard_model
+from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, residual_stream_dtype, shard_model
 from podgpt.pod.objectives import make_model
-from podgpt.core.optim import make_optimizer
+from podgpt.core.optim import MasterAdamW, check_optimizer, make_optimizer, master_weights_on
 from podgpt.core.util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
+# train.py's keys that change the step bench/mfu.py times, besides fp8: printed and recorded with each result
+STEP_KEYS = ("fused_loss", "residual_dtype", "master_weights", "fuse_projections", "fp8_head")
 
 
 # -----------------------------------------------------------------------------
@@ -150,23 +152,44 @@ def build(mconfig, run, dev, shard=False):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
     its linear layers in float8 with fp8=True as train.py converts them (or one line why that cannot run here),
     sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its parameters gathered in the
-    compute dtype), and the run's AdamW for it (fused on CUDA, as in training)."""
+    compute dtype), and the run's optimizer for it as train.py makes it: AdamW (fused on CUDA), or with
+    master_weights bf16 parameters and MasterAdamW on their fp32 masters (optim.master_weights_on)."""
     dt = compute_dtype(run["dtype"], dev)
     if run["fp8"] and (why := fp8_unavailable(dev, dt, run["compile"])):
         fail(why, 2)
+    check_optimizer(run)
+    master = master_weights_on(run, dt)
     with torch.device(dev):
         model = make_model(mconfig)
     if run["fp8"]:
         float8_linears(model)
     if shard:
         shard_model(model, dev, dt)
-    return model, run_optimizer(model, run, dev)
+    return model, run_optimizer(model, run, dev, master)
 
 
-def run_optimizer(model, run, dev):
-    """optim.make_optimizer with the run's hyperparameters, as train.py makes it."""
+def run_optimizer(model, run, dev, master=False):
+    """optim.make_optimizer with the run's hyperparameters, as train.py makes it (master: MasterAdamW, its
+    update compiled with compile=True)."""
     return make_optimizer(model, run["learning_rate"], (run["beta1"], run["beta2"]), run["weight_decay"],
-                          fused=dev.type == "cuda")
+                          fused=dev.type == "cuda", master=master, compiled=run["compile"])
+
+
+def built(model, optimizer, dev, dt):
+    """What build() made, read off the objects (not the config), so that two result lines of different keys
+    (fused_loss, residual_dtype, master_weights, fuse_projections, fp8, fp8_head) can be told apart and a key
+    that did not take shows: the optimizer, the parameters' dtype, the residual stream's dtype in the step,
+    whether the loss runs fused, the projections fused, and how many linear layers compute in float8."""
+    raw = getattr(model, "_orig_mod", model)
+    param = raw.embed_tokens.weight
+    # the stream's dtype follows the embedding's output: FSDP2 gathers it in dt, and under the step's autocast
+    out = torch.empty(0, dtype=dt if hasattr(param, "device_mesh") else param.dtype, device=dev)
+    with autocast(dev, dt):
+        stream = residual_stream_dtype(raw.config.residual_dtype, out)
+    return dict(optimizer=type(optimizer).__name__, param_dtype=str(param.dtype).removeprefix("torch."),
+                residual_stream=str(stream).removeprefix("torch."), loss_fused=raw.fuses_loss(raw.config),
+                projections_fused=raw.config.fuse_projections,
+                fp8_linears=sum(hasattr(m, "linear_mm_config") for m in raw.modules()))
 
 
 def compiled(model, run):
@@ -198,7 +221,10 @@ def train_step(model, optimizer, x, y, amp, loss_of, mark=None, accum=1):
         mark("forward")
         loss.backward()
         mark("backward")
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if isinstance(optimizer, MasterAdamW):  # the clip folded into its update, as train.py steps it
+        optimizer.prepare(1.0)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mark("optimizer")

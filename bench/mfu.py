@@ -1,6 +1,6 @@
 """
 Throughput and MFU of a config's model on one device, with the real training step (forward
-with targets, backward, gradient clipping, train.py's AdamW; bf16 autocast on CUDA), over a
+with targets, backward, gradient clipping, train.py's optimizer; bf16 autocast on CUDA), over a
 micro-batch sweep and each activation-checkpointing setting.
 
     python bench/mfu.py config/h200_1b_ddp8.py --device=cuda
@@ -9,6 +9,13 @@ micro-batch sweep and each activation-checkpointing setting.
     python bench/mfu.py config/h100_d64.py --n_layer=4 --micro_batches=1,2,4   # a slice, extrapolated to 64 layers
     python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
     python bench/mfu.py config/h200_1b_ddp8.py --compile=True --dist_mode=fsdp    # sharded by FSDP2, as one process
+    python bench/mfu.py config/h200_1b_ddp8.py --compile=True --fused_loss=False --residual_dtype=float32
+    python bench/mfu.py config/h200_1b_ddp8.py --compile=True --master_weights=True  # bf16 weights, fp32 masters
+
+The step's keys (fused_loss, residual_dtype, master_weights, fuse_projections, fp8, fp8_head) are train.py's and
+reach the model and optimizer as train.py builds them; each row records what was built (optimizer, parameter
+and residual stream dtypes, whether the loss and the projections run fused, float8 layers), so two lines differ
+where their keys did.
 
 dist_mode=fsdp shards the model as train.py does (here a group of one process): its parameters are gathered in
 bf16 for each block, so the step computes on bf16 weights and a bf16 residual stream instead of autocast's casts
@@ -60,6 +67,7 @@ def sweep(run, setting, depth, micro_batches, dev, dt, cfg):
     except torch.cuda.OutOfMemoryError:  # the weights alone do not fit
         return [dict(base, micro_batch=mb, oom=True) for mb in micro_batches]
     base["sharded"] = hasattr(next(model.parameters()), "device_mesh")  # FSDP2's parameters are DTensors
+    base.update(common.built(model, optimizer, dev, dt))
     step = common.compiled(model, run)
     rows = []
     for mb in micro_batches:
@@ -121,7 +129,8 @@ def main(argv):
     name = common.device_name(dev)
     peak = peak_flops(name) if dev.type == "cuda" else None
     ceiling = cfg["ceiling_tflops"] * 1e12 or None
-    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}, fp8={run['fp8']}, dist_mode={run['dist_mode']}: "
+    print(f"{name}, {dtype_name(dt)}, compile={run['compile']}, fp8={run['fp8']}, dist_mode={run['dist_mode']}, "
+          + ", ".join(f"{k}={run[k]}" for k in common.STEP_KEYS) + ": "
           f"{param_counts(full_config)['total'] / 1e6:.1f}M "
           f"parameters at {full_config.n_layer} layers, block_size {full_config.block_size}"
           + (f"; measured as slices of {depths[0]} and {depths[1]} layers" if len(depths) == 2 else ""))
@@ -152,7 +161,8 @@ def main(argv):
     common.write_result("mfu", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(full_config),
         params=param_counts(full_config)["total"], flops_per_token=fpt_full, dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], dist_mode=run["dist_mode"], accum=cfg["accum"],
+        compile=run["compile"] and run["compile_mode"], fp8=run["fp8"], **{k: run[k] for k in common.STEP_KEYS},
+        dist_mode=run["dist_mode"], accum=cfg["accum"],
         warmup=cfg["warmup"], iters=cfg["iters"], peak_tflops=peak and peak / 1e12,
         ceiling_tflops=cfg["ceiling_tflops"] or None, rows=rows,
         extrapolation=dict(n_layer=full, depths=depths, rows=fits) if fits is not None else None, best=best))

@@ -11,7 +11,8 @@ fp32 weights under the same autocast dtype, SDPA attention (ours attn_backend="s
 attn_implementation="sdpa"), the same torch.compile setting, the same step (forward, fp32
 cross-entropy on every position, backward, clipping, train.py's AdamW), in this process on
 this device. Activation checkpointing and document masking are off on both sides; otherwise
-ours runs as the config has it (its loss_chunk included: that is our step). The timing
+ours runs as the config has it (its loss_chunk, fused_loss, residual_dtype included: that is our
+step; master_weights=True gives ours bf16 weights and MasterAdamW, and HF keeps fp32). The timing
 windows alternate (ours, HF, ours, HF, ...) so that clock and thermal drift hit both.
 Prints tokens/s of each and the ratio ours / HF (above 1: ours is faster).
 """
@@ -88,7 +89,7 @@ def main(argv):
     print(f"ours {tps['ours']:,.0f} tokens/s, HF {tps['hf']:,.0f} tokens/s: ours / HF = {ratio:.3f}")
     common.write_result("vs_hf", cfg["out"], dev, dict(
         config=[a for a in argv if not a.startswith("--")], model=asdict(mconfig), dtype=dtype_name(dt),
-        compile=run["compile"] and run["compile_mode"], micro_batch=mb, block_size=block, transformers=transformers.__version__,
+        compile=run["compile"] and run["compile_mode"], **{k: run[k] for k in common.STEP_KEYS}, micro_batch=mb, block_size=block, transformers=transformers.__version__,
         params_ours=params["ours"], params_hf=params["hf"], windows=cfg["windows"], warmup=cfg["warmup"],
         iters=cfg["iters"], ours_tokens_per_sec=tps["ours"], hf_tokens_per_sec=tps["hf"], ratio=ratio,
         per_window=per_window))

@@ -161,12 +161,36 @@ def test_mfu_sweep_and_extrapolation_from_two_slices(tmp_path, capfd):
 
 
 def test_mfu_measures_the_step_of_a_model_fsdp_shards(tmp_path):
-    # in a process of its own: it joins a process group (of one, gloo), as train.py's dist_mode=fsdp does
-    rec = probe(None, tmp_path, "mfu", *TINY, "--micro_batches=2", "--grad_ckpts=none", "--dist_mode=fsdp", *FAST,
-                launch=(sys.executable,))
+    # in a process of its own: it joins a process group (of one, gloo), as train.py's dist_mode=fsdp does; in bf16
+    # as bench/speed_table.sh's fsdp row runs it: the shards fp32, gathered in bf16, the stream bf16
+    rec = probe(None, tmp_path, "mfu", *TINY, "--micro_batches=2", "--grad_ckpts=none", "--dist_mode=fsdp",
+                "--dtype=bfloat16", *FAST, launch=(sys.executable,))
     assert rec["dist_mode"] == "fsdp" and [(r["n_layer"], r["micro_batch"]) for r in rec["rows"]] == [(2, 2), (4, 2)]
     assert all(r["sharded"] for r in rec["rows"])  # its parameters FSDP2's DTensors
     assert all(r["step_time_s"] > 0 and close(r["tokens_per_sec"], r["tokens"] / r["step_time_s"]) for r in rec["rows"])
+    for r in rec["rows"]:  # master_weights is for ddp: FSDP2's fp32 shards are the master
+        assert (r["optimizer"], r["param_dtype"], r["residual_stream"]) == ("AdamW", "float32", "bfloat16"), r
+
+
+# each key a flip of train.py's default, and what build() then makes
+STEP_KEYS = {"--master_weights=True": ("optimizer", "AdamW", "MasterAdamW"),
+             "--fused_loss=False": ("loss_fused", True, False),
+             "--residual_dtype=float32": ("residual_stream", "bfloat16", "float32"),
+             "--fuse_projections=True": ("projections_fused", False, True)}
+
+
+@pytest.mark.parametrize("flip", [None, *STEP_KEYS])
+def test_mfu_builds_what_a_step_key_asks_for(tmp_path, capfd, flip):
+    # bf16 on the CPU (autocast), where master_weights and the bf16 stream apply; read off the built model and
+    # optimizer: a key that reached only the JSON leaves the row as the default's
+    rec = probe(capfd, tmp_path, "mfu", *TINY, "--dtype=bfloat16", "--micro_batches=1", "--grad_ckpts=none",
+                "--warmup=1", "--iters=1", *[flip] * bool(flip))
+    want = {field: on if key == flip else off for key, (field, off, on) in STEP_KEYS.items()}
+    want["param_dtype"] = "bfloat16" if flip == "--master_weights=True" else "float32"
+    for r in rec["rows"]:
+        assert {k: r[k] for k in want} == want and r["fp8_linears"] == 0 and r["step_time_s"] > 0
+    key, _, value = (flip or "--master_weights=False").removeprefix("--").partition("=")
+    assert str(rec[key]) == value  # the line says which setting it measured
 
 
 def test_memory_predicts_what_model_memory_estimate_says(tmp_path, capfd):
