@@ -6,7 +6,8 @@
 #   (c) master_weights=True: bf16 weights, AdamW on fp32 masters
 #   (d) micro-batches 12,16,20,24 in one probe: which the config should use (12 is (a)'s, from the compile cache)
 #   (e) fp8 tensorwise with fuse_projections=True, and without
-#   (f) the 50M shape (traced)   (g) ours against transformers' Llama   (h) sharded by FSDP2, one process
+#   (f) the 50M shape (traced), and with the fused loss (its config's loss_chunk=0 predates it)
+#   (g) ours against transformers' Llama   (h) sharded by FSDP2, one process
 #   (i) checkpoint saves, the first and a later one   (j) the 1B run's own step (micro-batch 16, accum 4)
 # Caps: compiling the 1B model takes ~40-60 s per shape on an H200, the rest ~10-30 s a probe.
 #   bash bench/speed_table.sh OUT             # JSON lines in OUT/bench.jsonl, log OUT/log.txt, gzipped traces OUT/traces
@@ -60,6 +61,7 @@ probe() {  # probe ROW SECONDS ARGS...: one probe, its exit status logged, the s
     probe e 150 "${B1[@]}" --micro_batches=12 --fp8=True
     # (e) fp8 rowwise: the fp8_recipe probe line goes here
     probe f 80 bench/mfu.py config/a100_50m.py "${FAST[@]}" --micro_batches=64 "--trace=$OUT/traces/50m"
+    probe f 80 bench/mfu.py config/a100_50m.py "${FAST[@]}" --micro_batches=64 --loss_chunk=8192
     probe g 170 bench/vs_hf.py config/h200_1b_ddp8.py --device=cuda --compile=True --micro_batch_size=8 --windows=2 --iters=4
     probe h 120 "${B1[@]}" --micro_batches=12 --dist_mode=fsdp
     probe i 90 bench/ckpt.py config/h200_1b_ddp8.py --device=cuda --saves=2 ${CKPT_DIR:+"--write_dir=$CKPT_DIR"}
