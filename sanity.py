@@ -33,8 +33,9 @@ from podgpt.core.attention import (ATTENTION_BACKENDS, PARITY_TOLERANCE, backend
 from model import GPT, GPTConfig, KVCache
 from podgpt.pod.objectives import config_class, make_model
 from podgpt.core.optim import make_optimizer
+from podgpt.pod.memory import param_counts
 from podgpt.pod.preflight import (MEMORY_USABLE, flops_per_token, largest_fitting, layout_label,
-                                  md_table, model_config, param_counts, plan_layout, plan_vocab)
+                                  md_table, model_config, plan_layout, plan_vocab)
 from podgpt.core.util import (Error, Folder, autocast, check_apart, compute_dtype, driver_version,
                               dtype_name, fail, first_line, make_scratch, on_rank0, remove_scratch,
                               run_main, setup, write_atomic, write_json)

@@ -40,9 +40,10 @@ from podgpt.pod.guards import (LIMITS, LOSS_EMA_DECAY, BadSteps, Clock, Drills, 
                                restore_clock)
 from podgpt.pod.launch import (build_model, check_config, check_writable, open_data, read_manifest,
                                set_up, wrap_model)
+from podgpt.pod.memory import param_counts
 from podgpt.pod.postmortem import PostMortem, bad_batch
-from podgpt.pod.preflight import (finish_preflight, flops_per_token, model_config, param_counts,
-                                  peak_flops, plan_run, start_horizon, target_band)
+from podgpt.pod.preflight import (finish_preflight, flops_per_token, model_config, peak_flops,
+                                  plan_run, start_horizon, target_band)
 from podgpt.pod.report import outcome, target_verdict, write_report
 from podgpt.pod.runlog import RunLog
 from podgpt.pod.step import clip_gradients

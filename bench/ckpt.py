@@ -34,7 +34,8 @@ import torch
 from podgpt.core import configurator
 from podgpt.core.checkpoint import PREEMPT_SAVE_SECONDS, too_slow_for_preemption
 from podgpt.pod.checkpoints import Checkpoints
-from podgpt.pod.preflight import model_config, param_counts
+from podgpt.pod.preflight import model_config
+from podgpt.pod.memory import param_counts
 from podgpt.core.util import fail, make_scratch, remove_scratch, run_main, warn
 
 # --- config

@@ -19,7 +19,8 @@ from dataclasses import asdict
 import common
 import torch
 
-from podgpt.pod.preflight import memory_estimate, model_config
+from podgpt.pod.preflight import model_config
+from podgpt.pod.memory import memory_estimate
 from podgpt.core.util import autocast, dtype_name, run_main
 
 # --- config

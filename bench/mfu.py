@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from podgpt.core import configurator
-from podgpt.pod.preflight import flops_per_token, model_config, param_counts, peak_flops
+from podgpt.pod.preflight import flops_per_token, model_config, peak_flops
+from podgpt.pod.memory import param_counts
 from podgpt.core.util import dtype_name, fail, run_main
 
 # --- config

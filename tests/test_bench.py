@@ -16,7 +16,8 @@ import torch
 from conftest import ROOT, TORCHRUN, run
 from podgpt.core.configurator import read_defaults
 from model import GPTConfig
-from podgpt.pod.preflight import flops_per_token, memory_estimate, param_counts
+from podgpt.pod.preflight import flops_per_token
+from podgpt.pod.memory import memory_estimate, param_counts
 
 PROBES = ("matmul", "attention", "mfu", "memory", "comms", "loader", "vs_hf", "ckpt", "encode")
 RUN_PROBES = ("mfu", "memory", "loader", "vs_hf", "ckpt")  # these also take train.py's config files and keys

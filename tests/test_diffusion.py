@@ -20,7 +20,8 @@ from podgpt.release.hf import tokenizer_dir
 from podgpt.research.bd3lm import LOGLINEAR_EPS, BlockDiffusion, diffusion_draws
 from model import GPTConfig, KVCache
 from podgpt.pod.objectives import make_config, make_model
-from podgpt.pod.preflight import flops_per_token, memory_phases, param_counts
+from podgpt.pod.preflight import flops_per_token
+from podgpt.pod.memory import memory_phases, param_counts
 from podgpt.corpus.tasks import gsm8k_problems
 from podgpt.core.tokenizer import load_tokenizer
 from test_model import LiveBytes

@@ -2,6 +2,7 @@
 accumulated in fp32, the clip folded into the foreach AdamW step. Its update against torch's AdamW (with and
 without clip_grad_norm_), a tiny model's loss curve against the fp32 run's noise, a killed run resumed
 bit-identically on 1 process and 2 ranks, and checkpoints that load either way (on / off)."""
+import json
 import signal
 import sys
 
@@ -12,6 +13,7 @@ from conftest import run, run_script, train_losses
 from model import GPT, GPTConfig
 from podgpt.core.data import Loader, load_manifest
 from podgpt.core.optim import make_optimizer
+from podgpt.pod.memory import memory_phases
 from test_resume import (ARGS, CONSTANT_LR, KILL_AT_STEP, assert_same_run, ckpt_steps, load, train,
                          wrapper)
 
@@ -139,6 +141,25 @@ def test_master_weights_refuses_muon_and_a_dtype_without_bf16(args, message, tmp
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == f"error: {message}"
 
 
+def test_the_memory_plan_holds_what_master_weights_allocate():
+    """After a step, the bf16 parameters, their fp32 masters, AdamW's moments and the flat fp32 gradient take the
+    bytes the plan's weights, optimizer and gradients say, to the byte; and nothing for DDP's buckets or autocast's
+    casts, which a master run has none of."""
+    model = tiny_gpt()
+    opt = make_optimizer(model, LR, BETAS, WD, fused=False, master=True)
+    x = torch.randint(0, 64, (2, 16))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(x, x)[1].backward()
+    opt.prepare(1.0)
+    opt.step()
+    size = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    moments = [t for st in opt.state.values() for k, t in st.items() if k != "step"]
+    plan = memory_phases(model.config, 2, world_size=2, compute_bytes=2, master=True)["backward_end"]
+    assert (plan["weights"], plan["optimizer"], plan["gradients"]) == (
+        size(model.parameters()) + size(opt.master.values()), size(moments), size([opt.grad]))
+    assert plan["ddp_buckets"] == plan["weight_casts"] == 0
+
+
 # -----------------------------------------------------------------------------
 # train.py with master_weights=True: resumes, checkpoints
 
@@ -148,6 +169,12 @@ def ref_master(tmp_path_factory, stdlib_data):
     train(out, stdlib_data, *ARGS, *MASTER)
     assert ckpt_steps(out) == [5, 10, 15, 16]
     return out
+
+
+def test_preflight_plans_the_master_weights_run(ref_master):
+    plan = json.load(open(ref_master / "preflight.json"))["plan"]
+    params, memory = plan["params"]["total"], plan["memory"]
+    assert (memory["weights"], memory["gradients"], memory["weight_casts"]) == (6 * params, 4 * params, 0)
 
 
 def test_a_checkpoint_holds_the_fp32_masters(ref_master):

@@ -17,7 +17,8 @@ from podgpt.core import configurator
 from conftest import ROOT, popen
 from model import RUNTIME_FIELDS, GPT, GPTConfig, sample_next
 from podgpt.pod.objectives import make_model
-from podgpt.pod.preflight import flops_per_token, memory_estimate, memory_phases, param_counts, peak_flops, plan_layout
+from podgpt.pod.preflight import flops_per_token, peak_flops, plan_layout
+from podgpt.pod.memory import memory_estimate, memory_phases, param_counts
 
 
 

@@ -16,7 +16,8 @@ from conftest import read_metrics, run_script, train_tiny
 from model import GPT, GPTConfig, KVCache
 from podgpt.pod.objectives import make_config, make_model
 from podgpt.research.refine import Refine, refine_objective
-from podgpt.pod.preflight import flops_per_token, memory_estimate, memory_phases, param_counts
+from podgpt.pod.preflight import flops_per_token
+from podgpt.pod.memory import memory_estimate, memory_phases, param_counts
 from test_fsdp import FSDP, assert_close_losses
 from test_model import measure_step
 from test_resume import ARGS, train

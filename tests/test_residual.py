@@ -9,8 +9,8 @@ import torch
 
 from conftest import train_tiny
 from model import GPT, RMSNorm, GPTConfig
-from podgpt.pod.layer_bytes import outside_bytes
-from podgpt.pod.preflight import memory_phases
+from podgpt.pod.memory import outside_bytes
+from podgpt.pod.memory import memory_phases
 from test_model import LiveBytes, measure_step
 
 CHAIN_SHAPE = dict(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, loss_chunk=256)

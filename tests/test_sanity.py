@@ -13,7 +13,7 @@ import sanity as sanity_script
 from conftest import TORCHRUN, run, run_script
 from podgpt.core.attention import ATTENTION_BACKENDS
 from model import GPTConfig
-from podgpt.pod.preflight import memory_estimate
+from podgpt.pod.memory import memory_estimate
 
 CHECKS = ["environment", "disk", *(f"attention:{name}" for name in (*ATTENTION_BACKENDS, "sdpa", "auto")),
           "attention:doc_mask", "train_step", "kv_cache", "checkpoint", "dataset", "compile", "allreduce", "capacity"]

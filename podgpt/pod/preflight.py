@@ -14,15 +14,15 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from model import GPT, GRAD_CKPT
 from podgpt.core.attention import resolve_backend
 from podgpt.core.data import contamination, load_manifest
+from podgpt.core.optim import master_weights_on
 from podgpt.core.schedule import Budget, fit_horizon, step_seconds
 from podgpt.core.util import (autocast, fail, first_line, format_bytes, log, mean_over_ranks, warn,
                               write_atomic, write_json)
 from podgpt.pod.gates import (check_profile, gate, limits, no_pack_gates, release_token_budget,
                               verdict_of)
-from podgpt.pod.layer_bytes import layer_bytes, outside_bytes, stream_bytes
+from podgpt.pod.memory import memory_estimate, param_counts
 from podgpt.pod.objectives import config_class, config_fields, make_config
 from podgpt.pod.report import target_text
 from podgpt.pod.spend import print_spend, spend_lines
@@ -70,18 +70,6 @@ def model_config(cfg, manifest=None, **overrides):
         fail(f"{e}: change the model shape")
 
 
-def param_counts(config):
-    """total (unique), embedding, head (0 when tied), non_embedding (blocks and final norm)."""
-    d, hd = config.n_embd, config.head_dim
-    attn = d * config.n_head * hd * 2 + d * config.n_kv_head * hd * 2
-    mlp = 3 * d * config.ffn_hidden
-    non_embedding = config.n_layer * (attn + mlp + 2 * d) + d
-    embedding = config.padded_vocab * d
-    head = 0 if config.tie_embeddings else embedding
-    return dict(total=non_embedding + embedding + head, embedding=embedding, head=head,
-                non_embedding=non_embedding)
-
-
 def flops_per_token(config, seq_len=None):
     """Training FLOPs per token: 6*N + 12*L*H*Q*T (PaLM's), per block application (one without
     gradients at a third), the head once per supervision step; config.stream copies of a row."""
@@ -93,70 +81,6 @@ def flops_per_token(config, seq_len=None):
     return (6 * (L * with_grad * n_sup * stream * layer + n_sup * (d + config.padded_vocab * d))
             + 12 * L * with_grad * n_sup * stream * attention
             + L * without * n_sup * (2 * layer + 4 * attention))
-
-
-def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
-                    activation_checkpointing=None, compute_bytes=2):
-    """Bytes per GPU at a training step's peak (memory_phases' largest), by part, and params.
-    compute_bytes: 2 under bf16/fp16 autocast, 4 in fp32; activation_checkpointing: "none", "full"
-    or "selective" (True: full, False: none, None: config.grad_ckpt). Within -1%..+5% of the H100
-    peaks in bench/results/memory.jsonl (cuBLAS workspaces, allocator rounding not counted)."""
-    phases = memory_phases(config, micro_batch_size, world_size, sharded, activation_checkpointing,
-                           compute_bytes)
-    peak = max(phases.values(), key=lambda parts: parts["total"])
-    return dict(params=param_counts(config)["total"], **peak)
-
-
-def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
-                  activation_checkpointing=None, compute_bytes=2):
-    """{moment: {part: bytes, "total": sum}} where a step can peak: forward_end (autocast's cached
-    weight casts, the kept activations, a loss chunk's fp32 logits and log-softmax or, fused, their
-    gradient), loss_backward (less the casts checkpointed layers drop, plus the head's gradients and
-    the logits rebuilt, or the fused loss's input gradient scaled), backward_end (every gradient,
-    the first layer's activations and casts). Held throughout: fp32 weights, AdamW's two fp32
-    moments, DDP's fp32 gradient buckets; FSDP divides them, gathers two layers."""
-    ckpt = activation_checkpointing
-    mode = {None: config.grad_ckpt, True: "full", False: "none"}.get(ckpt, ckpt)
-    if mode not in GRAD_CKPT:
-        raise ValueError(f"activation_checkpointing={ckpt!r}: one of {', '.join(GRAD_CKPT)}")
-    counts = param_counts(config)
-    n, V, S = counts["total"], config.padded_vocab, config.stream
-    tokens = micro_batch_size * config.block_size
-    L, d, c, s = config.n_layer, config.n_embd, compute_bytes, stream_bytes(config, compute_bytes)
-    head, fused = V * d, GPT.fuses_loss(config)
-    layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
-    gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
-    (kept_layer, rebuilt), (outside, norm_out) = layer_bytes(config, mode, c, s), \
-        outside_bytes(d, c, s)
-    rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
-    # per block application with gradients, and per supervision step its final norm and sums
-    (n_sup, per_layer, _), sums = config.applications(), config.sums_kept(mode)
-    kept = S * L * n_sup * (per_layer * kept_layer + sums) + n_sup * outside + (S - 1) * 4 * d
-    # an unchunked loss keeps each earlier supervision step's fp32 log-softmax; the fused loss
-    # each step's fp32 gradient of the head, made in the forward
-    earlier = (n_sup - 1) * rows * V * 4 if rows == tokens and not fused else 0
-    grad_head = n_sup * 4 * head if fused else 0
-    # the fused loss's chunk: fp32 logits and logsumexp's two temporaries, beside the final norm's
-    # output, which it reads and does not keep
-    chunk = rows * V * 12 + tokens * norm_out * d if fused else rows * V * 8 + earlier
-    casts = 0 if c == 4 else c * (n // shard + gathered)  # autocast's copy of every matrix
-    held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
-                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)  # DDP's all-reduce copy
-    # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
-    loss_casts = casts if mode == "none" or c == 4 else 0 if fused else c * head // shard
-    phases = dict(
-        forward_end=dict(held, gradients=0, weight_casts=casts,
-                         activations=tokens * kept + grad_head, logits=chunk),
-        loss_backward=dict(held, gradients=4 * head // shard, weight_casts=loss_casts,
-                           activations=tokens * kept + grad_head,
-                           logits=tokens * norm_out * d if fused else rows * V * 12 + earlier),
-        backward_end=dict(held, gradients=4 * n // shard + 4 * gathered,
-                          weight_casts=0 if c == 4 else c * layer_params,
-                          activations=tokens * (S * (kept_layer + rebuilt + 2 * sums + 4 * d)
-                                                + outside - 4 * d), logits=0))
-    for parts in phases.values():
-        parts["total"] = sum(parts.values())
-    return phases
 
 
 def peak_flops(device_name):
@@ -255,12 +179,12 @@ def data_gates(cfg, manifest):
                      f"vocab_size=None or prepare matching data"))]
 
 
-def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes):
+def memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes, master):
     """memory_fit: this run's bytes per GPU against the usable memory; remedies when it is over."""
     sharded = cfg.dist_mode == "fsdp"
     def total(mb=cfg.micro_batch_size, shard=sharded, ckpt=cfg.grad_ckpt):
         return memory_estimate(mconfig, mb, world, sharded=shard, activation_checkpointing=ckpt,
-                               compute_bytes=dtype_bytes)["total"]
+                               compute_bytes=dtype_bytes, master=master)["total"]
     need, usable = total(), mem_gb * 1e9 * MEMORY_USABLE
     detail = (f"{layout_label(cfg)}: {need / 1e9:.1f} GB per GPU of {usable / 1e9:.1f} usable "
               f"({mem_gb:g} GB x {MEMORY_USABLE})")
@@ -429,13 +353,14 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
         mem_gb = cfg.gpu_mem_gb or (torch.cuda.get_device_properties(proc.dev).total_memory / 1e9
                                     if proc.dev.type == "cuda" else 0)
         counts, dtype_bytes = param_counts(mconfig), dt.itemsize
+        master = master_weights_on(cfg, dt)
         if dt == torch.float16 and mconfig.residual_dtype == "auto":  # auto's stream: fp32
             mconfig = replace(mconfig, residual_dtype="float32")
         pack_gates = release.pack_gates if release else no_pack_gates
         gates = [release_token_budget(cfg, counts["total"]), horizon_gate(cfg, counts),
                  *data_gates(cfg, manifest), *pack_gates(cfg, counts["total"], manifest),
                  lr_scaling_gate(cfg),
-                 memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes) if mem_gb else
+                 memory_gate(cfg, mconfig, world, mem_gb, dtype_bytes, master) if mem_gb else
                  gate("memory_fit", "skip", None, None,
                       "not on a GPU: give gpu_mem_gb to plan for one"),
                  disk_gate(cfg, counts, free_disk(cfg.out_dir) if here else None),
@@ -448,7 +373,8 @@ def gates_report(cfg, proc, mconfig, manifest, dt, release=None):
         for key, sharded, ckpt in (("memory", cfg.dist_mode == "fsdp", cfg.grad_ckpt),
                                    ("memory_ddp", False, "none"), ("memory_sharded", True, "full")):
             plan[key] = memory_estimate(mconfig, cfg.micro_batch_size, world, sharded=sharded,
-                                        activation_checkpointing=ckpt, compute_bytes=dtype_bytes)
+                                        activation_checkpointing=ckpt, compute_bytes=dtype_bytes,
+                                        master=master)
         report = [dict(profile=cfg.gate_profile, gates=gates, plan=plan)]
     if proc.distributed:
         dist.broadcast_object_list(report)

@@ -16,7 +16,7 @@ import torch
 from model import RUNTIME_FIELDS, GPTConfig
 from podgpt.pod.checkpoints import load_model
 from podgpt.pod.objectives import make_config, make_model
-from podgpt.pod.preflight import param_counts
+from podgpt.pod.memory import param_counts
 from podgpt.pod.report import read_json, read_metrics
 from podgpt.core.tokenizer import read_ranks
 from podgpt.core.owned import edited, shas

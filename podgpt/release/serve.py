@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from podgpt.pod.preflight import param_counts
+from podgpt.pod.memory import param_counts
 from podgpt.core.util import fail, first_line
 
 try:  # sample.py imports this module only to serve: sampling needs neither library
