@@ -28,7 +28,10 @@ GRAD_CKPT = ("none", "full", "selective")
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss",
                   "fuse_projections", "fp8_head", "fp8_recipe", "residual_dtype")
 RESIDUAL_DTYPES = ("auto", "float32", "bfloat16")
-FP8_RECIPES = ("tensorwise", "rowwise")  # torchao's Float8LinearRecipeName values fp8 may run
+# fp8_recipe's choices (torchao's Float8LinearRecipeName), each with torchao's size rule for it:
+# (K, N) -> whether a matmul is too small for float8 to pay for its casts (fp8_filter)
+FP8_RECIPES = {"tensorwise": lambda k, n: k <= 4096 and n <= 1024,
+               "rowwise": lambda k, n: n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)}
 
 
 @dataclass
@@ -63,8 +66,7 @@ class GPTConfig:
     # separate projections (on, it plans up to ~10% more activation memory than a CPU step holds)
     fuse_projections: bool = False
     fp8_head: bool = False        # fp8=True: the LM head in float8 too (the loss reads its logits)
-    # fp8=True: torchao's scaling recipe, one scale per tensor or per row (and its own size rule)
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: str = "tensorwise"  # fp8=True: torchao's scales, tensorwise | rowwise (FP8_RECIPES)
     # the residual stream between blocks: bfloat16 halves the bytes its norms and adds move; auto:
     # bfloat16 under bf16 autocast or bf16 compute, else float32 (residual_stream_dtype)
     residual_dtype: str = "auto"
@@ -536,31 +538,25 @@ def fp8_unavailable(device, dtype, compiled):
     return None
 
 
-# (K, N) -> whether a matmul is too small for float8 to pay for its casts, by each recipe's rule:
-# torchao's float8_linear_utils._auto_filter_for_tensorwise and _auto_filter_for_rowwise
-FP8_TOO_SMALL = {"tensorwise": lambda k, n: k <= 4096 and n <= 1024,
-                 "rowwise": lambda k, n: n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)}
-
-
 def fp8_recipe_unknown(recipe):
     """None for one of FP8_RECIPES, else the one line that refuses it."""
-    if recipe in FP8_RECIPES:
-        return None
-    return (f"fp8_recipe={recipe!r} is not one of {', '.join(FP8_RECIPES)} (torchao's float8 "
-            f"scaling: one scale per tensor, or one per row)")
+    return None if recipe in FP8_RECIPES else (
+        f"fp8_recipe={recipe!r} is not one of {', '.join(FP8_RECIPES)} (torchao's float8 "
+        f"scaling: one scale per tensor, or one per row)")
 
 
 def fp8_filter(model):
     """torchao's module_filter_fn for model: (module, fqn) -> whether that nn.Linear computes in
     float8. Not the LM head (the loss reads its logits) unless fp8_head; not a layer with a
     dimension not a multiple of 16 (float8 matmuls need it); not a matmul too small for float8 to
-    pay for its casts, by the rule torchao gives fp8_recipe (FP8_TOO_SMALL, from its H100 tables;
+    pay for its casts, by the rule torchao gives fp8_recipe (FP8_RECIPES, from its H100 tables;
     bench/matmul.py --fp8 measures this GPU's): tensorwise keeps K <= 4096 and N <= 1024
-    (_auto_filter_for_tensorwise), rowwise N <= 2048, K <= 1024, or N <= 4096 and K <= 2048
-    (_auto_filter_for_rowwise). Under fuse_projections a fused group's matmul is judged whole (N
-    its members' summed), and its members convert together (fused_linear runs them as one)."""
+    (float8_linear_utils._auto_filter_for_tensorwise), rowwise N <= 2048, K <= 1024, or N <= 4096
+    and K <= 2048 (_auto_filter_for_rowwise). Under fuse_projections a fused group's matmul is
+    judged whole (N its members' summed), and its members convert together (fused_linear runs
+    them as one)."""
     c = model.config
-    too_small = FP8_TOO_SMALL[c.fp8_recipe]
+    too_small = FP8_RECIPES[c.fp8_recipe]
 
     def converts(module, fqn):
         if fqn == "lm_head":
@@ -578,8 +574,7 @@ def fp8_filter(model):
 
 def float8_linears(model):
     """fp8=True: (converted names, kept names). The nn.Linear layers fp8_filter chooses become
-    torchao's Float8Linear with fp8_recipe's config, in place, their weights the same fp32
-    parameters."""
+    torchao's Float8Linear (fp8_recipe's), in place, their weights the same fp32 parameters."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     converts = fp8_filter(model)
     # decided before the conversion replaces any of a group's modules

@@ -155,8 +155,8 @@ def ckpt_settings(key, text):
 def build(mconfig, run, dev, shard=False):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
     its linear layers in float8 with fp8=True as train.py converts them, with fp8_recipe's scales (or one line
-    why that cannot run here), sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its parameters gathered in the
-    compute dtype), and the run's optimizer for it as train.py makes it: AdamW (fused on CUDA), or with
+    why that cannot run here), sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its
+    parameters gathered in the compute dtype), and the run's optimizer for it as train.py makes it: AdamW (fused on CUDA), or with
     master_weights bf16 parameters and MasterAdamW on their fp32 masters (optim.master_weights_on)."""
     dt = compute_dtype(run["dtype"], dev)
     if run["fp8"] and (why := fp8_unavailable(dev, dt, run["compile"])):

@@ -41,7 +41,7 @@ def test_fp8_filter_follows_the_recipes_rule(path, fused, recipe):
 
 
 def test_the_size_rules_are_torchaos():
-    """model.FP8_TOO_SMALL against torchao's own auto filters, on each side of every threshold."""
+    """model.FP8_RECIPES' size rules against torchao's own auto filters, on each side of every threshold."""
     utils = pytest.importorskip("torchao.float8.float8_linear_utils")
     theirs = {"tensorwise": utils._auto_filter_for_tensorwise, "rowwise": utils._auto_filter_for_rowwise}
     dims = (512, 1024, 1040, 2048, 2064, 4096, 4112, 8192)
@@ -50,7 +50,7 @@ def test_the_size_rules_are_torchaos():
             for k in dims:
                 for n in dims:
                     assert rule(nn.Linear(k, n, bias=False), "x", []) is \
-                        (not model.FP8_TOO_SMALL[recipe](k, n)), (recipe, k, n)
+                        (not model.FP8_RECIPES[recipe](k, n)), (recipe, k, n)
 
 
 def test_a_bad_recipe_is_refused_in_one_line(capfd, tmp_path, stdlib_data):
