@@ -26,8 +26,12 @@ GRAD_CKPT = ("none", "full", "selective")
 # GPTConfig fields that say how to run the model, not what it is: the weights do not depend on
 # them, export has nothing to map them to, and a resumed run may change them
 RUNTIME_FIELDS = ("attn_backend", "doc_mask", "bos_id", "grad_ckpt", "loss_chunk", "fused_loss",
-                  "fuse_projections", "fp8_head", "residual_dtype")
+                  "fuse_projections", "fp8_head", "fp8_recipe", "residual_dtype")
 RESIDUAL_DTYPES = ("auto", "float32", "bfloat16")
+# fp8_recipe's choices (torchao's Float8LinearRecipeName), each with torchao's size rule for it:
+# (K, N) -> whether a matmul is too small for float8 to pay for its casts (fp8_filter)
+FP8_RECIPES = {"tensorwise": lambda k, n: k <= 4096 and n <= 1024,
+               "rowwise": lambda k, n: n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)}
 
 
 @dataclass
@@ -62,6 +66,7 @@ class GPTConfig:
     # separate projections (on, it plans up to ~10% more activation memory than a CPU step holds)
     fuse_projections: bool = False
     fp8_head: bool = False        # fp8=True: the LM head in float8 too (the loss reads its logits)
+    fp8_recipe: str = "tensorwise"  # fp8=True: torchao's scales, tensorwise | rowwise (FP8_RECIPES)
     # the residual stream between blocks: bfloat16 halves the bytes its norms and adds move; auto:
     # bfloat16 under bf16 autocast or bf16 compute, else float32 (residual_stream_dtype)
     residual_dtype: str = "auto"
@@ -85,6 +90,8 @@ class GPTConfig:
         if self.doc_mask and self.bos_id is None:
             raise ValueError("doc_mask=True needs bos_id, the token that starts every document "
                              "(prepare.py's manifest: vocab_size - 1)")
+        if why := fp8_recipe_unknown(self.fp8_recipe):
+            raise ValueError(why)
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"residual_dtype={self.residual_dtype!r}: choose one of "
                              f"{', '.join(RESIDUAL_DTYPES)}")
@@ -176,8 +183,9 @@ def fuses(config, linears):
 
 def fused_linear(x, linears):
     """Each of linears (bias-free, nn.Linear or torchao's Float8Linear) on x, from one matmul over
-    their concatenated weights; float8 as Float8Linear.forward computes it: one cast of x and of
-    the weights, one scale for them all (tensorwise), one cast of the gradient in the backward."""
+    their concatenated weights; float8 as Float8Linear.forward computes it, under the first's
+    config: one cast of x and of the weights, one cast of the gradient in the backward. Tensorwise,
+    one scale for all the weights; rowwise, one per output row, as the separate layers' forward."""
     weight, first = torch.cat([m.weight for m in linears]), linears[0]
     if hasattr(first, "linear_mm_config"):
         from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
@@ -530,15 +538,25 @@ def fp8_unavailable(device, dtype, compiled):
     return None
 
 
+def fp8_recipe_unknown(recipe):
+    """None for one of FP8_RECIPES, else the one line that refuses it."""
+    return None if recipe in FP8_RECIPES else (
+        f"fp8_recipe={recipe!r} is not one of {', '.join(FP8_RECIPES)} (torchao's float8 "
+        f"scaling: one scale per tensor, or one per row)")
+
+
 def fp8_filter(model):
     """torchao's module_filter_fn for model: (module, fqn) -> whether that nn.Linear computes in
     float8. Not the LM head (the loss reads its logits) unless fp8_head; not a layer with a
     dimension not a multiple of 16 (float8 matmuls need it); not a matmul too small for float8 to
-    pay for its casts: torchao's rule for tensorwise scales, K <= 4096 and N <= 1024 (its
-    float8_linear_utils._auto_filter_for_tensorwise, from its H100 tables; bench/matmul.py --fp8
-    measures this GPU's). Under fuse_projections a fused group's matmul is judged whole, and its
-    members convert together (fused_linear runs them as one)."""
+    pay for its casts, by the rule torchao gives fp8_recipe (FP8_RECIPES, from its H100 tables;
+    bench/matmul.py --fp8 measures this GPU's): tensorwise keeps K <= 4096 and N <= 1024
+    (float8_linear_utils._auto_filter_for_tensorwise), rowwise N <= 2048, K <= 1024, or N <= 4096
+    and K <= 2048 (_auto_filter_for_rowwise). Under fuse_projections a fused group's matmul is
+    judged whole (N its members' summed), and its members convert together (fused_linear runs
+    them as one)."""
     c = model.config
+    too_small = FP8_RECIPES[c.fp8_recipe]
 
     def converts(module, fqn):
         if fqn == "lm_head":
@@ -550,13 +568,13 @@ def fp8_filter(model):
         k, n = module.in_features, sum(m.out_features for m in group)
         if k % 16 or any(m.out_features % 16 for m in group):
             return False
-        return not (k <= 4096 and n <= 1024)
+        return not too_small(k, n)
     return converts
 
 
 def float8_linears(model):
     """fp8=True: (converted names, kept names). The nn.Linear layers fp8_filter chooses become
-    torchao's Float8Linear (tensorwise), in place, their weights the same fp32 parameters."""
+    torchao's Float8Linear (fp8_recipe's), in place, their weights the same fp32 parameters."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     converts = fp8_filter(model)
     # decided before the conversion replaces any of a group's modules
@@ -564,8 +582,9 @@ def float8_linears(model):
               if isinstance(m, nn.Linear)}
     # no enable_fsdp_float8_all_gather: its float8 weight subclass would reach checkpoints, export
     # and sample.py; FSDP gathers bf16 weights, and the matmuls still run in float8
+    config = Float8LinearConfig.from_recipe_name(model.config.fp8_recipe)
     convert_to_float8_training(model, module_filter_fn=lambda module, name: chosen.get(name, False),
-                               config=Float8LinearConfig.from_recipe_name("tensorwise"))
+                               config=config)
     return [n for n, yes in chosen.items() if yes], [n for n, yes in chosen.items() if not yes]
 
 

@@ -177,6 +177,7 @@ compile = False                 # torch.compile the model
 compile_mode = "default"        # torch.compile mode: default | reduce-overhead | max-autotune
 fp8 = False                     # float8 matmuls (torchao): capability 8.9+, compile, bfloat16
 fp8_head = False                # fp8: the LM head in float8 too (its loss then unfused)
+fp8_recipe = "tensorwise"       # fp8: torchao's scales, tensorwise | rowwise (its own size rule)
 matmul_precision = "high"       # CUDA fp32 matmuls: high lets them use TF32 tensor cores | highest
 # --- end config
 

@@ -28,14 +28,15 @@ import torch
 import torch.nn.functional as F
 
 from podgpt.core import configurator
-from model import GRAD_CKPT, GPTConfig, float8_linears, fp8_unavailable, residual_stream_dtype, shard_model
+from model import (GRAD_CKPT, GPTConfig, float8_linears, fp8_recipe_unknown, fp8_unavailable,
+                   residual_stream_dtype, shard_model)
 from podgpt.pod.objectives import make_model
 from podgpt.core.optim import MasterAdamW, check_optimizer, make_optimizer, master_weights_on
 from podgpt.core.util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
 # train.py's keys that change the step bench/mfu.py times, besides fp8: printed and recorded with each result
-STEP_KEYS = ("fused_loss", "residual_dtype", "master_weights", "fuse_projections", "fp8_head")
+STEP_KEYS = ("fused_loss", "residual_dtype", "master_weights", "fuse_projections", "fp8_head", "fp8_recipe")
 
 
 # -----------------------------------------------------------------------------
@@ -56,7 +57,10 @@ def configure(script_path, argv, run=False):
               "e.g. config/tiny.py --n_layer=2 --micro_batch_size=4 --device=cuda --dtype=auto")
         raise SystemExit(0)
     mine = [a for a in argv if a.startswith("--") and a[2:].partition("=")[0] in own]
-    return configurator.configure(script_path, mine), configurator.configure(TRAIN, [a for a in argv if a not in mine])
+    run_cfg = configurator.configure(TRAIN, [a for a in argv if a not in mine])
+    if why := fp8_recipe_unknown(run_cfg["fp8_recipe"]):  # as train.py refuses it, before any work
+        fail(why, 2)
+    return configurator.configure(script_path, mine), run_cfg
 
 
 def int_list(key, text):
@@ -150,9 +154,9 @@ def ckpt_settings(key, text):
 
 def build(mconfig, run, dev, shard=False):
     """The model, built in place on the device (a 1B model initialised on the CPU first takes a minute),
-    its linear layers in float8 with fp8=True as train.py converts them (or one line why that cannot run here),
-    sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its parameters gathered in the
-    compute dtype), and the run's optimizer for it as train.py makes it: AdamW (fused on CUDA), or with
+    its linear layers in float8 with fp8=True as train.py converts them, with fp8_recipe's scales (or one line
+    why that cannot run here), sharded by FSDP2 with shard=True as train.py's dist_mode=fsdp shards it (its
+    parameters gathered in the compute dtype), and the run's optimizer for it as train.py makes it: AdamW (fused on CUDA), or with
     master_weights bf16 parameters and MasterAdamW on their fp32 masters (optim.master_weights_on)."""
     dt = compute_dtype(run["dtype"], dev)
     if run["fp8"] and (why := fp8_unavailable(dev, dt, run["compile"])):

@@ -5,13 +5,14 @@ over square sizes and the shapes an LLM's training step multiplies.
     python bench/matmul.py                              # a GPU's default sizes (a CPU's: small ones)
     python bench/matmul.py --sizes=8192,16384x2048x5461 --iters=50
     python bench/matmul.py --fp8=True                   # also each shape as a linear layer: bf16 vs fp8
+    python bench/matmul.py --fp8=True --fp8_recipe=rowwise  # the same with rowwise scales
 
 Prints TFLOP/s per shape and the best, with the best's fraction of the datasheet dense
 peak (preflight.peak_flops; null on a CPU or an unknown GPU). The best is the figure to pass
 to bench/mfu.py as --ceiling_tflops: MFU against what the chip can actually do.
 With --fp8=True each row also holds the shape as a training step's linear layer (M tokens, K in,
 N out: forward and backward, compiled, bf16 autocast) in bf16 and as torchao's float8 layer
-(tensorwise, as train.py's fp8=True): the per-shape table model.fp8_filter's rule stands for.
+(fp8_recipe's scales, as train.py's fp8=True): the per-shape table model.fp8_filter's rule stands for.
 """
 
 import sys
@@ -19,7 +20,7 @@ import sys
 import common
 import torch
 
-from model import fp8_unavailable
+from model import fp8_recipe_unknown, fp8_unavailable
 from podgpt.pod.preflight import peak_flops
 from podgpt.core.util import dtype_name, fail, run_main
 
@@ -30,6 +31,7 @@ dtype = "auto"                  # auto (bfloat16 on CUDA, float32 on CPU) | bflo
 warmup = 5                      # untimed multiplications per shape
 iters = 20                      # timed multiplications per shape
 fp8 = False                     # also time each shape as a linear layer, bf16 vs float8 (CUDA, torchao)
+fp8_recipe = "tensorwise"       # fp8's scales: tensorwise | rowwise (a run's fp8_recipe)
 out = ""                        # JSONL file the result line is appended to; "": bench/results/matmul.jsonl
 # --- end config
 
@@ -66,13 +68,14 @@ def tflops(m, k, n, dev, dt, warm, timed):
     return 2 * m * k * n / seconds / 1e12, seconds
 
 
-def linear_seconds(m, k, n, dev, fp8, warm, timed):
+def linear_seconds(m, k, n, dev, recipe, warm, timed):
     """Seconds of a training step's (K -> N) linear layer on M tokens, forward and backward,
-    compiled, under bf16 autocast; fp8: torchao's float8 layer (tensorwise), as train.py's."""
+    compiled, under bf16 autocast; recipe (tensorwise, rowwise): torchao's float8 layer with those
+    scales, as train.py's; None: bf16."""
     layer = torch.nn.Linear(k, n, bias=False, device=dev)
-    if fp8:
+    if recipe:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        layer = convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        layer = convert_to_float8_training(layer, config=Float8LinearConfig.from_recipe_name(recipe))
     forward = torch.compile(layer)
     x = torch.randn(m, k, device=dev, requires_grad=True)
     grad = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
@@ -84,15 +87,18 @@ def linear_seconds(m, k, n, dev, fp8, warm, timed):
     return common.seconds_per_call(step, dev, warm, timed)
 
 
-def fp8_row(m, k, n, dev, warm, timed):
-    """The shape's linear layer in bf16 and in float8: milliseconds each, and fp8's speedup."""
-    bf16, fp8 = (linear_seconds(m, k, n, dev, f, warm, timed) for f in (False, True))
-    return dict(linear_bf16_ms=bf16 * 1e3, linear_fp8_ms=fp8 * 1e3, fp8_speedup=bf16 / fp8)
+def fp8_row(m, k, n, dev, recipe, warm, timed):
+    """The shape's linear layer in bf16 and in float8 with recipe's scales: milliseconds each, and
+    fp8's speedup."""
+    bf16, fp8 = (linear_seconds(m, k, n, dev, r, warm, timed) for r in (None, recipe))
+    return dict(fp8_recipe=recipe, linear_bf16_ms=bf16 * 1e3, linear_fp8_ms=fp8 * 1e3, fp8_speedup=bf16 / fp8)
 
 
 def main(argv):
     cfg, _ = common.configure(__file__, argv)
     common.check_counts(cfg, "warmup", "iters")
+    if why := fp8_recipe_unknown(cfg["fp8_recipe"]):
+        fail(why, 2)
     dev, dt = common.pick_device(cfg["device"], cfg["dtype"])
     if cfg["fp8"] and (why := fp8_unavailable(dev, torch.bfloat16, compiled=True)):
         fail(why, 2)
@@ -105,9 +111,9 @@ def main(argv):
         value, seconds = tflops(m, k, n, dev, dt, cfg["warmup"], cfg["iters"])
         rows.append(dict(m=m, k=k, n=n, ms=seconds * 1e3, tflops=value))
         if cfg["fp8"]:
-            rows[-1].update(fp8_row(m, k, n, dev, cfg["warmup"], cfg["iters"]))
+            rows[-1].update(fp8_row(m, k, n, dev, cfg["fp8_recipe"], cfg["warmup"], cfg["iters"]))
         print(f"  {m:>6} x {k:>6} @ {k:>6} x {n:>6}  {seconds * 1e3:9.3f} ms  {value:8.2f} TFLOP/s"
-              + (f"  layer fp8 {rows[-1]['fp8_speedup']:.2f}x bf16" if cfg["fp8"] else ""))
+              + (f"  layer fp8 {cfg['fp8_recipe']} {rows[-1]['fp8_speedup']:.2f}x bf16" if cfg["fp8"] else ""))
     best = max(rows, key=lambda r: r["tflops"])
     peak = peak_flops(name) if dev.type == "cuda" else None
     fraction = best["tflops"] * 1e12 / peak if peak else None

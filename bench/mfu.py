@@ -8,14 +8,15 @@ micro-batch sweep and each activation-checkpointing setting.
     python bench/mfu.py config/h200_1b_ddp8.py --micro_batches=16 --accum=4 --compile=True  # the run's own step
     python bench/mfu.py config/h100_d64.py --n_layer=4 --micro_batches=1,2,4   # a slice, extrapolated to 64 layers
     python bench/mfu.py config/h100_d64.py --n_layer=4 --compile=True --fp8=True  # float8 linear layers (torchao)
+    python bench/mfu.py config/h200_1b_ddp8.py --compile=True --fp8=True --fp8_recipe=rowwise  # rowwise scales
     python bench/mfu.py config/h200_1b_ddp8.py --compile=True --dist_mode=fsdp    # sharded by FSDP2, as one process
     python bench/mfu.py config/h200_1b_ddp8.py --compile=True --fused_loss=False --residual_dtype=float32
     python bench/mfu.py config/h200_1b_ddp8.py --compile=True --master_weights=True  # bf16 weights, fp32 masters
 
-The step's keys (fused_loss, residual_dtype, master_weights, fuse_projections, fp8, fp8_head) are train.py's and
-reach the model and optimizer as train.py builds them; each row records what was built (optimizer, parameter
-and residual stream dtypes, whether the loss and the projections run fused, float8 layers), so two lines differ
-where their keys did.
+The step's keys (fused_loss, residual_dtype, master_weights, fuse_projections, fp8, fp8_head, fp8_recipe) are
+train.py's and reach the model and optimizer as train.py builds them; each row records what was built (optimizer,
+parameter and residual stream dtypes, whether the loss and the projections run fused, float8 layers), so two
+lines differ where their keys did.
 
 dist_mode=fsdp shards the model as train.py does (here a group of one process): its parameters are gathered in
 bf16 for each block, so the step computes on bf16 weights and a bf16 residual stream instead of autocast's casts

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import float8_linears, fp8_unavailable, shard_model
+from model import float8_linears, fp8_recipe_unknown, fp8_unavailable, shard_model
 from podgpt.core.attention import resolve_backend
 from podgpt.core.data import Loader, check_prepared, load_manifest
 from podgpt.core.tokenizer import check_tokenizer_loads
@@ -56,6 +56,8 @@ def check_config(cfg):
                          ("lr_schedule", ("cosine", "wsd"))):
         if cfg[key] not in choices:
             fail(f"{key}={cfg[key]!r} is not one of {', '.join(choices)}")
+    if why := fp8_recipe_unknown(cfg.fp8_recipe):
+        fail(why, 2)
     check_gate_settings(cfg)
     check_settings(cfg)
     check_optimizer(cfg)
@@ -144,8 +146,8 @@ def build_model(mconfig, proc, dt, seed, fp8=False, compiled=False, sharded=Fals
     model = make_model(mconfig).to(proc.dev)
     if fp8:  # before FSDP wraps the layers, and before torch.compile traces them
         converted, kept = float8_linears(model)
-        log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, tensorwise scales); "
-            f"kept in bfloat16: {', '.join(kept[:4])}"
+        log(f"fp8: {len(converted)} linear layers compute in float8 (torchao, {mconfig.fp8_recipe} "
+            f"scales); kept in bfloat16: {', '.join(kept[:4])}"
             + (f" and {len(kept) - 4} more" if len(kept) > 4 else ""))
     if sharded:
         shard_model(model, proc.dev, dt)
