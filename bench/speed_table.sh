@@ -5,7 +5,7 @@
 #   (b) the same with fused_loss=False residual_dtype=float32: the step before issue 46, its before/after
 #   (c) master_weights=True: bf16 weights, AdamW on fp32 masters
 #   (d) micro-batches 12,16,20,24 in one probe: which the config should use (12 is (a)'s, from the compile cache)
-#   (e) fp8 tensorwise with fuse_projections=True, and without
+#   (e) fp8 tensorwise with fuse_projections=True, and without; rowwise (at 1B its size rule converts gate/up alone)
 #   (f) the 50M shape (traced), and with the fused loss (its config's loss_chunk=0 predates it)
 #   (g) ours against transformers' Llama   (h) sharded by FSDP2, one process
 #   (i) checkpoint saves, the first and a later one   (j) the 1B run's own step (micro-batch 16, accum 4)
@@ -59,7 +59,7 @@ probe() {  # probe ROW SECONDS ARGS...: one probe, its exit status logged, the s
     probe d 240 "${B1[@]}" --micro_batches=12,16,20,24
     probe e 150 "${B1[@]}" --micro_batches=12 --fp8=True --fuse_projections=True "--trace=$OUT/traces/fp8"
     probe e 150 "${B1[@]}" --micro_batches=12 --fp8=True
-    # (e) fp8 rowwise: the fp8_recipe probe line goes here
+    probe e 150 "${B1[@]}" --micro_batches=12 --fp8=True --fuse_projections=True --fp8_recipe=rowwise "--trace=$OUT/traces/fp8_rowwise"
     probe f 80 bench/mfu.py config/a100_50m.py "${FAST[@]}" --micro_batches=64 "--trace=$OUT/traces/50m"
     probe f 80 bench/mfu.py config/a100_50m.py "${FAST[@]}" --micro_batches=64 --loss_chunk=8192
     probe g 170 bench/vs_hf.py config/h200_1b_ddp8.py --device=cuda --compile=True --micro_batch_size=8 --windows=2 --iters=4

@@ -233,7 +233,8 @@ def test_fp8_table_on_this_gpu(tmp_path, capfd):
     the 1B's MLP shapes run faster in float8 (their matmuls did, 1.82x, in the H200 traces)."""
     pytest.importorskip("torchao.float8")
     out = tmp_path / "matmul.jsonl"
-    r = run_script(["bench/matmul.py", "--fp8=True", "--iters=5", f"--out={out}"], capfd)
+    from test_bench import in_this_process  # bench/ on sys.path, as `python bench/matmul.py` has it
+    r = in_this_process(capfd, "matmul", "--fp8=True", "--iters=5", f"--out={out}")
     if r.returncode == 2 and "fp8=True" in r.stderr:  # a GPU without float8 tensor cores
         pytest.skip(r.stderr.strip())
     assert r.returncode == 0, r.stderr[-2000:]
