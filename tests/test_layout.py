@@ -147,7 +147,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def loaded_modules(stdlib_data, out, *args):
     """The modules a train.py run loaded (sys.modules at its exit: imports by importlib too)."""
     run([sys.executable, "-c", LOADED, "train.py", f"--data_dir={stdlib_data}", f"--out_dir={out}", *TINY_MODEL,
-         "--max_steps=2", "--eval_every=2", *args], env={"LOADED_TO": str(out) + ".modules"})
+         "--micro_batch_size=2", "--total_batch_tokens=128", "--max_steps=2", "--eval_every=2", *args],
+        env={"LOADED_TO": str(out) + ".modules"})
     return set(read(str(out) + ".modules").split())
 
 
