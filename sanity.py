@@ -379,7 +379,7 @@ def check_capacity(cfg, dev, dt, world, out):
                            for lay in layouts.values()))
     fits = "fits" if layouts["run"]["fits"] else "does NOT fit"
     if built != counts["total"]:
-        return "fail", (f"the model builds with {built:,} parameters, preflight.param_counts says "
+        return "fail", (f"the model builds with {built:,} parameters, memory.param_counts says "
                         f"{counts['total']:,}")
     if dev.type == "cuda":
         return check_capacity_on_gpu(cfg, mconfig, dev, dt, world, budget, f"{summary}; ", out,

@@ -1,5 +1,5 @@
 """
-Peak memory of a config's training step against preflight.memory_estimate's prediction, over a
+Peak memory of a config's training step against memory.memory_estimate's prediction, over a
 micro-batch sweep, with and without activation checkpointing.
 
     python bench/memory.py config/h200_1b_ddp8.py --device=cuda --micro_batches=1,2,4,8,16
@@ -31,7 +31,7 @@ out = ""                        # JSONL file the result line is appended to; "":
 
 
 def predict(mconfig, setting, micro_batch, compute_bytes):
-    """{part: GB} from preflight.memory_estimate ("total" among them) for this activation-checkpointing setting."""
+    """{part: GB} from memory.memory_estimate ("total" among them) for this activation-checkpointing setting."""
     parts = memory_estimate(mconfig, micro_batch, activation_checkpointing=setting, compute_bytes=compute_bytes)
     return {k: v / 1e9 for k, v in parts.items() if k != "params"}  # params is a count, not bytes
 
@@ -76,7 +76,7 @@ def main(argv):
     plan_dt = torch.bfloat16 if run["dtype"] == "auto" and dev.type != "cuda" else dt
     compute_bytes = 4 if plan_dt == torch.float32 else 2
     name = common.device_name(dev)
-    print(f"{name}, {dtype_name(plan_dt)}: peak memory per micro-batch, predicted (preflight.memory_estimate) "
+    print(f"{name}, {dtype_name(plan_dt)}: peak memory per micro-batch, predicted (memory.memory_estimate) "
           f"against measured{'' if dev.type == 'cuda' else ' (not on a GPU: predicted only)'}")
     rows = []
     for setting in settings:

@@ -4,7 +4,7 @@
 #   python prepare.py config/a100_50m.py          (downloads and tokenizes FineWeb-Edu)
 #   python train.py config/a100_50m.py
 #
-# Where the recipe's arithmetic is wrong (computed by preflight.param_counts and
+# Where the recipe's arithmetic is wrong (computed by memory.param_counts and
 # flops_per_token, see tests/test_model.py):
 # - "8 x 12 x 768^2 x 4 = 226M, net ~50M" is not how the count goes: the blocks hold
 #   50.3M parameters (attention 2.4*768^2 with GQA 12:4, SwiGLU 3*768*2048), plus

@@ -2,7 +2,7 @@
 #   python prepare.py config/h100_d64.py --source=/workspace/combined_output.txt
 #   torchrun --standalone --nproc_per_node=8 train.py config/h100_d64.py      (dist_mode=fsdp, below)
 #
-# Where the recipe's arithmetic is wrong (preflight.param_counts; tests/test_model.py):
+# Where the recipe's arithmetic is wrong (memory.param_counts; tests/test_model.py):
 # - 64 layers x 4096 wide with a 4x MLP is 12*L*d^2 = 12.9B parameters, not "4.3B".
 #   Here the MLP is SwiGLU with hidden floor(8d/3) = 10922 rounded up to a multiple of
 #   256 (multiple_of): 11008, Llama-7B's, so its matmuls run on whole tiles: 12.953B in

@@ -42,7 +42,7 @@ grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
 refine_band = "50,97"
 grad_norm_band = "2,15"
 grad_norm_stop = 20.0
-# 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
+# 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. memory.memory_estimate at
 # micro-batch 16 (train.py --preflight_only=True --gpu_mem_gb=80): 97.3 GB per GPU without activation
 # checkpointing, 58.4 GB with selective (of 73.6 usable), 17.3 GB with full. Selective recomputes
 # only the cheap ops, so it is the faster of the two that fit (phase 1's micro-batch 32 needs full)

@@ -43,7 +43,7 @@ grad_clip = 1.0                # the recipe's troubleshooting: "grad_clip=1.0"
 refine_band = "15,25"
 grad_norm_band = "0.5,1.5"
 grad_norm_stop = 20.0
-# 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. preflight.memory_estimate at
+# 12 layers x (2 + 1) applications x 4 steps = 144 block applications per token. memory.memory_estimate at
 # micro-batch 32 (train.py --preflight_only=True --gpu_mem_gb=80): 187.3 GB per GPU without activation
 # checkpointing, 109.7 GB with selective, 27.5 GB with full (of 73.6 usable): full, as the recipe's
 # batch of 32 per GPU needs it

@@ -12,7 +12,7 @@
 # The recipe's four batch presets are batch_preset's (podgpt/research/bd3lm.py: PRESETS; train.py --help
 # lists them): each sets the micro-batch, the global batch at accumulation 4, the recipe's LR for it and its
 # rule lr_base x sqrt(batch / lr_base_batch), which preflight's lr_scaling checks; a key set here wins.
-# preflight.memory_estimate per H200 at each (bf16 and its bf16 residual stream, the fused loss, no
+# memory.memory_estimate per H200 at each (bf16 and its bf16 residual stream, the fused loss, no
 # checkpointing; the recipe's expectation in brackets): conservative 64: 29.7 GB [40-50] | recommended 128:
 # 52.5 GB [60-80] | aggressive 192: 75.4 GB [90-110] | extreme 256: 98.2 GB [110-130], 76% of the usable
 # 0.92 x 141 GB. The recipe's LR per global batch: 256: 4e-4, 512: 5e-4, 768: none given

@@ -7,7 +7,7 @@
 #   python sample.py config/h200_hdp_diffusion.py --prompt="<a GSM8K question>"
 #
 # The recipe's settings are config/h200_gsm8k_bd3lm.py's (micro-batch 128, global 512, LR 5e-4, 50K steps,
-# bf16, compile); its memory expectation here is 70-90 GB at micro-batch 128, and preflight.memory_estimate
+# bf16, compile); its memory expectation here is 70-90 GB at micro-batch 128, and memory.memory_estimate
 # gives 52.5 GB, as for the baseline: the plan's mask changes which tiles attention skips, not what it keeps.
 # The batch presets (batch_preset), the LR table and what is not in the recipe: see
 # config/h200_gsm8k_bd3lm.py.

@@ -264,7 +264,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 def test_the_chunked_loss_keeps_its_saving_under_torch_compile():
     """Compiled, a step whose loss goes 2048 tokens at a time peaks below one that holds the logits of all 8192
-    tokens by 70% at least of what preflight.memory_estimate says the chunks save (the logits of the other 6144
+    tokens by 70% at least of what memory.memory_estimate says the chunks save (the logits of the other 6144
     tokens): its backward rebuilds one chunk at a time, never every chunk at once. Each step in a fresh process,
     both at once."""
     procs = [popen([sys.executable, "-c", COMPILED_STEP_PEAK, str(chunk)], cwd=ROOT, stdout=subprocess.PIPE,

@@ -214,7 +214,7 @@ def test_clean_data_passes_with_a_measured_time(tmp_path, stdlib_data, capfd):
 @pytest.mark.parametrize("config", ["config/h200_gsm8k_bd3lm.py", "config/h200_hdp_diffusion.py"])
 def test_block_diffusion_configs_fit_an_h200_and_hold_their_lr_rule(tmp_path, capfd, config):
     """Block diffusion on one H200, planned from this CPU before the data exists: the 85M-non-embedding model at
-    micro-batch 128 fits (preflight.memory_estimate counts both copies of each 512-token row: 67.5 GB with an fp32
+    micro-batch 128 fits (memory.memory_estimate counts both copies of each 512-token row: 67.5 GB with an fp32
     residual stream, 52.5 GB with the bf16 stream residual_dtype=auto gives a bf16 run), 5e-4 at a
     batch of 512 is 0.83x the recipe's rule 3e-4 x sqrt(512 / 128) (a pass), and 3e-4 there is a warning that
     names the rule's rate."""
