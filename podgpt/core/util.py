@@ -47,12 +47,19 @@ def run_main(main, argv):
     try:
         code = main(argv)
     except Error as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        error_line(f"error: {e}")
         code = e.code
     except KeyboardInterrupt:  # Ctrl-C (train.py's second): the cleanup on the way out is done
-        print("error: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        error_line("error: interrupted (Ctrl-C)")
         code = 130  # the shell's status for a process ended by SIGINT
     exit_worker(code or 0)
+
+
+def error_line(line):
+    """line and its newline in one write: every rank of a run may say the same error into one
+    pipe, and print's two writes (text, then newline) let another rank's line in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 class CutShortThread(threading.Thread):
