@@ -12,7 +12,7 @@ import torch.nn as nn
 import model
 from model import GPT, GPTConfig, fp8_unavailable
 from test_bench import in_this_process
-from test_fused_projections import FP8, config_of, decisions, logits_and_grads
+from test_fused_projections import FP8, config_of, decisions, float8_matmuls, logits_and_grads
 from test_speed_paths import refused
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -99,7 +99,6 @@ def test_fused_rowwise_equals_the_separate_float8_layers(monkeypatch):
     such a last-bit difference can flip a later float8 rounding: the same logits, and gradients a small part
     of float8's own error away."""
     float8 = pytest.importorskip("torchao.float8")
-    from torchao.float8 import float8_linear
     real_config = float8.Float8LinearConfig.from_recipe_name
     monkeypatch.setattr(float8.Float8LinearConfig, "from_recipe_name",
                         staticmethod(lambda name: dataclasses.replace(real_config(name), emulate=True)))
@@ -124,18 +123,13 @@ def test_fused_rowwise_equals_the_separate_float8_layers(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(fused, separate))
         assert all(torch.equal(a, m.weight.grad) for a, m in zip(fused_w, group))
         assert rel(fused_x, x.grad) < 1e-5
-    calls, real = [0], float8_linear.matmul_with_hp_or_float8_args.apply
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
     ids = torch.randint(0, 97, (2, 32))
     exact, exact_grads = logits_and_grads(exact_model, ids, True)
-    monkeypatch.setattr(float8_linear.matmul_with_hp_or_float8_args, "apply", counted)
-    fused, fused_grads = logits_and_grads(gpt, ids, True)
-    assert calls[0] == 4  # q/k/v, o, gate/up, down
-    separate, separate_grads = logits_and_grads(gpt, ids, False)
-    assert calls[0] == 4 + 7
+    with float8_matmuls() as calls:
+        fused, fused_grads = logits_and_grads(gpt, ids, True)
+        assert calls[0] == 4  # q/k/v, o, gate/up, down
+        separate, separate_grads = logits_and_grads(gpt, ids, False)
+        assert calls[0] == 4 + 7
     assert rel(separate, exact) > 1e-2  # float8 did round
     assert rel(fused, separate) < 1e-6
     assert fused_grads.keys() == separate_grads.keys() and len(fused_grads) == 11

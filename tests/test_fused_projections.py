@@ -199,6 +199,22 @@ def float8_model(model):
     return model
 
 
+@contextmanager
+def float8_matmuls():
+    """[the number of torchao float8 matmuls run inside the block so far]."""
+    from torchao.float8 import float8_linear
+    calls, real = [0], float8_linear.matmul_with_hp_or_float8_args.apply
+
+    def counted(*args):
+        calls[0] += 1
+        return real(*args)
+    float8_linear.matmul_with_hp_or_float8_args.apply = counted
+    try:
+        yield calls
+    finally:
+        float8_linear.matmul_with_hp_or_float8_args.apply = real
+
+
 def test_fused_float8_is_one_float8_matmul():
     """With torchao: a fused group of Float8Linear runs as one float8 matmul (one cast of the
     input), and computes what the separate float8 layers do, to float8's precision."""
@@ -206,21 +222,13 @@ def test_fused_float8_is_one_float8_matmul():
     model = float8_model(tiny(n_kv_head=2))
     from torchao.float8 import float8_linear
     assert isinstance(model.layers[0].self_attn.k_proj, float8_linear.Float8Linear)
-    calls, real = [0], float8_linear.matmul_with_hp_or_float8_args.apply
-
-    def counted(*args):
-        calls[0] += 1
-        return real(*args)
     ids = torch.randint(0, 97, (2, 32))
     exact, _ = logits_and_grads(reference, ids, True)
-    float8_linear.matmul_with_hp_or_float8_args.apply = counted
-    try:
+    with float8_matmuls() as calls:
         fused, _ = logits_and_grads(model, ids, True)
         assert calls[0] == 2 * 4  # q/k/v, o, gate/up, down in each of 2 layers
         separate, _ = logits_and_grads(model, ids, False)
         assert calls[0] == 2 * 4 + 2 * 7
-    finally:
-        float8_linear.matmul_with_hp_or_float8_args.apply = real
     scale = exact.abs().max().item()
     assert (fused - exact).abs().max().item() < 0.1 * scale
     assert (fused - exact).abs().max().item() < 2 * (separate - exact).abs().max().item() + 1e-3
