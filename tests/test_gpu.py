@@ -848,7 +848,6 @@ def test_trm_fast_dry_run_under_torchrun(tmp_path, data):
 def test_refine_kv_cache_on_cuda_equals_recomputation():
     """The refine model's cache (one entry per block application) on CUDA in fp32: greedy tokens and
     logits equal recomputing every position."""
-    from model import GPTConfig
     from podgpt.pod.objectives import make_config, make_model
     torch.manual_seed(0)
     config = make_config(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=128,
@@ -866,7 +865,6 @@ def test_refine_kv_cache_on_cuda_equals_recomputation():
 def test_bd3lm_flex_loss_and_gradients_match_the_dense_mask_in_bf16():
     """The 2T pass on FlexAttention's block mask (what auto picks for bd3lm on a GPU) gives the loss and the
     gradients of the dense mask on SDPA's math kernel, within bf16's parity tolerance; HDP's too."""
-    from model import GPTConfig
     from podgpt.pod.objectives import make_config, make_model
     if backend_unavailable("flex", "cuda", BF16, 64, "diffusion") is not None:
         pytest.skip(f"flex cannot run on {gpu_name()}")
