@@ -31,7 +31,8 @@ from podgpt.core import configurator
 from model import (GRAD_CKPT, GPTConfig, float8_linears, fp8_recipe_unknown, fp8_unavailable,
                    residual_stream_dtype, shard_model)
 from podgpt.pod.objectives import make_model
-from podgpt.core.optim import MasterAdamW, check_optimizer, make_optimizer, master_weights_on
+from podgpt.pod.step import clip
+from podgpt.core.optim import check_optimizer, make_optimizer, master_weights_on
 from podgpt.core.util import autocast, compute_dtype, driver_version, fail, peak_memory_gb, setup
 
 TRAIN = os.path.join(ROOT, "train.py")  # a run's keys are train.py's: its config block, read as text
@@ -225,10 +226,7 @@ def train_step(model, optimizer, x, y, amp, loss_of, mark=None, accum=1):
         mark("forward")
         loss.backward()
         mark("backward")
-    if isinstance(optimizer, MasterAdamW):  # the clip folded into its update, as train.py steps it
-        optimizer.prepare(1.0)
-    else:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    clip(optimizer, model, 1.0)  # as train.py clips (MasterAdamW: inside its update)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     mark("optimizer")

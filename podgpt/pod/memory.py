@@ -62,18 +62,18 @@ def memory_estimate(config, micro_batch_size, world_size=1, sharded=False,
 
 
 def state_bytes(n, layer_params, c, world_size, sharded, master):
-    """(bytes held through the step by part, the bytes of every gradient, autocast's cast of every
-    matrix) for n parameters: fp32 weights, AdamW's two fp32 moments, DDP's fp32 all-reduce copy;
-    FSDP divides them and gathers two layers in c bytes. master (MasterAdamW, unsharded): bf16
-    weights beside their fp32 masters and one flat fp32 gradient, held throughout; autocast casts
-    none of them, and no DDP wraps the model."""
+    """(bytes held through the step by part, gradient bytes held throughout, the bytes of every
+    gradient, autocast's cast of every matrix) for n parameters: fp32 weights, AdamW's two fp32
+    moments, DDP's fp32 all-reduce copy; FSDP divides them and gathers two layers in c bytes.
+    master (MasterAdamW, unsharded): bf16 weights beside their fp32 masters and one flat fp32
+    gradient, held throughout; autocast casts none of them, and no DDP wraps the model."""
     if master and not sharded:
-        return dict(weights=6 * n, optimizer=8 * n, ddp_buckets=0, gradients=4 * n), 0, 0
+        return dict(weights=6 * n, optimizer=8 * n, ddp_buckets=0), 4 * n, 4 * n, 0
     shard = world_size if sharded else 1
     gathered = 2 * layer_params if sharded else 0  # FSDP2 gathers a layer, prefetching the next
     held = dict(weights=4 * n // shard + c * gathered, optimizer=8 * n // shard,
-                ddp_buckets=4 * n if world_size > 1 and not sharded else 0, gradients=0)
-    return held, 4 * n // shard + 4 * gathered, 0 if c == 4 else c * (n // shard + gathered)
+                ddp_buckets=4 * n if world_size > 1 and not sharded else 0)
+    return held, 0, 4 * n // shard + 4 * gathered, 0 if c == 4 else c * (n // shard + gathered)
 
 
 def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
@@ -93,7 +93,7 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     L, d, c, s = config.n_layer, config.n_embd, compute_bytes, stream_bytes(config, compute_bytes)
     head, fused = V * d, GPT.fuses_loss(config)
     layer_params, shard = counts["non_embedding"] // L, world_size if sharded else 1
-    held, all_grads, casts = state_bytes(n, layer_params, c, world_size, sharded, master)
+    held, flat, all_grads, casts = state_bytes(n, layer_params, c, world_size, sharded, master)
     (kept_layer, rebuilt), (outside, norm_out) = layer_bytes(config, mode, c, s), \
         outside_bytes(d, c, s)
     rows = min(tokens, config.loss_chunk) if config.loss_chunk else tokens
@@ -109,14 +109,13 @@ def memory_phases(config, micro_batch_size, world_size=1, sharded=False,
     chunk = rows * V * 12 + tokens * norm_out * d if fused else rows * V * 8 + earlier
     # checkpointed layers did not keep their casts: only the head's, rebuilt with its loss chunk
     loss_casts = casts if mode == "none" or not casts else 0 if fused else c * head // shard
-    flat = held.pop("gradients")  # master's: it takes each gradient as made, in fp32
     phases = dict(
         forward_end=dict(held, gradients=flat, weight_casts=casts,
                          activations=tokens * kept + grad_head, logits=chunk),
         loss_backward=dict(held, gradients=flat + (2 if flat else 4) * head // shard,
                            weight_casts=loss_casts, activations=tokens * kept + grad_head,
                            logits=tokens * norm_out * d if fused else rows * V * 12 + earlier),
-        backward_end=dict(held, gradients=flat or all_grads,
+        backward_end=dict(held, gradients=all_grads,
                           weight_casts=c * layer_params if casts else 0,
                           activations=tokens * (S * (kept_layer + rebuilt + 2 * sums + 4 * d)
                                                 + outside - 4 * d), logits=0))

@@ -7,14 +7,17 @@ import torch
 from podgpt.core.optim import MasterAdamW
 
 
+def clip(optimizer, model, grad_clip):
+    """The global gradient norm before clipping to grad_clip (MasterAdamW clips in its update)."""
+    if isinstance(optimizer, MasterAdamW):
+        return optimizer.prepare(grad_clip)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+
+
 def clip_gradients(optimizer, scaler, model, grad_clip, sharded, loss_sum):
     """(the global gradient norm before clipping, whether the step is finite)."""
-    grad_clip = grad_clip if grad_clip > 0 else float("inf")
-    if isinstance(optimizer, MasterAdamW):
-        grad_norm = optimizer.prepare(grad_clip)
-    else:
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.unscale_(optimizer)  # fp16's; a disabled scaler (bf16, fp32, master weights): no-op
+    grad_norm = clip(optimizer, model, grad_clip if grad_clip > 0 else float("inf"))
     if sharded:  # a DTensor: the norm over every rank's shards
         grad_norm = grad_norm.full_tensor()
     # fp16's scaler skips overflowing gradients itself; any other non-finite value skips it here
