@@ -1,7 +1,8 @@
 """master_weights: bf16 parameters with an fp32 master in the optimizer (optim.MasterAdamW), micro-batch gradients
 accumulated in fp32, the clip folded into the foreach AdamW step. Its update against torch's AdamW (with and
 without clip_grad_norm_), a tiny model's loss curve against the fp32 run's noise, a killed run resumed
-bit-identically on 1 process and 2 ranks, and checkpoints that load either way (on / off)."""
+bit-identically on 1 process and 2 ranks (DDP, and FSDP2, whose mixed precision is its master), and checkpoints
+that load either way (on / off)."""
 import json
 import signal
 import sys
@@ -11,10 +12,11 @@ import torch
 
 from conftest import run, run_script, train_losses
 from model import GPT, GPTConfig
+from podgpt.core.checkpoint import STATE_DIR
 from podgpt.core.data import Loader, load_manifest
 from podgpt.core.optim import make_optimizer
 from podgpt.pod.memory import memory_phases
-from test_resume import (ARGS, CONSTANT_LR, KILL_AT_STEP, assert_same_run, ckpt_steps, load, train,
+from test_resume import (ARGS, CONSTANT_LR, KILL_AT_STEP, MAX_STEPS, assert_same_run, ckpt_steps, load, train,
                          wrapper)
 
 MASTER = ["--dtype=bfloat16", "--master_weights=True"]
@@ -207,6 +209,24 @@ def test_ddp_sigkill_then_resume_with_master_weights_is_bit_identical(tmp_path, 
     r = train(out, stdlib_data, *ARGS, *MASTER, nproc=2, torchrun=True)
     assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
     assert_same_run(out, ref)
+
+
+def test_fsdp_sigkill_then_resume_with_bf16_compute_is_bit_identical(tmp_path, stdlib_data):
+    """dist_mode=fsdp, 2 ranks (gloo): FSDP2's mixed precision is the master there (bf16 gathered for compute,
+    gradients reduced in fp32 into the fp32 shards), the sharded checkpoint holds those fp32 shards, and a
+    run killed after step 5 resumes to the same losses and final checkpoint as the unbroken run."""
+    from torch.distributed.checkpoint import FileSystemReader
+    fsdp, ref, out, kill = ["--dtype=bfloat16", "--dist_mode=fsdp"], tmp_path / "ref", tmp_path / "out", 9
+    train(ref, stdlib_data, *ARGS, *fsdp, nproc=2)
+    r = train(out, stdlib_data, *ARGS, *fsdp, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill, last=5),
+              nproc=2, check=False, torchrun=True)
+    assert r.returncode != 0 and max(train_losses(out)) == kill
+    r = train(out, stdlib_data, *ARGS, *fsdp, nproc=2, torchrun=True)
+    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
+    assert_same_run(out, ref)
+    stored = FileSystemReader(str(ref / f"ckpt/step_{MAX_STEPS:07d}" / STATE_DIR)).read_metadata()
+    weights = {k: m.properties.dtype for k, m in stored.state_dict_metadata.items() if k.startswith("model.")}
+    assert weights and set(weights.values()) == {torch.float32}, weights
 
 
 @pytest.mark.parametrize("saved_with,resumed_with", [(MASTER, ["--dtype=bfloat16"]),
