@@ -34,7 +34,9 @@ What it covers, in file order (each part shares its training runs through module
    generation on CUDA against recomputation;
 11. objective="bd3lm": FlexAttention's 2T pass against the dense mask, config/tiny_bd3lm.py's
    compiled dry run, and its sampler on CUDA: sample.py's text, and every pass's logits on auto's kernel
-   against the math kernel's.
+   against the math kernel's;
+12. the 1B run's stages rehearsed at tiny size: `CONFIG=config/rehearsal_1b.py bash run.sh` with every stage
+   (sanity, skills, prepare, dryrun, train, sft, eval, handoff, sample) in one command on this GPU.
 
 Torchrun tests use every GPU the machine has (--nproc_per_node=torch.cuda.device_count(); one GPU
 still runs NCCL). Nothing downloads: the data is conftest's stdlib_data (byte tokens).
@@ -915,24 +917,49 @@ def test_bd3lm_trains_compiled_and_samples_on_cuda(tmp_path, data):
 
 
 # -----------------------------------------------------------------------------
-# the skills path: a pack, SFT from a base checkpoint (masked loss, documents mask, compiled, bf16), eval on CUDA
+# 12. the 1B run's stages rehearsed at tiny size (config/rehearsal_1b.py): run.sh, one command, this GPU
 
-def test_sft_from_a_base_checkpoint_trains_compiled_and_eval_answers_on_cuda(tiny, tmp_path):
-    """The base run of `tiny` fine-tuned on a skills pack's chat rows on the GPU's path (compiled, bf16, doc_mask:
-    the kernel auto picks for documents), loss on the replies only and finite; then eval.py asks every eval row in
-    the chat layout on CUDA."""
-    pack, sft_data, sft = tmp_path / "pack", tmp_path / "sft_data", tmp_path / "sft"
-    gpu_run([sys.executable, "skills.py", f"--pack_dir={pack}", "--sft_rows=220", "--eval_rows=22"])
-    gpu_run([sys.executable, "prepare.py", *TINY[:1], "--chat=True", f"--chat_base={tiny.first}",
-             f"--source={pack / 'sft.jsonl'}", f"--data_dir={sft_data}", "--val_fraction=0.1", "--min_val_tokens=0"])
-    r = gpu_run([sys.executable, "train.py", *TINY, f"--data_dir={sft_data}", f"--out_dir={sft}",
-                 f"--init_from={tiny.first}", "--doc_mask=True", "--max_steps=6", "--eval_every=6",
-                 "--ckpt_every=6", "--total_batch_tokens=4096", *_cuda_args(compile=True)])
-    assert_on_gpu_in_bf16(r.stdout)
-    s = summary(sft)
-    assert s["status"] == "completed" and math.isfinite(s["final_val_loss"]), s
-    gpu_run([sys.executable, "eval.py", f"--ckpt={sft}", f"--pack_dir={pack}", "--device=cuda",
-             "--max_new_tokens=8"])
-    with open(sft / "eval.json") as f:
-        report = json.load(f)
-    assert report["pack"]["layout"] == "chat" and report["pack"]["overall"]["n"] == 22
+REHEARSAL_STAGES = "sanity skills prepare dryrun train sft eval handoff sample"
+REHEARSAL_EVAL_ROWS = 160  # config/rehearsal_1b.py's eval_rows
+REHEARSAL_TIMEOUT = 2 * RUN_TIMEOUT  # thirteen stages in one command, five of them compiling
+
+
+def test_the_1b_runs_stages_rehearsed_at_tiny_size_run_on_one_gpu_in_one_command(tmp_path):
+    """CONFIG=config/rehearsal_1b.py with the 1B run's stages, shortened by run.sh's own overrides: sanity
+    measures the capacity on this GPU; the skills pack (worked steps) comes before the data; the dry run kills,
+    resumes and takes its SFT step; train and sft (rows packed, each attending only within itself: the kernel
+    auto picks for documents) train compiled in bf16 on CUDA; eval asks both models every eval row, in the base
+    and the chat layout; honesty reports both as GPU runs; handoff bundles the fine-tuned model with its base;
+    sample samples the bundle's model."""
+    out, data, pack, sft, bundle = (tmp_path / name for name in ("out", "data", "pack", "sft", "bundle"))
+    env = dict(CONFIG="config/rehearsal_1b.py", STAGES=REHEARSAL_STAGES, PYTHON=sys.executable,
+               OUT_DIR=str(out), DATA_DIR=str(data), PACK_DIR=str(pack), HANDOFF_DIR=str(bundle),
+               PREPARE_ARGS="--workers=4", DRYRUN_STEPS="6", EVAL_ARGS="--max_new_tokens=32",
+               SFT_ARGS=f"--out_dir={sft} --data_dir={tmp_path / 'sft_data'} --max_steps=20",
+               SAMPLE_ARGS="--max_new_tokens=16")
+    r = run(["bash", "run.sh", "--max_steps=60", "--eval_every=30", "--ckpt_every=30"], env=env,
+            timeout=REHEARSAL_TIMEOUT)
+    for stage in ("sanity", "skills", "prepare", "dryrun", "train", "sft-data", "sft", "eval", "honesty",
+                  "eval-sft", "honesty-sft", "handoff", "sample"):
+        assert f"=== {stage}: " in r.stdout, stage
+    assert "Traceback" not in r.stdout + r.stderr
+    measured = json.loads((out / "sanity.json").read_text())["capacity"]["measured"]
+    assert measured["device"] == gpu_name() and measured["largest_micro_batch"] >= 32, measured
+    # every training run (the dry run's first pass, its resume and its SFT step; train; sft) on CUDA in bf16
+    models = re.findall(r"^model: .*$", r.stdout, re.M)
+    assert len(models) == 5 and all(re.search(r"\| cuda(:\d+)? bfloat16$", m) for m in models), models
+    dryrun = json.loads((out / "dryrun" / "dryrun.json").read_text())
+    assert dryrun["ok"] and dryrun["resume_check"]["steps"] == [4, 5, 6], dryrun["problems"]
+    assert dryrun["sft"]["status"] == "completed" and dryrun["sft"]["steps"] == 1
+    base, tuned = summary(out), summary(sft)
+    assert base["steps"] == 60 and base["final_val_loss"] < base["unigram_val_loss"] - 0.5, base
+    assert tuned["status"] == "completed" and math.isfinite(tuned["final_val_loss"]), tuned
+    for run_dir, layout in ((out, "base"), (sft, "chat")):
+        pack_report = json.loads((run_dir / "eval.json").read_text())["pack"]
+        assert pack_report["layout"] == layout and pack_report["overall"]["n"] == REHEARSAL_EVAL_ROWS
+        assert "no GPU run" not in (run_dir / "honesty.md").read_text()
+    record = json.loads((bundle / "podgpt-handoff.json").read_text())
+    assert record["run"].endswith("/sft") and (bundle / "model" / "model.safetensors").is_file()
+    assert (bundle / "base" / "model" / "model.safetensors").is_file()
+    sample = r.stdout.split("=== sample: ")[1].splitlines()
+    assert f"--ckpt={bundle}/model" in sample[0].split() and "".join(sample[1:]).strip(), sample
