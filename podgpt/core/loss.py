@@ -39,7 +39,9 @@ class LinearCrossEntropy(torch.autograd.Function):
                     logits.index_fill_(1, never, float("-inf"))
                 lse = logits.logsumexp(dim=-1)
                 picked = yc.clamp(min=0).unsqueeze(1)  # IGNORE's row is scaled by 0
-                total += ((lse - logits.gather(1, picked).squeeze(1)) * scale).sum()
+                # not +=: compiled by torch 2.11, an in-place op on the returned tensor sent its
+                # gradient to the wrong slot, and every gradient came out 0 (pytorch/pytorch#180642)
+                total = total + ((lse - logits.gather(1, picked).squeeze(1)) * scale).sum()
                 if grads:
                     # d/dlogits of the weighted sum: (softmax - onehot(target)) * weight
                     g = (logits - lse.unsqueeze(1)).exp_().mul_(scale.unsqueeze(1))
