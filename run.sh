@@ -68,8 +68,6 @@
 set -euo pipefail
 set -f  # no file-name globbing: STAGES, PREPARE_ARGS and SAMPLE_ARGS are split into words as written
 export PYTHONUNBUFFERED=1  # stage output in order, also when piped to a log
-# torchrun forwards only SIGTERM/SIGINT/SIGHUP/SIGQUIT by default; SLURM's notice is SIGUSR1
-export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}
 cd "$(dirname "$0")"
 
 # A signal is noted (SIGNAL) and passed on to the running stage as $!, which bash sets as the stage forks:

@@ -76,7 +76,8 @@ def test_each_backend_that_runs_here_matches_float64(name, doc_mask):
 
 @pytest.mark.parametrize("name, why", [("fa3", "flash_attn_interface is not installed|FlashAttention 3 is CUDA only"),
                                        ("fa2", "pip install flash-attn|FlashAttention 2 is CUDA only"),
-                                       ("fa4", "pip install --pre flash-attn-4|FlashAttention 4 is CUDA only"),
+                                       ("fa4", "pip install --pre flash-attn-4|FlashAttention 4 is CUDA only|"
+                                               "FlashAttention 4 runs through SDPA from torch 2.10 on"),
                                        ("cudnn", "CUDA only"), ("efficient", "CUDA only"),
                                        ("flex", "no backward pass on CPU")])
 def test_a_named_backend_that_cannot_run_here_is_refused(name, why):
