@@ -4,20 +4,13 @@
 
 # the chat data (prepare.py --chat=True, from PACK_DIR/sft.jsonl)
 data_dir = "data/rehearsal_1b_sft"
-val_fraction = 0.05
-min_val_tokens = 0
+val_fraction, min_val_tokens = 0.05, 0
 
 out_dir = "out/rehearsal_1b/sft"
 doc_mask = True
-micro_batch_size = 16
-total_batch_tokens = 4096
-max_steps = 200             # an upper bound: early stopping ends the run
-max_epochs = 100            # corpus_model_fit: many passes over 1,600 rows are the plan, as early stopping watches
-learning_rate = 1e-3
-min_lr = 1e-4
-warmup_steps = 5
-eval_every = 5
-eval_steps = 2
-early_stop_patience = 3
-ckpt_every = 200            # and one at every new best validation loss
-log_every = 5
+micro_batch_size, total_batch_tokens = 16, 4096
+# at most 200 steps: early stopping ends the run; corpus_model_fit: many passes over 1,600 rows are the plan
+max_steps, max_epochs, early_stop_patience = 200, 100, 3
+learning_rate, min_lr, warmup_steps = 1e-3, 1e-4, 5
+eval_every, eval_steps, log_every = 5, 2, 5
+ckpt_every = 200  # and one at every new best validation loss

@@ -198,17 +198,24 @@ def test_sigkill_then_resume_with_master_weights_is_bit_identical(tmp_path, stdl
     assert_same_run(out, ref_master)
 
 
+def kill_and_resume_on_two_ranks(tmp_path, data, *args):
+    """An uninterrupted 2-rank run, and one whose rank 1 is killed at step 9 then resumed by the same command from
+    its step-5 checkpoint: the two runs bit-identical (assert_same_run). The reference's folder, and its stdout."""
+    ref, out, kill = tmp_path / "ref", tmp_path / "out", 9
+    r = train(ref, data, *ARGS, *args, nproc=2)
+    killed = train(out, data, *ARGS, *args, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill, last=5),
+                   nproc=2, check=False, torchrun=True)
+    assert killed.returncode != 0 and max(train_losses(out)) == kill
+    resumed = train(out, data, *ARGS, *args, nproc=2, torchrun=True)
+    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in resumed.stdout
+    assert_same_run(out, ref)
+    return ref, r.stdout
+
+
 def test_ddp_sigkill_then_resume_with_master_weights_is_bit_identical(tmp_path, stdlib_data):
     """2 ranks (gloo): the fp32 buffers all-reduced by MasterAdamW, each checkpoint written by both ranks."""
-    ref, out, kill = tmp_path / "ref", tmp_path / "out", 9
-    r = train(ref, stdlib_data, *ARGS, *MASTER, nproc=2)
-    assert "world 2 x micro 4 x accum 1" in r.stdout
-    r = train(out, stdlib_data, *ARGS, *MASTER, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill, last=5),
-              nproc=2, check=False, torchrun=True)
-    assert r.returncode != 0 and max(train_losses(out)) == kill
-    r = train(out, stdlib_data, *ARGS, *MASTER, nproc=2, torchrun=True)
-    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
-    assert_same_run(out, ref)
+    _, stdout = kill_and_resume_on_two_ranks(tmp_path, stdlib_data, *MASTER)
+    assert "world 2 x micro 4 x accum 1" in stdout
 
 
 def test_fsdp_sigkill_then_resume_with_bf16_compute_is_bit_identical(tmp_path, stdlib_data):
@@ -216,14 +223,7 @@ def test_fsdp_sigkill_then_resume_with_bf16_compute_is_bit_identical(tmp_path, s
     gradients reduced in fp32 into the fp32 shards), the sharded checkpoint holds those fp32 shards, and a
     run killed after step 5 resumes to the same losses and final checkpoint as the unbroken run."""
     from torch.distributed.checkpoint import FileSystemReader
-    fsdp, ref, out, kill = ["--dtype=bfloat16", "--dist_mode=fsdp"], tmp_path / "ref", tmp_path / "out", 9
-    train(ref, stdlib_data, *ARGS, *fsdp, nproc=2)
-    r = train(out, stdlib_data, *ARGS, *fsdp, script=wrapper(tmp_path, KILL_AT_STEP, rank=1, step=kill, last=5),
-              nproc=2, check=False, torchrun=True)
-    assert r.returncode != 0 and max(train_losses(out)) == kill
-    r = train(out, stdlib_data, *ARGS, *fsdp, nproc=2, torchrun=True)
-    assert f"resumed from {out}/ckpt/step_0000005 at step 5" in r.stdout
-    assert_same_run(out, ref)
+    ref, _ = kill_and_resume_on_two_ranks(tmp_path, stdlib_data, "--dtype=bfloat16", "--dist_mode=fsdp")
     stored = FileSystemReader(str(ref / f"ckpt/step_{MAX_STEPS:07d}" / STATE_DIR)).read_metadata()
     weights = {k: m.properties.dtype for k, m in stored.state_dict_metadata.items() if k.startswith("model.")}
     assert weights and set(weights.values()) == {torch.float32}, weights
