@@ -68,6 +68,7 @@ from test_bench import close, model_of, run_probe
 from podgpt.core.attention import ATTENTION_BACKENDS, OPT_IN_BACKENDS, backend_unavailable, parity_error, resolve_backend
 from model import fp8_unavailable
 from podgpt.pod.preflight import flops_per_token, peak_flops
+from podgpt.core import configurator
 from podgpt.core.checkpoint import MARKER, STATE_DIR, find_checkpoint
 from podgpt.pod.checkpoints import load_model
 from sanity import largest_fits
@@ -920,8 +921,8 @@ def test_bd3lm_trains_compiled_and_samples_on_cuda(tmp_path, data):
 # -----------------------------------------------------------------------------
 # 12. the 1B run's stages rehearsed at tiny size (config/rehearsal_1b.py): run.sh, one command, this GPU
 
+REHEARSAL = "config/rehearsal_1b.py"
 REHEARSAL_STAGES = "sanity skills prepare dryrun train sft eval handoff sample"
-REHEARSAL_EVAL_ROWS = 160  # config/rehearsal_1b.py's eval_rows
 REHEARSAL_TIMEOUT = 2 * RUN_TIMEOUT  # thirteen stages in one command, five of them compiling
 
 
@@ -933,7 +934,7 @@ def test_the_1b_runs_stages_rehearsed_at_tiny_size_run_on_one_gpu_in_one_command
     and the chat layout; honesty reports both as GPU runs; handoff bundles the fine-tuned model with its base;
     sample samples the bundle's model."""
     out, data, pack, sft, bundle = (tmp_path / name for name in ("out", "data", "pack", "sft", "bundle"))
-    env = dict(CONFIG="config/rehearsal_1b.py", STAGES=REHEARSAL_STAGES, PYTHON=sys.executable,
+    env = dict(CONFIG=REHEARSAL, STAGES=REHEARSAL_STAGES, PYTHON=sys.executable,
                OUT_DIR=str(out), DATA_DIR=str(data), PACK_DIR=str(pack), HANDOFF_DIR=str(bundle),
                PREPARE_ARGS="--workers=4", DRYRUN_STEPS="6", EVAL_ARGS="--max_new_tokens=32",
                SFT_ARGS=f"--out_dir={sft} --data_dir={tmp_path / 'sft_data'} --max_steps=20",
@@ -955,9 +956,10 @@ def test_the_1b_runs_stages_rehearsed_at_tiny_size_run_on_one_gpu_in_one_command
     base, tuned = summary(out), summary(sft)
     assert base["steps"] == 60 and base["final_val_loss"] < base["unigram_val_loss"] - 0.5, base
     assert tuned["status"] == "completed" and math.isfinite(tuned["final_val_loss"]), tuned
+    rows = configurator.configure("skills.py", [REHEARSAL]).eval_rows  # every eval row the pack holds
     for run_dir, layout in ((out, "base"), (sft, "chat")):
         pack_report = json.loads((run_dir / "eval.json").read_text())["pack"]
-        assert pack_report["layout"] == layout and pack_report["overall"]["n"] == REHEARSAL_EVAL_ROWS
+        assert pack_report["layout"] == layout and pack_report["overall"]["n"] == rows
         assert "no GPU run" not in (run_dir / "honesty.md").read_text()
     record = json.loads((bundle / "podgpt-handoff.json").read_text())
     assert record["run"].endswith("/sft") and (bundle / "model" / "model.safetensors").is_file()
